@@ -3,6 +3,17 @@
 //! Data flows left to right through the modules:
 //! `source` (engine sockets) → `convert` (msgpack → proto) → `drain`
 //! (numbering, batching, encoding once) → `hub` (broadcast, history, state)
-//! → `server` (gRPC services).
+//! → `server` (gRPC services). `sim` is a simulated engine for the demo,
+//! the tests and the load tool.
 
+pub mod app;
+pub mod cli;
+pub mod convert;
+pub mod drain;
+pub mod hub;
+pub mod logging;
+pub mod metrics;
 pub mod proto;
+pub mod server;
+pub mod sim;
+pub mod source;

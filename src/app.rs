@@ -1,0 +1,142 @@
+//! `kvgate serve`: wires source → drain → hub → server and shuts them down in
+//! that order, so every subscriber's stream ends cleanly before exit.
+
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn};
+
+use crate::cli::ServeArgs;
+use crate::drain::Drain;
+use crate::drain::batcher::BatchLimits;
+use crate::drain::sequence::epoch_seed;
+use crate::hub::{DEFAULT_LIVE_CAPACITY, HistoryLimits, hub};
+use crate::metrics::Metrics;
+use crate::server::{self, ServerParts};
+use crate::sim::{DemoConfig, DemoEngine};
+use crate::source::endpoint::TcpEndpoint;
+use crate::source::zmq::{ZmqSource, ZmqSourceConfig};
+
+/// Engine messages queued between the sockets and the drain. Beyond this the
+/// socket tasks wait, and the engine's own PUB buffer takes over.
+const SOURCE_QUEUE: usize = 4096;
+
+/// Time allowed for streams to end and tasks to stop after a shutdown signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
+
+/// Runs the gateway until `shutdown` resolves.
+pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let metrics = Metrics::new();
+    let (stop, _) = watch::channel(false);
+
+    let (endpoint, demo) = if args.demo {
+        let demo = DemoEngine::bind(DemoConfig::new(args.dp_size)).await?;
+        let endpoint: TcpEndpoint = demo.endpoint().parse()?;
+        (endpoint, Some(demo))
+    } else {
+        let endpoint = args.zmq_endpoint.clone().context(
+            "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher) or --demo",
+        )?;
+        (endpoint, None)
+    };
+
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
+    let address = listener.local_addr()?;
+
+    let (hub_writer, hub_reader) = hub(
+        DEFAULT_LIVE_CAPACITY,
+        HistoryLimits {
+            batches: args.history_batches as usize,
+            bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
+        },
+    );
+    let limits = BatchLimits {
+        max_events: args.max_batch_events as usize,
+        max_bytes: args.max_batch_bytes as usize,
+    };
+    let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
+    let (ready_tx, ready_rx) = watch::channel(false);
+    let source = ZmqSource::start(
+        ZmqSourceConfig {
+            endpoint: endpoint.clone(),
+            dp_size: args.dp_size,
+            topic: args.zmq_topic.clone(),
+            bind: args.zmq_bind,
+        },
+        events_tx,
+        metrics.clone(),
+        ready_tx,
+    )
+    .await?;
+    let drain = Drain::new(limits, epoch_seed(), hub_writer, metrics.clone());
+    let drain_task = tokio::spawn(drain.run(events_rx));
+
+    let mut server_stop = stop.subscribe();
+    let mut server_task = tokio::spawn(server::serve(
+        listener,
+        ServerParts {
+            hub: hub_reader,
+            metrics: metrics.clone(),
+            source_ready: ready_rx,
+        },
+        async move {
+            let _ = server_stop.wait_for(|stopped| *stopped).await;
+        },
+    ));
+    let demo_task = demo.map(|demo| {
+        let mut demo_stop = stop.subscribe();
+        tokio::spawn(demo.run(async move {
+            let _ = demo_stop.wait_for(|stopped| *stopped).await;
+        }))
+    });
+
+    println!("kvgate: serving gRPC on {address}, engine events from {endpoint} ({} rank(s))", args.dp_size);
+    if args.demo {
+        println!(
+            "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
+            display_address(address)
+        );
+    }
+
+    tokio::select! {
+        () = shutdown => info!("shutting down"),
+        // The server only stops on its own when it failed.
+        joined = &mut server_task => {
+            joined??;
+            anyhow::bail!("the gRPC server stopped unexpectedly");
+        }
+    }
+    stop.send_replace(true);
+    let stopped = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        // Closing the sockets ends the drain, which closes the hub, which
+        // ends every subscriber stream, which lets the server finish.
+        source.shutdown().await;
+        let _ = drain_task.await;
+        if let Some(demo) = demo_task {
+            let _ = demo.await;
+        }
+        server_task.await
+    })
+    .await;
+    match stopped {
+        Ok(joined) => joined?,
+        Err(_) => {
+            warn!("streams did not end within {SHUTDOWN_GRACE:?}; exiting anyway");
+            Ok(())
+        }
+    }
+}
+
+/// A wildcard listen address is reached on loopback.
+fn display_address(address: std::net::SocketAddr) -> String {
+    if address.ip().is_unspecified() {
+        format!("localhost:{}", address.port())
+    } else {
+        address.to_string()
+    }
+}

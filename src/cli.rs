@@ -1,0 +1,80 @@
+//! Command line: every flag of `kvgate serve` can also come from a
+//! `KVGATE_…` environment variable (handy in a Kubernetes sidecar manifest).
+//! Values are checked here, so a bad one fails at start naming its flag.
+
+use std::net::SocketAddr;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::logging::LogFormat;
+use crate::source::endpoint::TcpEndpoint;
+
+#[derive(Debug, Parser)]
+#[command(name = "kvgate", version, about = "gRPC streaming gateway for LLM KV-cache events")]
+pub struct Cli {
+    /// Log format on stderr (filter with RUST_LOG, e.g. RUST_LOG=kvgate=debug).
+    #[arg(long, env = "KVGATE_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    pub log_format: LogFormat,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Drain an engine's KV events and serve them to any number of routers.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// gRPC address routers connect to.
+    #[arg(long, env = "KVGATE_LISTEN", default_value = "0.0.0.0:50061")]
+    pub listen: SocketAddr,
+
+    /// The engine's KV-event publisher for rank 0, as configured on the engine
+    /// (e.g. tcp://*:5557); rank r is at port + r.
+    #[arg(long, env = "KVGATE_ZMQ_ENDPOINT", value_name = "URI", conflicts_with = "demo")]
+    pub zmq_endpoint: Option<TcpEndpoint>,
+
+    /// Number of data-parallel ranks, each with its own publisher.
+    #[arg(long, env = "KVGATE_DP_SIZE", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub dp_size: u32,
+
+    /// Topic the engine publishes under (empty by default, as in the engines).
+    #[arg(long, env = "KVGATE_ZMQ_TOPIC", default_value = "")]
+    pub zmq_topic: String,
+
+    /// Bind the endpoint and let the engine connect (when the engine was given
+    /// a concrete host rather than a wildcard, it connects out).
+    #[arg(long, env = "KVGATE_ZMQ_BIND")]
+    pub zmq_bind: bool,
+
+    /// Most events in one outgoing batch.
+    #[arg(long, env = "KVGATE_MAX_BATCH_EVENTS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_batch_events: u32,
+
+    /// Most encoded bytes of events in one outgoing batch (the router refuses
+    /// messages over 4 MiB).
+    #[arg(long, env = "KVGATE_MAX_BATCH_BYTES", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u32).range(4096..=(3 << 20)))]
+    pub max_batch_bytes: u32,
+
+    /// Batches kept for resuming and lagging subscribers.
+    #[arg(long, env = "KVGATE_HISTORY_BATCHES", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub history_batches: u32,
+
+    /// Encoded bytes kept for resuming and lagging subscribers.
+    #[arg(long, env = "KVGATE_HISTORY_BYTES", default_value_t = 256 << 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub history_bytes: u64,
+
+    /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
+    /// real one: live events with no GPU.
+    #[arg(long, env = "KVGATE_DEMO")]
+    pub demo: bool,
+
+}

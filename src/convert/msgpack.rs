@@ -1,0 +1,319 @@
+//! A lenient, allocation-free msgpack reader over a byte slice.
+//!
+//! Invariants: no read goes past the slice (every failure is an [`Error`],
+//! never a panic); nothing is allocated, so a header claiming 2^32 elements
+//! costs nothing until the elements are actually read; and skipping a value
+//! keeps only a count of values still owed, not a stack, so it runs in
+//! constant memory whatever the nesting depth and fails as soon as the count
+//! exceeds the bytes left (every value takes at least one byte).
+
+use rmp::Marker;
+
+/// Why bytes are not (complete) msgpack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Error {
+    /// The input ends inside a value, or a header claims more than is left.
+    Truncated,
+    /// The one byte msgpack never uses (`0xc1`).
+    ReservedMarker,
+}
+
+impl Error {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Error::Truncated => "truncated",
+            Error::ReservedMarker => "reserved marker 0xc1",
+        }
+    }
+}
+
+/// One msgpack item. Containers are only their header: their elements follow
+/// in the reader (a map's as key, value, key, value...).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Item<'a> {
+    Nil,
+    Bool(bool),
+    /// Any integer encoding; `i128` holds both `u64` and `i64` exactly.
+    Int(i128),
+    Float(f64),
+    /// Raw bytes: UTF-8 is only checked where a string is kept.
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
+    Array(u32),
+    Map(u32),
+    /// An extension value; kvgate has no use for its type or data.
+    Ext,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+
+    pub(crate) fn position(&self) -> usize {
+        self.pos
+    }
+
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    fn take(&mut self, len: usize) -> Result<&'a [u8], Error> {
+        let bytes = self
+            .pos
+            .checked_add(len)
+            .and_then(|end| self.buf.get(self.pos..end))
+            .ok_or(Error::Truncated)?;
+        self.pos += len;
+        Ok(bytes)
+    }
+
+    fn be<const N: usize>(&mut self) -> Result<[u8; N], Error> {
+        let bytes = self.take(N)?;
+        bytes.first_chunk::<N>().copied().ok_or(Error::Truncated)
+    }
+
+    fn len8(&mut self) -> Result<usize, Error> {
+        Ok(u8::from_be_bytes(self.be()?).into())
+    }
+
+    fn len16(&mut self) -> Result<usize, Error> {
+        Ok(u16::from_be_bytes(self.be()?).into())
+    }
+
+    fn len32(&mut self) -> Result<u32, Error> {
+        Ok(u32::from_be_bytes(self.be()?))
+    }
+
+    fn ext(&mut self, data_len: usize) -> Result<Item<'a>, Error> {
+        // The type byte precedes the data.
+        self.take(1 + data_len)?;
+        Ok(Item::Ext)
+    }
+
+    /// Reads the next item; for a str, bin or ext this consumes its payload.
+    pub(crate) fn item(&mut self) -> Result<Item<'a>, Error> {
+        let [byte] = self.be::<1>()?;
+        Ok(match Marker::from_u8(byte) {
+            Marker::FixPos(v) => Item::Int(v.into()),
+            Marker::FixNeg(v) => Item::Int(v.into()),
+            Marker::Null => Item::Nil,
+            Marker::True => Item::Bool(true),
+            Marker::False => Item::Bool(false),
+            Marker::U8 => Item::Int(u8::from_be_bytes(self.be()?).into()),
+            Marker::U16 => Item::Int(u16::from_be_bytes(self.be()?).into()),
+            Marker::U32 => Item::Int(u32::from_be_bytes(self.be()?).into()),
+            Marker::U64 => Item::Int(u64::from_be_bytes(self.be()?).into()),
+            Marker::I8 => Item::Int(i8::from_be_bytes(self.be()?).into()),
+            Marker::I16 => Item::Int(i16::from_be_bytes(self.be()?).into()),
+            Marker::I32 => Item::Int(i32::from_be_bytes(self.be()?).into()),
+            Marker::I64 => Item::Int(i64::from_be_bytes(self.be()?).into()),
+            Marker::F32 => Item::Float(f32::from_be_bytes(self.be()?).into()),
+            Marker::F64 => Item::Float(f64::from_be_bytes(self.be()?)),
+            Marker::FixStr(len) => Item::Str(self.take(len.into())?),
+            Marker::Str8 => {
+                let len = self.len8()?;
+                Item::Str(self.take(len)?)
+            }
+            Marker::Str16 => {
+                let len = self.len16()?;
+                Item::Str(self.take(len)?)
+            }
+            Marker::Str32 => {
+                let len = self.len32()?;
+                Item::Str(self.take(len as usize)?)
+            }
+            Marker::Bin8 => {
+                let len = self.len8()?;
+                Item::Bin(self.take(len)?)
+            }
+            Marker::Bin16 => {
+                let len = self.len16()?;
+                Item::Bin(self.take(len)?)
+            }
+            Marker::Bin32 => {
+                let len = self.len32()?;
+                Item::Bin(self.take(len as usize)?)
+            }
+            Marker::FixArray(len) => Item::Array(len.into()),
+            Marker::Array16 => Item::Array(self.len16()? as u32),
+            Marker::Array32 => Item::Array(self.len32()?),
+            Marker::FixMap(len) => Item::Map(len.into()),
+            Marker::Map16 => Item::Map(self.len16()? as u32),
+            Marker::Map32 => Item::Map(self.len32()?),
+            Marker::FixExt1 => self.ext(1)?,
+            Marker::FixExt2 => self.ext(2)?,
+            Marker::FixExt4 => self.ext(4)?,
+            Marker::FixExt8 => self.ext(8)?,
+            Marker::FixExt16 => self.ext(16)?,
+            Marker::Ext8 => {
+                let len = self.len8()?;
+                self.ext(len)?
+            }
+            Marker::Ext16 => {
+                let len = self.len16()?;
+                self.ext(len)?
+            }
+            Marker::Ext32 => {
+                let len = self.len32()?;
+                self.ext(len as usize)?
+            }
+            Marker::Reserved => return Err(Error::ReservedMarker),
+        })
+    }
+
+    /// Skips `count` complete values.
+    pub(crate) fn skip_values(&mut self, count: u64) -> Result<(), Error> {
+        let mut owed = count;
+        while owed > 0 {
+            if owed > self.remaining() as u64 {
+                return Err(Error::Truncated);
+            }
+            owed -= 1;
+            match self.item()? {
+                Item::Array(len) => owed += u64::from(len),
+                Item::Map(len) => owed += 2 * u64::from(len),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Skips the rest of a container whose header `item` was just read.
+    pub(crate) fn skip_contents(&mut self, item: Item<'a>) -> Result<(), Error> {
+        match item {
+            Item::Array(len) => self.skip_values(len.into()),
+            Item::Map(len) => self.skip_values(2 * u64::from(len)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Skips one complete value and returns its encoded bytes.
+    pub(crate) fn value_bytes(&mut self) -> Result<&'a [u8], Error> {
+        let start = self.pos;
+        self.skip_values(1)?;
+        Ok(&self.buf[start..self.pos])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items(bytes: &[u8]) -> Result<Vec<Item<'_>>, Error> {
+        let mut r = Reader::new(bytes);
+        let mut out = Vec::new();
+        while r.position() < bytes.len() {
+            out.push(r.item()?);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn integers_of_every_width_read_exactly() {
+        let bytes = [
+            0x05, 0xe0, 0xcc, 0xff, 0xcd, 0x01, 0x00, 0xce, 0xff, 0xff, 0xff, 0xff, 0xcf, 0xff,
+            0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xd0, 0x80, 0xd1, 0x80, 0x00, 0xd2, 0x80,
+            0x00, 0x00, 0x00, 0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0,
+        ];
+        let expected = [
+            5,
+            -32,
+            255,
+            256,
+            u32::MAX.into(),
+            u64::MAX.into(),
+            i8::MIN.into(),
+            i16::MIN.into(),
+            i32::MIN.into(),
+            i64::MIN.into(),
+        ]
+        .map(Item::Int);
+        assert_eq!(items(&bytes).unwrap(), expected);
+    }
+
+    #[test]
+    fn floats_strings_bins_and_headers_read() {
+        let mut bytes = vec![0xca];
+        bytes.extend(1.5f32.to_be_bytes());
+        bytes.push(0xcb);
+        bytes.extend(2.25f64.to_be_bytes());
+        bytes.extend([
+            0xa2, b'h', b'i', 0xd9, 1, b'x', 0xc4, 2, 7, 8, 0x92, 0xde, 0, 3,
+        ]);
+        bytes.extend([0xc0, 0xc2, 0xc3, 0xd4, 1, 9, 0xc7, 2, 1, 0xaa, 0xbb]);
+        assert_eq!(
+            items(&bytes).unwrap(),
+            [
+                Item::Float(1.5),
+                Item::Float(2.25),
+                Item::Str(b"hi"),
+                Item::Str(b"x"),
+                Item::Bin(&[7, 8]),
+                Item::Array(2),
+                Item::Map(3),
+                Item::Nil,
+                Item::Bool(false),
+                Item::Bool(true),
+                Item::Ext,
+                Item::Ext,
+            ]
+        );
+    }
+
+    #[test]
+    fn every_truncation_of_a_value_is_an_error_not_a_panic() {
+        let bytes = [
+            0x93, 0xcf, 1, 2, 3, 4, 5, 6, 7, 8, 0xa3, b'a', b'b', b'c', 0x81, 1, 2,
+        ];
+        Reader::new(&bytes).value_bytes().unwrap();
+        for cut in 0..bytes.len() {
+            assert_eq!(
+                Reader::new(&bytes[..cut]).value_bytes(),
+                Err(Error::Truncated),
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_reserved_byte_is_rejected() {
+        assert_eq!(Reader::new(&[0xc1]).item(), Err(Error::ReservedMarker));
+    }
+
+    #[test]
+    fn a_header_claiming_2_pow_32_elements_in_a_short_payload_fails_at_once() {
+        let bytes = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02];
+        assert_eq!(Reader::new(&bytes).value_bytes(), Err(Error::Truncated));
+        let map = [0xdf, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02];
+        assert_eq!(Reader::new(&map).value_bytes(), Err(Error::Truncated));
+        let str32 = [0xdb, 0xff, 0xff, 0xff, 0xff, b'a'];
+        assert_eq!(Reader::new(&str32).item(), Err(Error::Truncated));
+    }
+
+    #[test]
+    fn skipping_a_million_nested_arrays_needs_no_stack() {
+        let depth = 1_000_000;
+        let mut bytes = vec![0x91; depth];
+        bytes.push(0xc0);
+        bytes.push(0x07);
+        let mut r = Reader::new(&bytes);
+        assert_eq!(r.value_bytes().unwrap().len(), depth + 1);
+        assert_eq!(r.item(), Ok(Item::Int(7)));
+    }
+
+    #[test]
+    fn value_bytes_spans_exactly_one_value() {
+        let bytes = [0x82, 0xa1, b'k', 0x92, 1, 2, 0x01, 0xc0, 0xc0, 0x2a];
+        let mut r = Reader::new(&bytes);
+        assert_eq!(r.value_bytes().unwrap(), &bytes[..8]);
+        assert_eq!(r.value_bytes().unwrap(), &[0xc0]);
+        assert_eq!(r.item(), Ok(Item::Int(42)));
+    }
+}

@@ -1,0 +1,249 @@
+//! Policy: a readable engine event becomes one proto event, or a counted drop.
+//!
+//! Invariant: the drop rules run in the contract's order (medium, locality,
+//! ownership, cache group, then the store checks: placeholder, alignment,
+//! self-reference), so an event breaking several rules is always counted
+//! under the same reason; and every forwarded store or removal carries `tier`
+//! and `locality`. Nothing here reads msgpack (that is `event.rs`), and
+//! nothing here knows other events except through the per-rank group kinds.
+
+use std::collections::HashMap;
+
+use super::event::{Event, Placement, Removed, Stored};
+use super::tally::{DropReason, EventKind};
+use crate::proto::common::{
+    KvBlock, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality, KvCacheTier,
+    kv_block_extra_key::Key, kv_cache_event::Data,
+};
+
+/// Medium names (compared ignoring ASCII case) and their tiers.
+const MEDIUM_TIERS: [(&str, KvCacheTier); 13] = [
+    ("GPU", KvCacheTier::Device),
+    ("DEVICE", KvCacheTier::Device),
+    ("CPU", KvCacheTier::Host),
+    ("CPU_PINNED", KvCacheTier::Host),
+    ("CPU_TIER1", KvCacheTier::Host),
+    ("CPU_TIER2", KvCacheTier::Disk),
+    ("DISK", KvCacheTier::Disk),
+    ("NVME", KvCacheTier::Disk),
+    ("STORAGE", KvCacheTier::Disk),
+    ("EXTERNAL", KvCacheTier::External),
+    ("NETWORK", KvCacheTier::External),
+    ("REMOTE", KvCacheTier::External),
+    ("SHARED", KvCacheTier::External),
+];
+
+/// Cache-group kinds whose blocks the router indexes.
+const MAIN_ATTENTION_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+
+/// The tier a medium names; `None` for an unknown medium. No medium means
+/// the engine's own device cache.
+pub(crate) fn tier_for_medium(medium: Option<&str>) -> Option<KvCacheTier> {
+    let Some(medium) = medium else {
+        return Some(KvCacheTier::Device);
+    };
+    MEDIUM_TIERS
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case(medium))
+        .map(|&(_, tier)| tier)
+}
+
+/// The `cache_level` the router expects for a tier (unset on the device).
+pub(crate) fn cache_level(tier: KvCacheTier) -> Option<i32> {
+    match tier {
+        KvCacheTier::Unspecified | KvCacheTier::Device => None,
+        KvCacheTier::Host => Some(1),
+        KvCacheTier::Disk => Some(2),
+        KvCacheTier::External => Some(3),
+    }
+}
+
+fn is_kvcr(ownership: &str) -> bool {
+    ownership.eq_ignore_ascii_case("kvcr")
+}
+
+fn non_empty(s: Option<&str>) -> Option<&str> {
+    s.filter(|s| !s.is_empty())
+}
+
+/// Cross-event memory: which cache groups of each rank are main attention.
+#[derive(Debug, Default)]
+pub(crate) struct Normalizer {
+    /// `(rank, group_idx)` → whether that group is main attention.
+    group_is_main: HashMap<(u32, u32), bool>,
+    /// Reused to find repeated hashes without allocating per store.
+    sorted: Vec<i64>,
+}
+
+impl Normalizer {
+    pub(crate) fn forget_rank(&mut self, rank: u32) {
+        self.group_is_main.retain(|&(r, _), _| r != rank);
+    }
+
+    pub(crate) fn normalize(
+        &mut self,
+        rank: u32,
+        event: Event<'_, '_>,
+    ) -> Result<(EventKind, Data), DropReason> {
+        match event {
+            Event::Stored(stored) => {
+                let tier = self.admit(rank, &stored.placement)?;
+                self.stored(stored, tier)
+                    .map(|data| (EventKind::Stored, data))
+            }
+            Event::Removed(removed) => {
+                let tier = self.admit(rank, &removed.placement)?;
+                Ok((EventKind::Removed, removed_data(removed, tier)))
+            }
+            Event::Cleared { ownership } => {
+                if ownership.is_some_and(is_kvcr) {
+                    return Err(DropReason::UnsupportedOwnership);
+                }
+                let cleared = KvCacheCleared {
+                    ownership: ownership.map(str::to_owned),
+                };
+                Ok((EventKind::Cleared, Data::Cleared(cleared)))
+            }
+        }
+    }
+
+    /// Learns the event's group kind, then applies the rules every store and
+    /// removal shares; returns the tier to stamp.
+    fn admit(&mut self, rank: u32, placement: &Placement<'_>) -> Result<KvCacheTier, DropReason> {
+        // Learned before any rule can drop the event: a group's kind is a fact
+        // about the engine, whatever happens to this particular event.
+        let main = self.is_main(rank, placement.group_idx, placement.spec_kind);
+        let tier = tier_for_medium(placement.medium).ok_or(DropReason::UnknownMedium)?;
+        if placement
+            .locality
+            .is_some_and(|l| !l.eq_ignore_ascii_case("LOCAL"))
+        {
+            return Err(DropReason::NonLocalLocality);
+        }
+        if placement.ownership.is_some_and(is_kvcr) {
+            return Err(DropReason::UnsupportedOwnership);
+        }
+        if !main {
+            return Err(DropReason::NonMainAttentionGroup);
+        }
+        Ok(tier)
+    }
+
+    /// A kind names the event's own group (and is remembered for it); a
+    /// kind-less event follows what its group was last seen as; a group never
+    /// seen, or no group at all, counts as main attention.
+    fn is_main(&mut self, rank: u32, group_idx: Option<u32>, kind: Option<&str>) -> bool {
+        let kind_is_main = kind.map(|kind| {
+            MAIN_ATTENTION_KINDS
+                .iter()
+                .any(|main| main.eq_ignore_ascii_case(kind))
+        });
+        match (group_idx, kind_is_main) {
+            (Some(group), Some(main)) => {
+                self.group_is_main.insert((rank, group), main);
+                main
+            }
+            (Some(group), None) => self
+                .group_is_main
+                .get(&(rank, group))
+                .copied()
+                .unwrap_or(true),
+            (None, kind_is_main) => kind_is_main.unwrap_or(true),
+        }
+    }
+
+    fn stored(&mut self, stored: Stored<'_, '_>, tier: KvCacheTier) -> Result<Data, DropReason> {
+        let Stored {
+            placement,
+            hashes,
+            parent,
+            tokens,
+            block_size,
+            lora_id,
+            lora_name,
+            cache_salt,
+            session_id,
+            sliding_window,
+            mut extra_keys,
+        } = stored;
+        if hashes.is_empty() || tokens.is_empty() {
+            return Err(DropReason::Placeholder);
+        }
+        let block_size = i32::try_from(block_size)
+            .ok()
+            .filter(|&size| size > 0)
+            .ok_or(DropReason::UnalignedBlocks)?;
+        let block_len = block_size as usize;
+        if hashes.len().checked_mul(block_len) != Some(tokens.len()) {
+            return Err(DropReason::UnalignedBlocks);
+        }
+        self.sorted.clear();
+        self.sorted.extend_from_slice(hashes);
+        self.sorted.sort_unstable();
+        let repeats = self.sorted.windows(2).any(|pair| pair[0] == pair[1]);
+        if repeats || parent.is_some_and(|p| self.sorted.binary_search(&p).is_ok()) {
+            return Err(DropReason::SelfReferencingHashes);
+        }
+
+        let level = cache_level(tier);
+        let blocks: Vec<KvBlock> = hashes
+            .iter()
+            .zip(tokens.chunks_exact(block_len))
+            .map(|(&block_hash, token_ids)| KvBlock {
+                block_hash,
+                token_ids: token_ids.to_vec(),
+                block_size,
+                lora_id,
+                cache_level: level,
+                extra_keys: extra_keys.next_block(),
+            })
+            .collect();
+        let lora_name = non_empty(lora_name);
+        let cache_salt = match non_empty(cache_salt) {
+            Some(salt) => Some(salt.to_owned()),
+            None => salt_from_extra_keys(&blocks, lora_name),
+        };
+        Ok(Data::Stored(KvBlocksStored {
+            blocks,
+            parent_block_hash: parent,
+            tier: Some(tier.into()),
+            medium: placement.medium.map(str::to_owned),
+            group_idx: placement.group_idx,
+            kv_cache_spec_kind: placement.spec_kind.map(str::to_owned),
+            kv_cache_spec_sliding_window: sliding_window,
+            locality: Some(KvCacheLocality::Local.into()),
+            ownership: placement.ownership.map(str::to_owned),
+            session_id: session_id.map(str::to_owned),
+            lora_name: lora_name.map(str::to_owned),
+            cache_salt,
+        }))
+    }
+}
+
+/// vLLM puts the cache salt among block 0's extra keys, after the LoRA name;
+/// it is the first text key there that is not that name.
+fn salt_from_extra_keys(blocks: &[KvBlock], lora_name: Option<&str>) -> Option<String> {
+    blocks
+        .first()?
+        .extra_keys
+        .iter()
+        .find_map(|key| match &key.key {
+            Some(Key::Text(text)) if !text.is_empty() && Some(text.as_str()) != lora_name => {
+                Some(text.clone())
+            }
+            _ => None,
+        })
+}
+
+fn removed_data(removed: Removed<'_>, tier: KvCacheTier) -> Data {
+    let Removed { placement, hashes } = removed;
+    Data::Removed(KvBlocksRemoved {
+        block_hashes: hashes,
+        cache_level: cache_level(tier),
+        tier: Some(tier.into()),
+        medium: placement.medium.map(str::to_owned),
+        group_idx: placement.group_idx,
+        locality: Some(KvCacheLocality::Local.into()),
+        ownership: placement.ownership.map(str::to_owned),
+    })
+}

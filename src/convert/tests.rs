@@ -1,0 +1,1160 @@
+//! The converter against contract section 2, one rule per test, on payloads
+//! built here byte by byte (the golden fixtures are in `tests/golden.rs`).
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::proto::common::{
+    KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality,
+    KvCacheTier, KvMultimodalKey, kv_block_extra_key::Key, kv_cache_event::Data,
+};
+
+/// A msgpack value, for building test payloads only.
+#[derive(Debug, Clone)]
+enum V {
+    Nil,
+    Bool(bool),
+    U(u64),
+    I(i64),
+    F(f64),
+    S(String),
+    /// A str whose bytes need not be UTF-8.
+    RawStr(Vec<u8>),
+    B(Vec<u8>),
+    A(Vec<V>),
+    M(Vec<(V, V)>),
+}
+
+fn s(text: &str) -> V {
+    V::S(text.to_owned())
+}
+
+fn a(items: impl IntoIterator<Item = V>) -> V {
+    V::A(items.into_iter().collect())
+}
+
+fn m(entries: &[(&str, V)]) -> V {
+    V::M(entries.iter().map(|(k, v)| (s(k), v.clone())).collect())
+}
+
+fn ints(values: impl IntoIterator<Item = u64>) -> V {
+    a(values.into_iter().map(V::U))
+}
+
+impl V {
+    fn encode(&self, out: &mut Vec<u8>) {
+        use rmp::encode::*;
+        match self {
+            V::Nil => write_nil(out).unwrap(),
+            V::Bool(b) => write_bool(out, *b).unwrap(),
+            V::U(v) => drop(write_uint(out, *v).unwrap()),
+            V::I(v) => drop(write_sint(out, *v).unwrap()),
+            V::F(v) => write_f64(out, *v).unwrap(),
+            V::S(text) => write_str(out, text).unwrap(),
+            V::RawStr(bytes) => {
+                write_str_len(out, bytes.len() as u32).unwrap();
+                out.extend(bytes);
+            }
+            V::B(bytes) => write_bin(out, bytes).unwrap(),
+            V::A(items) => {
+                write_array_len(out, items.len() as u32).unwrap();
+                items.iter().for_each(|item| item.encode(out));
+            }
+            V::M(entries) => {
+                write_map_len(out, entries.len() as u32).unwrap();
+                for (k, v) in entries {
+                    k.encode(out);
+                    v.encode(out);
+                }
+            }
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+}
+
+/// `[ts, events, 0]`.
+fn batch(events: Vec<V>) -> Vec<u8> {
+    a([V::F(1.5), V::A(events), V::U(0)]).bytes()
+}
+
+/// A map event from `base` fields, with `extra` ones replacing same-named ones.
+fn with_fields<'k>(mut fields: Vec<(&'k str, V)>, extra: &[(&'k str, V)]) -> V {
+    for (key, value) in extra {
+        fields.retain(|(k, _)| k != key);
+        fields.push((key, value.clone()));
+    }
+    m(&fields)
+}
+
+/// A valid map-tagged store of `hashes.len()` blocks of 2 tokens.
+fn stored(hashes: &[u64], extra: &[(&str, V)]) -> V {
+    let tokens = (0..2 * hashes.len() as u64).map(|t| t + 100);
+    let base = vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(hashes.iter().copied())),
+        ("parent_block_hash", V::Nil),
+        ("token_ids", ints(tokens)),
+        ("block_size", V::U(2)),
+        ("lora_id", V::Nil),
+    ];
+    with_fields(base, extra)
+}
+
+fn removed(hashes: &[u64], extra: &[(&str, V)]) -> V {
+    let base = vec![
+        ("type", s("BlockRemoved")),
+        ("block_hashes", ints(hashes.iter().copied())),
+    ];
+    with_fields(base, extra)
+}
+
+fn convert_with(
+    converter: &mut Converter,
+    rank: u32,
+    events: Vec<V>,
+) -> (Vec<KvCacheEvent>, Tally) {
+    let mut tally = Tally::default();
+    let out = converter
+        .convert(rank, &batch(events), &mut tally)
+        .expect("payload decodes");
+    (out.events, tally)
+}
+
+fn convert(events: Vec<V>) -> (Vec<KvCacheEvent>, Tally) {
+    convert_with(&mut Converter::new(), 0, events)
+}
+
+/// The single event's data, asserting it was forwarded.
+fn forwarded(event: V) -> Data {
+    let (events, tally) = convert(vec![event]);
+    assert_eq!(tally.total_dropped(), 0, "{tally:?}");
+    let [
+        KvCacheEvent {
+            event_id: 1,
+            data: Some(data),
+        },
+    ] = <[_; 1]>::try_from(events).unwrap()
+    else {
+        panic!("expected one event with id 1");
+    };
+    data
+}
+
+fn forwarded_store(event: V) -> KvBlocksStored {
+    match forwarded(event) {
+        Data::Stored(stored) => stored,
+        other => panic!("expected a store, got {other:?}"),
+    }
+}
+
+fn forwarded_removal(event: V) -> KvBlocksRemoved {
+    match forwarded(event) {
+        Data::Removed(removed) => removed,
+        other => panic!("expected a removal, got {other:?}"),
+    }
+}
+
+/// Asserts the single event is dropped for `reason`.
+fn assert_dropped(event: V, reason: DropReason) {
+    let (events, tally) = convert(vec![event.clone()]);
+    assert!(events.is_empty(), "{event:?} was forwarded: {events:?}");
+    assert_eq!(
+        tally.dropped(reason),
+        1,
+        "{event:?} → {tally:?}, expected {reason:?}"
+    );
+    assert_eq!(tally.total_dropped(), 1);
+}
+
+// ---- envelope ----
+
+#[test]
+fn a_three_slot_envelope_gives_timestamp_rank_and_events() {
+    let payload = a([
+        V::F(1767225600.25),
+        V::A(vec![m(&[("type", s("AllBlocksCleared"))])]),
+        V::U(3),
+    ]);
+    let mut tally = Tally::default();
+    let out = Converter::new()
+        .convert(0, &payload.bytes(), &mut tally)
+        .unwrap();
+    assert_eq!(out.timestamp, 1767225600.25);
+    assert_eq!(out.dp_rank, Some(3));
+    assert_eq!(
+        out.events,
+        [KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Cleared(KvCacheCleared { ownership: None }))
+        }]
+    );
+    assert_eq!(tally.forwarded(EventKind::Cleared), 1);
+}
+
+#[test]
+fn two_slots_a_nil_rank_extra_slots_and_an_int_timestamp_are_accepted() {
+    let cases = [
+        (a([V::F(2.0), V::A(vec![])]), None),
+        (a([V::F(2.0), V::A(vec![]), V::Nil]), None),
+        (
+            a([
+                V::U(2),
+                V::A(vec![]),
+                V::U(7),
+                s("extra"),
+                m(&[("more", ints([1, 2]))]),
+            ]),
+            Some(7),
+        ),
+        (
+            a([V::I(2), V::A(vec![]), V::U(u32::MAX.into())]),
+            Some(u32::MAX),
+        ),
+    ];
+    for (payload, rank) in cases {
+        let out = Converter::new()
+            .convert(0, &payload.bytes(), &mut Tally::default())
+            .unwrap();
+        assert_eq!((out.timestamp, out.dp_rank), (2.0, rank), "{payload:?}");
+    }
+}
+
+#[test]
+fn bytes_after_the_envelope_are_ignored() {
+    let mut payload = batch(vec![m(&[("type", s("AllBlocksCleared"))])]);
+    payload.extend([0xc1, 0xff, 0x00]);
+    let out = Converter::new()
+        .convert(0, &payload, &mut Tally::default())
+        .unwrap();
+    assert_eq!(out.events.len(), 1);
+}
+
+#[test]
+fn a_payload_that_is_not_a_batch_is_an_error_with_a_reason() {
+    let not_batch =
+        |payload: V| Converter::new().convert(0, &payload.bytes(), &mut Tally::default());
+    let bad = |what| Err(PayloadError::BadEnvelope(what));
+    assert_eq!(not_batch(m(&[("ts", V::F(1.0))])), bad("not an array"));
+    assert_eq!(not_batch(a([V::F(1.0)])), bad("fewer than 2 slots"));
+    assert_eq!(
+        not_batch(a([s("now"), V::A(vec![])])),
+        bad("ts is not a number")
+    );
+    assert_eq!(
+        not_batch(a([V::F(1.0), m(&[("type", s("AllBlocksCleared"))])])),
+        bad("events is not an array")
+    );
+    assert_eq!(
+        not_batch(a([V::F(1.0), V::A(vec![]), V::I(-1)])),
+        bad("dp_rank out of range")
+    );
+    assert_eq!(
+        not_batch(a([V::F(1.0), V::A(vec![]), V::U(1 << 32)])),
+        bad("dp_rank out of range")
+    );
+    assert_eq!(
+        not_batch(a([V::F(1.0), V::A(vec![]), s("0")])),
+        bad("dp_rank is not an int")
+    );
+    assert_eq!(bad("x").unwrap_err().reason(), "bad_envelope");
+
+    let mut tally = Tally::default();
+    let truncated = &batch(vec![stored(&[1], &[])])[..20];
+    let error = Converter::new()
+        .convert(0, truncated, &mut tally)
+        .unwrap_err();
+    assert_eq!(error, PayloadError::NotMsgpack("truncated"));
+    assert_eq!(error.reason(), "not_msgpack");
+    assert_eq!(
+        Converter::new().convert(0, &[], &mut tally),
+        Err(PayloadError::NotMsgpack("truncated"))
+    );
+    let reserved = Converter::new().convert(0, &[0x92, 0xc1, 0x90], &mut tally);
+    assert_eq!(
+        reserved,
+        Err(PayloadError::NotMsgpack("reserved marker 0xc1"))
+    );
+    assert_eq!(tally, Tally::default());
+}
+
+#[test]
+fn a_payload_cut_anywhere_is_rejected_whole_and_spends_no_event_id() {
+    let payload = batch(vec![
+        stored(&[1, 2], &[]),
+        removed(&[1], &[]),
+        m(&[("type", s("AllBlocksCleared"))]),
+    ]);
+    let mut converter = Converter::new();
+    let mut tally = Tally::default();
+    for cut in 0..payload.len() {
+        assert!(
+            converter.convert(0, &payload[..cut], &mut tally).is_err(),
+            "cut at {cut}"
+        );
+    }
+    assert_eq!(tally, Tally::default());
+    let out = converter.convert(0, &payload, &mut tally).unwrap();
+    assert_eq!(
+        out.events.iter().map(|e| e.event_id).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+}
+
+#[test]
+fn a_header_claiming_2_pow_32_events_in_20_bytes_fails_fast() {
+    let mut payload = vec![0x93, 0xcb];
+    payload.extend(1.0f64.to_be_bytes());
+    payload.extend([0xdd, 0xff, 0xff, 0xff, 0xff, 0x90, 0xc0, 0xc0, 0xc0, 0xc0]);
+    assert_eq!(payload.len(), 20);
+    let started = std::time::Instant::now();
+    let result = Converter::new().convert(0, &payload, &mut Tally::default());
+    assert_eq!(result, Err(PayloadError::NotMsgpack("truncated")));
+    assert!(started.elapsed() < std::time::Duration::from_millis(100));
+}
+
+#[test]
+fn a_token_list_claiming_2_pow_32_cells_fails_the_payload_fast() {
+    let mut event = stored(&[1], &[]).bytes();
+    // Swap the 2-token fixarray for an array32 header claiming u32::MAX cells.
+    let at = event
+        .windows(3)
+        .position(|w| w == [0x92, 100, 101])
+        .unwrap();
+    event.splice(at..at + 1, [0xdd, 0xff, 0xff, 0xff, 0xff]);
+    let mut payload = vec![0x93, 0xcb];
+    payload.extend(1.0f64.to_be_bytes());
+    payload.push(0x91);
+    payload.extend(event);
+    payload.push(0x00);
+    let result = Converter::new().convert(0, &payload, &mut Tally::default());
+    assert_eq!(result, Err(PayloadError::NotMsgpack("truncated")));
+}
+
+#[test]
+fn deep_nesting_costs_no_stack_anywhere() {
+    let depth = 200_000;
+    let mut deep = vec![0x91; depth];
+    deep.push(0xc0);
+    // As the value of an unknown key of a good event: skipped, event forwarded.
+    let mut event = vec![0x82, 0xa4];
+    event.extend(b"type");
+    event.push(0xb0);
+    event.extend(b"AllBlocksCleared");
+    event.push(0xa4);
+    event.extend(b"junk");
+    event.extend(&deep);
+    // As an event of its own: malformed.
+    let mut payload = vec![0x93, 0xcb];
+    payload.extend(1.0f64.to_be_bytes());
+    payload.push(0x92);
+    payload.extend(event);
+    payload.extend(&deep);
+    payload.push(0x00);
+    let mut tally = Tally::default();
+    let out = Converter::new().convert(0, &payload, &mut tally).unwrap();
+    assert_eq!(out.events.len(), 1);
+    assert_eq!(tally.forwarded(EventKind::Cleared), 1);
+    assert_eq!(tally.dropped(DropReason::Malformed), 1);
+}
+
+// ---- event ids ----
+
+#[test]
+fn event_ids_count_every_decoded_event_across_payloads_dropped_ones_included() {
+    let mut converter = Converter::new();
+    let (first, _) = convert_with(
+        &mut converter,
+        0,
+        vec![
+            stored(&[1], &[]),
+            V::Nil,
+            removed(&[1], &[]),
+            m(&[("type", s("BlockPinned"))]),
+        ],
+    );
+    assert_eq!(first.iter().map(|e| e.event_id).collect::<Vec<_>>(), [1, 3]);
+    let (second, _) = convert_with(
+        &mut converter,
+        5,
+        vec![removed(&[2], &[]), removed(&[3], &[])],
+    );
+    assert_eq!(
+        second.iter().map(|e| e.event_id).collect::<Vec<_>>(),
+        [5, 6]
+    );
+}
+
+// ---- event encodings ----
+
+#[test]
+fn map_keys_may_come_in_any_order_and_unknown_keys_are_ignored() {
+    let event = V::M(vec![
+        (s("token_ids"), ints([7, 8])),
+        (s("lookahead_token_ids"), a([ints([1, 2])])),
+        (V::U(5), s("a non-string key")),
+        (ints([1]), s("a container key")),
+        (s("block_size"), V::U(2)),
+        (s("block_hashes"), ints([9])),
+        (s("type"), s("BlockStored")),
+    ]);
+    let store = forwarded_store(event);
+    assert_eq!(store.blocks.len(), 1);
+    assert_eq!(store.blocks[0].token_ids, [7, 8]);
+}
+
+#[test]
+fn tag_first_arrays_are_read_by_slot_from_every_release() {
+    let legacy = a([
+        s("BlockStored"),
+        ints([1, 2]),
+        V::I(-5),
+        ints([1, 2, 3, 4]),
+        V::U(2),
+        V::U(7),
+    ]);
+    let store = forwarded_store(legacy);
+    assert_eq!(
+        store
+            .blocks
+            .iter()
+            .map(|b| b.block_hash)
+            .collect::<Vec<_>>(),
+        [1, 2]
+    );
+    assert_eq!(store.parent_block_hash, Some(-5));
+    assert_eq!(store.blocks[1].lora_id, Some(7));
+    assert_eq!(store.medium, None);
+
+    let v023 = a([
+        s("BlockStored"),
+        ints([1]),
+        V::Nil,
+        ints([1, 2]),
+        V::U(2),
+        V::Nil,
+        s("CPU"),
+        s("lora-a"),
+        a([a([s("lora-a"), s("salt")])]),
+        V::U(0),
+        s("full_attention"),
+        V::U(4096),
+        s("a slot from a future release"),
+    ]);
+    let store = forwarded_store(v023);
+    assert_eq!(store.medium.as_deref(), Some("CPU"));
+    assert_eq!(store.lora_name.as_deref(), Some("lora-a"));
+    assert_eq!(store.cache_salt.as_deref(), Some("salt"));
+    assert_eq!(store.group_idx, Some(0));
+    assert_eq!(store.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+    assert_eq!(store.kv_cache_spec_sliding_window, Some(4096));
+    assert_eq!(store.blocks[0].cache_level, Some(1));
+
+    let removal = forwarded_removal(a([s("BlockRemoved"), ints([3]), s("GPU"), V::U(2)]));
+    assert_eq!(
+        (
+            removal.block_hashes,
+            removal.medium.as_deref(),
+            removal.group_idx
+        ),
+        (vec![3], Some("GPU"), Some(2))
+    );
+    assert!(matches!(
+        forwarded(a([s("AllBlocksCleared"), V::Nil])),
+        Data::Cleared(_)
+    ));
+}
+
+#[test]
+fn nil_optional_fields_count_as_absent() {
+    let store = forwarded_store(stored(
+        &[1],
+        &[
+            ("medium", V::Nil),
+            ("lora_name", V::Nil),
+            ("extra_keys", V::Nil),
+            ("group_idx", V::Nil),
+            ("locality", V::Nil),
+            ("ownership", V::Nil),
+            ("cache_salt", V::Nil),
+        ],
+    ));
+    assert_eq!(store.tier, Some(KvCacheTier::Device.into()));
+    assert_eq!(
+        (
+            store.medium,
+            store.group_idx,
+            store.lora_name,
+            store.cache_salt
+        ),
+        (None, None, None, None)
+    );
+}
+
+// ---- normalization ----
+
+#[test]
+fn every_medium_maps_to_its_tier_and_cache_level_on_stores_and_removals() {
+    let table = [
+        ("GPU", KvCacheTier::Device, None),
+        ("device", KvCacheTier::Device, None),
+        ("CPU", KvCacheTier::Host, Some(1)),
+        ("cpu_pinned", KvCacheTier::Host, Some(1)),
+        ("CPU_TIER1", KvCacheTier::Host, Some(1)),
+        ("CPU_TIER2", KvCacheTier::Disk, Some(2)),
+        ("Disk", KvCacheTier::Disk, Some(2)),
+        ("NVME", KvCacheTier::Disk, Some(2)),
+        ("STORAGE", KvCacheTier::Disk, Some(2)),
+        ("EXTERNAL", KvCacheTier::External, Some(3)),
+        ("network", KvCacheTier::External, Some(3)),
+        ("REMOTE", KvCacheTier::External, Some(3)),
+        ("SHARED", KvCacheTier::External, Some(3)),
+    ];
+    for (medium, tier, level) in table {
+        let store = forwarded_store(stored(&[1, 2], &[("medium", s(medium))]));
+        assert_eq!(store.tier, Some(tier.into()), "{medium}");
+        assert_eq!(
+            store.medium.as_deref(),
+            Some(medium),
+            "medium is copied as sent"
+        );
+        assert!(
+            store.blocks.iter().all(|b| b.cache_level == level),
+            "{medium}"
+        );
+        assert_eq!(store.locality, Some(KvCacheLocality::Local.into()));
+
+        let removal = forwarded_removal(removed(&[1], &[("medium", s(medium))]));
+        assert_eq!(
+            (removal.tier, removal.cache_level),
+            (Some(tier.into()), level),
+            "{medium}"
+        );
+        assert_eq!(removal.medium.as_deref(), Some(medium));
+        assert_eq!(removal.locality, Some(KvCacheLocality::Local.into()));
+    }
+    let no_medium = forwarded_removal(removed(&[1], &[]));
+    assert_eq!(
+        (no_medium.tier, no_medium.cache_level, no_medium.medium),
+        (Some(KvCacheTier::Device.into()), None, None)
+    );
+}
+
+#[test]
+fn locality_local_in_any_case_is_forwarded_and_ownership_other_than_kvcr_is_copied() {
+    let store = forwarded_store(stored(
+        &[1],
+        &[("locality", s("local")), ("ownership", s("engine"))],
+    ));
+    assert_eq!(store.locality, Some(KvCacheLocality::Local.into()));
+    assert_eq!(store.ownership.as_deref(), Some("engine"));
+    let removal = forwarded_removal(removed(
+        &[1],
+        &[("locality", s("LOCAL")), ("ownership", s("tier-2"))],
+    ));
+    assert_eq!(removal.ownership.as_deref(), Some("tier-2"));
+    let cleared = forwarded(m(&[
+        ("type", s("AllBlocksCleared")),
+        ("ownership", s("tier-2")),
+    ]));
+    assert_eq!(
+        cleared,
+        Data::Cleared(KvCacheCleared {
+            ownership: Some("tier-2".into())
+        })
+    );
+}
+
+#[test]
+fn each_drop_reason_is_counted_under_its_name() {
+    use DropReason::*;
+    let cases = [
+        (V::Nil, Malformed),
+        (s("BlockStored"), Malformed),
+        (V::U(16), Malformed),
+        (a([]), Malformed),
+        (a([V::U(1), V::U(2)]), Malformed),
+        (m(&[("block_hashes", ints([1]))]), Malformed),
+        (m(&[("type", V::U(1))]), Malformed),
+        (m(&[("type", V::Nil)]), Malformed),
+        (a([s("BlockStored"), ints([1])]), Malformed),
+        (removed(&[], &[("block_hashes", V::Nil)]), Malformed),
+        (
+            m(&[
+                ("type", s("BlockStored")),
+                ("token_ids", ints([1])),
+                ("block_size", V::U(1)),
+            ]),
+            Malformed,
+        ),
+        (
+            stored(&[1], &[("block_hashes", a([V::Bool(true)]))]),
+            Malformed,
+        ),
+        (stored(&[1], &[("block_hashes", a([s("12")]))]), Malformed),
+        (stored(&[1], &[("block_hashes", V::U(1))]), Malformed),
+        (stored(&[1], &[("parent_block_hash", V::F(1.0))]), Malformed),
+        (
+            stored(&[1], &[("token_ids", a([V::U(1), s("tok")]))]),
+            Malformed,
+        ),
+        (
+            stored(&[1], &[("token_ids", a([V::U(1), V::I(-1)]))]),
+            Malformed,
+        ),
+        (
+            stored(&[1], &[("token_ids", a([V::U(1), V::U(1 << 32)]))]),
+            Malformed,
+        ),
+        (stored(&[1], &[("token_ids", V::Nil)]), Malformed),
+        (stored(&[1], &[("block_size", V::Nil)]), Malformed),
+        (stored(&[1], &[("block_size", s("2"))]), Malformed),
+        (stored(&[1], &[("lora_id", s("7"))]), Malformed),
+        (stored(&[1], &[("lora_id", V::U(u64::MAX))]), Malformed),
+        (stored(&[1], &[("medium", V::U(1))]), Malformed),
+        (
+            stored(&[1], &[("lora_name", V::B(b"x".to_vec()))]),
+            Malformed,
+        ),
+        (
+            stored(&[1], &[("medium", V::RawStr(vec![b'G', 0xff]))]),
+            Malformed,
+        ),
+        (stored(&[1], &[("group_idx", V::I(-1))]), Malformed),
+        (
+            stored(&[1], &[("kv_cache_spec_sliding_window", s("4096"))]),
+            Malformed,
+        ),
+        (stored(&[1], &[("extra_keys", s("salt"))]), Malformed),
+        (removed(&[1], &[("locality", V::Bool(true))]), Malformed),
+        (
+            m(&[("type", s("AllBlocksCleared")), ("ownership", V::U(1))]),
+            Malformed,
+        ),
+        (m(&[("type", s("BlockPinned"))]), UnknownType),
+        (m(&[("type", s("blockstored"))]), UnknownType),
+        (a([s("BlockPinned"), ints([1])]), UnknownType),
+        (stored(&[1], &[("medium", s("HBM"))]), UnknownMedium),
+        (removed(&[1], &[("medium", s(""))]), UnknownMedium),
+        (stored(&[1], &[("locality", s("REMOTE"))]), NonLocalLocality),
+        (removed(&[1], &[("locality", s("peer"))]), NonLocalLocality),
+        (
+            stored(&[1], &[("ownership", s("KVCR"))]),
+            UnsupportedOwnership,
+        ),
+        (
+            removed(&[1], &[("ownership", s("kvcr"))]),
+            UnsupportedOwnership,
+        ),
+        (
+            m(&[("type", s("AllBlocksCleared")), ("ownership", s("kvcr"))]),
+            UnsupportedOwnership,
+        ),
+        (
+            stored(
+                &[1],
+                &[
+                    ("group_idx", V::U(1)),
+                    ("kv_cache_spec_kind", s("sliding_window")),
+                ],
+            ),
+            NonMainAttentionGroup,
+        ),
+        (
+            stored(
+                &[1],
+                &[("group_idx", V::U(1)), ("kv_cache_spec_kind", s("mamba"))],
+            ),
+            NonMainAttentionGroup,
+        ),
+        (
+            stored(&[1], &[("kv_cache_spec_kind", s("sliding_window"))]),
+            NonMainAttentionGroup,
+        ),
+        (stored(&[], &[]), Placeholder),
+        (
+            stored(&[1], &[("token_ids", ints([])), ("block_size", V::U(0))]),
+            Placeholder,
+        ),
+        (
+            stored(&[1], &[("token_ids", ints([])), ("block_size", V::U(2))]),
+            Placeholder,
+        ),
+        (stored(&[1], &[("block_size", V::U(0))]), UnalignedBlocks),
+        (stored(&[1], &[("block_size", V::I(-2))]), UnalignedBlocks),
+        (
+            stored(&[1], &[("block_size", V::U(1 << 31))]),
+            UnalignedBlocks,
+        ),
+        (
+            stored(&[1], &[("block_size", V::U(u64::MAX))]),
+            UnalignedBlocks,
+        ),
+        (stored(&[1], &[("block_size", V::U(3))]), UnalignedBlocks),
+        (stored(&[1, 2], &[("block_size", V::U(1))]), UnalignedBlocks),
+        (stored(&[1, 2, 1], &[]), SelfReferencingHashes),
+        (
+            stored(&[1, 2], &[("parent_block_hash", V::U(2))]),
+            SelfReferencingHashes,
+        ),
+        (
+            stored(&[u64::MAX], &[("parent_block_hash", V::I(-1))]),
+            SelfReferencingHashes,
+        ),
+        (
+            stored(
+                &[1, 2],
+                &[(
+                    "block_hashes",
+                    a([
+                        V::U(5),
+                        V::B(
+                            vec![0xee; 24]
+                                .into_iter()
+                                .chain(5u64.to_be_bytes())
+                                .collect(),
+                        ),
+                    ]),
+                )],
+            ),
+            SelfReferencingHashes,
+        ),
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for (event, reason) in cases {
+        assert_dropped(event, reason);
+        seen.insert(reason);
+    }
+    assert_eq!(seen.len(), DropReason::ALL.len(), "every reason has a case");
+}
+
+#[test]
+fn the_drop_rules_apply_in_the_contract_order() {
+    use DropReason::*;
+    let everything_wrong = [
+        ("medium", s("HBM")),
+        ("locality", s("REMOTE")),
+        ("ownership", s("kvcr")),
+        ("kv_cache_spec_kind", s("sliding_window")),
+        ("token_ids", ints([])),
+    ];
+    for (broken, reason) in [
+        (5, UnknownMedium),
+        (4, NonLocalLocality),
+        (3, UnsupportedOwnership),
+        (2, NonMainAttentionGroup),
+        (1, Placeholder),
+    ] {
+        assert_dropped(stored(&[1], &everything_wrong[5 - broken..]), reason);
+    }
+    assert_dropped(stored(&[1, 1], &[("block_size", V::U(3))]), UnalignedBlocks);
+    // A malformed field wins over every policy rule.
+    assert_dropped(
+        stored(&[1], &[("medium", s("HBM")), ("lora_id", s("x"))]),
+        Malformed,
+    );
+}
+
+#[test]
+fn one_block_per_hash_gets_its_token_slice_block_size_lora_id_and_cache_level() {
+    let store = forwarded_store(stored(
+        &[10, 20, 30],
+        &[
+            ("token_ids", ints(1..=6)),
+            ("block_size", V::U(2)),
+            ("lora_id", V::U(7)),
+            ("parent_block_hash", V::U(u64::MAX)),
+            ("medium", s("DISK")),
+            ("group_idx", V::U(0)),
+            ("kv_cache_spec_kind", s("mla_attention")),
+            ("session_id", s("sess")),
+        ],
+    ));
+    let block = |hash, tokens: [u32; 2]| KvBlock {
+        block_hash: hash,
+        token_ids: tokens.to_vec(),
+        block_size: 2,
+        lora_id: Some(7),
+        cache_level: Some(2),
+        extra_keys: vec![],
+    };
+    assert_eq!(
+        store,
+        KvBlocksStored {
+            blocks: vec![block(10, [1, 2]), block(20, [3, 4]), block(30, [5, 6])],
+            parent_block_hash: Some(-1),
+            tier: Some(KvCacheTier::Disk.into()),
+            medium: Some("DISK".into()),
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some("mla_attention".into()),
+            kv_cache_spec_sliding_window: None,
+            locality: Some(KvCacheLocality::Local.into()),
+            ownership: None,
+            session_id: Some("sess".into()),
+            lora_name: None,
+            cache_salt: None,
+        }
+    );
+}
+
+#[test]
+fn hashes_fold_from_every_integer_width_and_from_bytes() {
+    let digest: Vec<u8> = (0u8..32).collect();
+    let store = forwarded_store(stored(
+        &[0, 0, 0, 0],
+        &[(
+            "block_hashes",
+            a([
+                V::U(1 << 63),
+                V::I(-42),
+                V::B(digest.clone()),
+                V::B(vec![1, 0]),
+            ]),
+        )],
+    ));
+    let hashes: Vec<i64> = store.blocks.iter().map(|b| b.block_hash).collect();
+    assert_eq!(hashes, [i64::MIN, -42, fold_bytes(&digest), 256]);
+    assert_eq!(
+        hashes[2],
+        i64::from_be_bytes([24, 25, 26, 27, 28, 29, 30, 31])
+    );
+    let removal = forwarded_removal(removed(
+        &[],
+        &[("block_hashes", a([V::U(u64::MAX), V::B(vec![0xff; 32])]))],
+    ));
+    assert_eq!(removal.block_hashes, [-1, -1]);
+}
+
+#[test]
+fn bigram_token_cells_fold_to_their_first_token_and_mixing_is_malformed() {
+    let pairs = a([ints([5, 6]), ints([7, 8]), ints([9, 10]), ints([11, 12])]);
+    let store = forwarded_store(stored(&[1, 2], &[("token_ids", pairs)]));
+    assert_eq!(store.blocks[0].token_ids, [5, 7]);
+    assert_eq!(store.blocks[1].token_ids, [9, 11]);
+    assert_eq!(store.blocks[0].block_size, 2);
+
+    assert_dropped(
+        stored(&[1], &[("token_ids", a([V::U(5), ints([7, 8])]))]),
+        DropReason::Malformed,
+    );
+    assert_dropped(
+        stored(&[1], &[("token_ids", a([ints([5, 6]), V::U(7)]))]),
+        DropReason::Malformed,
+    );
+    assert_dropped(
+        stored(
+            &[1],
+            &[("token_ids", a([ints([5, 6, 7]), ints([8, 9, 10])]))],
+        ),
+        DropReason::Malformed,
+    );
+    assert_dropped(
+        stored(
+            &[1],
+            &[("token_ids", a([ints([5, 6]), a([V::U(8), V::I(-1)])]))],
+        ),
+        DropReason::Malformed,
+    );
+}
+
+fn text(t: &str) -> KvBlockExtraKey {
+    KvBlockExtraKey {
+        key: Some(Key::Text(t.into())),
+    }
+}
+
+#[test]
+fn extra_keys_keep_str_int_bytes_and_multimodal_shapes_and_skip_the_rest() {
+    let block0 = a([
+        s("lora"),
+        V::I(-3),
+        V::B(vec![1, 2, 3]),
+        a([s("img"), V::I(-11)]),
+        a([V::U(1), s("img")]),
+        a([s("img")]),
+        a([s("img"), V::U(1), V::U(2)]),
+        a([s("img"), V::U(u64::MAX)]),
+        V::U(u64::MAX),
+        V::Nil,
+        V::Bool(true),
+        V::F(1.0),
+        m(&[("k", s("v"))]),
+        V::S("\u{1F600}".into()),
+    ]);
+    let store = forwarded_store(stored(
+        &[1, 2, 3, 4],
+        &[("extra_keys", a([block0, V::Nil, V::U(9), a([V::U(4)])]))],
+    ));
+    let keys: Vec<_> = store.blocks.iter().map(|b| b.extra_keys.clone()).collect();
+    assert_eq!(
+        keys[0],
+        [
+            text("lora"),
+            KvBlockExtraKey {
+                key: Some(Key::Number(-3))
+            },
+            KvBlockExtraKey {
+                key: Some(Key::Blob(vec![1, 2, 3]))
+            },
+            KvBlockExtraKey {
+                key: Some(Key::Multimodal(KvMultimodalKey {
+                    identifier: "img".into(),
+                    offset: -11
+                }))
+            },
+            text("\u{1F600}"),
+        ]
+    );
+    assert!(keys[1].is_empty() && keys[2].is_empty());
+    assert_eq!(
+        keys[3],
+        [KvBlockExtraKey {
+            key: Some(Key::Number(4))
+        }]
+    );
+}
+
+#[test]
+fn extra_key_lists_shorter_or_longer_than_the_blocks_are_tolerated() {
+    let short = forwarded_store(stored(&[1, 2], &[("extra_keys", a([a([s("x")])]))]));
+    assert_eq!(short.blocks[0].extra_keys, [text("x")]);
+    assert!(short.blocks[1].extra_keys.is_empty());
+    let long = forwarded_store(stored(
+        &[1],
+        &[("extra_keys", a([a([s("x")]), a([s("y")])]))],
+    ));
+    assert_eq!(long.blocks[0].extra_keys, [text("x")]);
+}
+
+#[test]
+fn a_missing_salt_is_block_0s_first_text_key_that_is_not_the_lora_name() {
+    let keys = |block0: V, block1: V| ("extra_keys", a([block0, block1]));
+    let salt = |fields: &[(&str, V)]| forwarded_store(stored(&[1, 2], fields)).cache_salt;
+
+    assert_eq!(
+        salt(&[keys(a([a([s("img"), V::U(0)]), s("tenant")]), V::Nil)]),
+        Some("tenant".into())
+    );
+    assert_eq!(
+        salt(&[
+            ("lora_name", s("sql")),
+            keys(a([s("sql"), s("tenant")]), V::Nil)
+        ]),
+        Some("tenant".into())
+    );
+    assert_eq!(
+        salt(&[("lora_name", s("sql")), keys(a([s("sql")]), a([s("sql")]))]),
+        None
+    );
+    assert_eq!(
+        salt(&[keys(a([s(""), s("tenant")]), V::Nil)]),
+        Some("tenant".into())
+    );
+    assert_eq!(salt(&[keys(V::Nil, a([s("block-1-only")]))]), None);
+    assert_eq!(
+        salt(&[("cache_salt", s("given")), keys(a([s("tenant")]), V::Nil)]),
+        Some("given".into())
+    );
+    assert_eq!(
+        salt(&[("cache_salt", s("")), keys(a([s("tenant")]), V::Nil)]),
+        Some("tenant".into())
+    );
+    // An empty lora_name is absent, so a key equal to "" is not excluded by it.
+    let store = forwarded_store(stored(
+        &[1],
+        &[("lora_name", s("")), ("extra_keys", a([a([s("sql")])]))],
+    ));
+    assert_eq!(
+        (store.lora_name, store.cache_salt),
+        (None, Some("sql".into()))
+    );
+}
+
+#[test]
+fn group_kinds_are_remembered_per_rank_and_followed_by_kindless_events() {
+    let sliding = [
+        ("group_idx", V::U(1)),
+        ("kv_cache_spec_kind", s("sliding_window")),
+    ];
+    let full = [
+        ("group_idx", V::U(1)),
+        ("kv_cache_spec_kind", s("full_attention")),
+    ];
+    let kindless_store = stored(&[1], &[("group_idx", V::U(1))]);
+    let kindless_removal = removed(&[1], &[("group_idx", V::U(1))]);
+    let mut converter = Converter::new();
+    let mut run = |rank, events| {
+        let (out, tally) = convert_with(&mut converter, rank, events);
+        (
+            out.len() as u64,
+            tally.dropped(DropReason::NonMainAttentionGroup),
+        )
+    };
+
+    // An unknown group counts as main; rank 0 then learns group 1 is sliding.
+    assert_eq!(
+        run(
+            0,
+            vec![
+                kindless_removal.clone(),
+                stored(&[1], &sliding),
+                kindless_store.clone(),
+                kindless_removal.clone()
+            ]
+        ),
+        (1, 3)
+    );
+    // Rank 1 has not learned anything about its group 1.
+    assert_eq!(
+        run(1, vec![kindless_store.clone(), kindless_removal.clone()]),
+        (2, 0)
+    );
+    // The kind is learned even from an event dropped for another reason.
+    assert_eq!(
+        run(
+            1,
+            vec![
+                stored(
+                    &[1],
+                    &[sliding[0].clone(), sliding[1].clone(), ("medium", s("HBM"))]
+                ),
+                kindless_removal.clone()
+            ]
+        ),
+        (0, 1)
+    );
+    // A new kind replaces the remembered one.
+    assert_eq!(
+        run(0, vec![stored(&[1], &full), kindless_removal.clone()]),
+        (2, 0)
+    );
+    assert_eq!(run(0, vec![stored(&[1], &sliding)]), (0, 1));
+    // Forgetting a rank (engine restart) forgets only that rank.
+    converter.forget_rank(0);
+    let mut run = |rank, events| convert_with(&mut converter, rank, events).0.len();
+    assert_eq!(run(0, vec![kindless_removal.clone()]), 1);
+    assert_eq!(run(1, vec![kindless_removal]), 0);
+}
+
+#[test]
+fn cleared_events_forward_with_ownership_and_ignore_other_fields() {
+    let cleared = forwarded(m(&[
+        ("type", s("AllBlocksCleared")),
+        ("medium", s("HBM")),
+        ("block_hashes", s("?")),
+    ]));
+    assert_eq!(cleared, Data::Cleared(KvCacheCleared { ownership: None }));
+}
+
+#[test]
+fn removals_ignore_store_only_fields() {
+    let removal = forwarded_removal(removed(
+        &[4],
+        &[
+            ("token_ids", s("?")),
+            ("block_size", s("?")),
+            ("lora_id", s("?")),
+        ],
+    ));
+    assert_eq!(removal.block_hashes, [4]);
+}
+
+// ---- robustness ----
+
+fn fixture_payloads() -> Vec<Vec<u8>> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wire");
+    let mut payloads = Vec::new();
+    for dir in std::fs::read_dir(root).unwrap() {
+        let dir = dir.unwrap().path();
+        if !dir.is_dir() {
+            continue;
+        }
+        for file in std::fs::read_dir(dir).unwrap() {
+            let path = file.unwrap().path();
+            // The 3000-event files would only slow the shrinker down.
+            if path.extension().is_some_and(|e| e == "msgpack")
+                && std::fs::metadata(&path).unwrap().len() < 4096
+            {
+                payloads.push(std::fs::read(path).unwrap());
+            }
+        }
+    }
+    assert!(payloads.len() > 40, "fixtures found: {}", payloads.len());
+    payloads
+}
+
+/// Converting must never panic, and must keep its bookkeeping whole: every
+/// event of a good payload is forwarded or dropped, never both or neither.
+fn check_total(payload: &[u8]) {
+    let mut converter = Converter::new();
+    let mut tally = Tally::default();
+    match converter.convert(0, payload, &mut tally) {
+        Ok(out) => {
+            assert_eq!(out.events.len() as u64, tally.total_forwarded());
+            let decoded = tally.total_forwarded() + tally.total_dropped();
+            assert_eq!(converter.next_event_id, 1 + decoded);
+        }
+        Err(_) => {
+            assert_eq!(tally, Tally::default());
+            assert_eq!(converter.next_event_id, 1);
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Mutation {
+    Set(usize, u8),
+    Insert(usize, u8),
+    Remove(usize),
+    Truncate(usize),
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(payload in proptest::collection::vec(any::<u8>(), 0..256)) {
+        check_total(&payload);
+    }
+
+    #[test]
+    fn arbitrary_bytes_inside_a_batch_envelope_never_panic(body in proptest::collection::vec(any::<u8>(), 0..256), count in 0u8..16) {
+        let mut payload = vec![0x93, 0xcb];
+        payload.extend(1.0f64.to_be_bytes());
+        payload.push(0x90 | count);
+        payload.extend(body);
+        check_total(&payload);
+    }
+
+    #[test]
+    fn mutated_fixtures_never_panic(
+        pick in any::<proptest::sample::Index>(),
+        mutations in proptest::collection::vec(
+            prop_oneof![
+                (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Set(at, b)),
+                (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Insert(at, b)),
+                any::<usize>().prop_map(Mutation::Remove),
+                any::<usize>().prop_map(Mutation::Truncate),
+            ],
+            1..6,
+        ),
+    ) {
+        thread_local!(static FIXTURES: Vec<Vec<u8>> = fixture_payloads());
+        let mut payload = FIXTURES.with(|f| pick.get(f).clone());
+        for mutation in mutations {
+            let len = payload.len().max(1);
+            match mutation {
+                Mutation::Set(at, b) if !payload.is_empty() => payload[at % len] = b,
+                Mutation::Insert(at, b) => payload.insert(at % (payload.len() + 1), b),
+                Mutation::Remove(at) if !payload.is_empty() => { payload.remove(at % len); }
+                Mutation::Truncate(at) => payload.truncate(at % len),
+                _ => {}
+            }
+        }
+        check_total(&payload);
+    }
+}

@@ -1,0 +1,188 @@
+//! The drain: the one task that turns engine messages into published batches.
+//!
+//! Invariants: it is the only writer of sequence numbers, history and state;
+//! it never waits on a subscriber. Each drain cycle takes the message that
+//! woke it plus whatever is already queued (bounded), converts it, packs the
+//! events into batches per rank, and publishes them before waiting again, so
+//! an idle engine adds no delay.
+//!
+//! With several ranks, emission is paced: between two consecutive rank-0
+//! batches every other rank gets at most one batch (an empty rank-0 batch is
+//! inserted when needed). A router resuming from rank 0's cursor alone then
+//! never receives another rank's batch below that rank's own cursor.
+
+pub mod batcher;
+pub mod sequence;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::sync::mpsc;
+use tracing::warn;
+
+use crate::convert::{Converter, Tally};
+use crate::hub::HubWriter;
+use crate::metrics::Metrics;
+use crate::proto::common::{KvCacheCleared, KvCacheEvent, kv_cache_event::Data};
+use crate::source::{EngineMessage, SourceEvent};
+use batcher::{BatchLimits, Batcher, OpenBatch};
+use sequence::Sequencer;
+
+/// Upper bound on engine messages folded into one drain cycle, so a flood
+/// cannot hold finished batches back.
+const MAX_MESSAGES_PER_CYCLE: usize = 256;
+
+pub struct Drain {
+    converter: Converter,
+    sequencer: Sequencer,
+    limits: BatchLimits,
+    batchers: BTreeMap<u32, Batcher>,
+    /// Full batches of this cycle in the order they filled: (rank, batch).
+    ready: Vec<(u32, OpenBatch)>,
+    /// Ranks other than 0 that got a batch since rank 0's last one.
+    since_rank0: BTreeSet<u32>,
+    /// Ranks whose publisher restarted and that still owe subscribers a clear.
+    owe_clear: BTreeSet<u32>,
+    hub: HubWriter,
+    metrics: Metrics,
+}
+
+impl Drain {
+    pub fn new(limits: BatchLimits, sequence_seed: u64, hub: HubWriter, metrics: Metrics) -> Self {
+        Self {
+            converter: Converter::new(),
+            sequencer: Sequencer::new(sequence_seed),
+            limits,
+            batchers: BTreeMap::new(),
+            ready: Vec::new(),
+            since_rank0: BTreeSet::new(),
+            owe_clear: BTreeSet::new(),
+            hub,
+            metrics,
+        }
+    }
+
+    /// Runs until every source sender is gone, then closes the hub so each
+    /// subscriber's stream ends cleanly.
+    pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>) {
+        while let Some(first) = events.recv().await {
+            self.ingest(first);
+            for _ in 1..MAX_MESSAGES_PER_CYCLE {
+                match events.try_recv() {
+                    Ok(event) => self.ingest(event),
+                    Err(_) => break,
+                }
+            }
+            self.flush();
+        }
+        self.hub.close();
+    }
+
+    /// Handles one source event; batches that fill up wait in `ready`.
+    pub fn ingest(&mut self, event: SourceEvent) {
+        match event {
+            SourceEvent::Message(message) => self.ingest_message(message),
+            SourceEvent::PublisherRestarted { rank } => {
+                // What the old engine sent still goes out, then the clear.
+                self.close_batch(rank);
+                self.owe_clear.insert(rank);
+            }
+        }
+    }
+
+    fn ingest_message(&mut self, message: EngineMessage) {
+        let rank = message.rank;
+        let mut tally = Tally::default();
+        let converted = self.converter.convert(rank, &message.payload, &mut tally);
+        self.metrics.record_tally(rank, &tally);
+        let converted = match converted {
+            Ok(converted) => converted,
+            Err(error) => {
+                self.metrics.count_bad_message(error.reason());
+                crate::logging::rate_limited(error.reason(), || {
+                    warn!(rank, engine_sequence = message.engine_sequence, %error, "engine payload skipped");
+                });
+                return;
+            }
+        };
+        if converted.dp_rank.is_some_and(|claimed| claimed != rank) {
+            crate::logging::rate_limited("rank_mismatch", || {
+                warn!(rank, claimed = ?converted.dp_rank, "payload names another dp_rank than its socket; numbering by the socket's rank");
+            });
+        }
+        if self.owe_clear.remove(&rank) && !starts_with_ownerless_clear(&converted.events) {
+            self.push_event(rank, ownerless_clear(), converted.timestamp);
+        }
+        for event in converted.events {
+            self.push_event(rank, event, converted.timestamp);
+        }
+    }
+
+    fn push_event(&mut self, rank: u32, event: KvCacheEvent, timestamp: f64) {
+        let limits = self.limits;
+        let ready = &mut self.ready;
+        self.batchers
+            .entry(rank)
+            .or_insert_with(|| Batcher::new(limits))
+            .push(event, timestamp, &mut |batch| ready.push((rank, batch)));
+    }
+
+    fn close_batch(&mut self, rank: u32) {
+        if let Some(batch) = self.batchers.get_mut(&rank).and_then(Batcher::close) {
+            self.ready.push((rank, batch));
+        }
+    }
+
+    /// Publishes every batch of this cycle, including partly filled ones.
+    pub fn flush(&mut self) {
+        // A restarted rank that sent nothing since still gets its clear now.
+        for rank in std::mem::take(&mut self.owe_clear) {
+            self.push_event(rank, ownerless_clear(), unix_now());
+        }
+        let ranks: Vec<u32> = self.batchers.keys().copied().collect();
+        for rank in ranks {
+            self.close_batch(rank);
+        }
+        for (rank, batch) in std::mem::take(&mut self.ready) {
+            self.publish(rank, &batch);
+        }
+    }
+
+    fn publish(&mut self, rank: u32, batch: &OpenBatch) {
+        if rank == 0 {
+            self.since_rank0.clear();
+        } else if !self.since_rank0.insert(rank) {
+            // This rank already had its one batch since rank 0's last:
+            // a rank-0 batch (empty) must come first.
+            self.publish(0, &OpenBatch::with_timestamp(unix_now()));
+            self.since_rank0.insert(rank);
+        }
+        let sequence = self.sequencer.assign(rank);
+        let encoded = batch.encode(rank, sequence, None);
+        self.metrics.batches_out.inc();
+        self.metrics.events_out.inc_by(u64::from(batch.event_count()));
+        self.metrics.bytes_out.inc_by(encoded.len() as u64);
+        self.hub.publish(rank, sequence, batch.event_count(), encoded);
+    }
+}
+
+fn ownerless_clear() -> KvCacheEvent {
+    KvCacheEvent {
+        event_id: 0,
+        data: Some(Data::Cleared(KvCacheCleared { ownership: None })),
+    }
+}
+
+fn starts_with_ownerless_clear(events: &[KvCacheEvent]) -> bool {
+    matches!(
+        events.first().and_then(|event| event.data.as_ref()),
+        Some(Data::Cleared(KvCacheCleared { ownership: None }))
+    )
+}
+
+pub(crate) fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_secs_f64())
+        .unwrap_or(0.0)
+}

@@ -1,0 +1,100 @@
+//! The hub between the drain and the subscribers: live broadcast, history
+//! and (through the drain) state snapshots.
+//!
+//! Invariant: the drain is the only writer. It appends each batch to the
+//! history and then broadcasts the same `Arc`, so serving N subscribers costs
+//! the drain one history store and one channel push per batch, whatever N.
+//! A subscriber that falls behind loses channel items, never blocks the drain,
+//! and refills from the history by position.
+
+pub mod batch;
+pub mod history;
+pub mod subscription;
+
+use std::sync::Arc;
+
+use async_broadcast::{InactiveReceiver, Receiver, Sender};
+
+pub use batch::Batch;
+pub use history::{History, HistoryLimits, HistoryWriter};
+
+/// How many batches the live channel buffers per subscriber before a slow
+/// one starts refilling from the history instead.
+pub const DEFAULT_LIVE_CAPACITY: usize = 1024;
+
+/// The drain's side of the hub.
+pub struct HubWriter {
+    live: Sender<Arc<Batch>>,
+    history: HistoryWriter,
+    next_position: u64,
+}
+
+/// The serving side of the hub; cheap to clone, one per subscriber.
+#[derive(Clone)]
+pub struct HubReader {
+    /// Keeps the channel open while nobody listens; activated per subscriber.
+    live: InactiveReceiver<Arc<Batch>>,
+    history: Arc<History>,
+}
+
+/// Creates a hub whose live channel holds `live_capacity` batches.
+pub fn hub(live_capacity: usize, limits: HistoryLimits) -> (HubWriter, HubReader) {
+    let (mut live, receiver) = async_broadcast::broadcast(live_capacity.max(1));
+    live.set_overflow(true);
+    live.set_await_active(false);
+    let history = HistoryWriter::new(limits);
+    let reader = HubReader {
+        live: receiver.deactivate(),
+        history: history.reader(),
+    };
+    let writer = HubWriter {
+        live,
+        history,
+        next_position: 1,
+    };
+    (writer, reader)
+}
+
+impl HubWriter {
+    /// The position the next published batch will take.
+    pub fn next_position(&self) -> u64 {
+        self.next_position
+    }
+
+    /// Publishes an encoded batch to the history and every subscriber.
+    pub fn publish(&mut self, rank: u32, sequence: u64, event_count: u32, encoded: bytes::Bytes) {
+        let batch = Arc::new(Batch {
+            position: self.next_position,
+            rank,
+            sequence,
+            event_count,
+            encoded,
+        });
+        self.next_position += 1;
+        self.history.push(Arc::clone(&batch));
+        // Overflow mode never reports Full, and the inactive receiver keeps
+        // the channel open, so this cannot fail while the hub exists.
+        let _ = self.live.try_broadcast(batch);
+    }
+
+    /// Bytes the history currently holds.
+    pub fn history_bytes(&self) -> usize {
+        self.history.bytes()
+    }
+
+    /// Ends every subscriber's stream cleanly (kvgate is shutting down).
+    pub fn close(&self) {
+        self.live.close();
+    }
+}
+
+impl HubReader {
+    /// A receiver of every batch published from now on.
+    pub fn subscribe_live(&self) -> Receiver<Arc<Batch>> {
+        self.live.activate_cloned()
+    }
+
+    pub fn history(&self) -> &History {
+        &self.history
+    }
+}

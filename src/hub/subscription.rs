@@ -1,0 +1,145 @@
+//! One subscriber's walk through the stream, by position.
+//!
+//! A subscription expects one position next. Live batches below it are
+//! already delivered (the seam after a replay or snapshot) and are skipped;
+//! a live batch above it means the subscriber fell behind or just resumed,
+//! and the missing positions come from the history first. The same rule gives
+//! resume, seam de-duplication and lag refill with no gap and no duplicate.
+
+use std::sync::Arc;
+
+use async_broadcast::{Receiver, RecvError};
+
+use super::{Batch, History, HubReader};
+
+/// Why a resume cursor cannot be honoured (the call fails with OUT_OF_RANGE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CursorError {
+    /// Older than anything the history still holds, or from an earlier
+    /// kvgate process (whose numbers are all below this one's).
+    Behind,
+    /// Newer than anything rank 0 was sent.
+    Ahead,
+    /// Nothing was sent yet by this kvgate process.
+    Empty,
+}
+
+impl CursorError {
+    pub fn describe(self, cursor: u64) -> String {
+        match self {
+            Self::Behind => format!(
+                "start_sequence_number {cursor} is older than kvgate's history; resubscribe with 0 for a snapshot"
+            ),
+            Self::Ahead => format!(
+                "start_sequence_number {cursor} is newer than anything kvgate sent; resubscribe with 0 for a snapshot"
+            ),
+            Self::Empty => format!(
+                "start_sequence_number {cursor} is unknown: kvgate has sent nothing yet; resubscribe with 0"
+            ),
+        }
+    }
+}
+
+/// What the next step of a subscription yields.
+#[derive(Debug)]
+pub enum Step {
+    Batch(Arc<Batch>),
+    /// The subscriber fell so far behind that the history no longer holds
+    /// `position`: the stream must end with DATA_LOSS.
+    Lost { position: u64 },
+    /// The hub closed (kvgate is shutting down): end the stream cleanly.
+    Closed,
+}
+
+pub struct Subscription {
+    live: Receiver<Arc<Batch>>,
+    history: HubReader,
+    next_position: u64,
+    /// A live batch ahead of `next_position`, held until the gap before it
+    /// is refilled from the history.
+    held: Option<Arc<Batch>>,
+}
+
+impl Subscription {
+    /// Live batches only, from the next one published.
+    pub fn live(hub: &HubReader) -> Self {
+        let live = hub.subscribe_live();
+        let next_position = hub.history().newest() + 1;
+        Self::at(hub, live, next_position)
+    }
+
+    /// Everything after rank 0's batch `cursor`, then live.
+    pub fn resume(hub: &HubReader, cursor: u64) -> Result<Self, CursorError> {
+        // Subscribe before reading the history so nothing published in
+        // between can be missed; the position rule drops the overlap.
+        let live = hub.subscribe_live();
+        let position = locate(hub.history(), cursor)?;
+        Ok(Self::at(hub, live, position + 1))
+    }
+
+    /// Everything after `position` (a snapshot's cut); `live` must have been
+    /// subscribed before the cut was taken.
+    pub fn after_cut(hub: &HubReader, live: Receiver<Arc<Batch>>, position: u64) -> Self {
+        Self::at(hub, live, position + 1)
+    }
+
+    fn at(hub: &HubReader, live: Receiver<Arc<Batch>>, next_position: u64) -> Self {
+        Self {
+            live,
+            history: hub.clone(),
+            next_position,
+            held: None,
+        }
+    }
+
+    /// How many batches the live channel holds for this subscriber: its lag.
+    pub fn backlog(&self) -> usize {
+        self.live.len()
+    }
+
+    pub async fn next(&mut self) -> Step {
+        loop {
+            if let Some(held) = &self.held {
+                let batch = if held.position == self.next_position {
+                    self.held.take()
+                } else {
+                    self.history.history().get(self.next_position)
+                };
+                return match batch {
+                    Some(batch) => {
+                        self.next_position += 1;
+                        Step::Batch(batch)
+                    }
+                    None => Step::Lost {
+                        position: self.next_position,
+                    },
+                };
+            }
+            match self.live.recv_direct().await {
+                Ok(batch) if batch.position < self.next_position => continue,
+                Ok(batch) => self.held = Some(batch),
+                // The skipped batches are in the history; the next live one
+                // reveals how many to refill.
+                Err(RecvError::Overflowed(_)) => continue,
+                Err(RecvError::Closed) => return Step::Closed,
+            }
+        }
+    }
+}
+
+/// Where a resume cursor (rank 0's last applied sequence number) stands.
+fn locate(history: &History, cursor: u64) -> Result<u64, CursorError> {
+    if history.newest() == 0 {
+        return Err(CursorError::Empty);
+    }
+    // Newest first: once a sequence shows as sent, its batch is findable.
+    let newest = history.rank0_newest_sequence();
+    if let Some(position) = history.rank0_position(cursor) {
+        return Ok(position);
+    }
+    match newest {
+        Some(newest) if cursor > newest => Err(CursorError::Ahead),
+        Some(_) => Err(CursorError::Behind),
+        None => Err(CursorError::Empty),
+    }
+}

@@ -1,0 +1,188 @@
+//! Prometheus metrics, registered once and shared by every task.
+//!
+//! Hot paths never touch a labelled family per event: the drain folds a
+//! whole drain cycle into plain counts first and adds them here once.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::convert::{DropReason, EventKind, Tally};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RankLabel {
+    pub rank: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RankTypeLabels {
+    pub rank: u32,
+    pub r#type: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
+/// Every metric kvgate exports. Cloning shares the same underlying values.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    /// Engine messages accepted from the sockets, per rank.
+    pub engine_messages: Family<RankLabel, Counter>,
+    /// Decoded engine events per rank and type, forwarded or not.
+    pub engine_events: Family<RankTypeLabels, Counter>,
+    /// Engine events dropped by a normalization rule.
+    pub events_dropped: Family<ReasonLabel, Counter>,
+    /// Engine messages that produced no events at all (bad frames, bad msgpack).
+    pub bad_messages: Family<ReasonLabel, Counter>,
+    /// Engine messages that never arrived (gaps in a publisher's counter).
+    pub engine_messages_lost: Counter,
+    /// Publisher counters that went backwards (engine restarts).
+    pub engine_restarts: Counter,
+    /// Batches, events and encoded bytes handed to the hub (each encoded once,
+    /// whatever the number of subscribers).
+    pub batches_out: Counter,
+    pub events_out: Counter,
+    pub bytes_out: Counter,
+    /// Subscribers currently streaming.
+    pub subscribers: Gauge,
+    /// Subscriber streams ended because they fell further behind than kvgate
+    /// could refill.
+    pub subscribers_lost: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvgate");
+        let metrics = Self {
+            registry: Arc::default(),
+            engine_messages: Family::default(),
+            engine_events: Family::default(),
+            events_dropped: Family::default(),
+            bad_messages: Family::default(),
+            engine_messages_lost: Counter::default(),
+            engine_restarts: Counter::default(),
+            batches_out: Counter::default(),
+            events_out: Counter::default(),
+            bytes_out: Counter::default(),
+            subscribers: Gauge::default(),
+            subscribers_lost: Counter::default(),
+        };
+        registry.register(
+            "engine_messages",
+            "Engine messages received per data-parallel rank",
+            metrics.engine_messages.clone(),
+        );
+        registry.register(
+            "engine_events",
+            "Decoded engine events per rank and type (forwarded or dropped)",
+            metrics.engine_events.clone(),
+        );
+        registry.register(
+            "events_dropped",
+            "Engine events dropped by a normalization rule",
+            metrics.events_dropped.clone(),
+        );
+        registry.register(
+            "bad_messages",
+            "Engine messages that yielded no events (bad frames or payload)",
+            metrics.bad_messages.clone(),
+        );
+        registry.register(
+            "engine_messages_lost",
+            "Engine messages missing from a publisher's counter",
+            metrics.engine_messages_lost.clone(),
+        );
+        registry.register(
+            "engine_restarts",
+            "Engine publisher restarts (counter went backwards)",
+            metrics.engine_restarts.clone(),
+        );
+        registry.register(
+            "batches_out",
+            "Batches encoded and published",
+            metrics.batches_out.clone(),
+        );
+        registry.register(
+            "events_out",
+            "Events encoded and published",
+            metrics.events_out.clone(),
+        );
+        registry.register(
+            "bytes_out",
+            "Encoded batch bytes published (once per batch)",
+            metrics.bytes_out.clone(),
+        );
+        registry.register(
+            "subscribers",
+            "Subscribers currently streaming",
+            metrics.subscribers.clone(),
+        );
+        registry.register(
+            "subscribers_lost",
+            "Subscriber streams ended with DATA_LOSS",
+            metrics.subscribers_lost.clone(),
+        );
+        Self {
+            registry: Arc::new(registry),
+            ..metrics
+        }
+    }
+
+    /// Adds one drain cycle's conversion outcome for `rank`.
+    pub fn record_tally(&self, rank: u32, tally: &Tally) {
+        for kind in EventKind::ALL {
+            let forwarded = tally.forwarded(kind);
+            if forwarded > 0 {
+                self.engine_events
+                    .get_or_create(&RankTypeLabels {
+                        rank,
+                        r#type: kind.as_str(),
+                    })
+                    .inc_by(forwarded);
+            }
+        }
+        for reason in DropReason::ALL {
+            let dropped = tally.dropped(reason);
+            if dropped > 0 {
+                self.engine_events
+                    .get_or_create(&RankTypeLabels {
+                        rank,
+                        r#type: "dropped",
+                    })
+                    .inc_by(dropped);
+                self.events_dropped
+                    .get_or_create(&ReasonLabel {
+                        reason: reason.as_str(),
+                    })
+                    .inc_by(dropped);
+            }
+        }
+    }
+
+    pub fn count_bad_message(&self, reason: &'static str) {
+        self.bad_messages
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}

@@ -1,0 +1,107 @@
+//! `SubscribeKvEvents`, served from the hub under every service name.
+//!
+//! The call is admitted or refused before any message: a cursor that cannot
+//! be honoured fails with OUT_OF_RANGE. Afterwards the stream only ever
+//! carries bytes the drain encoded, ends with DATA_LOSS if the subscriber fell
+//! behind the history, and ends cleanly when kvgate shuts down.
+
+use std::convert::Infallible;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use tonic::body::Body;
+use tonic::{Request, Response, Status};
+use tracing::{debug, info};
+
+use super::codec::PreEncodedCodec;
+use crate::hub::HubReader;
+use crate::hub::subscription::{Step, Subscription};
+use crate::metrics::Metrics;
+use crate::proto::common::SubscribeKvEventsRequest;
+
+type BatchStream = BoxStream<'static, Result<Bytes, Status>>;
+
+/// The HTTP-level service mounted at `/<service>/SubscribeKvEvents`.
+#[derive(Clone)]
+pub struct SubscribeService {
+    hub: HubReader,
+    metrics: Metrics,
+}
+
+impl SubscribeService {
+    pub fn new(hub: HubReader, metrics: Metrics) -> Self {
+        Self { hub, metrics }
+    }
+
+    async fn open(self, request: Request<SubscribeKvEventsRequest>) -> Result<Response<BatchStream>, Status> {
+        let cursor = request.get_ref().start_sequence_number;
+        let subscription = if cursor == 0 {
+            Subscription::live(&self.hub)
+        } else {
+            Subscription::resume(&self.hub, cursor).map_err(|refusal| {
+                info!(cursor, ?refusal, "refused a resume cursor");
+                Status::out_of_range(refusal.describe(cursor))
+            })?
+        };
+        debug!(cursor, "subscriber joined");
+        Ok(Response::new(stream(subscription, self.metrics)))
+    }
+}
+
+impl tower::Service<http::Request<Body>> for SubscribeService {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let service = self.clone();
+        Box::pin(async move {
+            let handler = tower::service_fn(move |request| service.clone().open(request));
+            let mut grpc = tonic::server::Grpc::new(PreEncodedCodec::<SubscribeKvEventsRequest>::default());
+            Ok(grpc.server_streaming(handler, request).await)
+        })
+    }
+}
+
+/// Counts a subscriber for as long as its stream exists.
+struct Connected(Metrics);
+
+impl Connected {
+    fn new(metrics: Metrics) -> Self {
+        metrics.subscribers.inc();
+        Self(metrics)
+    }
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        self.0.subscribers.dec();
+    }
+}
+
+fn stream(subscription: Subscription, metrics: Metrics) -> BatchStream {
+    let connected = Connected::new(metrics);
+    futures::stream::unfold(Some((subscription, connected)), |state| async move {
+        let (mut subscription, connected) = state?;
+        match subscription.next().await {
+            Step::Batch(batch) => Some((Ok(batch.encoded.clone()), Some((subscription, connected)))),
+            Step::Lost { position } => {
+                connected.0.subscribers_lost.inc();
+                info!(position, "subscriber fell behind the history");
+                let status = Status::data_loss(
+                    "fell behind kvgate's history; resubscribe with 0 for a snapshot",
+                );
+                Some((Err(status), None))
+            }
+            Step::Closed => None,
+        }
+    })
+    .boxed()
+}

@@ -1,0 +1,154 @@
+//! Where each data-parallel rank's engine publisher is, and which side binds.
+//!
+//! Engines offset their ports per rank (rank r listens on base port + r) and
+//! bind when given a wildcard host; kvgate then connects to loopback. When the
+//! engine is configured with a concrete host it connects out, and kvgate must
+//! bind instead (`--zmq-bind`).
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A `tcp://HOST:PORT` endpoint as configured on the engine side.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TcpEndpoint {
+    host: String,
+    port: u16,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EndpointError {
+    #[error("expected tcp://HOST:PORT, got {0:?}")]
+    NotTcp(String),
+    #[error("missing :PORT in {0:?}")]
+    MissingPort(String),
+    #[error("bad port in {0:?}")]
+    BadPort(String),
+    #[error("rank {rank} of {endpoint} would use port {port}, beyond 65535")]
+    PortOverflow {
+        endpoint: String,
+        rank: u32,
+        port: u32,
+    },
+}
+
+impl FromStr for TcpEndpoint {
+    type Err = EndpointError;
+
+    fn from_str(uri: &str) -> Result<Self, Self::Err> {
+        let rest = uri
+            .strip_prefix("tcp://")
+            .ok_or_else(|| EndpointError::NotTcp(uri.to_owned()))?;
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or_else(|| EndpointError::MissingPort(uri.to_owned()))?;
+        let port = port
+            .parse()
+            .map_err(|_| EndpointError::BadPort(uri.to_owned()))?;
+        if host.is_empty() {
+            return Err(EndpointError::NotTcp(uri.to_owned()));
+        }
+        Ok(Self {
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
+impl fmt::Display for TcpEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tcp://{}:{}", self.host, self.port)
+    }
+}
+
+impl TcpEndpoint {
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// True for the hosts engines treat as "bind on every interface".
+    pub fn is_wildcard(&self) -> bool {
+        matches!(self.host.as_str(), "*" | "0.0.0.0" | "::" | "[::]")
+    }
+
+    /// The endpoint of rank `rank`: same host, port + rank.
+    pub fn for_rank(&self, rank: u32) -> Result<Self, EndpointError> {
+        let port = u32::from(self.port) + rank;
+        let port = u16::try_from(port).map_err(|_| EndpointError::PortOverflow {
+            endpoint: self.to_string(),
+            rank,
+            port,
+        })?;
+        Ok(Self {
+            host: self.host.clone(),
+            port,
+        })
+    }
+
+    /// The address a subscriber connects to: a wildcard means "this host".
+    pub fn connect_address(&self) -> String {
+        if self.is_wildcard() {
+            format!("tcp://127.0.0.1:{}", self.port)
+        } else {
+            self.to_string()
+        }
+    }
+
+    /// The address kvgate binds when the engine connects out to it.
+    pub fn bind_address(&self) -> String {
+        let host = if self.host == "*" {
+            "0.0.0.0"
+        } else {
+            &self.host
+        };
+        format!("tcp://{host}:{}", self.port)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_r_listens_on_base_port_plus_r() {
+        let base: TcpEndpoint = "tcp://*:5557".parse().unwrap();
+        assert_eq!(base.for_rank(0).unwrap().port(), 5557);
+        assert_eq!(base.for_rank(3).unwrap().port(), 5560);
+    }
+
+    #[test]
+    fn a_wildcard_engine_endpoint_is_reached_on_loopback() {
+        for uri in ["tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557"] {
+            let endpoint: TcpEndpoint = uri.parse().unwrap();
+            assert_eq!(endpoint.connect_address(), "tcp://127.0.0.1:5557");
+        }
+        let concrete: TcpEndpoint = "tcp://10.0.0.7:5557".parse().unwrap();
+        assert_eq!(concrete.connect_address(), "tcp://10.0.0.7:5557");
+    }
+
+    #[test]
+    fn binding_a_star_endpoint_binds_every_interface() {
+        let endpoint: TcpEndpoint = "tcp://*:6000".parse().unwrap();
+        assert_eq!(endpoint.bind_address(), "tcp://0.0.0.0:6000");
+    }
+
+    #[test]
+    fn malformed_endpoints_are_refused_with_the_reason() {
+        assert!(matches!(
+            "ipc:///tmp/x".parse::<TcpEndpoint>(),
+            Err(EndpointError::NotTcp(_))
+        ));
+        assert!(matches!(
+            "tcp://host".parse::<TcpEndpoint>(),
+            Err(EndpointError::MissingPort(_))
+        ));
+        assert!(matches!(
+            "tcp://host:99999".parse::<TcpEndpoint>(),
+            Err(EndpointError::BadPort(_))
+        ));
+        let top: TcpEndpoint = "tcp://*:65535".parse().unwrap();
+        assert!(matches!(
+            top.for_rank(1),
+            Err(EndpointError::PortOverflow { .. })
+        ));
+    }
+}
