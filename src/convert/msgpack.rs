@@ -64,6 +64,7 @@ impl<'a> Reader<'a> {
         self.buf.len() - self.pos
     }
 
+    #[inline]
     fn take(&mut self, len: usize) -> Result<&'a [u8], Error> {
         let bytes = self
             .pos
@@ -74,6 +75,7 @@ impl<'a> Reader<'a> {
         Ok(bytes)
     }
 
+    #[inline]
     fn be<const N: usize>(&mut self) -> Result<[u8; N], Error> {
         let bytes = self.take(N)?;
         bytes.first_chunk::<N>().copied().ok_or(Error::Truncated)
@@ -98,6 +100,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads the next item; for a str, bin or ext this consumes its payload.
+    #[inline]
     pub(crate) fn item(&mut self) -> Result<Item<'a>, Error> {
         let [byte] = self.be::<1>()?;
         Ok(match Marker::from_u8(byte) {
@@ -176,6 +179,11 @@ impl<'a> Reader<'a> {
                 return Err(Error::Truncated);
             }
             owed -= 1;
+            // One-byte values (fixints, nil, bools) are most of what is skipped.
+            if let Some(0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3) = self.buf.get(self.pos) {
+                self.pos += 1;
+                continue;
+            }
             match self.item()? {
                 Item::Array(len) => owed += u64::from(len),
                 Item::Map(len) => owed += 2 * u64::from(len),

@@ -9,6 +9,7 @@
 
 pub mod batch;
 pub mod history;
+pub mod state;
 pub mod subscription;
 
 use std::sync::Arc;

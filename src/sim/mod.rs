@@ -126,10 +126,19 @@ impl DemoEngine {
                 publisher,
             })
             .collect();
-        Ok(Self {
+        let demo = Self {
             ranks,
             interval: config.interval,
-        })
+        };
+        for rank in demo.endpoints() {
+            tracing::info!(
+                dp_rank = rank.dp_rank,
+                endpoint = %rank.endpoint,
+                replay_endpoint = ?rank.replay_endpoint,
+                "simulated engine rank bound"
+            );
+        }
+        Ok(demo)
     }
 
     /// Rank 0's resolved endpoint; rank `r` is on its port + `r`.
@@ -208,12 +217,6 @@ async fn bind_publishers(config: &DemoConfig) -> Result<Vec<EnginePublisher>, De
             base = publisher.endpoint().parse()?;
             replay_base = publisher.replay_endpoint().map(str::parse).transpose()?;
         }
-        tracing::info!(
-            dp_rank,
-            endpoint = publisher.endpoint(),
-            replay_endpoint = publisher.replay_endpoint(),
-            "simulated engine rank bound"
-        );
         publishers.push(publisher);
     }
     Ok(publishers)

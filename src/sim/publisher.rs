@@ -62,7 +62,8 @@ impl EnginePublisher {
     }
 
     /// Connects the PUB socket to a bound SUB, as vLLM does for endpoints
-    /// without a wildcard. Returns once the connection is up.
+    /// without a wildcard. Unlike libzmq, the zeromq crate waits until the
+    /// SUB accepts (retrying for up to 30 s) and never reconnects a PUB.
     pub async fn connect(endpoint: &str, options: &PublisherOptions) -> ZmqResult<Self> {
         let mut socket = PubSocket::new();
         socket.connect(endpoint).await?;
@@ -106,7 +107,8 @@ impl EnginePublisher {
     }
 
     /// Sends `[topic, seq, payload]` and returns its seq. PUB semantics: a
-    /// subscriber whose subscription has not arrived yet misses it.
+    /// subscriber whose subscription has not arrived yet misses it, and with
+    /// no subscriber at all the message only goes to the replay ring.
     pub async fn publish(&mut self, payload: Bytes) -> ZmqResult<u64> {
         // vLLM takes the number before sending, so a failed send leaves a gap.
         let seq = self.next_seq;

@@ -1,0 +1,427 @@
+//! The live blocks of every rank, as the engine's events left them.
+//!
+//! Invariants: the drain is the only writer; a block is keyed by
+//! (rank, tier, hash) and counts its physical copies (a hash stored again
+//! while live is a second copy, capped at 8); each record keeps what its
+//! first store carried, so a snapshot can re-issue that store. Maps are
+//! persistent (`imbl`), so `cut` is a handful of pointer copies however
+//! large the state is, and the drain goes on mutating while a subscriber
+//! walks the cut.
+//!
+//! The store-wide fields (tier, medium, LoRA, salt, …) are interned: blocks
+//! of one store share one `Arc`, which keeps a record small.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+use std::sync::Arc;
+
+use imbl::GenericHashMap;
+use imbl::shared_ptr::DefaultSharedPtr;
+use rustc_hash::FxBuildHasher;
+
+use crate::proto::common::{
+    KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, KvCacheTier,
+    kv_cache_event::Data,
+};
+
+/// Copies counted per block; more stores of a live hash are still forwarded.
+pub const MAX_COPIES: u8 = 8;
+
+/// Tiers are 0..=4 (`KvCacheTier`); one map each.
+const TIERS: usize = 5;
+
+type BlockMap = GenericHashMap<i64, BlockRecord, FxBuildHasher, DefaultSharedPtr>;
+
+/// Everything a store carried besides its blocks (and each block's hash,
+/// tokens and extra keys).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StoreFields {
+    pub tier: Option<i32>,
+    pub medium: Option<String>,
+    pub group_idx: Option<u32>,
+    pub kv_cache_spec_kind: Option<String>,
+    pub kv_cache_spec_sliding_window: Option<u32>,
+    pub locality: Option<i32>,
+    pub ownership: Option<String>,
+    pub session_id: Option<String>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    /// Per block in the proto, per store on the engine side.
+    pub lora_id: Option<i64>,
+    pub cache_level: Option<i32>,
+}
+
+impl StoreFields {
+    fn of(stored: &KvBlocksStored) -> Self {
+        let first = stored.blocks.first();
+        Self {
+            tier: stored.tier,
+            medium: stored.medium.clone(),
+            group_idx: stored.group_idx,
+            kv_cache_spec_kind: stored.kv_cache_spec_kind.clone(),
+            kv_cache_spec_sliding_window: stored.kv_cache_spec_sliding_window,
+            locality: stored.locality,
+            ownership: stored.ownership.clone(),
+            session_id: stored.session_id.clone(),
+            lora_name: stored.lora_name.clone(),
+            cache_salt: stored.cache_salt.clone(),
+            lora_id: first.and_then(|block| block.lora_id),
+            cache_level: first.and_then(|block| block.cache_level),
+        }
+    }
+
+    /// A store event with these fields and no blocks yet.
+    pub fn to_store(&self, parent_block_hash: Option<i64>) -> KvBlocksStored {
+        KvBlocksStored {
+            blocks: Vec::new(),
+            parent_block_hash,
+            tier: self.tier,
+            medium: self.medium.clone(),
+            group_idx: self.group_idx,
+            kv_cache_spec_kind: self.kv_cache_spec_kind.clone(),
+            kv_cache_spec_sliding_window: self.kv_cache_spec_sliding_window,
+            locality: self.locality,
+            ownership: self.ownership.clone(),
+            session_id: self.session_id.clone(),
+            lora_name: self.lora_name.clone(),
+            cache_salt: self.cache_salt.clone(),
+        }
+    }
+}
+
+/// One live block.
+#[derive(Clone, Debug)]
+pub struct BlockRecord {
+    parent: Option<i64>,
+    tokens: Box<[u32]>,
+    /// Rare (LoRA names, multimodal items, salts): boxed so the common case
+    /// costs one pointer.
+    extra_keys: Option<Box<Vec<KvBlockExtraKey>>>,
+    fields: Arc<StoreFields>,
+    block_size: i32,
+    copies: u8,
+}
+
+impl BlockRecord {
+    pub fn parent(&self) -> Option<i64> {
+        self.parent
+    }
+
+    pub fn fields(&self) -> &Arc<StoreFields> {
+        &self.fields
+    }
+
+    pub fn copies(&self) -> u8 {
+        self.copies
+    }
+
+    /// The block as its store carried it.
+    pub fn to_block(&self, hash: i64) -> KvBlock {
+        KvBlock {
+            block_hash: hash,
+            token_ids: self.tokens.to_vec(),
+            block_size: self.block_size,
+            lora_id: self.fields.lora_id,
+            cache_level: self.fields.cache_level,
+            extra_keys: self.extra_keys.as_deref().cloned().unwrap_or_default(),
+        }
+    }
+}
+
+/// The live blocks of one rank, per tier.
+#[derive(Clone, Debug, Default)]
+pub struct RankBlocks {
+    tiers: [BlockMap; TIERS],
+}
+
+impl RankBlocks {
+    /// Live blocks of `tier`.
+    pub fn tier(&self, tier: usize) -> impl ExactSizeIterator<Item = (&i64, &BlockRecord)> {
+        self.tiers[tier].iter()
+    }
+
+    pub fn get(&self, tier: usize, hash: i64) -> Option<&BlockRecord> {
+        self.tiers[tier].get(&hash)
+    }
+
+    /// Live blocks, each copy counted.
+    pub fn block_count(&self) -> u64 {
+        self.tiers
+            .iter()
+            .flat_map(|map| map.values())
+            .map(|record| u64::from(record.copies))
+            .sum()
+    }
+
+    pub fn distinct_blocks(&self, tier: usize) -> usize {
+        self.tiers[tier].len()
+    }
+}
+
+/// A consistent view of every rank's blocks at one instant.
+pub type StateCut = BTreeMap<u32, RankBlocks>;
+
+#[derive(Debug, Default)]
+pub struct LiveState {
+    ranks: BTreeMap<u32, RankBlocks>,
+    interned: Interner,
+}
+
+impl LiveState {
+    /// Records `event` for `rank`. A store that names neither LoRA nor salt
+    /// takes them from its parent's record first (same rank and tier), so
+    /// the event itself is completed before it is forwarded.
+    pub fn apply(&mut self, rank: u32, event: &mut KvCacheEvent) {
+        match event.data.as_mut() {
+            Some(Data::Stored(stored)) => self.store(rank, stored),
+            Some(Data::Removed(removed)) => self.remove(rank, removed),
+            Some(Data::Cleared(_)) => self.reset_rank(rank),
+            None => {}
+        }
+    }
+
+    /// Forgets every block of `rank` (its engine restarted or cleared).
+    pub fn reset_rank(&mut self, rank: u32) {
+        self.ranks.remove(&rank);
+    }
+
+    pub fn cut(&self) -> StateCut {
+        self.ranks.clone()
+    }
+
+    pub fn rank(&self, rank: u32) -> Option<&RankBlocks> {
+        self.ranks.get(&rank)
+    }
+
+    fn store(&mut self, rank: u32, stored: &mut KvBlocksStored) {
+        let tier = tier_index(stored.tier);
+        let blocks = self.ranks.entry(rank).or_default();
+        let map = &mut blocks.tiers[tier];
+        if stored.lora_name.is_none() || stored.cache_salt.is_none() {
+            if let Some(parent) = stored.parent_block_hash.and_then(|hash| map.get(&hash)) {
+                if stored.lora_name.is_none() {
+                    stored.lora_name = parent.fields.lora_name.clone();
+                }
+                if stored.cache_salt.is_none() {
+                    stored.cache_salt = parent.fields.cache_salt.clone();
+                }
+            }
+        }
+        let fields = self.interned.intern(StoreFields::of(stored));
+        let mut parent = stored.parent_block_hash;
+        for block in &stored.blocks {
+            let hash = block.block_hash;
+            if let Some(live) = map.get_mut(&hash) {
+                live.copies = (live.copies + 1).min(MAX_COPIES);
+            } else {
+                map.insert(
+                    hash,
+                    BlockRecord {
+                        parent,
+                        tokens: block.token_ids.as_slice().into(),
+                        extra_keys: (!block.extra_keys.is_empty())
+                            .then(|| Box::new(block.extra_keys.clone())),
+                        fields: Arc::clone(&fields),
+                        block_size: block.block_size,
+                        copies: 1,
+                    },
+                );
+            }
+            parent = Some(hash);
+        }
+    }
+
+    fn remove(&mut self, rank: u32, removed: &KvBlocksRemoved) {
+        let Some(blocks) = self.ranks.get_mut(&rank) else {
+            return;
+        };
+        let map = &mut blocks.tiers[tier_index(removed.tier)];
+        for hash in &removed.block_hashes {
+            if let Some(live) = map.get_mut(hash) {
+                live.copies -= 1;
+                if live.copies == 0 {
+                    map.remove(hash);
+                }
+            }
+        }
+    }
+}
+
+fn tier_index(tier: Option<i32>) -> usize {
+    let tier = tier.unwrap_or(KvCacheTier::Device as i32);
+    usize::try_from(tier).ok().filter(|&t| t < TIERS).unwrap_or(KvCacheTier::Device as usize)
+}
+
+/// Hands out one shared `Arc` per distinct `StoreFields`, dropping entries no
+/// block uses any more once the table has doubled since the last sweep (so
+/// per-request values such as session ids cannot grow it without bound).
+#[derive(Debug, Default)]
+struct Interner {
+    table: HashMap<Arc<StoreFields>, ()>,
+    sweep_at: usize,
+}
+
+impl Interner {
+    fn intern(&mut self, fields: StoreFields) -> Arc<StoreFields> {
+        if let Some((shared, ())) = self.table.get_key_value(&fields) {
+            return Arc::clone(shared);
+        }
+        if self.table.len() >= self.sweep_at {
+            self.table.retain(|shared, ()| Arc::strong_count(shared) > 1);
+            self.sweep_at = (self.table.len() * 2).max(64);
+        }
+        let shared = Arc::new(fields);
+        self.table.insert(Arc::clone(&shared), ());
+        shared
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::common::KvCacheCleared;
+
+    fn store(parent: Option<i64>, hashes: &[i64], tier: KvCacheTier) -> KvCacheEvent {
+        KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks: hashes
+                    .iter()
+                    .map(|&block_hash| KvBlock {
+                        block_hash,
+                        token_ids: vec![1, 2],
+                        block_size: 2,
+                        ..Default::default()
+                    })
+                    .collect(),
+                parent_block_hash: parent,
+                tier: Some(tier as i32),
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn remove(hashes: &[i64], tier: KvCacheTier) -> KvCacheEvent {
+        KvCacheEvent {
+            event_id: 2,
+            data: Some(Data::Removed(KvBlocksRemoved {
+                block_hashes: hashes.to_vec(),
+                tier: Some(tier as i32),
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn live(state: &LiveState, rank: u32, tier: KvCacheTier) -> Vec<i64> {
+        let mut hashes: Vec<i64> = state
+            .rank(rank)
+            .map(|blocks| blocks.tier(tier as usize).map(|(hash, _)| *hash).collect())
+            .unwrap_or_default();
+        hashes.sort();
+        hashes
+    }
+
+    #[test]
+    fn stores_and_removals_leave_exactly_the_live_blocks_per_rank_and_tier() {
+        let mut state = LiveState::default();
+        state.apply(0, &mut store(None, &[1, 2, 3], KvCacheTier::Device));
+        state.apply(0, &mut store(None, &[1], KvCacheTier::Host));
+        state.apply(1, &mut store(None, &[9], KvCacheTier::Device));
+        state.apply(0, &mut remove(&[2], KvCacheTier::Device));
+        assert_eq!(live(&state, 0, KvCacheTier::Device), vec![1, 3]);
+        assert_eq!(live(&state, 0, KvCacheTier::Host), vec![1]);
+        assert_eq!(live(&state, 1, KvCacheTier::Device), vec![9]);
+        let record = state.rank(0).unwrap().get(KvCacheTier::Device as usize, 3).unwrap();
+        assert_eq!(record.parent(), Some(2), "a block's parent is the block before it in its store");
+    }
+
+    #[test]
+    fn a_hash_stored_twice_is_two_copies_and_needs_two_removals() {
+        let mut state = LiveState::default();
+        state.apply(0, &mut store(None, &[5], KvCacheTier::Device));
+        state.apply(0, &mut store(None, &[5], KvCacheTier::Device));
+        assert_eq!(state.rank(0).unwrap().block_count(), 2);
+        state.apply(0, &mut remove(&[5], KvCacheTier::Device));
+        assert_eq!(live(&state, 0, KvCacheTier::Device), vec![5]);
+        state.apply(0, &mut remove(&[5], KvCacheTier::Device));
+        assert!(live(&state, 0, KvCacheTier::Device).is_empty());
+    }
+
+    #[test]
+    fn copies_are_counted_up_to_eight() {
+        let mut state = LiveState::default();
+        for _ in 0..12 {
+            state.apply(0, &mut store(None, &[5], KvCacheTier::Device));
+        }
+        assert_eq!(state.rank(0).unwrap().block_count(), u64::from(MAX_COPIES));
+    }
+
+    #[test]
+    fn a_clear_forgets_the_rank_and_only_that_rank() {
+        let mut state = LiveState::default();
+        state.apply(0, &mut store(None, &[1], KvCacheTier::Device));
+        state.apply(1, &mut store(None, &[2], KvCacheTier::Device));
+        let mut clear = KvCacheEvent {
+            event_id: 3,
+            data: Some(Data::Cleared(KvCacheCleared::default())),
+        };
+        state.apply(0, &mut clear);
+        assert!(live(&state, 0, KvCacheTier::Device).is_empty());
+        assert_eq!(live(&state, 1, KvCacheTier::Device), vec![2]);
+    }
+
+    #[test]
+    fn a_store_without_lora_or_salt_inherits_them_from_its_parent_on_the_same_tier() {
+        let mut state = LiveState::default();
+        let mut root = store(None, &[1], KvCacheTier::Device);
+        if let Some(Data::Stored(stored)) = root.data.as_mut() {
+            stored.lora_name = Some("sql".into());
+            stored.cache_salt = Some("tenant-a".into());
+        }
+        state.apply(0, &mut root);
+        let mut child = store(Some(1), &[2], KvCacheTier::Device);
+        state.apply(0, &mut child);
+        let Some(Data::Stored(child)) = child.data else { unreachable!() };
+        assert_eq!(child.lora_name.as_deref(), Some("sql"));
+        assert_eq!(child.cache_salt.as_deref(), Some("tenant-a"));
+
+        let mut other_tier = store(Some(1), &[3], KvCacheTier::Host);
+        state.apply(0, &mut other_tier);
+        let Some(Data::Stored(other_tier)) = other_tier.data else { unreachable!() };
+        assert_eq!(other_tier.lora_name, None, "a parent on another tier is not inherited from");
+    }
+
+    #[test]
+    fn a_cut_stays_as_it_was_while_the_state_moves_on() {
+        let mut state = LiveState::default();
+        state.apply(0, &mut store(None, &[1, 2], KvCacheTier::Device));
+        let cut = state.cut();
+        state.apply(0, &mut remove(&[1], KvCacheTier::Device));
+        state.apply(0, &mut store(None, &[7], KvCacheTier::Device));
+        let mut in_cut: Vec<i64> = cut[&0].tier(KvCacheTier::Device as usize).map(|(h, _)| *h).collect();
+        in_cut.sort();
+        assert_eq!(in_cut, vec![1, 2]);
+        assert_eq!(live(&state, 0, KvCacheTier::Device), vec![2, 7]);
+    }
+
+    #[test]
+    fn unused_store_fields_are_released() {
+        let mut interner = Interner::default();
+        let mut kept = Vec::new();
+        for session in 0..1000 {
+            let shared = interner.intern(StoreFields {
+                session_id: Some(format!("s{session}")),
+                ..StoreFields::default()
+            });
+            if session % 100 == 0 {
+                kept.push(shared);
+            }
+        }
+        assert!(interner.table.len() < 300, "table holds {}", interner.table.len());
+        let again = interner.intern(StoreFields {
+            session_id: Some("s100".into()),
+            ..StoreFields::default()
+        });
+        assert!(kept.iter().any(|k| Arc::ptr_eq(k, &again)));
+    }
+}
