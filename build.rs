@@ -26,9 +26,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(false)
         .build_client(true)
-        // The engine service packages nest at different depths; point them all
-        // at the one `common` module instead of relative `super::` paths.
-        .extern_path(".smg.grpc.common", "crate::proto::common")
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -95,7 +95,10 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         }))
     });
 
-    println!("kvgate: serving gRPC on {address}, engine events from {endpoint} ({} rank(s))", args.dp_size);
+    println!(
+        "kvgate: serving gRPC on {address}, engine events from {endpoint} ({} rank(s))",
+        args.dp_size
+    );
     if args.demo {
         println!(
             "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",

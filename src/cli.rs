@@ -10,10 +10,20 @@ use crate::logging::LogFormat;
 use crate::source::endpoint::TcpEndpoint;
 
 #[derive(Debug, Parser)]
-#[command(name = "kvgate", version, about = "gRPC streaming gateway for LLM KV-cache events")]
+#[command(
+    name = "kvgate",
+    version,
+    about = "gRPC streaming gateway for LLM KV-cache events"
+)]
 pub struct Cli {
     /// Log format on stderr (filter with RUST_LOG, e.g. RUST_LOG=kvgate=debug).
-    #[arg(long, env = "KVGATE_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    #[arg(
+        long,
+        env = "KVGATE_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
     pub log_format: LogFormat,
 
     #[command(subcommand)]
@@ -34,7 +44,12 @@ pub struct ServeArgs {
 
     /// The engine's KV-event publisher for rank 0, as configured on the engine
     /// (e.g. tcp://*:5557); rank r is at port + r.
-    #[arg(long, env = "KVGATE_ZMQ_ENDPOINT", value_name = "URI", conflicts_with = "demo")]
+    #[arg(
+        long,
+        env = "KVGATE_ZMQ_ENDPOINT",
+        value_name = "URI",
+        conflicts_with = "demo"
+    )]
     pub zmq_endpoint: Option<TcpEndpoint>,
 
     /// Number of data-parallel ranks, each with its own publisher.
@@ -76,5 +91,4 @@ pub struct ServeArgs {
     /// real one: live events with no GPU.
     #[arg(long, env = "KVGATE_DEMO")]
     pub demo: bool,
-
 }

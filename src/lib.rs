@@ -11,6 +11,7 @@ pub mod cli;
 pub mod convert;
 pub mod drain;
 pub mod hub;
+pub mod json;
 pub mod logging;
 pub mod metrics;
 pub mod proto;

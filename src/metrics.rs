@@ -52,6 +52,8 @@ pub struct Metrics {
     pub bytes_out: Counter,
     /// Subscribers currently streaming.
     pub subscribers: Gauge,
+    /// Snapshots served to subscribers joining with cursor 0.
+    pub snapshots_served: Counter,
     /// Subscriber streams ended because they fell further behind than kvgate
     /// could refill.
     pub subscribers_lost: Counter,
@@ -79,6 +81,7 @@ impl Metrics {
             bytes_out: Counter::default(),
             subscribers: Gauge::default(),
             subscribers_lost: Counter::default(),
+            snapshots_served: Counter::default(),
         };
         registry.register(
             "engine_messages",
@@ -134,6 +137,11 @@ impl Metrics {
             "subscribers_lost",
             "Subscriber streams ended with DATA_LOSS",
             metrics.subscribers_lost.clone(),
+        );
+        registry.register(
+            "snapshots_served",
+            "State snapshots served to subscribers joining with cursor 0",
+            metrics.snapshots_served.clone(),
         );
         Self {
             registry: Arc::new(registry),

@@ -1,26 +1,44 @@
 //! Generated protobuf types and clients (see `build.rs`), plus the encoded
 //! descriptor set that server reflection serves.
+//!
+//! Modules nest like the proto packages (the generated code refers to other
+//! packages by relative paths); the short names below are what the rest of
+//! kvgate uses.
 
 #![allow(clippy::all, missing_docs)]
 
-/// `smg.grpc.common`: the KV-event messages the router decodes.
-pub mod common {
-    tonic::include_proto!("smg.grpc.common");
+pub mod smg {
+    pub mod grpc {
+        /// `smg.grpc.common`: the KV-event messages the router decodes.
+        pub mod common {
+            tonic::include_proto!("smg.grpc.common");
+        }
+    }
 }
 
-/// `kvgate.v1.KvGate`: kvgate's own service name.
 pub mod kvgate {
-    tonic::include_proto!("kvgate.v1");
+    /// `kvgate.v1.KvGate`: kvgate's own service name.
+    pub mod v1 {
+        tonic::include_proto!("kvgate.v1");
+    }
 }
 
-/// `sglang.grpc.scheduler.SglangScheduler`.
 pub mod sglang {
-    tonic::include_proto!("sglang.grpc.scheduler");
+    pub mod grpc {
+        /// `sglang.grpc.scheduler.SglangScheduler`.
+        pub mod scheduler {
+            tonic::include_proto!("sglang.grpc.scheduler");
+        }
+    }
 }
 
-/// `vllm.grpc.engine.VllmEngine`.
 pub mod vllm {
-    tonic::include_proto!("vllm.grpc.engine");
+    pub mod grpc {
+        /// `vllm.grpc.engine.VllmEngine`.
+        pub mod engine {
+            tonic::include_proto!("vllm.grpc.engine");
+        }
+    }
 }
 
 /// `trtllm.TrtllmService`.
@@ -28,10 +46,16 @@ pub mod trtllm {
     tonic::include_proto!("trtllm");
 }
 
-/// `tokenspeed.grpc.scheduler.TokenSpeedScheduler`.
 pub mod tokenspeed {
-    tonic::include_proto!("tokenspeed.grpc.scheduler");
+    pub mod grpc {
+        /// `tokenspeed.grpc.scheduler.TokenSpeedScheduler`.
+        pub mod scheduler {
+            tonic::include_proto!("tokenspeed.grpc.scheduler");
+        }
+    }
 }
+
+pub use smg::grpc::common;
 
 /// Every `.proto` of kvgate as an encoded `FileDescriptorSet`.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

@@ -6,10 +6,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use kvgate::convert::{Converter, DropReason, EventKind, Tally};
-use kvgate::proto::common::{
-    KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, KvCacheLocality,
-    KvCacheTier, kv_block_extra_key::Key, kv_cache_event::Data,
-};
+use kvgate::proto::common::KvCacheEvent;
 use serde_json::{Map, Value, json};
 
 /// How many fixtures the corpus holds: a lost directory must fail, not pass
@@ -65,185 +62,8 @@ fn rank_of(fixture: &Fixture) -> u32 {
         .map_or(0, |rank| rank as u32)
 }
 
-// ---- proto3 JSON, as the fixtures spell it (proto field names) ----
-
-fn int64(value: i64) -> Value {
-    Value::String(value.to_string())
-}
-
-/// Inserts `value` unless proto3 JSON would omit it.
-fn put(object: &mut Map<String, Value>, key: &str, value: Option<Value>) {
-    if let Some(value) = value {
-        object.insert(key.to_owned(), value);
-    }
-}
-
-/// A non-optional proto3 scalar: omitted when it holds its default.
-fn scalar<T: Default + PartialEq>(value: T, to_json: impl FnOnce(T) -> Value) -> Option<Value> {
-    (value != T::default()).then(|| to_json(value))
-}
-
-fn repeated<T>(items: &[T], to_json: impl Fn(&T) -> Value) -> Option<Value> {
-    (!items.is_empty()).then(|| items.iter().map(to_json).collect())
-}
-
-fn tier(value: i32) -> Value {
-    KvCacheTier::try_from(value).map_or(json!(value), |t| json!(t.as_str_name()))
-}
-
-fn locality(value: i32) -> Value {
-    KvCacheLocality::try_from(value).map_or(json!(value), |l| json!(l.as_str_name()))
-}
-
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-fn extra_key_json(key: &KvBlockExtraKey) -> Value {
-    match &key.key {
-        Some(Key::Text(text)) => json!({ "text": text }),
-        Some(Key::Blob(blob)) => json!({ "blob": base64(blob) }),
-        Some(Key::Number(number)) => json!({ "number": int64(*number) }),
-        Some(Key::Multimodal(mm)) => {
-            let mut object = Map::new();
-            put(
-                &mut object,
-                "identifier",
-                scalar(mm.identifier.clone(), Value::String),
-            );
-            put(&mut object, "offset", scalar(mm.offset, int64));
-            json!({ "multimodal": object })
-        }
-        None => json!({}),
-    }
-}
-
-fn block_json(block: &KvBlock) -> Value {
-    let mut object = Map::new();
-    put(&mut object, "block_hash", scalar(block.block_hash, int64));
-    put(
-        &mut object,
-        "token_ids",
-        repeated(&block.token_ids, |t| json!(t)),
-    );
-    put(
-        &mut object,
-        "block_size",
-        scalar(block.block_size, |s| json!(s)),
-    );
-    put(&mut object, "lora_id", block.lora_id.map(int64));
-    put(
-        &mut object,
-        "cache_level",
-        block.cache_level.map(|l| json!(l)),
-    );
-    put(
-        &mut object,
-        "extra_keys",
-        repeated(&block.extra_keys, extra_key_json),
-    );
-    Value::Object(object)
-}
-
-fn stored_json(stored: &KvBlocksStored) -> Value {
-    let text = |s: &Option<String>| s.clone().map(Value::String);
-    let mut object = Map::new();
-    put(&mut object, "blocks", repeated(&stored.blocks, block_json));
-    put(
-        &mut object,
-        "parent_block_hash",
-        stored.parent_block_hash.map(int64),
-    );
-    put(&mut object, "tier", stored.tier.map(tier));
-    put(&mut object, "medium", text(&stored.medium));
-    put(&mut object, "group_idx", stored.group_idx.map(|g| json!(g)));
-    put(
-        &mut object,
-        "kv_cache_spec_kind",
-        text(&stored.kv_cache_spec_kind),
-    );
-    put(
-        &mut object,
-        "kv_cache_spec_sliding_window",
-        stored.kv_cache_spec_sliding_window.map(|w| json!(w)),
-    );
-    put(&mut object, "locality", stored.locality.map(locality));
-    put(&mut object, "ownership", text(&stored.ownership));
-    put(&mut object, "session_id", text(&stored.session_id));
-    put(&mut object, "lora_name", text(&stored.lora_name));
-    put(&mut object, "cache_salt", text(&stored.cache_salt));
-    Value::Object(object)
-}
-
-fn removed_json(removed: &KvBlocksRemoved) -> Value {
-    let mut object = Map::new();
-    put(
-        &mut object,
-        "block_hashes",
-        repeated(&removed.block_hashes, |&h| int64(h)),
-    );
-    put(
-        &mut object,
-        "cache_level",
-        removed.cache_level.map(|l| json!(l)),
-    );
-    put(&mut object, "tier", removed.tier.map(tier));
-    put(
-        &mut object,
-        "medium",
-        removed.medium.clone().map(Value::String),
-    );
-    put(
-        &mut object,
-        "group_idx",
-        removed.group_idx.map(|g| json!(g)),
-    );
-    put(&mut object, "locality", removed.locality.map(locality));
-    put(
-        &mut object,
-        "ownership",
-        removed.ownership.clone().map(Value::String),
-    );
-    Value::Object(object)
-}
-
 fn event_json(event: &KvCacheEvent) -> Value {
-    let mut object = Map::new();
-    put(
-        &mut object,
-        "event_id",
-        scalar(event.event_id, |id| json!(id.to_string())),
-    );
-    match &event.data {
-        Some(Data::Stored(stored)) => put(&mut object, "stored", Some(stored_json(stored))),
-        Some(Data::Removed(removed)) => put(&mut object, "removed", Some(removed_json(removed))),
-        Some(Data::Cleared(cleared)) => {
-            let mut inner = Map::new();
-            put(
-                &mut inner,
-                "ownership",
-                cleared.ownership.clone().map(Value::String),
-            );
-            put(&mut object, "cleared", Some(Value::Object(inner)));
-        }
-        None => {}
-    }
-    Value::Object(object)
+    kvgate::json::to_json(event, "smg.grpc.common.KvCacheEvent")
 }
 
 /// Converts a fixture with a fresh converter, in the fixture's `expected` form.
@@ -256,7 +76,9 @@ fn converted(fixture: &Fixture) -> (Value, Tally) {
             object.insert("decodes".into(), json!(true));
             object.insert("timestamp".into(), json!(out.timestamp));
             object.insert("events".into(), out.events.iter().map(event_json).collect());
-            put(&mut object, "dp_rank", out.dp_rank.map(|r| json!(r)));
+            if let Some(rank) = out.dp_rank {
+                object.insert("dp_rank".into(), json!(rank));
+            }
             Value::Object(object)
         }
         Err(_) => json!({ "decodes": false, "events": [] }),

@@ -1,13 +1,19 @@
 //! Reading one engine event into a typed, borrowed view.
 //!
-//! Invariant: this file only decides whether an event *can be read*; the only
-//! drops it produces are `Malformed` and `UnknownType`. What a readable event
-//! means (tiers, groups, the store checks) is `normalize.rs`'s business.
-//! Map events and tag-first array events are both reduced to one table of raw
-//! field values first, so no rule below depends on the encoding. Any known
-//! field that is present and not nil must have its type, or the whole event is
-//! malformed; `extra_keys` entries are the one lenient exception (the contract
-//! skips odd shapes one by one).
+//! Invariants: reading an event consumes exactly its encoded value from the
+//! payload reader, whatever the value holds, so the next event starts in the
+//! right place; the only error that escapes is a broken payload
+//! (`msgpack::Error`). Whether the event is usable is decided afterwards and
+//! only ever yields `Malformed` or `UnknownType`; what a readable event means
+//! (tiers, groups, the store checks) is `normalize.rs`'s business.
+//!
+//! Map events and tag-first array events are both reduced to one table of
+//! fields first, so no rule depends on the encoding. Scalar fields are kept
+//! as their raw bytes and read on demand; hashes and tokens, the bulk of every
+//! payload, are decoded straight into reused buffers on the single pass over
+//! the payload. Any known field that is present and not nil must have its
+//! type, or the event is malformed; `extra_keys` entries are the one lenient
+//! exception (the contract skips odd shapes one by one).
 
 use super::hash::{fold_bytes, fold_int};
 use super::msgpack::{self, Item, Reader};
@@ -15,14 +21,6 @@ use super::tally::DropReason;
 use crate::proto::common::{KvBlockExtraKey, KvMultimodalKey, kv_block_extra_key::Key};
 
 pub(crate) type Decoded<T> = Result<T, DropReason>;
-
-impl From<msgpack::Error> for DropReason {
-    // Events are read from spans the envelope scan already walked, so this only
-    // fires on a bug; even then the event, not the payload, is what fails.
-    fn from(_: msgpack::Error) -> Self {
-        DropReason::Malformed
-    }
-}
 
 /// The fields kvgate reads, under their engine names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,53 +108,191 @@ impl Type {
     }
 }
 
-/// Raw encoded value of each field; `None` when the event does not carry it.
+/// Whether a hash or token list was read into the scratch buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum List {
+    /// Not in the event, or nil.
+    Absent,
+    Read,
+    Unreadable,
+}
+
+impl List {
+    /// The list the scratch buffer holds, if the event's list was readable.
+    fn require<T>(self, values: &[T]) -> Decoded<&[T]> {
+        match self {
+            List::Read => Ok(values),
+            List::Absent | List::Unreadable => Err(DropReason::Malformed),
+        }
+    }
+}
+
+/// Buffers reused from event to event, so hashes and tokens cost no
+/// allocation while they are read and checked.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    hashes: Vec<i64>,
+    tokens: Vec<u32>,
+}
+
+/// One event as consumed from the payload, before any judgement.
+struct RawEvent<'a> {
+    ty: Decoded<Type>,
+    fields: Fields<'a>,
+    hashes: List,
+    tokens: List,
+}
+
+impl<'a> RawEvent<'a> {
+    fn read(r: &mut Reader<'a>, scratch: &mut Scratch) -> Result<Self, msgpack::Error> {
+        let mut event = RawEvent {
+            ty: Err(DropReason::Malformed),
+            fields: Fields([None; Field::COUNT]),
+            hashes: List::Absent,
+            tokens: List::Absent,
+        };
+        match r.item()? {
+            Item::Map(len) => {
+                for _ in 0..len {
+                    match r.value_head()? {
+                        Item::Str(b"type") => event.ty = type_of(r.value_head()?),
+                        Item::Str(name) => match Field::from_key(name) {
+                            Some(field) => event.read_field(field, r, scratch)?,
+                            None => r.skip_values(1)?,
+                        },
+                        _ => r.skip_values(1)?,
+                    }
+                }
+            }
+            Item::Array(len) if len > 0 => {
+                event.ty = type_of(r.value_head()?);
+                let mut slots = len - 1;
+                if let Ok(ty) = event.ty {
+                    for &field in ty.array_layout().iter().take(slots as usize) {
+                        event.read_field(field, r, scratch)?;
+                        slots -= 1;
+                    }
+                }
+                r.skip_values(slots.into())?;
+            }
+            other => r.skip_contents(other)?,
+        }
+        Ok(event)
+    }
+
+    fn read_field(
+        &mut self,
+        field: Field,
+        r: &mut Reader<'a>,
+        scratch: &mut Scratch,
+    ) -> Result<(), msgpack::Error> {
+        match field {
+            Field::BlockHashes => {
+                self.hashes = read_list(r, &mut scratch.hashes, |r, cell| {
+                    r.skip_contents(cell)?;
+                    Ok(hash(cell))
+                })?;
+            }
+            Field::TokenIds => {
+                // All cells must share the first cell's shape.
+                let mut pairs = None;
+                self.tokens = read_list(r, &mut scratch.tokens, |r, cell| {
+                    token_cell(r, cell, &mut pairs)
+                })?;
+            }
+            _ => self.fields.0[field as usize] = Some(r.value_bytes()?),
+        }
+        Ok(())
+    }
+}
+
+fn type_of(tag: Item<'_>) -> Decoded<Type> {
+    match tag {
+        Item::Str(tag) => Type::from_tag(tag).ok_or(DropReason::UnknownType),
+        _ => Err(DropReason::Malformed),
+    }
+}
+
+/// Reads a list into `out` with `cell`, which gets each element's head and
+/// must consume the rest of it. Consumes the whole value in every case.
+fn read_list<'a, T>(
+    r: &mut Reader<'a>,
+    out: &mut Vec<T>,
+    mut cell: impl FnMut(&mut Reader<'a>, Item<'a>) -> Result<Option<T>, msgpack::Error>,
+) -> Result<List, msgpack::Error> {
+    out.clear();
+    let len = match r.item()? {
+        Item::Nil => return Ok(List::Absent),
+        Item::Array(len) => len,
+        other => {
+            r.skip_contents(other)?;
+            return Ok(List::Unreadable);
+        }
+    };
+    out.reserve(r.room_for(len, 1));
+    let mut list = List::Read;
+    for _ in 0..len {
+        let head = r.item()?;
+        match cell(r, head)? {
+            Some(value) if list == List::Read => out.push(value),
+            Some(_) => {}
+            None => list = List::Unreadable,
+        }
+    }
+    Ok(list)
+}
+
+/// A token cell: a u32, or a `[token, next]` pair (speculative decoding)
+/// folded to `token`; `pairs` holds the shape of the list's first cell.
+fn token_cell<'a>(
+    r: &mut Reader<'a>,
+    cell: Item<'a>,
+    pairs: &mut Option<bool>,
+) -> Result<Option<u32>, msgpack::Error> {
+    Ok(match (cell, *pairs) {
+        (Item::Int(_), None | Some(false)) => {
+            *pairs = Some(false);
+            token(cell)
+        }
+        (Item::Array(2), None | Some(true)) => {
+            *pairs = Some(true);
+            let first = r.value_head()?;
+            let next = r.value_head()?;
+            token(first).filter(|_| token(next).is_some())
+        }
+        _ => {
+            r.skip_contents(cell)?;
+            None
+        }
+    })
+}
+
+fn utf8(bytes: &[u8]) -> Option<&str> {
+    std::str::from_utf8(bytes).ok()
+}
+
+fn hash(item: Item<'_>) -> Option<i64> {
+    match item {
+        Item::Int(v) => Some(fold_int(v)),
+        Item::Bin(bytes) => Some(fold_bytes(bytes)),
+        _ => None,
+    }
+}
+
+fn token(item: Item<'_>) -> Option<u32> {
+    match item {
+        Item::Int(v) => u32::try_from(v).ok(),
+        _ => None,
+    }
+}
+
+/// Raw encoded value of each scalar field (and `extra_keys`); `None` when
+/// the event does not carry it.
 struct Fields<'a>([Option<&'a [u8]>; Field::COUNT]);
 
 const NIL: &[u8] = &[0xc0];
 
 impl<'a> Fields<'a> {
-    fn read(raw: &'a [u8]) -> Decoded<(Type, Fields<'a>)> {
-        let mut fields = Fields([None; Field::COUNT]);
-        let mut r = Reader::new(raw);
-        let ty = match r.item()? {
-            Item::Map(len) => {
-                let mut tag = None;
-                for _ in 0..len {
-                    let key = r.item()?;
-                    r.skip_contents(key)?;
-                    let value = r.value_bytes()?;
-                    match key {
-                        Item::Str(b"type") => tag = Some(value),
-                        Item::Str(name) => {
-                            if let Some(field) = Field::from_key(name) {
-                                fields.0[field as usize] = Some(value);
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-                let tag = tag.ok_or(DropReason::Malformed)?;
-                match Reader::new(tag).item()? {
-                    Item::Str(tag) => Type::from_tag(tag).ok_or(DropReason::UnknownType)?,
-                    _ => return Err(DropReason::Malformed),
-                }
-            }
-            Item::Array(len) if len > 0 => {
-                let Item::Str(tag) = r.item()? else {
-                    return Err(DropReason::Malformed);
-                };
-                let ty = Type::from_tag(tag).ok_or(DropReason::UnknownType)?;
-                for &field in ty.array_layout().iter().take(len as usize - 1) {
-                    fields.0[field as usize] = Some(r.value_bytes()?);
-                }
-                ty
-            }
-            _ => return Err(DropReason::Malformed),
-        };
-        Ok((ty, fields))
-    }
-
     /// A reader on the field's value; `None` when absent or nil.
     fn reader(&self, field: Field) -> Option<Reader<'a>> {
         match self.0[field as usize] {
@@ -165,22 +301,13 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// The field's first item. Fields hold complete values, so reading one
+    /// cannot fail; were it to, the event would be malformed, not the payload.
     fn item(&self, field: Field) -> Decoded<Option<Item<'a>>> {
         self.reader(field)
             .map(|mut r| r.item())
             .transpose()
-            .map_err(Into::into)
-    }
-
-    /// The element count and a reader on the elements of an array field.
-    fn array(&self, field: Field) -> Decoded<Option<(u32, Reader<'a>)>> {
-        let Some(mut r) = self.reader(field) else {
-            return Ok(None);
-        };
-        match r.item()? {
-            Item::Array(len) => Ok(Some((len, r))),
-            _ => Err(DropReason::Malformed),
-        }
+            .map_err(|_| DropReason::Malformed)
     }
 
     fn str(&self, field: Field) -> Decoded<Option<&'a str>> {
@@ -200,69 +327,14 @@ impl<'a> Fields<'a> {
     }
 
     fn hash(&self, field: Field) -> Decoded<Option<i64>> {
-        self.item(field)?.map(hash).transpose()
-    }
-
-    /// Appends the folded hashes of a required hash-list field to `out`.
-    fn hashes(&self, field: Field, out: &mut Vec<i64>) -> Decoded<()> {
-        let (len, mut r) = self.array(field)?.ok_or(DropReason::Malformed)?;
-        // The count is backed by real bytes (one at least per hash).
-        out.reserve(len as usize);
-        for _ in 0..len {
-            out.push(hash(r.item()?)?);
-        }
-        Ok(())
-    }
-
-    /// Replaces `out` with the token ids of a required token field, folding
-    /// `[token, next]` cells to `token`.
-    fn tokens(&self, field: Field, out: &mut Vec<u32>) -> Decoded<()> {
-        let (len, mut r) = self.array(field)?.ok_or(DropReason::Malformed)?;
-        out.clear();
-        out.reserve(len as usize);
-        // All cells must share the first cell's shape.
-        let mut pairs = None;
-        for _ in 0..len {
-            let token = match (r.item()?, pairs) {
-                (Item::Int(v), None | Some(false)) => {
-                    pairs = Some(false);
-                    token(Item::Int(v))?
-                }
-                (Item::Array(2), None | Some(true)) => {
-                    pairs = Some(true);
-                    let first = token(r.item()?)?;
-                    token(r.item()?)?;
-                    first
-                }
-                _ => return Err(DropReason::Malformed),
-            };
-            out.push(token);
-        }
-        Ok(())
-    }
-}
-
-fn utf8(bytes: &[u8]) -> Option<&str> {
-    std::str::from_utf8(bytes).ok()
-}
-
-fn hash(item: Item<'_>) -> Decoded<i64> {
-    match item {
-        Item::Int(v) => Ok(fold_int(v)),
-        Item::Bin(bytes) => Ok(fold_bytes(bytes)),
-        _ => Err(DropReason::Malformed),
-    }
-}
-
-fn token(item: Item<'_>) -> Decoded<u32> {
-    match item {
-        Item::Int(v) => u32::try_from(v).map_err(|_| DropReason::Malformed),
-        _ => Err(DropReason::Malformed),
+        self.item(field)?
+            .map(|item| hash(item).ok_or(DropReason::Malformed))
+            .transpose()
     }
 }
 
 /// Where an event's blocks live and which cache group they belong to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Placement<'a> {
     pub medium: Option<&'a str>,
     pub group_idx: Option<u32>,
@@ -314,27 +386,26 @@ pub(crate) enum Event<'a, 's> {
     Cleared { ownership: Option<&'a str> },
 }
 
-/// Buffers reused from event to event, so a store costs no allocation
-/// before it is known to be forwarded.
-#[derive(Debug, Default)]
-pub(crate) struct Scratch {
-    hashes: Vec<i64>,
-    tokens: Vec<u32>,
-}
-
-/// Reads one event from its complete encoded value.
-pub(crate) fn decode<'a, 's>(raw: &'a [u8], scratch: &'s mut Scratch) -> Decoded<Event<'a, 's>> {
-    let (ty, fields) = Fields::read(raw)?;
-    Ok(match ty {
-        Type::Stored => {
-            scratch.hashes.clear();
-            fields.hashes(Field::BlockHashes, &mut scratch.hashes)?;
-            fields.tokens(Field::TokenIds, &mut scratch.tokens)?;
-            Event::Stored(Stored {
+/// Reads one event from the payload, consuming exactly its value: the outer
+/// error is a broken payload, the inner one a dropped event.
+pub(crate) fn read<'a, 's>(
+    r: &mut Reader<'a>,
+    scratch: &'s mut Scratch,
+) -> Result<Decoded<Event<'a, 's>>, msgpack::Error> {
+    let RawEvent {
+        ty,
+        fields,
+        hashes,
+        tokens,
+    } = RawEvent::read(r, scratch)?;
+    let scratch: &'s Scratch = scratch;
+    let event = ty.and_then(|ty| {
+        Ok(match ty {
+            Type::Stored => Event::Stored(Stored {
                 placement: Placement::read(&fields)?,
-                hashes: &scratch.hashes,
+                hashes: hashes.require(&scratch.hashes)?,
                 parent: fields.hash(Field::ParentBlockHash)?,
-                tokens: &scratch.tokens,
+                tokens: tokens.require(&scratch.tokens)?,
                 block_size: fields.int(Field::BlockSize)?.ok_or(DropReason::Malformed)?,
                 lora_id: fields.int(Field::LoraId)?,
                 lora_name: fields.str(Field::LoraName)?,
@@ -342,24 +413,21 @@ pub(crate) fn decode<'a, 's>(raw: &'a [u8], scratch: &'s mut Scratch) -> Decoded
                 session_id: fields.str(Field::SessionId)?,
                 sliding_window: fields.int(Field::SlidingWindow)?,
                 extra_keys: ExtraKeys::read(&fields)?,
-            })
-        }
-        Type::Removed => {
-            let mut hashes = Vec::new();
-            fields.hashes(Field::BlockHashes, &mut hashes)?;
-            Event::Removed(Removed {
+            }),
+            Type::Removed => Event::Removed(Removed {
                 placement: Placement::read(&fields)?,
-                hashes,
-            })
-        }
-        Type::Cleared => Event::Cleared {
-            ownership: fields.str(Field::Ownership)?,
-        },
-    })
+                hashes: hashes.require(&scratch.hashes)?.to_vec(),
+            }),
+            Type::Cleared => Event::Cleared {
+                ownership: fields.str(Field::Ownership)?,
+            },
+        })
+    });
+    Ok(event)
 }
 
 /// The per-block `extra_keys` lists of a store, handed out block by block.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct ExtraKeys<'a> {
     reader: Reader<'a>,
     blocks_left: u32,
@@ -367,13 +435,19 @@ pub(crate) struct ExtraKeys<'a> {
 
 impl<'a> ExtraKeys<'a> {
     fn read(fields: &Fields<'a>) -> Decoded<Self> {
-        let (blocks_left, reader) = fields
-            .array(Field::ExtraKeys)?
-            .unwrap_or((0, Reader::new(&[])));
-        Ok(ExtraKeys {
-            reader,
-            blocks_left,
-        })
+        let Some(mut reader) = fields.reader(Field::ExtraKeys) else {
+            return Ok(ExtraKeys {
+                reader: Reader::new(&[]),
+                blocks_left: 0,
+            });
+        };
+        match reader.item() {
+            Ok(Item::Array(blocks_left)) => Ok(ExtraKeys {
+                reader,
+                blocks_left,
+            }),
+            _ => Err(DropReason::Malformed),
+        }
     }
 
     /// The next block's keys: str → text, int → number, bin → blob,

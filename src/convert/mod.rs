@@ -1,12 +1,13 @@
 //! Engine payload bytes (frame 3 of a ZMQ KV-event message) → proto events.
 //!
-//! Invariant: a payload converts as a whole or leaves no trace. The envelope
-//! `[ts, events, dp_rank, ...]` is walked completely first (every claimed
-//! length checked against the bytes actually there); only a payload that
-//! passes is decoded event by event, so a truncated or foreign payload spends
-//! no event ids, teaches no group kinds and adds nothing to the [`Tally`].
-//! Inside a good payload each event fails alone: it is dropped and counted by
-//! reason, and still consumes its `event_id`.
+//! Invariant: a payload converts as a whole or leaves no trace. It is read
+//! in one pass, envelope `[ts, events, dp_rank, ...]` and events together
+//! (the bytes are walked once: this is the hot path); if it turns out
+//! truncated or foreign anywhere, the event ids it spent, the group kinds it
+//! taught and its counts are all undone, and nothing is returned. Inside a
+//! good payload each event fails alone: it is dropped and counted by reason,
+//! and still consumes its `event_id`. Nothing is reserved for a claimed
+//! length beyond what the remaining bytes could hold.
 //!
 //! Envelope leniency (contract section 2): 2 slots (vLLM 0.9.0), a nil rank
 //! and extra trailing slots are accepted; `ts` may be any number. Bytes after
@@ -24,13 +25,15 @@ mod tally;
 #[cfg(test)]
 mod tests;
 
-use std::ops::Range;
-
 pub use hash::{fold_bytes, fold_int};
 pub use tally::{DropReason, EventKind, Tally};
 
 use crate::proto::common::KvCacheEvent;
 use msgpack::{Item, Reader};
+
+/// The smallest event that can be forwarded, `["AllBlocksCleared"]`: the
+/// output never needs room for more events than the payload has bytes for.
+const MIN_FORWARDED_EVENT_BYTES: usize = 18;
 
 /// Turns engine payloads into proto events; one per kvgate, fed by every rank.
 #[derive(Debug)]
@@ -39,8 +42,6 @@ pub struct Converter {
     next_event_id: u64,
     normalizer: normalize::Normalizer,
     scratch: event::Scratch,
-    /// Where each event of the payload being converted starts and ends.
-    spans: Vec<Range<usize>>,
 }
 
 /// One payload's worth of output.
@@ -94,7 +95,6 @@ impl Converter {
             next_event_id: 1,
             normalizer: normalize::Normalizer::default(),
             scratch: event::Scratch::default(),
-            spans: Vec::new(),
         }
     }
 
@@ -109,14 +109,52 @@ impl Converter {
         payload: &[u8],
         tally: &mut Tally,
     ) -> Result<ConvertedPayload, PayloadError> {
-        let (timestamp, dp_rank) = scan_envelope(payload, &mut self.spans)?;
-        // Every forwardable event takes at least `["AllBlocksCleared"]`'s 18
-        // bytes, so this never reserves for events the bytes cannot hold.
-        let mut events = Vec::with_capacity(self.spans.len().min(payload.len() / 18));
-        for span in &self.spans {
+        let first_event_id = self.next_event_id;
+        let mut counted = Tally::default();
+        let converted = self.convert_payload(rank, payload, &mut counted);
+        if converted.is_ok() {
+            tally.add(&counted);
+            self.normalizer.commit();
+        } else {
+            self.next_event_id = first_event_id;
+            self.normalizer.roll_back();
+        }
+        converted
+    }
+
+    /// Forgets what `rank`'s cache groups were (call when its engine
+    /// restarts: the new one may serve another model).
+    pub fn forget_rank(&mut self, rank: u32) {
+        self.normalizer.forget_rank(rank);
+    }
+
+    /// Reads the envelope `[ts, events, dp_rank, ...]` and its events in one
+    /// pass; any error leaves the caller to undo what the events did.
+    fn convert_payload(
+        &mut self,
+        rank: u32,
+        payload: &[u8],
+        tally: &mut Tally,
+    ) -> Result<ConvertedPayload, PayloadError> {
+        let mut r = Reader::new(payload);
+        let slots = match r.item()? {
+            Item::Array(slots) if slots >= 2 => slots,
+            Item::Array(_) => return Err(PayloadError::BadEnvelope("fewer than 2 slots")),
+            _ => return Err(PayloadError::BadEnvelope("not an array")),
+        };
+        let timestamp = match r.item()? {
+            Item::Float(ts) => ts,
+            Item::Int(ts) => ts as f64,
+            _ => return Err(PayloadError::BadEnvelope("ts is not a number")),
+        };
+        let Item::Array(count) = r.item()? else {
+            return Err(PayloadError::BadEnvelope("events is not an array"));
+        };
+        let mut events = Vec::with_capacity(r.room_for(count, MIN_FORWARDED_EVENT_BYTES));
+        for _ in 0..count {
             let event_id = self.next_event_id;
             self.next_event_id += 1;
-            let converted = event::decode(&payload[span.clone()], &mut self.scratch)
+            let converted = event::read(&mut r, &mut self.scratch)?
                 .and_then(|event| self.normalizer.normalize(rank, event));
             match converted {
                 Ok((kind, data)) => {
@@ -129,58 +167,23 @@ impl Converter {
                 Err(reason) => tally.count_dropped(reason),
             }
         }
+        let dp_rank = if slots >= 3 {
+            match r.item()? {
+                Item::Nil => None,
+                Item::Int(rank) => Some(
+                    u32::try_from(rank)
+                        .map_err(|_| PayloadError::BadEnvelope("dp_rank out of range"))?,
+                ),
+                _ => return Err(PayloadError::BadEnvelope("dp_rank is not an int")),
+            }
+        } else {
+            None
+        };
+        r.skip_values(u64::from(slots).saturating_sub(3))?;
         Ok(ConvertedPayload {
             timestamp,
             dp_rank,
             events,
         })
     }
-
-    /// Forgets what `rank`'s cache groups were (call when its engine
-    /// restarts: the new one may serve another model).
-    pub fn forget_rank(&mut self, rank: u32) {
-        self.normalizer.forget_rank(rank);
-    }
-}
-
-/// Walks the whole envelope, recording each event's span; returns `ts` and
-/// the rank.
-fn scan_envelope(
-    payload: &[u8],
-    spans: &mut Vec<Range<usize>>,
-) -> Result<(f64, Option<u32>), PayloadError> {
-    spans.clear();
-    let mut r = Reader::new(payload);
-    let slots = match r.item()? {
-        Item::Array(slots) if slots >= 2 => slots,
-        Item::Array(_) => return Err(PayloadError::BadEnvelope("fewer than 2 slots")),
-        _ => return Err(PayloadError::BadEnvelope("not an array")),
-    };
-    let timestamp = match r.item()? {
-        Item::Float(ts) => ts,
-        Item::Int(ts) => ts as f64,
-        _ => return Err(PayloadError::BadEnvelope("ts is not a number")),
-    };
-    let Item::Array(count) = r.item()? else {
-        return Err(PayloadError::BadEnvelope("events is not an array"));
-    };
-    for _ in 0..count {
-        let start = r.position();
-        r.skip_values(1)?;
-        spans.push(start..r.position());
-    }
-    let dp_rank = if slots >= 3 {
-        match r.item()? {
-            Item::Nil => None,
-            Item::Int(rank) => Some(
-                u32::try_from(rank)
-                    .map_err(|_| PayloadError::BadEnvelope("dp_rank out of range"))?,
-            ),
-            _ => return Err(PayloadError::BadEnvelope("dp_rank is not an int")),
-        }
-    } else {
-        None
-    };
-    r.skip_values(u64::from(slots).saturating_sub(3))?;
-    Ok((timestamp, dp_rank))
 }

@@ -56,15 +56,17 @@ impl<'a> Reader<'a> {
         Reader { buf, pos: 0 }
     }
 
-    pub(crate) fn position(&self) -> usize {
-        self.pos
-    }
-
     fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
 
-    #[inline]
+    /// How many of `claimed` values of at least `min_bytes` each can really
+    /// follow: what a buffer for them may reserve before they are read.
+    pub(crate) fn room_for(&self, claimed: u32, min_bytes: usize) -> usize {
+        (claimed as usize).min(self.remaining() / min_bytes)
+    }
+
+    #[inline(always)]
     fn take(&mut self, len: usize) -> Result<&'a [u8], Error> {
         let bytes = self
             .pos
@@ -75,7 +77,7 @@ impl<'a> Reader<'a> {
         Ok(bytes)
     }
 
-    #[inline]
+    #[inline(always)]
     fn be<const N: usize>(&mut self) -> Result<[u8; N], Error> {
         let bytes = self.take(N)?;
         bytes.first_chunk::<N>().copied().ok_or(Error::Truncated)
@@ -94,13 +96,13 @@ impl<'a> Reader<'a> {
     }
 
     fn ext(&mut self, data_len: usize) -> Result<Item<'a>, Error> {
-        // The type byte precedes the data.
-        self.take(1 + data_len)?;
+        let _type = self.take(1)?;
+        self.take(data_len)?;
         Ok(Item::Ext)
     }
 
     /// Reads the next item; for a str, bin or ext this consumes its payload.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn item(&mut self) -> Result<Item<'a>, Error> {
         let [byte] = self.be::<1>()?;
         Ok(match Marker::from_u8(byte) {
@@ -173,23 +175,52 @@ impl<'a> Reader<'a> {
 
     /// Skips `count` complete values.
     pub(crate) fn skip_values(&mut self, count: u64) -> Result<(), Error> {
+        // Every scalar field of every event is captured by skipping it, so
+        // this loop keeps its position in a local and sizes the common markers
+        // itself; `item` handles the rest (a unit test checks both agree on
+        // all 256 markers).
+        let buf = self.buf;
+        let mut pos = self.pos;
         let mut owed = count;
         while owed > 0 {
-            if owed > self.remaining() as u64 {
+            if owed > buf.len().saturating_sub(pos) as u64 {
                 return Err(Error::Truncated);
             }
             owed -= 1;
-            // One-byte values (fixints, nil, bools) are most of what is skipped.
-            if let Some(0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3) = self.buf.get(self.pos) {
-                self.pos += 1;
-                continue;
-            }
-            match self.item()? {
-                Item::Array(len) => owed += u64::from(len),
-                Item::Map(len) => owed += 2 * u64::from(len),
-                _ => {}
+            let Some(&byte) = buf.get(pos) else {
+                return Err(Error::Truncated);
+            };
+            let size = match byte {
+                0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => 1,
+                0xa0..=0xbf => 1 + usize::from(byte & 0x1f),
+                0x90..=0x9f => {
+                    owed += u64::from(byte & 0x0f);
+                    1
+                }
+                0x80..=0x8f => {
+                    owed += 2 * u64::from(byte & 0x0f);
+                    1
+                }
+                0xcc | 0xd0 => 2,
+                0xcd | 0xd1 => 3,
+                0xca | 0xce | 0xd2 => 5,
+                0xcb | 0xcf | 0xd3 => 9,
+                _ => {
+                    self.pos = pos;
+                    match self.item()? {
+                        Item::Array(len) => owed += u64::from(len),
+                        Item::Map(len) => owed += 2 * u64::from(len),
+                        _ => {}
+                    }
+                    self.pos - pos
+                }
+            };
+            pos += size;
+            if pos > buf.len() {
+                return Err(Error::Truncated);
             }
         }
+        self.pos = pos;
         Ok(())
     }
 
@@ -200,6 +231,14 @@ impl<'a> Reader<'a> {
             Item::Map(len) => self.skip_values(2 * u64::from(len)),
             _ => Ok(()),
         }
+    }
+
+    /// Reads one complete value but returns only its head: a container's
+    /// elements are skipped.
+    pub(crate) fn value_head(&mut self) -> Result<Item<'a>, Error> {
+        let head = self.item()?;
+        self.skip_contents(head)?;
+        Ok(head)
     }
 
     /// Skips one complete value and returns its encoded bytes.
@@ -217,7 +256,7 @@ mod tests {
     fn items(bytes: &[u8]) -> Result<Vec<Item<'_>>, Error> {
         let mut r = Reader::new(bytes);
         let mut out = Vec::new();
-        while r.position() < bytes.len() {
+        while r.remaining() > 0 {
             out.push(r.item()?);
         }
         Ok(out)
@@ -287,6 +326,25 @@ mod tests {
                 Err(Error::Truncated),
                 "cut at {cut}"
             );
+        }
+    }
+
+    #[test]
+    fn skipping_sizes_every_marker_exactly_as_reading_it_does() {
+        for marker in 0..=u8::MAX {
+            for fill in [0x00, 0x01] {
+                let mut bytes = vec![marker];
+                bytes.resize(1 + 600, fill);
+                let mut skipped = Reader::new(&bytes);
+                let skip = skipped.skip_values(1).map(|()| skipped.remaining());
+                let mut read = Reader::new(&bytes);
+                let head = read.item().and_then(|head| read.skip_contents(head));
+                assert_eq!(
+                    skip,
+                    head.map(|()| read.remaining()),
+                    "marker {marker:#04x}, fill {fill}"
+                );
+            }
         }
     }
 

@@ -38,7 +38,7 @@ const MAIN_ATTENTION_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sin
 
 /// The tier a medium names; `None` for an unknown medium. No medium means
 /// the engine's own device cache.
-pub(crate) fn tier_for_medium(medium: Option<&str>) -> Option<KvCacheTier> {
+fn tier_for_medium(medium: Option<&str>) -> Option<KvCacheTier> {
     let Some(medium) = medium else {
         return Some(KvCacheTier::Device);
     };
@@ -49,7 +49,7 @@ pub(crate) fn tier_for_medium(medium: Option<&str>) -> Option<KvCacheTier> {
 }
 
 /// The `cache_level` the router expects for a tier (unset on the device).
-pub(crate) fn cache_level(tier: KvCacheTier) -> Option<i32> {
+fn cache_level(tier: KvCacheTier) -> Option<i32> {
     match tier {
         KvCacheTier::Unspecified | KvCacheTier::Device => None,
         KvCacheTier::Host => Some(1),
@@ -66,11 +66,19 @@ fn non_empty(s: Option<&str>) -> Option<&str> {
     s.filter(|s| !s.is_empty())
 }
 
+/// At most this many `(rank, group)` kinds are remembered: engines have a
+/// handful of groups, and a stream of made-up group ids must not grow memory
+/// without bound. Groups beyond it are judged by their own events' kinds only.
+pub(crate) const MAX_REMEMBERED_GROUPS: usize = 1024;
+
 /// Cross-event memory: which cache groups of each rank are main attention.
 #[derive(Debug, Default)]
 pub(crate) struct Normalizer {
     /// `(rank, group_idx)` → whether that group is main attention.
     group_is_main: HashMap<(u32, u32), bool>,
+    /// What the payload being converted changed in `group_is_main`, with the
+    /// values before, so a payload that fails can be undone.
+    journal: Vec<((u32, u32), Option<bool>)>,
     /// Reused to find repeated hashes without allocating per store.
     sorted: Vec<i64>,
 }
@@ -78,6 +86,21 @@ pub(crate) struct Normalizer {
 impl Normalizer {
     pub(crate) fn forget_rank(&mut self, rank: u32) {
         self.group_is_main.retain(|&(r, _), _| r != rank);
+    }
+
+    /// Keeps what the current payload taught.
+    pub(crate) fn commit(&mut self) {
+        self.journal.clear();
+    }
+
+    /// Forgets what the current payload taught.
+    pub(crate) fn roll_back(&mut self) {
+        for (group, before) in self.journal.drain(..).rev() {
+            match before {
+                Some(main) => self.group_is_main.insert(group, main),
+                None => self.group_is_main.remove(&group),
+            };
+        }
     }
 
     pub(crate) fn normalize(
@@ -140,7 +163,13 @@ impl Normalizer {
         });
         match (group_idx, kind_is_main) {
             (Some(group), Some(main)) => {
-                self.group_is_main.insert((rank, group), main);
+                let key = (rank, group);
+                let before = self.group_is_main.get(&key).copied();
+                let room = before.is_some() || self.group_is_main.len() < MAX_REMEMBERED_GROUPS;
+                if before != Some(main) && room {
+                    self.group_is_main.insert(key, main);
+                    self.journal.push((key, before));
+                }
                 main
             }
             (Some(group), None) => self

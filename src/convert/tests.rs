@@ -174,6 +174,12 @@ fn assert_dropped(event: V, reason: DropReason) {
 // ---- envelope ----
 
 #[test]
+fn a_converter_can_move_to_another_thread() {
+    fn send<T: Send>(_: T) {}
+    send(Converter::new());
+}
+
+#[test]
 fn a_three_slot_envelope_gives_timestamp_rank_and_events() {
     let payload = a([
         V::F(1767225600.25),
@@ -1038,6 +1044,112 @@ fn group_kinds_are_remembered_per_rank_and_followed_by_kindless_events() {
     let mut run = |rank, events| convert_with(&mut converter, rank, events).0.len();
     assert_eq!(run(0, vec![kindless_removal.clone()]), 1);
     assert_eq!(run(1, vec![kindless_removal]), 0);
+}
+
+#[test]
+fn a_payload_that_fails_teaches_no_group_kind() {
+    let sliding = stored(
+        &[1],
+        &[
+            ("group_idx", V::U(1)),
+            ("kv_cache_spec_kind", s("sliding_window")),
+        ],
+    );
+    let full = stored(
+        &[1],
+        &[
+            ("group_idx", V::U(1)),
+            ("kv_cache_spec_kind", s("full_attention")),
+        ],
+    );
+    let kindless_removal = removed(&[1], &[("group_idx", V::U(1))]);
+    let mut converter = Converter::new();
+    for before in [None, Some(full)] {
+        if let Some(full) = before {
+            convert_with(&mut converter, 0, vec![full]);
+        }
+        let broken = batch(vec![sliding.clone(), sliding.clone()]);
+        let mut tally = Tally::default();
+        assert!(
+            converter
+                .convert(0, &broken[..broken.len() - 2], &mut tally)
+                .is_err()
+        );
+        let (out, _) = convert_with(&mut converter, 0, vec![kindless_removal.clone()]);
+        assert_eq!(out.len(), 1, "group 1 still counts as main");
+    }
+}
+
+#[test]
+fn remembered_group_kinds_are_capped() {
+    let sliding = |group| {
+        stored(
+            &[1],
+            &[
+                ("group_idx", V::U(group)),
+                ("kv_cache_spec_kind", s("sliding_window")),
+            ],
+        )
+    };
+    let kindless = |group| removed(&[1], &[("group_idx", V::U(group))]);
+    let mut converter = Converter::new();
+    let groups = normalize::MAX_REMEMBERED_GROUPS as u64;
+    let (_, tally) = convert_with(&mut converter, 0, (0..=groups).map(sliding).collect());
+    assert_eq!(
+        tally.dropped(DropReason::NonMainAttentionGroup),
+        groups + 1,
+        "kinds still apply to their own events"
+    );
+    let (out, _) = convert_with(
+        &mut converter,
+        0,
+        vec![kindless(0), kindless(groups - 1), kindless(groups)],
+    );
+    assert_eq!(
+        out.len(),
+        1,
+        "only the group past the cap was not remembered"
+    );
+}
+
+#[test]
+fn an_unreadable_event_of_any_shape_leaves_the_next_one_intact() {
+    let junk_tokens = a([
+        V::U(1),
+        m(&[("a", ints([1, 2, 3]))]),
+        a([ints([4]), V::U(5)]),
+        V::U(2),
+    ]);
+    let junk_hashes = a([V::U(1), a([a([V::U(1)]), m(&[("x", V::Nil)])]), V::U(2)]);
+    let junk = [
+        stored(&[1], &[("token_ids", junk_tokens)]),
+        stored(&[1], &[("block_hashes", junk_hashes)]),
+        stored(
+            &[1],
+            &[("token_ids", a([a([ints([1]), V::U(2)]), ints([3, 4])]))],
+        ),
+        stored(&[1], &[("token_ids", m(&[("k", ints([1, 2]))]))]),
+        stored(&[1], &[("block_hashes", m(&[("k", ints([1, 2]))]))]),
+        a([
+            s("BlockPinned"),
+            ints([1, 2]),
+            m(&[("k", a([V::Nil]))]),
+            ints([3]),
+        ]),
+        a([a([s("BlockStored")]), ints([1])]),
+        V::M(vec![
+            (ints([1, 2]), ints([3])),
+            (m(&[("type", s("BlockStored"))]), V::Nil),
+        ]),
+        m(&[("type", a([s("BlockStored")]))]),
+        m(&[("type", s("BlockStored")), ("type", s("BlockPinned"))]),
+    ];
+    for event in junk {
+        let (out, tally) = convert(vec![event.clone(), removed(&[7], &[])]);
+        assert_eq!(tally.total_dropped(), 1, "{event:?}");
+        assert_eq!(out.len(), 1, "{event:?}");
+        assert_eq!(out[0].event_id, 2);
+    }
 }
 
 #[test]

@@ -8,71 +8,17 @@
 //! encoded once, here, as they arrive; closing a batch only prepends its
 //! header.
 
-use bytes::{Bytes, BytesMut};
 use prost::Message;
 use prost::encoding;
 
-use crate::proto::common::{KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data};
+use crate::hub::batch::{EVENTS_FIELD, OpenBatch};
+use crate::proto::common::{KvCacheEvent, kv_cache_event::Data};
 
 /// Limits of one outgoing batch.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLimits {
     pub max_events: usize,
     pub max_bytes: usize,
-}
-
-/// The field number of `KvEventBatch.events`.
-const EVENTS_FIELD: u32 = 3;
-
-/// A batch being filled, its events already encoded as `events` fields.
-#[derive(Debug, Default)]
-pub struct OpenBatch {
-    events: BytesMut,
-    count: u32,
-    /// Engine timestamp of the newest event (Unix seconds).
-    timestamp: f64,
-}
-
-impl OpenBatch {
-    pub fn is_empty(&self) -> bool {
-        self.count == 0
-    }
-
-    pub fn event_count(&self) -> u32 {
-        self.count
-    }
-
-    fn fits(&self, limits: BatchLimits, entry_len: usize) -> bool {
-        (self.count as usize) < limits.max_events && self.events.len() + entry_len <= limits.max_bytes
-    }
-
-    fn push(&mut self, event: &KvCacheEvent, timestamp: f64) {
-        encoding::message::encode(EVENTS_FIELD, event, &mut self.events);
-        self.count += 1;
-        self.timestamp = timestamp;
-    }
-
-    /// The complete `KvEventBatch` bytes for `sequence` on `rank`.
-    pub fn encode(&self, rank: u32, sequence: u64, snapshot: Option<&KvSnapshotChunk>) -> Bytes {
-        let mut out = BytesMut::with_capacity(self.events.len() + 32);
-        encoding::uint64::encode(1, &sequence, &mut out);
-        if self.timestamp != 0.0 {
-            encoding::double::encode(2, &self.timestamp, &mut out);
-        }
-        out.extend_from_slice(&self.events);
-        encoding::int32::encode(4, &(rank as i32), &mut out);
-        if let Some(chunk) = snapshot {
-            encoding::message::encode(7, chunk, &mut out);
-        }
-        out.freeze()
-    }
-
-    pub fn with_timestamp(timestamp: f64) -> Self {
-        Self {
-            timestamp,
-            ..Self::default()
-        }
-    }
 }
 
 /// Fills batches for one rank, handing over each full one.
@@ -99,7 +45,10 @@ impl Batcher {
             }
             return;
         }
-        if !self.open.fits(self.limits, len) {
+        if !self
+            .open
+            .fits(self.limits.max_events, self.limits.max_bytes, len)
+        {
             full(std::mem::take(&mut self.open));
         }
         self.open.push(&event, timestamp);
@@ -236,7 +185,7 @@ mod tests {
         }
         batches.extend(batcher.close());
         assert!(batches.len() > 1);
-        assert!(batches.iter().all(|b| b.events.len() <= 4096));
+        assert!(batches.iter().all(|b| b.events_len() <= 4096));
         let total: u32 = batches.iter().map(|b| b.event_count()).sum();
         assert_eq!(total, 100);
     }
@@ -245,7 +194,7 @@ mod tests {
     fn an_oversized_store_becomes_a_parent_linked_chain_of_stores() {
         let limits = BatchLimits {
             max_events: 1024,
-            max_bytes: 2048,
+            max_bytes: 512,
         };
         let batches = collect(limits, vec![stored(10..60, 16)]);
         let events: Vec<_> = batches.iter().flat_map(|b| b.events.clone()).collect();
@@ -261,7 +210,7 @@ mod tests {
             hashes.extend(stored.blocks.iter().map(|b| b.block_hash));
         }
         assert_eq!(hashes, (10..60).collect::<Vec<_>>());
-        assert!(batches.iter().all(|b| b.encoded_len() <= 2048 + 32));
+        assert!(batches.iter().all(|b| b.encoded_len() <= 512 + 32));
     }
 
     #[test]
@@ -286,6 +235,9 @@ mod tests {
             };
             hashes.extend(removed.block_hashes.iter().copied());
         }
-        assert_eq!(hashes, (0..1000).map(|h| -h * 1_000_000_007).collect::<Vec<_>>());
+        assert_eq!(
+            hashes,
+            (0..1000).map(|h| -h * 1_000_000_007).collect::<Vec<_>>()
+        );
     }
 }

@@ -21,11 +21,13 @@ use tokio::sync::mpsc;
 use tracing::warn;
 
 use crate::convert::{Converter, Tally};
-use crate::hub::HubWriter;
+use crate::hub::OpenBatch;
+use crate::hub::state::LiveState;
+use crate::hub::{CutRequest, HubWriter, SnapshotCut};
 use crate::metrics::Metrics;
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, kv_cache_event::Data};
 use crate::source::{EngineMessage, SourceEvent};
-use batcher::{BatchLimits, Batcher, OpenBatch};
+use batcher::{BatchLimits, Batcher};
 use sequence::Sequencer;
 
 /// Upper bound on engine messages folded into one drain cycle, so a flood
@@ -43,6 +45,10 @@ pub struct Drain {
     since_rank0: BTreeSet<u32>,
     /// Ranks whose publisher restarted and that still owe subscribers a clear.
     owe_clear: BTreeSet<u32>,
+    state: LiveState,
+    /// The first engine sequence number seen per rank since its publisher
+    /// (re)started: that many engine messages came before kvgate's record.
+    first_engine_sequence: BTreeMap<u32, u64>,
     hub: HubWriter,
     metrics: Metrics,
 }
@@ -57,6 +63,8 @@ impl Drain {
             ready: Vec::new(),
             since_rank0: BTreeSet::new(),
             owe_clear: BTreeSet::new(),
+            state: LiveState::default(),
+            first_engine_sequence: BTreeMap::new(),
             hub,
             metrics,
         }
@@ -65,17 +73,43 @@ impl Drain {
     /// Runs until every source sender is gone, then closes the hub so each
     /// subscriber's stream ends cleanly.
     pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>) {
-        while let Some(first) = events.recv().await {
-            self.ingest(first);
-            for _ in 1..MAX_MESSAGES_PER_CYCLE {
-                match events.try_recv() {
-                    Ok(event) => self.ingest(event),
-                    Err(_) => break,
+        loop {
+            // Cuts are taken between cycles, when everything applied to the
+            // state has been published.
+            tokio::select! {
+                request = self.hub.next_cut_request() => self.answer(request),
+                first = events.recv() => {
+                    let Some(first) = first else { break };
+                    self.ingest(first);
+                    for _ in 1..MAX_MESSAGES_PER_CYCLE {
+                        match events.try_recv() {
+                            Ok(event) => self.ingest(event),
+                            Err(_) => break,
+                        }
+                    }
+                    self.flush();
                 }
             }
-            self.flush();
         }
         self.hub.close();
+    }
+
+    fn answer(&mut self, request: CutRequest) {
+        request.answer(self.cut());
+    }
+
+    /// The state now, with each known rank's last sequence number.
+    pub fn cut(&self) -> SnapshotCut {
+        let mut last_sequences = BTreeMap::new();
+        for rank in self.sequencer.ranks().chain(self.state.ranks()) {
+            last_sequences.insert(rank, self.sequencer.last(rank));
+        }
+        SnapshotCut {
+            state: self.state.cut(),
+            last_sequences,
+            position: self.hub.next_position() - 1,
+            unknown_before: self.first_engine_sequence.values().sum(),
+        }
     }
 
     /// Handles one source event; batches that fill up wait in `ready`.
@@ -86,12 +120,18 @@ impl Drain {
                 // What the old engine sent still goes out, then the clear.
                 self.close_batch(rank);
                 self.owe_clear.insert(rank);
+                self.state.reset_rank(rank);
+                self.converter.forget_rank(rank);
+                self.first_engine_sequence.remove(&rank);
             }
         }
     }
 
     fn ingest_message(&mut self, message: EngineMessage) {
         let rank = message.rank;
+        self.first_engine_sequence
+            .entry(rank)
+            .or_insert(message.engine_sequence);
         let mut tally = Tally::default();
         let converted = self.converter.convert(rank, &message.payload, &mut tally);
         self.metrics.record_tally(rank, &tally);
@@ -118,7 +158,9 @@ impl Drain {
         }
     }
 
-    fn push_event(&mut self, rank: u32, event: KvCacheEvent, timestamp: f64) {
+    /// Records `event` in the state (which may complete it) and batches it.
+    fn push_event(&mut self, rank: u32, mut event: KvCacheEvent, timestamp: f64) {
+        self.state.apply(rank, &mut event);
         let limits = self.limits;
         let ready = &mut self.ready;
         self.batchers
@@ -160,9 +202,12 @@ impl Drain {
         let sequence = self.sequencer.assign(rank);
         let encoded = batch.encode(rank, sequence, None);
         self.metrics.batches_out.inc();
-        self.metrics.events_out.inc_by(u64::from(batch.event_count()));
+        self.metrics
+            .events_out
+            .inc_by(u64::from(batch.event_count()));
         self.metrics.bytes_out.inc_by(encoded.len() as u64);
-        self.hub.publish(rank, sequence, batch.event_count(), encoded);
+        self.hub
+            .publish(rank, sequence, batch.event_count(), encoded);
     }
 }
 

@@ -200,7 +200,11 @@ mod tests {
         writer.push(batch(3, 0, 51, 1));
         assert_eq!(history.rank0_position(50), Some(1));
         assert_eq!(history.rank0_position(51), Some(3));
-        assert_eq!(history.rank0_position(80), None, "rank 1's numbers are not rank 0's");
+        assert_eq!(
+            history.rank0_position(80),
+            None,
+            "rank 1's numbers are not rank 0's"
+        );
         for position in 4..=8 {
             writer.push(batch(position, 1, 77 + position, 1));
         }

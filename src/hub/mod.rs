@@ -9,15 +9,31 @@
 
 pub mod batch;
 pub mod history;
+pub mod snapshot;
 pub mod state;
 pub mod subscription;
 
 use std::sync::Arc;
 
 use async_broadcast::{InactiveReceiver, Receiver, Sender};
+use tokio::sync::{mpsc, oneshot};
 
-pub use batch::Batch;
+pub use batch::{Batch, OpenBatch};
 pub use history::{History, HistoryLimits, HistoryWriter};
+pub use snapshot::SnapshotCut;
+
+/// A subscriber asking the drain for a snapshot cut.
+pub struct CutRequest(oneshot::Sender<SnapshotCut>);
+
+impl CutRequest {
+    /// Hands the cut to the subscriber that asked (if it is still there).
+    pub fn answer(self, cut: SnapshotCut) {
+        let _ = self.0.send(cut);
+    }
+}
+
+/// Snapshot requests that may wait for the drain at once.
+const CUT_REQUEST_QUEUE: usize = 64;
 
 /// How many batches the live channel buffers per subscriber before a slow
 /// one starts refilling from the history instead.
@@ -28,6 +44,7 @@ pub struct HubWriter {
     live: Sender<Arc<Batch>>,
     history: HistoryWriter,
     next_position: u64,
+    cut_requests: mpsc::Receiver<CutRequest>,
 }
 
 /// The serving side of the hub; cheap to clone, one per subscriber.
@@ -36,6 +53,7 @@ pub struct HubReader {
     /// Keeps the channel open while nobody listens; activated per subscriber.
     live: InactiveReceiver<Arc<Batch>>,
     history: Arc<History>,
+    cut_requests: mpsc::Sender<CutRequest>,
 }
 
 /// Creates a hub whose live channel holds `live_capacity` batches.
@@ -44,14 +62,17 @@ pub fn hub(live_capacity: usize, limits: HistoryLimits) -> (HubWriter, HubReader
     live.set_overflow(true);
     live.set_await_active(false);
     let history = HistoryWriter::new(limits);
+    let (cut_sender, cut_requests) = mpsc::channel(CUT_REQUEST_QUEUE);
     let reader = HubReader {
         live: receiver.deactivate(),
         history: history.reader(),
+        cut_requests: cut_sender,
     };
     let writer = HubWriter {
         live,
         history,
         next_position: 1,
+        cut_requests,
     };
     (writer, reader)
 }
@@ -60,6 +81,14 @@ impl HubWriter {
     /// The position the next published batch will take.
     pub fn next_position(&self) -> u64 {
         self.next_position
+    }
+
+    /// The next snapshot request; pending forever once no reader is left.
+    pub async fn next_cut_request(&mut self) -> CutRequest {
+        match self.cut_requests.recv().await {
+            Some(request) => request,
+            None => std::future::pending().await,
+        }
     }
 
     /// Publishes an encoded batch to the history and every subscriber.
@@ -97,5 +126,12 @@ impl HubReader {
 
     pub fn history(&self) -> &History {
         &self.history
+    }
+
+    /// Asks the drain for a cut of the state; `None` once the drain is gone.
+    pub async fn cut(&self) -> Option<SnapshotCut> {
+        let (reply, cut) = oneshot::channel();
+        self.cut_requests.send(CutRequest(reply)).await.ok()?;
+        cut.await.ok()
     }
 }

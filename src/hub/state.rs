@@ -94,9 +94,8 @@ impl StoreFields {
 pub struct BlockRecord {
     parent: Option<i64>,
     tokens: Box<[u32]>,
-    /// Rare (LoRA names, multimodal items, salts): boxed so the common case
-    /// costs one pointer.
-    extra_keys: Option<Box<Vec<KvBlockExtraKey>>>,
+    /// Rare (LoRA names, multimodal items, salts); empty costs no allocation.
+    extra_keys: Box<[KvBlockExtraKey]>,
     fields: Arc<StoreFields>,
     block_size: i32,
     copies: u8,
@@ -123,7 +122,7 @@ impl BlockRecord {
             block_size: self.block_size,
             lora_id: self.fields.lora_id,
             cache_level: self.fields.cache_level,
-            extra_keys: self.extra_keys.as_deref().cloned().unwrap_or_default(),
+            extra_keys: self.extra_keys.to_vec(),
         }
     }
 }
@@ -189,6 +188,11 @@ impl LiveState {
         self.ranks.clone()
     }
 
+    /// Ranks that hold blocks.
+    pub fn ranks(&self) -> impl Iterator<Item = u32> + '_ {
+        self.ranks.keys().copied()
+    }
+
     pub fn rank(&self, rank: u32) -> Option<&RankBlocks> {
         self.ranks.get(&rank)
     }
@@ -197,14 +201,17 @@ impl LiveState {
         let tier = tier_index(stored.tier);
         let blocks = self.ranks.entry(rank).or_default();
         let map = &mut blocks.tiers[tier];
-        if stored.lora_name.is_none() || stored.cache_salt.is_none() {
-            if let Some(parent) = stored.parent_block_hash.and_then(|hash| map.get(&hash)) {
-                if stored.lora_name.is_none() {
-                    stored.lora_name = parent.fields.lora_name.clone();
-                }
-                if stored.cache_salt.is_none() {
-                    stored.cache_salt = parent.fields.cache_salt.clone();
-                }
+        let inherits = stored.lora_name.is_none() || stored.cache_salt.is_none();
+        if let Some(parent) = stored
+            .parent_block_hash
+            .filter(|_| inherits)
+            .and_then(|hash| map.get(&hash))
+        {
+            if stored.lora_name.is_none() {
+                stored.lora_name = parent.fields.lora_name.clone();
+            }
+            if stored.cache_salt.is_none() {
+                stored.cache_salt = parent.fields.cache_salt.clone();
             }
         }
         let fields = self.interned.intern(StoreFields::of(stored));
@@ -219,8 +226,7 @@ impl LiveState {
                     BlockRecord {
                         parent,
                         tokens: block.token_ids.as_slice().into(),
-                        extra_keys: (!block.extra_keys.is_empty())
-                            .then(|| Box::new(block.extra_keys.clone())),
+                        extra_keys: block.extra_keys.as_slice().into(),
                         fields: Arc::clone(&fields),
                         block_size: block.block_size,
                         copies: 1,
@@ -249,7 +255,10 @@ impl LiveState {
 
 fn tier_index(tier: Option<i32>) -> usize {
     let tier = tier.unwrap_or(KvCacheTier::Device as i32);
-    usize::try_from(tier).ok().filter(|&t| t < TIERS).unwrap_or(KvCacheTier::Device as usize)
+    usize::try_from(tier)
+        .ok()
+        .filter(|&t| t < TIERS)
+        .unwrap_or(KvCacheTier::Device as usize)
 }
 
 /// Hands out one shared `Arc` per distinct `StoreFields`, dropping entries no
@@ -267,7 +276,8 @@ impl Interner {
             return Arc::clone(shared);
         }
         if self.table.len() >= self.sweep_at {
-            self.table.retain(|shared, ()| Arc::strong_count(shared) > 1);
+            self.table
+                .retain(|shared, ()| Arc::strong_count(shared) > 1);
             self.sweep_at = (self.table.len() * 2).max(64);
         }
         let shared = Arc::new(fields);
@@ -331,8 +341,16 @@ mod tests {
         assert_eq!(live(&state, 0, KvCacheTier::Device), vec![1, 3]);
         assert_eq!(live(&state, 0, KvCacheTier::Host), vec![1]);
         assert_eq!(live(&state, 1, KvCacheTier::Device), vec![9]);
-        let record = state.rank(0).unwrap().get(KvCacheTier::Device as usize, 3).unwrap();
-        assert_eq!(record.parent(), Some(2), "a block's parent is the block before it in its store");
+        let record = state
+            .rank(0)
+            .unwrap()
+            .get(KvCacheTier::Device as usize, 3)
+            .unwrap();
+        assert_eq!(
+            record.parent(),
+            Some(2),
+            "a block's parent is the block before it in its store"
+        );
     }
 
     #[test]
@@ -381,14 +399,21 @@ mod tests {
         state.apply(0, &mut root);
         let mut child = store(Some(1), &[2], KvCacheTier::Device);
         state.apply(0, &mut child);
-        let Some(Data::Stored(child)) = child.data else { unreachable!() };
+        let Some(Data::Stored(child)) = child.data else {
+            unreachable!()
+        };
         assert_eq!(child.lora_name.as_deref(), Some("sql"));
         assert_eq!(child.cache_salt.as_deref(), Some("tenant-a"));
 
         let mut other_tier = store(Some(1), &[3], KvCacheTier::Host);
         state.apply(0, &mut other_tier);
-        let Some(Data::Stored(other_tier)) = other_tier.data else { unreachable!() };
-        assert_eq!(other_tier.lora_name, None, "a parent on another tier is not inherited from");
+        let Some(Data::Stored(other_tier)) = other_tier.data else {
+            unreachable!()
+        };
+        assert_eq!(
+            other_tier.lora_name, None,
+            "a parent on another tier is not inherited from"
+        );
     }
 
     #[test]
@@ -398,7 +423,10 @@ mod tests {
         let cut = state.cut();
         state.apply(0, &mut remove(&[1], KvCacheTier::Device));
         state.apply(0, &mut store(None, &[7], KvCacheTier::Device));
-        let mut in_cut: Vec<i64> = cut[&0].tier(KvCacheTier::Device as usize).map(|(h, _)| *h).collect();
+        let mut in_cut: Vec<i64> = cut[&0]
+            .tier(KvCacheTier::Device as usize)
+            .map(|(h, _)| *h)
+            .collect();
         in_cut.sort();
         assert_eq!(in_cut, vec![1, 2]);
         assert_eq!(live(&state, 0, KvCacheTier::Device), vec![2, 7]);
@@ -417,7 +445,11 @@ mod tests {
                 kept.push(shared);
             }
         }
-        assert!(interner.table.len() < 300, "table holds {}", interner.table.len());
+        assert!(
+            interner.table.len() < 300,
+            "table holds {}",
+            interner.table.len()
+        );
         let again = interner.intern(StoreFields {
             session_id: Some("s100".into()),
             ..StoreFields::default()

@@ -46,7 +46,9 @@ pub enum Step {
     Batch(Arc<Batch>),
     /// The subscriber fell so far behind that the history no longer holds
     /// `position`: the stream must end with DATA_LOSS.
-    Lost { position: u64 },
+    Lost {
+        position: u64,
+    },
     /// The hub closed (kvgate is shutting down): end the stream cleanly.
     Closed,
 }

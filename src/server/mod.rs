@@ -35,7 +35,9 @@ pub struct ServerParts {
 }
 
 /// Builds every route of the server.
-pub fn routes(parts: &ServerParts) -> anyhow::Result<(Routes, tonic_health::server::HealthReporter)> {
+pub fn routes(
+    parts: &ServerParts,
+) -> anyhow::Result<(Routes, tonic_health::server::HealthReporter)> {
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -52,9 +54,10 @@ pub fn routes(parts: &ServerParts) -> anyhow::Result<(Routes, tonic_health::serv
         let subscribe = subscribe.clone();
         router = router.route_service(
             &format!("/{service}/SubscribeKvEvents"),
-            tower::ServiceExt::map_request(subscribe, |request: http::Request<axum::body::Body>| {
-                request.map(tonic::body::Body::new)
-            }),
+            tower::ServiceExt::map_request(
+                subscribe,
+                |request: http::Request<axum::body::Body>| request.map(tonic::body::Body::new),
+            ),
         );
     }
     Ok((Routes::from(router), health))
@@ -70,13 +73,17 @@ pub async fn serve(
     let (routes, health) = routes(&parts)?;
     let names = std::iter::once("").chain(SUBSCRIBE_SERVICES);
     for name in names.clone() {
-        health.set_service_status(name, ServingStatus::NotServing).await;
+        health
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
     }
     let mut source_ready = parts.source_ready;
     tokio::spawn(async move {
         if source_ready.wait_for(|ready| *ready).await.is_ok() {
             for name in names {
-                health.set_service_status(name, ServingStatus::Serving).await;
+                health
+                    .set_service_status(name, ServingStatus::Serving)
+                    .await;
             }
         }
     });

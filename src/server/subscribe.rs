@@ -17,7 +17,9 @@ use tonic::{Request, Response, Status};
 use tracing::{debug, info};
 
 use super::codec::PreEncodedCodec;
+use crate::drain::unix_now;
 use crate::hub::HubReader;
+use crate::hub::snapshot::encode_snapshot;
 use crate::hub::subscription::{Step, Subscription};
 use crate::metrics::Metrics;
 use crate::proto::common::SubscribeKvEventsRequest;
@@ -36,18 +38,45 @@ impl SubscribeService {
         Self { hub, metrics }
     }
 
-    async fn open(self, request: Request<SubscribeKvEventsRequest>) -> Result<Response<BatchStream>, Status> {
+    async fn open(
+        self,
+        request: Request<SubscribeKvEventsRequest>,
+    ) -> Result<Response<BatchStream>, Status> {
         let cursor = request.get_ref().start_sequence_number;
-        let subscription = if cursor == 0 {
-            Subscription::live(&self.hub)
-        } else {
-            Subscription::resume(&self.hub, cursor).map_err(|refusal| {
+        debug!(cursor, "subscriber joined");
+        if cursor != 0 {
+            let subscription = Subscription::resume(&self.hub, cursor).map_err(|refusal| {
                 info!(cursor, ?refusal, "refused a resume cursor");
                 Status::out_of_range(refusal.describe(cursor))
-            })?
-        };
-        debug!(cursor, "subscriber joined");
-        Ok(Response::new(stream(subscription, self.metrics)))
+            })?;
+            return Ok(Response::new(stream(subscription, self.metrics)));
+        }
+        // Subscribe before the cut so every batch after it reaches us.
+        let live = self.hub.subscribe_live();
+        let cut = self
+            .hub
+            .cut()
+            .await
+            .ok_or_else(|| Status::unavailable("kvgate is shutting down"))?;
+        let subscription = Subscription::after_cut(&self.hub, live, cut.position);
+        if cut.last_sequences.is_empty() {
+            // Nothing was ever seen: live only.
+            return Ok(Response::new(stream(subscription, self.metrics)));
+        }
+        self.metrics.snapshots_served.inc();
+        // Encoding happens once the response headers are out, off the
+        // async workers (a large state takes a while).
+        let chunks = futures::stream::once(async move {
+            tokio::task::spawn_blocking(move || encode_snapshot(&cut, unix_now()))
+                .await
+                .unwrap_or_default()
+        })
+        .flat_map(|chunks| {
+            futures::stream::iter(chunks.into_iter().map(|chunk| Ok(chunk.encoded)))
+        });
+        Ok(Response::new(
+            chunks.chain(stream(subscription, self.metrics)).boxed(),
+        ))
     }
 }
 
@@ -64,7 +93,8 @@ impl tower::Service<http::Request<Body>> for SubscribeService {
         let service = self.clone();
         Box::pin(async move {
             let handler = tower::service_fn(move |request| service.clone().open(request));
-            let mut grpc = tonic::server::Grpc::new(PreEncodedCodec::<SubscribeKvEventsRequest>::default());
+            let mut grpc =
+                tonic::server::Grpc::new(PreEncodedCodec::<SubscribeKvEventsRequest>::default());
             Ok(grpc.server_streaming(handler, request).await)
         })
     }
@@ -91,7 +121,9 @@ fn stream(subscription: Subscription, metrics: Metrics) -> BatchStream {
     futures::stream::unfold(Some((subscription, connected)), |state| async move {
         let (mut subscription, connected) = state?;
         match subscription.next().await {
-            Step::Batch(batch) => Some((Ok(batch.encoded.clone()), Some((subscription, connected)))),
+            Step::Batch(batch) => {
+                Some((Ok(batch.encoded.clone()), Some((subscription, connected))))
+            }
             Step::Lost { position } => {
                 connected.0.subscribers_lost.inc();
                 info!(position, "subscriber fell behind the history");

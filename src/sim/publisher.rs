@@ -133,6 +133,32 @@ impl EnginePublisher {
         }
     }
 
+    /// Numbers `payload` and keeps it in the replay ring without sending it:
+    /// a message the network lost (PUB high-water mark) that replay can
+    /// still recover.
+    pub fn lose_in_transit(&mut self, payload: Bytes) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        if let Some(replay) = &self.replay {
+            replay.ring().push(seq, payload);
+        }
+        seq
+    }
+
+    /// Sends arbitrary frames, bypassing numbering: for feeding a
+    /// subscriber malformed messages.
+    pub async fn send_frames(&mut self, frames: Vec<Bytes>) -> ZmqResult<()> {
+        let mut frames = frames.into_iter();
+        let Some(first) = frames.next() else {
+            return Ok(());
+        };
+        let mut message = ZmqMessage::from(first);
+        for frame in frames {
+            message.push_back(frame);
+        }
+        self.socket.send(message).await
+    }
+
     /// Simulates `lost` messages that were numbered but never sent (vLLM's
     /// encode failures, HWM drops): a gap replay cannot fill.
     pub fn skip(&mut self, lost: u64) {

@@ -27,5 +27,7 @@ pub enum SourceEvent {
     Message(EngineMessage),
     /// The publisher of `rank` started over: everything known about the
     /// rank's cache is void.
-    PublisherRestarted { rank: u32 },
+    PublisherRestarted {
+        rank: u32,
+    },
 }

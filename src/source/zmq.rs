@@ -90,7 +90,9 @@ impl ZmqSource {
         let (connected_tx, mut connected_rx) = mpsc::channel::<u32>(config.dp_size as usize);
         let mut tasks = JoinSet::new();
         for rank in 0..config.dp_size {
-            let endpoint = config.endpoint.for_rank(rank)?;
+            let endpoint = config.endpoint.for_rank(rank).map_err(|error| {
+                anyhow::anyhow!("--zmq-endpoint with --dp-size {}: {error}", config.dp_size)
+            })?;
             let mut options = SocketOptions::default();
             options.no_connect_timeout();
             let mut socket = SubSocket::with_options(options);
@@ -202,11 +204,16 @@ impl RankTask {
         match self.cursor.observe(engine_sequence) {
             Continuity::First | Continuity::Follows => {}
             Continuity::Gap { missing } => {
-                self.metrics.engine_messages_lost.inc_by(missing.clone().count() as u64);
+                self.metrics
+                    .engine_messages_lost
+                    .inc_by(missing.clone().count() as u64);
                 warn!(rank = self.rank, ?missing, "engine messages lost");
             }
             Continuity::Restarted => {
-                info!(rank = self.rank, engine_sequence, "engine publisher restarted");
+                info!(
+                    rank = self.rank,
+                    engine_sequence, "engine publisher restarted"
+                );
                 self.metrics.engine_restarts.inc();
                 let restarted = SourceEvent::PublisherRestarted { rank: self.rank };
                 if self.events.send(restarted).await.is_err() {
@@ -219,7 +226,10 @@ impl RankTask {
             engine_sequence,
             payload,
         };
-        self.events.send(SourceEvent::Message(message)).await.is_ok()
+        self.events
+            .send(SourceEvent::Message(message))
+            .await
+            .is_ok()
     }
 }
 

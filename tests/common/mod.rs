@@ -33,7 +33,10 @@ impl Gateway {
             .arg("serve")
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
-            .env("RUST_LOG", std::env::var("KVGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("KVGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -137,7 +140,9 @@ pub fn free_ports(n: u16) -> u16 {
         if base.checked_add(n).is_none() {
             continue;
         }
-        let rest: Result<Vec<_>, _> = (1..n).map(|r| TcpListener::bind(("127.0.0.1", base + r))).collect();
+        let rest: Result<Vec<_>, _> = (1..n)
+            .map(|r| TcpListener::bind(("127.0.0.1", base + r)))
+            .collect();
         if rest.is_ok() {
             return base;
         }
@@ -155,4 +160,80 @@ pub fn fixture(name: &str) -> (Vec<u8>, serde_json::Value) {
     let payload = std::fs::read(dir.join(format!("{name}.msgpack"))).expect("fixture payload");
     let json = std::fs::read(dir.join(format!("{name}.json"))).expect("fixture json");
     (payload, serde_json::from_slice(&json).unwrap())
+}
+
+/// A vLLM-format payload `[ts, [AllBlocksCleared{ownership: "fence-N"}], rank]`:
+/// a marker a test can publish and recognise in every stream.
+pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
+    let mut out = Vec::new();
+    rmp::encode::write_array_len(&mut out, 3).unwrap();
+    rmp::encode::write_f64(&mut out, 1.0).unwrap();
+    rmp::encode::write_array_len(&mut out, 1).unwrap();
+    rmp::encode::write_map_len(&mut out, 2).unwrap();
+    rmp::encode::write_str(&mut out, "type").unwrap();
+    rmp::encode::write_str(&mut out, "AllBlocksCleared").unwrap();
+    rmp::encode::write_str(&mut out, "ownership").unwrap();
+    rmp::encode::write_str(&mut out, &format!("fence-{n}")).unwrap();
+    rmp::encode::write_uint(&mut out, u64::from(rank)).unwrap();
+    out.into()
+}
+
+/// The fence number a batch carries, if any.
+pub fn fence_in(batch: &KvEventBatch) -> Option<u64> {
+    use kvgate::proto::common::kv_cache_event::Data;
+    batch.events.iter().find_map(|event| match &event.data {
+        Some(Data::Cleared(cleared)) => cleared
+            .ownership
+            .as_deref()
+            .and_then(|owner| owner.strip_prefix("fence-"))
+            .and_then(|n| n.parse().ok()),
+        _ => None,
+    })
+}
+
+/// Reads `stream` up to and including the batch with fence `n`.
+pub async fn skip_past_fence(stream: &mut Streaming<KvEventBatch>, n: u64) -> Vec<KvEventBatch> {
+    let mut skipped = Vec::new();
+    loop {
+        let batch = next_batch(stream).await;
+        let done = fence_in(&batch) == Some(n);
+        skipped.push(batch);
+        if done {
+            return skipped;
+        }
+    }
+}
+
+/// Gets past ZMQ's slow joiner: publishes fences until kvgate forwards one
+/// to `streams[0]`, then one last fence that every stream reads past. After
+/// this, everything published reaches every stream. Returns that last fence.
+pub async fn sync_streams(
+    publisher: &mut kvgate::sim::EnginePublisher,
+    rank: u32,
+    streams: &mut [Streaming<KvEventBatch>],
+) -> u64 {
+    static NEXT_FENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let fence = || NEXT_FENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "kvgate never forwarded a message"
+        );
+        publisher
+            .publish(fence_payload(fence(), rank))
+            .await
+            .unwrap();
+        let probe = tokio::time::timeout(Duration::from_millis(50), streams[0].message()).await;
+        if let Ok(received) = probe {
+            received.expect("healthy stream").expect("open stream");
+            break;
+        }
+    }
+    let last = fence();
+    publisher.publish(fence_payload(last, rank)).await.unwrap();
+    for stream in streams.iter_mut() {
+        skip_past_fence(stream, last).await;
+    }
+    last
 }

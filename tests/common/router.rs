@@ -16,7 +16,10 @@ pub enum Admission {
     /// An old batch taken as a restart: the whole worker is cleared first.
     Restart,
     /// A number was skipped: the router would reconnect to resume.
-    Gap { expected: u64, got: u64 },
+    Gap {
+        expected: u64,
+        got: u64,
+    },
     SnapshotChunk,
     LoadOnly,
 }
@@ -67,7 +70,12 @@ impl RouterView {
     pub fn blocks(&self, rank: i32) -> BlockSet {
         self.blocks
             .get(&rank)
-            .map(|set| set.iter().filter(|(_, copies)| **copies > 0).map(|(h, c)| (*h, *c)).collect())
+            .map(|set| {
+                set.iter()
+                    .filter(|(_, copies)| **copies > 0)
+                    .map(|(h, c)| (*h, *c))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -144,8 +152,7 @@ impl RouterView {
 }
 
 fn has_ownerless_clear(batch: &KvEventBatch) -> bool {
-    batch
-        .events
-        .iter()
-        .any(|event| matches!(&event.data, Some(Data::Cleared(cleared)) if cleared.ownership.is_none()))
+    batch.events.iter().any(
+        |event| matches!(&event.data, Some(Data::Cleared(cleared)) if cleared.ownership.is_none()),
+    )
 }

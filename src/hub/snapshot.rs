@@ -1,0 +1,403 @@
+//! A snapshot: the state at one cut, as a run of `KvEventBatch` chunks.
+//!
+//! Invariants (contract section 3, "Snapshots"): one rank per chunk, every
+//! known rank has at least one; each rank's first chunk starts with an
+//! ownerless clear (so chunk 0 does); blocks follow parents before children,
+//! a chain of blocks with the same fields in one store event, each extra
+//! physical copy as its own one-block store; `event_id` 0 throughout; a
+//! chunk holds at most `MAX_CHUNK_BLOCKS` blocks and about `MAX_CHUNK_BYTES`;
+//! rank r's chunks are numbered consecutively and end at rank r's last
+//! sequence number at the cut, so its live batches continue with no gap and
+//! no duplicate.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use prost::Message;
+use prost::encoding;
+use rustc_hash::FxHashSet;
+
+use super::batch::OpenBatch;
+use super::state::{BlockRecord, RankBlocks, StateCut};
+use crate::proto::common::{
+    KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data,
+};
+
+pub const MAX_CHUNK_BLOCKS: usize = 2048;
+pub const MAX_CHUNK_BYTES: usize = 1 << 20;
+
+/// Everything a snapshot needs, taken by the drain at one instant.
+#[derive(Debug)]
+pub struct SnapshotCut {
+    pub state: StateCut,
+    /// Last sequence number of every rank that has one or has blocks.
+    pub last_sequences: BTreeMap<u32, u64>,
+    /// Position of the last batch published before the cut.
+    pub position: u64,
+    /// Engine messages sent before kvgate's record of them began.
+    pub unknown_before: u64,
+}
+
+/// One encoded chunk.
+#[derive(Debug)]
+pub struct SnapshotChunk {
+    pub rank: u32,
+    pub sequence: u64,
+    pub encoded: Bytes,
+}
+
+/// Encodes the whole snapshot; empty when no rank is known.
+pub fn encode_snapshot(cut: &SnapshotCut, timestamp: f64) -> Vec<SnapshotChunk> {
+    let empty = RankBlocks::default();
+    let mut per_rank = Vec::new();
+    let mut total_blocks = 0;
+    for (&rank, &last_sequence) in &cut.last_sequences {
+        let blocks = cut.state.get(&rank).unwrap_or(&empty);
+        let mut chunker = Chunker::new(timestamp);
+        chunker.push_event(&ownerless_clear(), 0);
+        walk(blocks, &mut chunker);
+        total_blocks += chunker.blocks_total;
+        per_rank.push((rank, last_sequence, chunker.finish()));
+    }
+    let count: usize = per_rank.iter().map(|(_, _, chunks)| chunks.len()).sum();
+    let mut index = 0;
+    let mut out = Vec::with_capacity(count);
+    for (rank, last_sequence, chunks) in per_rank {
+        let first_sequence = last_sequence + 1 - chunks.len() as u64;
+        for (offset, chunk) in chunks.iter().enumerate() {
+            let sequence = first_sequence + offset as u64;
+            let header = KvSnapshotChunk {
+                index,
+                count: count as u32,
+                blocks: total_blocks,
+                unknown_before: cut.unknown_before,
+            };
+            out.push(SnapshotChunk {
+                rank,
+                sequence,
+                encoded: chunk.encode(rank, sequence, Some(&header)),
+            });
+            index += 1;
+        }
+    }
+    out
+}
+
+/// Emits every live block of one rank, tier by tier, parents first.
+fn walk(blocks: &RankBlocks, chunker: &mut Chunker) {
+    for tier in 0..5 {
+        let mut emitted = FxHashSet::default();
+        let mut path = Vec::new();
+        for (&hash, record) in blocks.tier(tier) {
+            if !emitted.insert(hash) {
+                continue;
+            }
+            // Climb to the oldest ancestor not yet emitted; the walk ends at a
+            // block whose parent is gone or already out (a cycle ends too).
+            path.clear();
+            path.push((hash, record));
+            let mut current = record;
+            while let Some(parent) = current.parent() {
+                match blocks.get(tier, parent) {
+                    Some(parent_record) if emitted.insert(parent) => {
+                        path.push((parent, parent_record));
+                        current = parent_record;
+                    }
+                    _ => break,
+                }
+            }
+            path.reverse();
+            emit_path(&path, chunker);
+        }
+    }
+}
+
+/// Emits a parent-linked path as stores: one per run of equal fields, then
+/// each extra copy alone.
+fn emit_path(path: &[(i64, &BlockRecord)], chunker: &mut Chunker) {
+    let mut start = 0;
+    while start < path.len() {
+        let fields = path[start].1.fields();
+        let end = path[start..]
+            .iter()
+            .position(|(_, record)| !std::sync::Arc::ptr_eq(record.fields(), fields))
+            .map_or(path.len(), |offset| start + offset);
+        chunker.push_chain(&path[start..end]);
+        start = end;
+    }
+    for &(hash, record) in path {
+        for _ in 1..record.copies() {
+            chunker.push_chain(&[(hash, record)]);
+        }
+    }
+}
+
+/// Cuts one rank's events into chunks within the block and byte limits.
+struct Chunker {
+    timestamp: f64,
+    done: Vec<OpenBatch>,
+    open: OpenBatch,
+    open_blocks: usize,
+    blocks_total: u64,
+}
+
+impl Chunker {
+    fn new(timestamp: f64) -> Self {
+        Self {
+            timestamp,
+            done: Vec::new(),
+            open: OpenBatch::with_timestamp(timestamp),
+            open_blocks: 0,
+            blocks_total: 0,
+        }
+    }
+
+    fn room(&self, blocks: usize, bytes: usize) -> bool {
+        self.open_blocks + blocks <= MAX_CHUNK_BLOCKS
+            && self.open.fits(usize::MAX, MAX_CHUNK_BYTES, bytes)
+    }
+
+    fn next_chunk(&mut self) {
+        let full = std::mem::replace(&mut self.open, OpenBatch::with_timestamp(self.timestamp));
+        self.done.push(full);
+        self.open_blocks = 0;
+    }
+
+    fn push_event(&mut self, event: &KvCacheEvent, blocks: usize) {
+        let len = encoding::message::encoded_len(crate::hub::batch::EVENTS_FIELD, event);
+        if !self.open.is_empty() && !self.room(blocks, len) {
+            self.next_chunk();
+        }
+        self.open.push(event, self.timestamp);
+        self.open_blocks += blocks;
+        self.blocks_total += blocks as u64;
+    }
+
+    /// Stores a chain (each block the parent of the next, equal fields),
+    /// split wherever a chunk fills; each piece names the previous piece's
+    /// last block as its parent.
+    fn push_chain(&mut self, chain: &[(i64, &BlockRecord)]) {
+        let Some(&(_, first)) = chain.first() else {
+            return;
+        };
+        let mut store = first.fields().to_store(first.parent());
+        // Tag, length and a margin for the event wrapper around the store.
+        let overhead = store.encoded_len() + 16;
+        let mut size = overhead;
+        for &(hash, record) in chain {
+            let block: KvBlock = record.to_block(hash);
+            let block_len = encoding::message::encoded_len(1, &block);
+            if !store.blocks.is_empty() && !self.room(store.blocks.len() + 1, size + block_len) {
+                let parent = store.blocks.last().map(|b| b.block_hash);
+                let piece = std::mem::replace(&mut store, first.fields().to_store(parent));
+                self.push_store(piece);
+                size = overhead;
+            }
+            if store.blocks.is_empty() && !self.room(1, size + block_len) && !self.open.is_empty() {
+                self.next_chunk();
+            }
+            size += block_len;
+            store.blocks.push(block);
+        }
+        self.push_store(store);
+    }
+
+    fn push_store(&mut self, store: KvBlocksStored) {
+        let blocks = store.blocks.len();
+        let event = KvCacheEvent {
+            event_id: 0,
+            data: Some(Data::Stored(store)),
+        };
+        self.push_event(&event, blocks);
+    }
+
+    fn finish(mut self) -> Vec<OpenBatch> {
+        self.done.push(self.open);
+        self.done
+    }
+}
+
+fn ownerless_clear() -> KvCacheEvent {
+    KvCacheEvent {
+        event_id: 0,
+        data: Some(Data::Cleared(KvCacheCleared { ownership: None })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::state::LiveState;
+    use crate::proto::common::{KvCacheTier, KvEventBatch};
+
+    fn store(state: &mut LiveState, rank: u32, parent: Option<i64>, hashes: &[i64], tokens: usize) {
+        let mut event = KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks: hashes
+                    .iter()
+                    .map(|&block_hash| KvBlock {
+                        block_hash,
+                        token_ids: vec![3; tokens],
+                        block_size: tokens as i32,
+                        ..Default::default()
+                    })
+                    .collect(),
+                parent_block_hash: parent,
+                tier: Some(KvCacheTier::Device as i32),
+                ..Default::default()
+            })),
+        };
+        state.apply(rank, &mut event);
+    }
+
+    fn decode(chunks: &[SnapshotChunk]) -> Vec<KvEventBatch> {
+        chunks
+            .iter()
+            .map(|chunk| KvEventBatch::decode(chunk.encoded.clone()).unwrap())
+            .collect()
+    }
+
+    fn stored_hashes(batch: &KvEventBatch) -> Vec<(Option<i64>, Vec<i64>)> {
+        batch
+            .events
+            .iter()
+            .filter_map(|event| match &event.data {
+                Some(Data::Stored(stored)) => Some((
+                    stored.parent_block_hash,
+                    stored.blocks.iter().map(|b| b.block_hash).collect(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_chain_is_one_store_after_an_ownerless_clear_ending_at_the_ranks_last_sequence() {
+        let mut state = LiveState::default();
+        store(&mut state, 0, None, &[1, 2], 4);
+        store(&mut state, 0, Some(2), &[3], 4);
+        let cut = SnapshotCut {
+            state: state.cut(),
+            last_sequences: BTreeMap::from([(0, 500)]),
+            position: 7,
+            unknown_before: 0,
+        };
+        let batches = decode(&encode_snapshot(&cut, 1.0));
+        assert_eq!(batches.len(), 1);
+        let batch = &batches[0];
+        assert_eq!(batch.sequence_number, 500);
+        assert_eq!(batch.dp_rank, Some(0));
+        let header = batch.snapshot.unwrap();
+        assert_eq!((header.index, header.count, header.blocks), (0, 1, 3));
+        assert!(matches!(
+            batch.events[0].data,
+            Some(Data::Cleared(KvCacheCleared { ownership: None }))
+        ));
+        assert!(batch.events.iter().all(|event| event.event_id == 0));
+        let stores = stored_hashes(batch);
+        // Map order decides whether 3 is reached before 1 and 2; either way
+        // parents come first.
+        let flat: Vec<i64> = stores
+            .iter()
+            .flat_map(|(_, hashes)| hashes.clone())
+            .collect();
+        assert_eq!(flat, vec![1, 2, 3]);
+        assert_eq!(stores[0].0, None);
+    }
+
+    #[test]
+    fn chunks_hold_at_most_2048_blocks_and_number_up_to_the_last_sequence() {
+        let mut state = LiveState::default();
+        let hashes: Vec<i64> = (1..=5000).collect();
+        store(&mut state, 0, None, &hashes, 16);
+        store(&mut state, 1, None, &[42], 16);
+        let cut = SnapshotCut {
+            state: state.cut(),
+            last_sequences: BTreeMap::from([(0, 1000), (1, 2000)]),
+            position: 9,
+            unknown_before: 3,
+        };
+        let batches = decode(&encode_snapshot(&cut, 1.0));
+        assert_eq!(batches.len(), 4);
+        let rank0: Vec<_> = batches.iter().filter(|b| b.dp_rank == Some(0)).collect();
+        assert_eq!(
+            rank0.iter().map(|b| b.sequence_number).collect::<Vec<_>>(),
+            vec![998, 999, 1000]
+        );
+        assert_eq!(batches[3].sequence_number, 2000);
+        for (index, batch) in batches.iter().enumerate() {
+            let header = batch.snapshot.unwrap();
+            assert_eq!(header.index as usize, index);
+            assert_eq!(header.count, 4);
+            assert_eq!(header.blocks, 5001);
+            assert_eq!(header.unknown_before, 3);
+            let blocks: usize = stored_hashes(batch).iter().map(|(_, h)| h.len()).sum();
+            assert!(blocks <= MAX_CHUNK_BLOCKS);
+            assert!(batch.encoded_len() <= MAX_CHUNK_BYTES + 64);
+        }
+        // The chain continues across chunks: each piece's parent is the
+        // previous piece's last block.
+        let mut previous_last = None;
+        for batch in &rank0 {
+            for (parent, hashes) in stored_hashes(batch) {
+                assert_eq!(parent, previous_last);
+                previous_last = hashes.last().copied();
+            }
+        }
+        assert_eq!(previous_last, Some(5000));
+    }
+
+    #[test]
+    fn large_blocks_split_chunks_by_bytes() {
+        let mut state = LiveState::default();
+        let hashes: Vec<i64> = (1..=400).collect();
+        store(&mut state, 0, None, &hashes, 4096);
+        let cut = SnapshotCut {
+            state: state.cut(),
+            last_sequences: BTreeMap::from([(0, 400)]),
+            position: 1,
+            unknown_before: 0,
+        };
+        let batches = decode(&encode_snapshot(&cut, 1.0));
+        assert!(batches.len() > 1);
+        assert!(
+            batches
+                .iter()
+                .all(|b| b.encoded_len() <= MAX_CHUNK_BYTES + 64)
+        );
+    }
+
+    #[test]
+    fn each_extra_copy_is_its_own_one_block_store() {
+        let mut state = LiveState::default();
+        store(&mut state, 0, None, &[7], 2);
+        store(&mut state, 0, None, &[7], 2);
+        store(&mut state, 0, None, &[7], 2);
+        let cut = SnapshotCut {
+            state: state.cut(),
+            last_sequences: BTreeMap::from([(0, 10)]),
+            position: 1,
+            unknown_before: 0,
+        };
+        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let stores = stored_hashes(&batches[0]);
+        assert_eq!(stores.len(), 3);
+        assert!(stores.iter().all(|(_, hashes)| hashes == &vec![7]));
+        assert_eq!(batches[0].snapshot.unwrap().blocks, 3);
+    }
+
+    #[test]
+    fn a_known_rank_without_blocks_still_gets_a_chunk() {
+        let cut = SnapshotCut {
+            state: StateCut::new(),
+            last_sequences: BTreeMap::from([(0, 10), (1, 20)]),
+            position: 1,
+            unknown_before: 0,
+        };
+        let batches = decode(&encode_snapshot(&cut, 1.0));
+        assert_eq!(batches.len(), 2);
+        assert_eq!(batches[1].sequence_number, 20);
+        assert_eq!(batches[1].events.len(), 1);
+    }
+}

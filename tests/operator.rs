@@ -1,0 +1,203 @@
+//! What an operator relies on: health, server reflection for grpcurl, clear
+//! start-up errors and a clean exit on SIGTERM.
+
+mod common;
+
+use std::process::Command;
+
+use common::{Gateway, subscribe};
+use kvgate::server::SUBSCRIBE_SERVICES;
+use kvgate::sim::{EnginePublisher, PublisherOptions};
+use tokio_stream::StreamExt;
+
+async fn gateway_with_publisher() -> (Gateway, EnginePublisher) {
+    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let gateway = Gateway::start(&["--zmq-endpoint", publisher.endpoint()]);
+    (gateway, publisher)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_reports_serving_once_the_engine_source_is_up() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let (gateway, _publisher) = gateway_with_publisher().await;
+    let mut health = HealthClient::new(gateway.channel().await);
+    for service in std::iter::once("").chain(SUBSCRIBE_SERVICES) {
+        let mut watch = health
+            .watch(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        loop {
+            let status = tokio::time::timeout(common::DEADLINE, watch.next())
+                .await
+                .expect("a status before the deadline")
+                .expect("an open watch")
+                .unwrap();
+            if status.status == ServingStatus::Serving as i32 {
+                break;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reflection_v1_and_v1alpha_list_every_service_and_describe_the_messages() {
+    let (gateway, _publisher) = gateway_with_publisher().await;
+    let channel = gateway.channel().await;
+
+    use tonic_reflection::pb::v1;
+    let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
+    let requests = tokio_stream::iter([
+        v1::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        },
+        v1::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(
+                v1::server_reflection_request::MessageRequest::FileContainingSymbol(
+                    "smg.grpc.common.KvEventBatch".into(),
+                ),
+            ),
+        },
+    ]);
+    let mut responses = client
+        .server_reflection_info(requests)
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        responses.next().await.unwrap().unwrap().message_response
+    else {
+        panic!("expected a service list")
+    };
+    let names: Vec<String> = list
+        .service
+        .into_iter()
+        .map(|service| service.name)
+        .collect();
+    for expected in SUBSCRIBE_SERVICES.iter().chain(&["grpc.health.v1.Health"]) {
+        assert!(
+            names.iter().any(|name| name == expected),
+            "{expected} missing from {names:?}"
+        );
+    }
+    let Some(v1::server_reflection_response::MessageResponse::FileDescriptorResponse(files)) =
+        responses.next().await.unwrap().unwrap().message_response
+    else {
+        panic!("expected a file descriptor")
+    };
+    assert!(!files.file_descriptor_proto.is_empty());
+
+    use tonic_reflection::pb::v1alpha;
+    let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(channel);
+    let requests = tokio_stream::iter([v1alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            v1alpha::server_reflection_request::MessageRequest::ListServices(String::new()),
+        ),
+    }]);
+    let mut responses = client
+        .server_reflection_info(requests)
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        responses.next().await.unwrap().unwrap().message_response
+    else {
+        panic!("expected a service list")
+    };
+    assert!(
+        list.service
+            .iter()
+            .any(|service| service.name == "kvgate.v1.KvGate")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn other_rpcs_answer_unimplemented_without_an_engine_to_pass_them_to() {
+    let (gateway, _publisher) = gateway_with_publisher().await;
+    let status = subscribe(
+        gateway.channel().await,
+        "vllm.grpc.engine.VllmEngine/Generate",
+        0,
+    )
+    .await
+    .expect_err("no such method here");
+    assert_eq!(status.code(), tonic::Code::Unimplemented);
+}
+
+fn serve_fails(args: &[&str]) -> String {
+    let output = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .arg("serve")
+        .args(args)
+        .output()
+        .expect("kvgate runs");
+    assert!(
+        !output.status.success(),
+        "kvgate serve {args:?} should refuse to start"
+    );
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn serve_without_an_event_source_refuses_to_start_and_says_what_to_give() {
+    let message = serve_fails(&["--listen", "127.0.0.1:0"]);
+    assert!(message.contains("--zmq-endpoint"), "{message}");
+    assert!(message.contains("--demo"), "{message}");
+}
+
+#[test]
+fn a_bad_value_fails_at_start_naming_its_flag() {
+    for (args, flag) in [
+        (vec!["--zmq-endpoint", "localhost:5557"], "--zmq-endpoint"),
+        (
+            vec!["--zmq-endpoint", "tcp://*:5557", "--dp-size", "0"],
+            "--dp-size",
+        ),
+        (
+            vec![
+                "--zmq-endpoint",
+                "tcp://*:5557",
+                "--max-batch-events",
+                "2000",
+            ],
+            "--max-batch-events",
+        ),
+        (
+            vec!["--zmq-endpoint", "tcp://*:5557", "--listen", "nowhere"],
+            "--listen",
+        ),
+        (
+            vec!["--zmq-endpoint", "tcp://*:65535", "--dp-size", "2"],
+            "--dp-size",
+        ),
+    ] {
+        let message = serve_fails(&args);
+        assert!(message.contains(flag), "{args:?}: {message}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_ends_subscriber_streams_cleanly_and_exits_with_zero() {
+    let (mut gateway, _publisher) = gateway_with_publisher().await;
+    let mut stream = subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+        .await
+        .unwrap();
+    let status = gateway.terminate();
+    assert!(status.success(), "exit status {status}");
+    let end = tokio::time::timeout(common::DEADLINE, stream.message())
+        .await
+        .expect("stream ends");
+    assert!(
+        matches!(end, Ok(None)),
+        "a clean end of stream, got {end:?}"
+    );
+}
