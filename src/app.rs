@@ -13,7 +13,7 @@ use crate::cli::ServeArgs;
 use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
-use crate::hub::{DEFAULT_LIVE_CAPACITY, HistoryLimits, hub};
+use crate::hub::{HistoryLimits, hub};
 use crate::metrics::Metrics;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
@@ -49,7 +49,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let address = listener.local_addr()?;
 
     let (hub_writer, hub_reader) = hub(
-        DEFAULT_LIVE_CAPACITY,
+        args.live_buffer_batches as usize,
         HistoryLimits {
             batches: args.history_batches as usize,
             bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
@@ -64,6 +64,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let source = ZmqSource::start(
         ZmqSourceConfig {
             endpoint: endpoint.clone(),
+            replay_endpoint: args.zmq_replay_endpoint.clone(),
             dp_size: args.dp_size,
             topic: args.zmq_topic.clone(),
             bind: args.zmq_bind,

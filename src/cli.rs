@@ -57,6 +57,11 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub dp_size: u32,
 
+    /// The engine's replay ROUTER for rank 0 (e.g. tcp://*:5558; rank r at
+    /// port + r): fills lost messages and primes the state at start.
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_ENDPOINT", value_name = "URI")]
+    pub zmq_replay_endpoint: Option<TcpEndpoint>,
+
     /// Topic the engine publishes under (empty by default, as in the engines).
     #[arg(long, env = "KVGATE_ZMQ_TOPIC", default_value = "")]
     pub zmq_topic: String,
@@ -86,6 +91,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_HISTORY_BYTES", default_value_t = 256 << 20,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub history_bytes: u64,
+
+    /// Batches buffered per subscriber before a slow one is refilled from
+    /// the history instead.
+    #[arg(long, env = "KVGATE_LIVE_BUFFER_BATCHES", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub live_buffer_batches: u32,
 
     /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
     /// real one: live events with no GPU.

@@ -35,10 +35,6 @@ impl CutRequest {
 /// Snapshot requests that may wait for the drain at once.
 const CUT_REQUEST_QUEUE: usize = 64;
 
-/// How many batches the live channel buffers per subscriber before a slow
-/// one starts refilling from the history instead.
-pub const DEFAULT_LIVE_CAPACITY: usize = 1024;
-
 /// The drain's side of the hub.
 pub struct HubWriter {
     live: Sender<Arc<Batch>>,

@@ -63,13 +63,6 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    /// Live batches only, from the next one published.
-    pub fn live(hub: &HubReader) -> Self {
-        let live = hub.subscribe_live();
-        let next_position = hub.history().newest() + 1;
-        Self::at(hub, live, next_position)
-    }
-
     /// Everything after rank 0's batch `cursor`, then live.
     pub fn resume(hub: &HubReader, cursor: u64) -> Result<Self, CursorError> {
         // Subscribe before reading the history so nothing published in

@@ -23,6 +23,8 @@ use crate::metrics::Metrics;
 pub struct ZmqSourceConfig {
     /// Rank 0's endpoint; rank r uses its port + r.
     pub endpoint: TcpEndpoint,
+    /// Rank 0's replay ROUTER, offset per rank like `endpoint`.
+    pub replay_endpoint: Option<TcpEndpoint>,
     pub dp_size: u32,
     /// Exact topic every message must carry (SUB filtering is only a prefix match).
     pub topic: String,
