@@ -2,7 +2,7 @@
 //! that order, so every subscriber's stream ends cleanly before exit.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tokio::net::TcpListener;
@@ -15,6 +15,8 @@ use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
 use crate::hub::{HistoryLimits, hub};
 use crate::metrics::Metrics;
+use crate::server::admin::{self, AdminState};
+use crate::server::passthrough::PassThrough;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::endpoint::TcpEndpoint;
@@ -47,6 +49,15 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         .await
         .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
     let address = listener.local_addr()?;
+    let admin_listener = match args.metrics_listen {
+        Some(address) => Some(admin::bind(address).await?),
+        None => None,
+    };
+    let pass_through = args
+        .engine_grpc
+        .as_deref()
+        .map(|target| PassThrough::new(target, metrics.clone()))
+        .transpose()?;
 
     let (hub_writer, hub_reader) = hub(
         args.live_buffer_batches as usize,
@@ -77,6 +88,23 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let drain = Drain::new(limits, epoch_seed(), hub_writer, metrics.clone());
     let drain_task = tokio::spawn(drain.run(events_rx));
 
+    let admin_task = admin_listener.map(|listener| {
+        let state = AdminState {
+            metrics: metrics.clone(),
+            hub: hub_reader.clone(),
+            source_ready: ready_rx.clone(),
+            source: endpoint.to_string().into(),
+            started: Instant::now(),
+        };
+        let address = listener.local_addr().ok();
+        if let Some(address) = address {
+            println!("kvgate: metrics, /healthz and /status on http://{address}");
+        }
+        let mut admin_stop = stop.subscribe();
+        tokio::spawn(admin::serve(listener, state, async move {
+            let _ = admin_stop.wait_for(|stopped| *stopped).await;
+        }))
+    });
     let mut server_stop = stop.subscribe();
     let mut server_task = tokio::spawn(server::serve(
         listener,
@@ -84,6 +112,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
             hub: hub_reader,
             metrics: metrics.clone(),
             source_ready: ready_rx,
+            pass_through,
         },
         async move {
             let _ = server_stop.wait_for(|stopped| *stopped).await;
@@ -123,6 +152,9 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         let _ = drain_task.await;
         if let Some(demo) = demo_task {
             let _ = demo.await;
+        }
+        if let Some(admin) = admin_task {
+            let _ = admin.await;
         }
         server_task.await
     })

@@ -98,6 +98,15 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub live_buffer_batches: u32,
 
+    /// The engine's own gRPC server: every RPC but SubscribeKvEvents is
+    /// passed through to it unchanged (e.g. http://127.0.0.1:50051).
+    #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI")]
+    pub engine_grpc: Option<String>,
+
+    /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.
+    #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
+
     /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
     /// real one: live events with no GPU.
     #[arg(long, env = "KVGATE_DEMO")]

@@ -25,6 +25,18 @@ pub struct RankTypeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RankTierLabels {
+    pub rank: u32,
+    pub tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabels {
+    pub method: String,
+    pub code: i32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
 }
@@ -43,6 +55,9 @@ pub struct Metrics {
     pub bad_messages: Family<ReasonLabel, Counter>,
     /// Engine messages that never arrived (gaps in a publisher's counter).
     pub engine_messages_lost: Counter,
+    /// Engine messages fetched from a replay endpoint (gap fills and
+    /// priming) rather than received live.
+    pub engine_messages_recovered: Counter,
     /// Publisher counters that went backwards (engine restarts).
     pub engine_restarts: Counter,
     /// Batches, events and encoded bytes handed to the hub (each encoded once,
@@ -52,6 +67,14 @@ pub struct Metrics {
     pub bytes_out: Counter,
     /// Subscribers currently streaming.
     pub subscribers: Gauge,
+    /// Live blocks (copies counted) per rank and tier.
+    pub state_blocks: Family<RankTierLabels, Gauge>,
+    /// Last sequence number sent per rank.
+    pub last_sequence: Family<RankLabel, Gauge>,
+    /// Encoded bytes the history holds.
+    pub history_bytes: Gauge,
+    /// Calls passed through to the engine, by method and final gRPC status.
+    pub pass_through_calls: Family<CallLabels, Counter>,
     /// Snapshots served to subscribers joining with cursor 0.
     pub snapshots_served: Counter,
     /// Subscriber streams ended because they fell further behind than kvgate
@@ -75,6 +98,7 @@ impl Metrics {
             events_dropped: Family::default(),
             bad_messages: Family::default(),
             engine_messages_lost: Counter::default(),
+            engine_messages_recovered: Counter::default(),
             engine_restarts: Counter::default(),
             batches_out: Counter::default(),
             events_out: Counter::default(),
@@ -82,6 +106,10 @@ impl Metrics {
             subscribers: Gauge::default(),
             subscribers_lost: Counter::default(),
             snapshots_served: Counter::default(),
+            pass_through_calls: Family::default(),
+            state_blocks: Family::default(),
+            last_sequence: Family::default(),
+            history_bytes: Gauge::default(),
         };
         registry.register(
             "engine_messages",
@@ -107,6 +135,11 @@ impl Metrics {
             "engine_messages_lost",
             "Engine messages missing from a publisher's counter",
             metrics.engine_messages_lost.clone(),
+        );
+        registry.register(
+            "engine_messages_recovered",
+            "Engine messages fetched from the replay endpoint (gap fills, priming)",
+            metrics.engine_messages_recovered.clone(),
         );
         registry.register(
             "engine_restarts",
@@ -142,6 +175,26 @@ impl Metrics {
             "snapshots_served",
             "State snapshots served to subscribers joining with cursor 0",
             metrics.snapshots_served.clone(),
+        );
+        registry.register(
+            "pass_through_calls",
+            "RPCs passed through to the engine, by method and gRPC status code",
+            metrics.pass_through_calls.clone(),
+        );
+        registry.register(
+            "state_blocks",
+            "Live blocks per rank and tier (copies counted)",
+            metrics.state_blocks.clone(),
+        );
+        registry.register(
+            "last_sequence",
+            "Last sequence number sent per rank",
+            metrics.last_sequence.clone(),
+        );
+        registry.register(
+            "history_bytes",
+            "Encoded bytes held by the history",
+            metrics.history_bytes.clone(),
         );
         Self {
             registry: Arc::new(registry),
@@ -183,6 +236,31 @@ impl Metrics {
     pub fn count_bad_message(&self, reason: &'static str) {
         self.bad_messages
             .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// Per-rank gauges from the drain's latest report.
+    pub fn record_ranks(&self, reports: &[crate::hub::RankReport]) {
+        const TIERS: [&str; 4] = ["device", "host", "disk", "external"];
+        for report in reports {
+            let rank = report.rank;
+            self.last_sequence
+                .get_or_create(&RankLabel { rank })
+                .set(report.last_sequence as i64);
+            for (tier, blocks) in TIERS.into_iter().zip(report.blocks) {
+                self.state_blocks
+                    .get_or_create(&RankTierLabels { rank, tier })
+                    .set(blocks as i64);
+            }
+        }
+    }
+
+    pub fn count_pass_through(&self, method: &str, code: i32) {
+        self.pass_through_calls
+            .get_or_create(&CallLabels {
+                method: method.to_owned(),
+                code,
+            })
             .inc();
     }
 

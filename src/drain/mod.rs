@@ -23,9 +23,9 @@ use tracing::warn;
 use crate::convert::{Converter, Tally};
 use crate::hub::OpenBatch;
 use crate::hub::state::LiveState;
-use crate::hub::{CutRequest, HubWriter, SnapshotCut};
+use crate::hub::{CutRequest, HubWriter, RankReport, SnapshotCut};
 use crate::metrics::Metrics;
-use crate::proto::common::{KvCacheCleared, KvCacheEvent, kv_cache_event::Data};
+use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvCacheTier, kv_cache_event::Data};
 use crate::source::{EngineMessage, SourceEvent};
 use batcher::{BatchLimits, Batcher};
 use sequence::Sequencer;
@@ -188,6 +188,35 @@ impl Drain {
         for (rank, batch) in std::mem::take(&mut self.ready) {
             self.publish(rank, &batch);
         }
+        self.report();
+    }
+
+    /// Updates the per-rank figures of `/status` and the metrics.
+    fn report(&self) {
+        let ranks: BTreeSet<u32> = self.sequencer.ranks().chain(self.state.ranks()).collect();
+        let reports: Vec<RankReport> = ranks
+            .into_iter()
+            .map(|rank| {
+                let blocks = self.state.rank(rank);
+                let by_tier =
+                    |tier: KvCacheTier| blocks.map_or(0, |b| b.tier_block_count(tier as usize));
+                RankReport {
+                    rank,
+                    last_sequence: self.sequencer.last(rank),
+                    blocks: [
+                        by_tier(KvCacheTier::Device),
+                        by_tier(KvCacheTier::Host),
+                        by_tier(KvCacheTier::Disk),
+                        by_tier(KvCacheTier::External),
+                    ],
+                }
+            })
+            .collect();
+        self.metrics.record_ranks(&reports);
+        self.metrics
+            .history_bytes
+            .set(self.hub.history_bytes() as i64);
+        self.hub.report(reports);
     }
 
     fn publish(&mut self, rank: u32, batch: &OpenBatch) {

@@ -15,7 +15,9 @@ pub mod subscription;
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use async_broadcast::{InactiveReceiver, Receiver, Sender};
+use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
 pub use batch::{Batch, OpenBatch};
@@ -32,6 +34,15 @@ impl CutRequest {
     }
 }
 
+/// One rank as the drain last reported it (for `/status` and metrics).
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct RankReport {
+    pub rank: u32,
+    pub last_sequence: u64,
+    /// Live blocks (copies counted) per tier: device, host, disk, external.
+    pub blocks: [u64; 4],
+}
+
 /// Snapshot requests that may wait for the drain at once.
 const CUT_REQUEST_QUEUE: usize = 64;
 
@@ -41,6 +52,7 @@ pub struct HubWriter {
     history: HistoryWriter,
     next_position: u64,
     cut_requests: mpsc::Receiver<CutRequest>,
+    reports: Arc<ArcSwap<Vec<RankReport>>>,
 }
 
 /// The serving side of the hub; cheap to clone, one per subscriber.
@@ -50,6 +62,7 @@ pub struct HubReader {
     live: InactiveReceiver<Arc<Batch>>,
     history: Arc<History>,
     cut_requests: mpsc::Sender<CutRequest>,
+    reports: Arc<ArcSwap<Vec<RankReport>>>,
 }
 
 /// Creates a hub whose live channel holds `live_capacity` batches.
@@ -59,7 +72,9 @@ pub fn hub(live_capacity: usize, limits: HistoryLimits) -> (HubWriter, HubReader
     live.set_await_active(false);
     let history = HistoryWriter::new(limits);
     let (cut_sender, cut_requests) = mpsc::channel(CUT_REQUEST_QUEUE);
+    let reports = Arc::<ArcSwap<Vec<RankReport>>>::default();
     let reader = HubReader {
+        reports: Arc::clone(&reports),
         live: receiver.deactivate(),
         history: history.reader(),
         cut_requests: cut_sender,
@@ -69,6 +84,7 @@ pub fn hub(live_capacity: usize, limits: HistoryLimits) -> (HubWriter, HubReader
         history,
         next_position: 1,
         cut_requests,
+        reports,
     };
     (writer, reader)
 }
@@ -103,6 +119,11 @@ impl HubWriter {
         let _ = self.live.try_broadcast(batch);
     }
 
+    /// Replaces what `/status` shows of each rank.
+    pub fn report(&self, reports: Vec<RankReport>) {
+        self.reports.store(Arc::new(reports));
+    }
+
     /// Bytes the history currently holds.
     pub fn history_bytes(&self) -> usize {
         self.history.bytes()
@@ -122,6 +143,11 @@ impl HubReader {
 
     pub fn history(&self) -> &History {
         &self.history
+    }
+
+    /// Each rank as the drain last reported it.
+    pub fn rank_reports(&self) -> Vec<RankReport> {
+        self.reports.load().as_ref().clone()
     }
 
     /// Asks the drain for a cut of the state; `None` once the drain is gone.

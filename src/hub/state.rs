@@ -131,6 +131,9 @@ impl BlockRecord {
 #[derive(Clone, Debug, Default)]
 pub struct RankBlocks {
     tiers: [BlockMap; TIERS],
+    /// Live copies per tier, kept as blocks come and go (for metrics and
+    /// snapshot headers without a walk).
+    copies: [u64; TIERS],
 }
 
 impl RankBlocks {
@@ -145,11 +148,12 @@ impl RankBlocks {
 
     /// Live blocks, each copy counted.
     pub fn block_count(&self) -> u64 {
-        self.tiers
-            .iter()
-            .flat_map(|map| map.values())
-            .map(|record| u64::from(record.copies))
-            .sum()
+        self.copies.iter().sum()
+    }
+
+    /// Live blocks of `tier`, each copy counted.
+    pub fn tier_block_count(&self, tier: usize) -> u64 {
+        self.copies[tier]
     }
 
     pub fn distinct_blocks(&self, tier: usize) -> usize {
@@ -201,6 +205,7 @@ impl LiveState {
         let tier = tier_index(stored.tier);
         let blocks = self.ranks.entry(rank).or_default();
         let map = &mut blocks.tiers[tier];
+        let copies = &mut blocks.copies[tier];
         let inherits = stored.lora_name.is_none() || stored.cache_salt.is_none();
         if let Some(parent) = stored
             .parent_block_hash
@@ -219,8 +224,12 @@ impl LiveState {
         for block in &stored.blocks {
             let hash = block.block_hash;
             if let Some(live) = map.get_mut(&hash) {
-                live.copies = (live.copies + 1).min(MAX_COPIES);
+                if live.copies < MAX_COPIES {
+                    live.copies += 1;
+                    *copies += 1;
+                }
             } else {
+                *copies += 1;
                 map.insert(
                     hash,
                     BlockRecord {
@@ -241,10 +250,12 @@ impl LiveState {
         let Some(blocks) = self.ranks.get_mut(&rank) else {
             return;
         };
-        let map = &mut blocks.tiers[tier_index(removed.tier)];
+        let tier = tier_index(removed.tier);
+        let map = &mut blocks.tiers[tier];
         for hash in &removed.block_hashes {
             if let Some(live) = map.get_mut(hash) {
                 live.copies -= 1;
+                blocks.copies[tier] -= 1;
                 if live.copies == 0 {
                     map.remove(hash);
                 }

@@ -1,14 +1,17 @@
 //! The gRPC front: `SubscribeKvEvents` under every service name, health,
-//! reflection, and everything else answered UNIMPLEMENTED.
+//! reflection, and every other RPC passed through to the engine (or
+//! answered UNIMPLEMENTED when there is no engine server to pass it to).
 
+pub mod admin;
 pub mod codec;
+pub mod passthrough;
 pub mod subscribe;
 
 use std::future::Future;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
@@ -32,12 +35,14 @@ pub struct ServerParts {
     pub metrics: Metrics,
     /// Becomes true once the event source is up; health reports SERVING then.
     pub source_ready: watch::Receiver<bool>,
+    /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
+    pub pass_through: Option<passthrough::PassThrough>,
 }
 
 /// Builds every route of the server.
 pub fn routes(
     parts: &ServerParts,
-) -> anyhow::Result<(Routes, tonic_health::server::HealthReporter)> {
+) -> anyhow::Result<(axum::Router, tonic_health::server::HealthReporter)> {
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -60,15 +65,23 @@ pub fn routes(
             ),
         );
     }
-    Ok((Routes::from(router), health))
+    if let Some(pass_through) = parts.pass_through.clone() {
+        router = router.fallback_service(pass_through);
+    }
+    Ok((router, health))
 }
 
 /// Serves until `shutdown` resolves, then waits for open streams to end
 /// (closing the hub ends them).
+///
+/// Served by hyper through `axum::serve` rather than tonic's `Server`: tonic's
+/// server enforces `grpc-timeout` itself and answers CANCELLED on expiry,
+/// which would replace the engine's own DEADLINE_EXCEEDED on passed-through
+/// calls. Deadlines are the engine's (and the client's) to enforce.
 pub async fn serve(
     listener: TcpListener,
     parts: ServerParts,
-    shutdown: impl Future<Output = ()> + Send,
+    shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (routes, health) = routes(&parts)?;
     let names = std::iter::once("").chain(SUBSCRIBE_SERVICES);
@@ -87,9 +100,12 @@ pub async fn serve(
             }
         }
     });
-    tonic::transport::Server::builder()
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+    // Small batches must not wait for Nagle's algorithm.
+    let listener = listener.tap_io(|stream| {
+        let _ = stream.set_nodelay(true);
+    });
+    axum::serve(listener, routes)
+        .with_graceful_shutdown(shutdown)
         .await?;
     Ok(())
 }

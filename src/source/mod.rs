@@ -7,6 +7,7 @@
 
 pub mod continuity;
 pub mod endpoint;
+pub mod replay;
 pub mod zmq;
 
 use bytes::Bytes;
@@ -30,4 +31,31 @@ pub enum SourceEvent {
     PublisherRestarted {
         rank: u32,
     },
+}
+
+/// Why an engine message or replay reply was skipped before decoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameError {
+    WrongFrameCount,
+    BadSequenceFrame,
+    TopicMismatch,
+    /// A replay reply that does not start with the empty delimiter frame.
+    MissingDelimiter,
+}
+
+impl FrameError {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::WrongFrameCount => "wrong_frame_count",
+            Self::BadSequenceFrame => "bad_sequence_frame",
+            Self::TopicMismatch => "topic_mismatch",
+            Self::MissingDelimiter => "missing_delimiter",
+        }
+    }
+}
+
+/// Reads a sequence frame: exactly 8 bytes, big-endian.
+pub fn parse_sequence(frame: &[u8]) -> Result<u64, FrameError> {
+    let frame: [u8; 8] = frame.try_into().map_err(|_| FrameError::BadSequenceFrame)?;
+    Ok(u64::from_be_bytes(frame))
 }

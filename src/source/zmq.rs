@@ -15,7 +15,7 @@ use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
 use super::endpoint::TcpEndpoint;
-use super::{EngineMessage, SourceEvent};
+use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
 use crate::metrics::Metrics;
 
 /// How kvgate reaches the engine's publishers.
@@ -33,24 +33,6 @@ pub struct ZmqSourceConfig {
     pub bind: bool,
 }
 
-/// Why an engine message was skipped before decoding.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FrameError {
-    WrongFrameCount,
-    BadSequenceFrame,
-    TopicMismatch,
-}
-
-impl FrameError {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::WrongFrameCount => "wrong_frame_count",
-            Self::BadSequenceFrame => "bad_sequence_frame",
-            Self::TopicMismatch => "topic_mismatch",
-        }
-    }
-}
-
 /// Splits `[topic, sequence (8 bytes BE), payload]`.
 pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), FrameError> {
     let mut frames = message.into_vecdeque();
@@ -65,11 +47,7 @@ pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), F
     if received_topic.as_ref() != topic {
         return Err(FrameError::TopicMismatch);
     }
-    let sequence: [u8; 8] = sequence
-        .as_ref()
-        .try_into()
-        .map_err(|_| FrameError::BadSequenceFrame)?;
-    Ok((u64::from_be_bytes(sequence), payload))
+    Ok((parse_sequence(&sequence)?, payload))
 }
 
 /// The running SUB sockets. Dropping it does not stop them: use `shutdown`.

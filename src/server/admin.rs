@@ -1,0 +1,114 @@
+//! The operator's HTTP port: Prometheus `/metrics`, `/healthz` for probes
+//! and a human-readable `/status`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Json};
+use axum::routing::get;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::hub::HubReader;
+use crate::metrics::Metrics;
+
+/// What `/status` and `/healthz` read.
+#[derive(Clone)]
+pub struct AdminState {
+    pub metrics: Metrics,
+    pub hub: HubReader,
+    pub source_ready: watch::Receiver<bool>,
+    /// Where events come from, as configured (for `/status`).
+    pub source: Arc<str>,
+    pub started: Instant,
+}
+
+#[derive(Serialize)]
+struct Status {
+    version: &'static str,
+    uptime_seconds: u64,
+    source: String,
+    source_ready: bool,
+    subscribers: i64,
+    history: HistoryStatus,
+    ranks: Vec<crate::hub::RankReport>,
+}
+
+#[derive(Serialize)]
+struct HistoryStatus {
+    oldest_position: u64,
+    newest_position: u64,
+    batches: u64,
+    bytes: u64,
+}
+
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/status", get(status))
+        .with_state(state)
+}
+
+/// Serves the admin port until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    state: AdminState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+}
+
+async fn healthz(State(state): State<AdminState>) -> impl IntoResponse {
+    if *state.source_ready.borrow() {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "waiting for the event source\n",
+        )
+    }
+}
+
+async fn status(State(state): State<AdminState>) -> Json<Status> {
+    let history = state.hub.history();
+    let (oldest, newest) = history.span();
+    Json(Status {
+        version: env!("CARGO_PKG_VERSION"),
+        uptime_seconds: state.started.elapsed().as_secs(),
+        source: state.source.to_string(),
+        source_ready: *state.source_ready.borrow(),
+        subscribers: state.metrics.subscribers.get(),
+        history: HistoryStatus {
+            oldest_position: oldest,
+            newest_position: newest,
+            batches: (newest + 1).saturating_sub(oldest),
+            bytes: state.metrics.history_bytes.get() as u64,
+        },
+        ranks: state.hub.rank_reports(),
+    })
+}
+
+/// Binds the admin port, naming the flag on failure.
+pub async fn bind(address: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(address)
+        .await
+        .map_err(|error| anyhow::anyhow!("--metrics-listen {address}: cannot listen: {error}"))
+}
