@@ -34,6 +34,10 @@ pub struct Cli {
 pub enum Command {
     /// Drain an engine's KV events and serve them to any number of routers.
     Serve(ServeArgs),
+    /// Print a gateway's event stream.
+    Tail(crate::tools::tail::TailArgs),
+    /// Summarise a running gateway: health, services, blocks per rank.
+    Status(crate::tools::status::StatusArgs),
 }
 
 #[derive(Debug, Clone, Args)]

@@ -18,3 +18,4 @@ pub mod proto;
 pub mod server;
 pub mod sim;
 pub mod source;
+pub mod tools;

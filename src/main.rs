@@ -8,6 +8,8 @@ async fn main() -> std::process::ExitCode {
     kvgate::logging::init(cli.log_format);
     let result = match cli.command {
         Command::Serve(args) => kvgate::app::serve(args, shutdown_signal()).await,
+        Command::Tail(args) => kvgate::tools::tail::run(args).await,
+        Command::Status(args) => kvgate::tools::status::run(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

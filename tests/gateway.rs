@@ -231,17 +231,17 @@ async fn with_two_ranks_each_rank_keeps_its_own_numbering_and_events() {
             );
         }
         last[rank] = Some(batch.sequence_number);
+        let fence = common::fence_in(&batch);
         for event in &batch.events {
             use kvgate::proto::common::kv_cache_event::Data;
             match (&event.data, rank) {
+                _ if common::fence_number(event).is_some() => {}
                 (Some(Data::Stored(_)), 0) | (Some(Data::Removed(_)), 1) => {
                     per_rank_events[rank] += 1
                 }
-                (Some(Data::Cleared(_)), _) => {}
                 other => panic!("event on the wrong rank: {other:?}"),
             }
         }
-        let fence = common::fence_in(&batch);
         seen[0] |= fence == Some(1 << 40);
         seen[1] |= fence == Some(1 << 41);
     }

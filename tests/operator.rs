@@ -201,3 +201,175 @@ async fn sigterm_ends_subscriber_streams_cleanly_and_exits_with_zero() {
         "a clean end of stream, got {end:?}"
     );
 }
+
+/// A gateway with the admin port, synced past the slow joiner, holding the
+/// blocks of the `stored-int-root` fixture.
+async fn gateway_holding_two_blocks() -> (Gateway, EnginePublisher) {
+    let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let gateway = Gateway::start(&[
+        "--zmq-endpoint",
+        publisher.endpoint(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let mut streams = vec![
+        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+            .await
+            .unwrap(),
+    ];
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+    // Its third event is a clear: it goes before the blocks.
+    let (malformed, _) = common::fixture("vllm-0.33.0/malformed-unknown-type");
+    publisher.publish(malformed.into()).await.unwrap();
+    let (payload, _) = common::fixture("vllm-0.33.0/stored-int-root");
+    publisher.publish(payload.into()).await.unwrap();
+    publisher
+        .send_frames(vec![
+            bytes::Bytes::new(),
+            bytes::Bytes::from_static(&[0; 4]),
+            bytes::Bytes::new(),
+        ])
+        .await
+        .unwrap();
+    publisher
+        .publish(common::fence_payload(u64::MAX, 0))
+        .await
+        .unwrap();
+    common::skip_past_fence(&mut streams[0], u64::MAX).await;
+    (gateway, publisher)
+}
+
+fn kvgate(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(args)
+        .output()
+        .expect("kvgate runs")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tail_prints_one_json_object_per_event_with_signed_hashes() {
+    let (gateway, _publisher) = gateway_holding_two_blocks().await;
+    let address = gateway.address.to_string();
+    let output = kvgate(&["tail", "--addr", &address, "--json", "--limit", "1"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(output.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("one JSON object per line"))
+        .collect();
+    // The snapshot: an ownerless clear, then the live blocks.
+    assert!(lines[0]["cleared"].is_object());
+    assert_eq!(lines[0]["snapshot"]["count"], 1);
+    let (_, fixture) = common::fixture("vllm-0.33.0/stored-int-root");
+    let expected: Vec<&serde_json::Value> = fixture["expected"]["events"][0]["stored"]["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|block| &block["block_hash"])
+        .collect();
+    let printed: Vec<&serde_json::Value> = lines[1..]
+        .iter()
+        .flat_map(|line| line["stored"]["blocks"].as_array().unwrap())
+        .map(|block| &block["block_hash"])
+        .collect();
+    assert_eq!(printed, expected);
+    assert!(
+        lines
+            .iter()
+            .all(|line| line["dp_rank"] == 0 && line["sequence_number"].is_string())
+    );
+
+    let output = kvgate(&["tail", "--addr", &address, "--limit", "1"]);
+    let text = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        text.contains("+2 stored") && text.contains("[snapshot 1/1, 2 blocks]"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_summarises_health_services_and_blocks_per_rank() {
+    let (gateway, _publisher) = gateway_holding_two_blocks().await;
+    let output = kvgate(&["status", "--addr", &gateway.address.to_string(), "--json"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let status: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(status["health"]["kvgate.v1.KvGate"], "SERVING");
+    assert_eq!(status["ranks"]["0"]["blocks"], 2);
+    assert!(
+        status["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s == "vllm.grpc.engine.VllmEngine")
+    );
+}
+
+/// The value of the sample `name{labels}` in a Prometheus text exposition.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        line.strip_prefix(series)?
+            .trim()
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
+    let (gateway, _publisher) = gateway_holding_two_blocks().await;
+    let admin = gateway.admin.expect("admin port reported");
+    let (code, body) = common::http_get(admin, "/healthz").await;
+    assert_eq!((code, body.trim()), (200, "ok"));
+
+    let (code, text) = common::http_get(admin, "/metrics").await;
+    assert_eq!(code, 200);
+    assert!(
+        sample(&text, "kvgate_engine_messages_total{rank=\"0\"}").unwrap() >= 3.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "kvgate_events_dropped_total{reason=\"unknown_type\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "kvgate_bad_messages_total{reason=\"bad_sequence_frame\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "kvgate_state_blocks{rank=\"0\",tier=\"device\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    assert!(sample(&text, "kvgate_batches_out_total").unwrap() >= 2.0);
+    assert!(
+        sample(&text, "kvgate_events_out_total").unwrap() >= 3.0,
+        "{text}"
+    );
+
+    let (code, body) = common::http_get(admin, "/status").await;
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["source_ready"], true);
+    assert_eq!(status["ranks"][0]["blocks"][0], 2);
+    assert!(status["history"]["batches"].as_u64().unwrap() >= 2);
+}

@@ -553,10 +553,12 @@ fn run(setup: &Setup, ops: &[Op]) {
                 subscriber,
                 batches,
             } => {
-                subscribers[subscriber.index(subscribers.len())].read(&gateway, *batches);
+                let subscriber = subscriber.index(subscribers.len());
+                subscribers[subscriber].read(&gateway, *batches);
             }
             Op::Reconnect { subscriber } => {
-                subscribers[subscriber.index(subscribers.len())].reconnect(&gateway);
+                let subscriber = subscriber.index(subscribers.len());
+                subscribers[subscriber].reconnect(&gateway);
             }
             Op::Join => {
                 if subscribers.len() < MAX_SUBSCRIBERS {

@@ -1,10 +1,13 @@
 //! One subscriber's walk through the stream, by position.
 //!
-//! A subscription expects one position next. Live batches below it are
-//! already delivered (the seam after a replay or snapshot) and are skipped;
-//! a live batch above it means the subscriber fell behind or just resumed,
-//! and the missing positions come from the history first. The same rule gives
-//! resume, seam de-duplication and lag refill with no gap and no duplicate.
+//! A subscription expects one position next. Whatever was published before
+//! it began comes from the history (the live channel only carries later
+//! batches, and an idle engine may send none for a long time). Live batches
+//! below the expected position are already delivered (the seam after a
+//! replay or snapshot) and are skipped; a live batch above it means the
+//! subscriber fell behind, and the missing positions come from the history
+//! first. The same rule gives resume, seam de-duplication and lag refill
+//! with no gap and no duplicate.
 
 use std::sync::Arc;
 
@@ -60,6 +63,9 @@ pub struct Subscription {
     /// A live batch ahead of `next_position`, held until the gap before it
     /// is refilled from the history.
     held: Option<Arc<Batch>>,
+    /// The newest position when the subscription began: up to it, batches
+    /// come from the history without waiting for a live one.
+    replay_through: u64,
 }
 
 impl Subscription {
@@ -84,6 +90,7 @@ impl Subscription {
             history: hub.clone(),
             next_position,
             held: None,
+            replay_through: hub.history().newest(),
         }
     }
 
@@ -94,11 +101,13 @@ impl Subscription {
 
     pub async fn next(&mut self) -> Step {
         loop {
-            if let Some(held) = &self.held {
-                let batch = if held.position == self.next_position {
-                    self.held.take()
-                } else {
-                    self.history.history().get(self.next_position)
+            if self.held.is_some() || self.next_position <= self.replay_through {
+                let batch = match self
+                    .held
+                    .take_if(|held| held.position == self.next_position)
+                {
+                    Some(held) => Some(held),
+                    None => self.history.history().get(self.next_position),
                 };
                 return match batch {
                     Some(batch) => {

@@ -269,3 +269,285 @@ impl Collector {
             .map_or(*self.wanted.start(), |(last, _)| last + 1)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::Value;
+    use zeromq::RouterSocket;
+
+    use super::*;
+    use crate::sim::{EnginePublisher, PublisherOptions};
+
+    fn unhex(hex: &Value) -> Bytes {
+        let hex = hex.as_str().expect("a hex string");
+        (0..hex.len())
+            .step_by(2)
+            .map(|at| u8::from_str_radix(&hex[at..at + 2], 16).expect("hex digits"))
+            .collect::<Vec<u8>>()
+            .into()
+    }
+
+    fn frames(hex: &Value) -> Vec<Bytes> {
+        hex.as_array().expect("frames").iter().map(unhex).collect()
+    }
+
+    fn message(seq: u64) -> Reply {
+        Reply::Message {
+            seq,
+            payload: Bytes::from(format!("batch {seq}")),
+        }
+    }
+
+    fn seqs(collector: &Collector) -> Vec<u64> {
+        collector.messages.iter().map(|(seq, _)| *seq).collect()
+    }
+
+    #[test]
+    fn every_engine_reply_format_is_read_and_ends_on_the_all_ones_sequence() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wire");
+        for format in [
+            "vllm-0.33.0",
+            "sglang-0.5.23",
+            "vllm-0.23.0-array",
+            "vllm-legacy-array",
+        ] {
+            let exchange = std::fs::read(root.join(format).join("replay-exchange.json")).unwrap();
+            let exchange: Value = serde_json::from_slice(&exchange).unwrap();
+            let topic = exchange["topic"].as_str().unwrap().as_bytes();
+            for case in exchange["replay"].as_array().unwrap() {
+                let start = case["request_start_seq"].as_u64().unwrap();
+                assert_eq!(
+                    request(start).into_vec(),
+                    frames(&case["dealer_sends_hex"]),
+                    "{format}: request frames for {start}"
+                );
+                let mut collector = Collector::new(start..=u64::MAX, MAX_PIECE);
+                collector.next_request();
+                let replies = case["dealer_receives_hex"].as_array().unwrap();
+                for (n, reply) in replies.iter().enumerate() {
+                    let reply = parse_reply(&frames(reply), topic).unwrap();
+                    assert_eq!(reply == Reply::End, n == replies.len() - 1, "{format}");
+                    collector.accept(reply).unwrap();
+                }
+                assert!(collector.is_done(), "{format}: END ends the fetch");
+                let expected: Vec<u64> = case["dealer_receives_seqs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .collect();
+                assert_eq!(seqs(&collector), expected, "{format}: start {start}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_message_under_another_topic_is_refused_but_end_may_carry_any_topic() {
+        let seq = |n: u64| Bytes::copy_from_slice(&n.to_be_bytes());
+        let frames =
+            |topic: &'static str, n: u64| [Bytes::new(), Bytes::from(topic), seq(n), Bytes::new()];
+        assert_eq!(
+            parse_reply(&frames("other", 3), b"kv"),
+            Err(FrameError::TopicMismatch)
+        );
+        assert_eq!(parse_reply(&frames("", END), b"kv"), Ok(Reply::End));
+        assert!(matches!(
+            parse_reply(&frames("kv", 3), b"kv"),
+            Ok(Reply::Message { seq: 3, .. })
+        ));
+    }
+
+    #[test]
+    fn malformed_replies_are_refused_with_the_reason() {
+        let seq = Bytes::copy_from_slice(&7u64.to_be_bytes());
+        let cases = [
+            (vec![Bytes::new(), seq.clone()], FrameError::WrongFrameCount),
+            (vec![], FrameError::WrongFrameCount),
+            (vec![Bytes::new(); 5], FrameError::WrongFrameCount),
+            (
+                vec![Bytes::from("x"), seq.clone(), Bytes::new()],
+                FrameError::MissingDelimiter,
+            ),
+            (
+                vec![Bytes::new(), Bytes::from_static(&[0; 7]), Bytes::new()],
+                FrameError::BadSequenceFrame,
+            ),
+        ];
+        for (frames, error) in cases {
+            assert_eq!(parse_reply(&frames, b""), Err(error), "{frames:?}");
+        }
+    }
+
+    #[test]
+    fn a_start_the_ring_no_longer_holds_begins_at_its_oldest_message() {
+        let mut collector = Collector::new(5..=9, MAX_PIECE);
+        assert_eq!(collector.next_request(), 5);
+        for seq in 7..=9 {
+            collector.accept(message(seq)).unwrap();
+        }
+        assert!(collector.is_done());
+        assert_eq!(seqs(&collector), [7, 8, 9]);
+    }
+
+    #[test]
+    fn replayed_numbers_must_run_on_and_the_run_stops_at_the_first_break() {
+        let mut collector = Collector::new(0..=u64::MAX, MAX_PIECE);
+        collector.next_request();
+        collector.accept(message(0)).unwrap();
+        collector.accept(message(1)).unwrap();
+        assert_eq!(
+            collector.accept(message(3)),
+            Err(ReplayError::NotContiguous {
+                expected: 2,
+                got: 3
+            })
+        );
+        assert!(collector.is_done());
+        assert_eq!(seqs(&collector), [0, 1]);
+
+        let mut collector = Collector::new(4..=9, MAX_PIECE);
+        collector.next_request();
+        assert_eq!(
+            collector.accept(message(3)),
+            Err(ReplayError::NotContiguous {
+                expected: 4,
+                got: 3
+            })
+        );
+    }
+
+    #[test]
+    fn a_bounded_fetch_ends_at_its_last_number_or_at_the_first_one_past_it() {
+        let mut collector = Collector::new(2..=3, MAX_PIECE);
+        collector.next_request();
+        assert_eq!(collector.accept(message(2)), Ok(Next::Read));
+        assert_eq!(collector.accept(message(3)), Ok(Next::NewPiece));
+        assert!(collector.is_done());
+
+        // The ring skips the range entirely (numbers the engine never sent).
+        let mut collector = Collector::new(2..=3, MAX_PIECE);
+        collector.next_request();
+        assert_eq!(collector.accept(message(4)), Ok(Next::NewPiece));
+        assert!(collector.is_done());
+        assert!(collector.messages.is_empty());
+
+        assert!(Collector::new(3..=2, MAX_PIECE).is_done());
+    }
+
+    #[test]
+    fn long_ranges_are_asked_for_in_pieces_each_continuing_after_the_last_message() {
+        let mut collector = Collector::new(10..=u64::MAX, 3);
+        assert_eq!(collector.next_request(), 10);
+        assert_eq!(collector.accept(message(10)), Ok(Next::Read));
+        assert_eq!(collector.accept(message(11)), Ok(Next::Read));
+        assert_eq!(collector.accept(message(12)), Ok(Next::NewPiece));
+        assert!(!collector.is_done());
+        assert_eq!(collector.next_request(), 13);
+        // A later piece may not start past where the last one stopped.
+        assert_eq!(
+            collector.accept(message(15)),
+            Err(ReplayError::NotContiguous {
+                expected: 13,
+                got: 15
+            })
+        );
+
+        let mut collector = Collector::new(10..=u64::MAX, 3);
+        collector.next_request();
+        for seq in 10..=12 {
+            collector.accept(message(seq)).unwrap();
+        }
+        collector.next_request();
+        assert_eq!(collector.accept(message(13)), Ok(Next::Read));
+        assert_eq!(collector.accept(Reply::End), Ok(Next::NewPiece));
+        assert!(collector.is_done());
+        assert_eq!(seqs(&collector), [10, 11, 12, 13]);
+    }
+
+    async fn ring_only_publisher(published: u64, buffer_steps: usize) -> EnginePublisher {
+        let options = PublisherOptions {
+            replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
+            buffer_steps,
+            ..PublisherOptions::default()
+        };
+        let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &options)
+            .await
+            .unwrap();
+        for seq in 0..published {
+            // Nobody subscribes: these only go to the ring.
+            publisher
+                .publish(Bytes::from(format!("batch {seq}")))
+                .await
+                .unwrap();
+        }
+        publisher
+    }
+
+    fn client(address: &str, timeout: Duration) -> ReplayClient {
+        ReplayClient::new(address.to_owned(), Bytes::new(), timeout)
+    }
+
+    #[tokio::test]
+    async fn a_fetch_longer_than_a_piece_comes_back_whole_and_in_order() {
+        let publisher = ring_only_publisher(2500, 10_000).await;
+        let replay = client(publisher.replay_endpoint().unwrap(), DEFAULT_TIMEOUT);
+
+        let all = replay.fetch(0..=u64::MAX).await;
+        assert_eq!(all.stopped, None);
+        assert_eq!(all.messages.len(), 2500);
+        for (n, (seq, payload)) in all.messages.iter().enumerate() {
+            assert_eq!(*seq, n as u64);
+            assert_eq!(payload, &Bytes::from(format!("batch {n}")));
+        }
+
+        let range = replay.fetch(990..=2001).await;
+        assert_eq!(range.stopped, None);
+        assert_eq!((range.first(), range.last()), (Some(990), Some(2001)));
+        assert_eq!(range.messages.len(), 1012);
+    }
+
+    #[tokio::test]
+    async fn a_ring_smaller_than_what_was_published_starts_at_its_oldest() {
+        let publisher = ring_only_publisher(30, 8).await;
+        let replay = client(publisher.replay_endpoint().unwrap(), DEFAULT_TIMEOUT);
+        let primed = replay.fetch(0..=u64::MAX).await;
+        assert_eq!(primed.stopped, None);
+        assert_eq!((primed.first(), primed.last()), (Some(22), Some(29)));
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_endpoint_costs_one_timeout_and_returns_nothing() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let timeout = Duration::from_millis(300);
+        let started = Instant::now();
+        let replayed = client(&format!("tcp://127.0.0.1:{port}"), timeout)
+            .fetch(0..=u64::MAX)
+            .await;
+        assert!(matches!(
+            replayed.stopped,
+            Some(ReplayError::ConnectFailed(_))
+        ));
+        assert!(replayed.messages.is_empty());
+        assert!(started.elapsed() < timeout + Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn a_router_that_never_answers_times_out() {
+        let mut router = RouterSocket::new();
+        let address = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let timeout = Duration::from_millis(300);
+        let started = Instant::now();
+        let replayed = client(&address, timeout).fetch(0..=u64::MAX).await;
+        assert_eq!(replayed.stopped, Some(ReplayError::Timeout(timeout)));
+        assert!(started.elapsed() < timeout + Duration::from_secs(2));
+        // The request did arrive, framed as the engines expect.
+        let request = router.recv().await.unwrap().into_vec();
+        assert_eq!(request[1..], [Bytes::new(), Bytes::from_static(&[0; 8])]);
+    }
+}

@@ -4,7 +4,17 @@
 //! miss a restarted publisher's first messages), validates the
 //! `[topic, sequence, payload]` framing and forwards messages in arrival
 //! order. Malformed messages are counted and skipped; they never stop the task.
+//!
+//! With a replay endpoint, the task first primes: it forwards what the
+//! engine's ring holds before reading the live socket. Then, whenever a live
+//! message reveals a hole before it (a gap, or numbers the SUB missed after
+//! it joined or after the engine restarted), the task forwards what replay
+//! still holds of the hole first. Invariant: per rank, the drain gets each
+//! engine message at most once, in the publisher's order; a replay that
+//! breaks off or never answers costs at most its timeout per hole, and what
+//! it could not give is counted as lost.
 
+use std::ops::RangeInclusive;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -15,6 +25,7 @@ use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
 use super::endpoint::TcpEndpoint;
+use super::replay::{self, ReplayClient, Replayed};
 use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
 use crate::metrics::Metrics;
 
@@ -73,17 +84,27 @@ impl ZmqSource {
             let endpoint = config.endpoint.for_rank(rank).map_err(|error| {
                 anyhow::anyhow!("--zmq-endpoint with --dp-size {}: {error}", config.dp_size)
             })?;
+            let topic = Bytes::from(config.topic.clone());
+            let replay = match &config.replay_endpoint {
+                Some(base) => Some(ReplayClient::new(
+                    base.for_rank(rank)
+                        .map_err(|error| {
+                            anyhow::anyhow!(
+                                "--zmq-replay-endpoint with --dp-size {}: {error}",
+                                config.dp_size
+                            )
+                        })?
+                        .connect_address(),
+                    topic.clone(),
+                    replay::DEFAULT_TIMEOUT,
+                )),
+                None => None,
+            };
             let mut options = SocketOptions::default();
             options.no_connect_timeout();
             let mut socket = SubSocket::with_options(options);
             socket.subscribe(&config.topic).await?;
-            let rank_task = RankTask {
-                rank,
-                topic: Bytes::from(config.topic.clone()),
-                events: events.clone(),
-                metrics: metrics.clone(),
-                cursor: PublisherCursor::default(),
-            };
+            let rank_task = RankTask::new(rank, topic, replay, events.clone(), metrics.clone());
             let mut stop_rx = stop.subscribe();
             if config.bind {
                 let address = endpoint.bind_address();
@@ -137,6 +158,7 @@ impl ZmqSource {
 struct RankTask {
     rank: u32,
     topic: Bytes,
+    replay: Option<ReplayClient>,
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
     cursor: PublisherCursor,
@@ -145,17 +167,77 @@ struct RankTask {
 /// Pause after a socket error so a persistently failing socket cannot spin.
 const ERROR_BACKOFF: Duration = Duration::from_millis(50);
 
+/// Engine messages missing before a live one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Hole {
+    /// Between two live messages: whatever replay cannot give is lost.
+    Gap(RangeInclusive<u64>),
+    /// Before `next`, the first message since the publisher (re)started
+    /// that was not primed. Numbers the ring no longer holds at its start
+    /// precede kvgate's record (the drain reports them as `unknown_before`);
+    /// only a break after what replay gives is lost.
+    Opening { next: u64 },
+}
+
+impl Hole {
+    fn missing(&self) -> Option<RangeInclusive<u64>> {
+        match self {
+            Self::Gap(missing) => Some(missing.clone()),
+            Self::Opening { next } => next.checked_sub(1).map(|last| 0..=last),
+        }
+    }
+
+    /// `recovered` is what a fetch of [`Self::missing`] returned.
+    fn lost(&self, recovered: &Replayed) -> u64 {
+        match self {
+            Self::Gap(missing) => {
+                missing.end() - missing.start() + 1 - recovered.messages.len() as u64
+            }
+            Self::Opening { next } => recovered.last().map_or(0, |last| next - 1 - last),
+        }
+    }
+}
+
 impl RankTask {
+    fn new(
+        rank: u32,
+        topic: Bytes,
+        replay: Option<ReplayClient>,
+        events: mpsc::Sender<SourceEvent>,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            rank,
+            topic,
+            replay,
+            events,
+            metrics,
+            cursor: PublisherCursor::default(),
+        }
+    }
+
     async fn run(mut self, mut socket: SubSocket, stop: &mut watch::Receiver<bool>) {
+        // Stopping may cut a replay short: what it would have given is moot.
+        tokio::select! {
+            () = self.serve(&mut socket) => {}
+            _ = stop.changed() => {}
+        }
+        socket.close().await;
+    }
+
+    /// Returns once the drain is gone.
+    async fn serve(&mut self, socket: &mut SubSocket) {
+        if !self.prime().await {
+            return;
+        }
         loop {
-            let received = tokio::select! {
-                received = socket.recv() => received,
-                _ = stop.changed() => break,
-            };
-            match received {
+            // While a replay runs the SUB is not read; the zeromq crate
+            // resubscribes after a reconnect on its own and the publisher
+            // queues meanwhile, so nothing is lost, only delayed.
+            match socket.recv().await {
                 Ok(message) => {
                     if !self.forward(message).await {
-                        break;
+                        return;
                     }
                 }
                 Err(error) => {
@@ -164,7 +246,30 @@ impl RankTask {
                 }
             }
         }
-        socket.close().await;
+    }
+
+    /// Forwards the replay ring's content so the state covers what the
+    /// engine stored before kvgate joined. Returns false once the drain is
+    /// gone.
+    async fn prime(&mut self) -> bool {
+        let Some(replay) = &self.replay else {
+            return true;
+        };
+        let primed = replay.fetch(0..=u64::MAX).await;
+        if let Some(error) = &primed.stopped {
+            warn!(rank = self.rank, replay = replay.address(), %error, "priming from the replay endpoint broke off");
+        }
+        info!(
+            rank = self.rank,
+            first = ?primed.first(),
+            last = ?primed.last(),
+            "primed from the replay endpoint"
+        );
+        self.cursor.prime(&primed.messages);
+        self.metrics
+            .engine_messages_recovered
+            .inc_by(primed.messages.len() as u64);
+        self.send_all(primed.messages).await
     }
 
     /// Returns false once the drain is gone.
@@ -181,14 +286,19 @@ impl RankTask {
             .engine_messages
             .get_or_create(&crate::metrics::RankLabel { rank: self.rank })
             .inc();
-        match self.cursor.observe(engine_sequence) {
-            Continuity::First | Continuity::Follows => {}
-            Continuity::Gap { missing } => {
-                self.metrics
-                    .engine_messages_lost
-                    .inc_by(missing.clone().count() as u64);
-                warn!(rank = self.rank, ?missing, "engine messages lost");
+        let hole = match self.cursor.observe(engine_sequence, &payload) {
+            Continuity::Echo => {
+                debug!(
+                    rank = self.rank,
+                    engine_sequence, "skipped a live copy of a primed message"
+                );
+                return true;
             }
+            Continuity::Follows => None,
+            Continuity::First => Some(Hole::Opening {
+                next: engine_sequence,
+            }),
+            Continuity::Gap { missing } => Some(Hole::Gap(missing)),
             Continuity::Restarted => {
                 info!(
                     rank = self.rank,
@@ -199,17 +309,77 @@ impl RankTask {
                 if self.events.send(restarted).await.is_err() {
                     return false;
                 }
+                // The SUB may have joined the new publisher late.
+                Some(Hole::Opening {
+                    next: engine_sequence,
+                })
+            }
+        };
+        if let Some(hole) = hole
+            && !self.recover(hole).await
+        {
+            return false;
+        }
+        self.send_all([(engine_sequence, payload)]).await
+    }
+
+    /// Forwards what replay still holds of `hole` and counts the rest.
+    /// Returns false once the drain is gone.
+    async fn recover(&mut self, hole: Hole) -> bool {
+        let Some(missing) = hole.missing() else {
+            return true;
+        };
+        let recovered = match &self.replay {
+            Some(replay) => {
+                let recovered = replay.fetch(missing.clone()).await;
+                if let Some(error) = &recovered.stopped {
+                    warn!(rank = self.rank, replay = replay.address(), ?missing, %error, "replay broke off");
+                }
+                recovered
+            }
+            None => Replayed::default(),
+        };
+        let count = recovered.messages.len() as u64;
+        let lost = hole.lost(&recovered);
+        self.metrics.engine_messages_recovered.inc_by(count);
+        self.metrics.engine_messages_lost.inc_by(lost);
+        if lost > 0 {
+            warn!(
+                rank = self.rank,
+                ?missing,
+                recovered = count,
+                lost,
+                "engine messages lost"
+            );
+        } else if count > 0 {
+            info!(
+                rank = self.rank,
+                ?missing,
+                recovered = count,
+                "engine messages recovered from replay"
+            );
+        }
+        self.send_all(recovered.messages).await
+    }
+
+    /// Returns false once the drain is gone.
+    async fn send_all(&self, messages: impl IntoIterator<Item = (u64, Bytes)>) -> bool {
+        for (engine_sequence, payload) in messages {
+            let message = EngineMessage {
+                rank: self.rank,
+                engine_sequence,
+                payload,
+            };
+            if self
+                .events
+                .send(SourceEvent::Message(message))
+                .await
+                .is_err()
+            {
+                return false;
             }
         }
-        let message = EngineMessage {
-            rank: self.rank,
-            engine_sequence,
-            payload,
-        };
-        self.events
-            .send(SourceEvent::Message(message))
-            .await
-            .is_ok()
+        true
     }
 }
 
@@ -219,4 +389,248 @@ fn warn_limited(rank: u32, reason: &'static str) {
     crate::logging::rate_limited(reason, || {
         warn!(rank, reason, "skipped a malformed engine message");
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::time::{Instant, timeout};
+
+    use super::*;
+    use crate::sim::{EnginePublisher, PublisherOptions};
+
+    /// Upper bound on any single wait; the conditions themselves are awaited.
+    const WAIT: Duration = Duration::from_secs(10);
+
+    #[derive(Debug, PartialEq, Eq)]
+    enum Seen {
+        Message(u64, Bytes),
+        Restarted,
+    }
+
+    fn seen(event: SourceEvent) -> Seen {
+        match event {
+            SourceEvent::Message(message) => {
+                Seen::Message(message.engine_sequence, message.payload)
+            }
+            SourceEvent::PublisherRestarted { .. } => Seen::Restarted,
+        }
+    }
+
+    fn payload(name: &str) -> Bytes {
+        Bytes::from(name.to_owned())
+    }
+
+    /// A rank task on a SUB that already receives everything `publisher`
+    /// sends, so the tests decide what the SUB holds when the task starts.
+    struct Harness {
+        publisher: EnginePublisher,
+        socket: Option<SubSocket>,
+        events: mpsc::Receiver<SourceEvent>,
+        sender: mpsc::Sender<SourceEvent>,
+        metrics: Metrics,
+        stop: watch::Sender<bool>,
+    }
+
+    impl Harness {
+        async fn new() -> Self {
+            let options = PublisherOptions {
+                replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
+                ..PublisherOptions::default()
+            };
+            let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &options)
+                .await
+                .unwrap();
+            let mut socket = SubSocket::new();
+            socket.connect(publisher.endpoint()).await.unwrap();
+            socket.subscribe("").await.unwrap();
+            // Slow joiner: warm up until a message arrives, then read to the last.
+            let deadline = Instant::now() + WAIT;
+            'subscribed: loop {
+                assert!(Instant::now() < deadline, "the subscription never arrived");
+                let last = publisher.publish(payload("warm-up")).await.unwrap();
+                if let Ok(received) = timeout(Duration::from_millis(20), socket.recv()).await {
+                    let mut received = received.unwrap();
+                    loop {
+                        let (seq, _) = parse_frames(received, b"").unwrap();
+                        if seq == last {
+                            break 'subscribed;
+                        }
+                        received = socket.recv().await.unwrap();
+                    }
+                }
+            }
+            let (sender, events) = mpsc::channel(1024);
+            Self {
+                publisher,
+                socket: Some(socket),
+                events,
+                sender,
+                metrics: Metrics::new(),
+                stop: watch::channel(false).0,
+            }
+        }
+
+        fn replay(&self, timeout: Duration) -> ReplayClient {
+            let address = self.publisher.replay_endpoint().unwrap().to_owned();
+            ReplayClient::new(address, Bytes::new(), timeout)
+        }
+
+        fn start(&mut self, replay: Option<ReplayClient>) {
+            let task = RankTask::new(
+                0,
+                Bytes::new(),
+                replay,
+                self.sender.clone(),
+                self.metrics.clone(),
+            );
+            let socket = self.socket.take().expect("started once");
+            let mut stop = self.stop.subscribe();
+            tokio::spawn(async move { task.run(socket, &mut stop).await });
+        }
+
+        /// Every event up to and including the message numbered `seq`.
+        async fn until(&mut self, seq: u64) -> Vec<Seen> {
+            let mut events = Vec::new();
+            loop {
+                let event = timeout(WAIT, self.events.recv())
+                    .await
+                    .expect("an event in time")
+                    .expect("the task is running");
+                let event = seen(event);
+                let done = matches!(event, Seen::Message(got, _) if got == seq);
+                events.push(event);
+                if done {
+                    return events;
+                }
+            }
+        }
+    }
+
+    impl Drop for Harness {
+        fn drop(&mut self) {
+            self.stop.send_replace(true);
+        }
+    }
+
+    fn numbers(events: &[Seen]) -> Vec<Option<u64>> {
+        events
+            .iter()
+            .map(|event| match event {
+                Seen::Message(seq, _) => Some(*seq),
+                Seen::Restarted => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn priming_forwards_the_ring_and_skips_the_live_copies_of_it() {
+        let mut harness = Harness::new().await;
+        // The SUB holds these too: they went out live before the task started.
+        harness.publisher.publish(payload("a")).await.unwrap();
+        let b = harness.publisher.publish(payload("b")).await.unwrap();
+        harness.start(Some(harness.replay(replay::DEFAULT_TIMEOUT)));
+        let primed = harness.until(b).await;
+        assert_eq!(numbers(&primed), (0..=b).map(Some).collect::<Vec<_>>());
+
+        let c = harness.publisher.publish(payload("c")).await.unwrap();
+        assert_eq!(harness.until(c).await, [Seen::Message(c, payload("c"))]);
+        assert_eq!(harness.metrics.engine_messages_recovered.get(), b + 1);
+        assert_eq!(harness.metrics.engine_messages_lost.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_engine_restarted_while_primed_numbers_are_pending_is_a_restart_not_an_echo() {
+        let mut harness = Harness::new().await;
+        let a = harness.publisher.publish(payload("a")).await.unwrap();
+        harness.start(Some(harness.replay(replay::DEFAULT_TIMEOUT)));
+        harness.until(a).await;
+
+        harness.publisher.restart();
+        harness.publisher.lose_in_transit(payload("new 0"));
+        harness.publisher.publish(payload("new 1")).await.unwrap();
+        // The SUB still holds the live copy of `a` (an echo) before these.
+        assert_eq!(
+            harness.until(1).await,
+            [
+                Seen::Restarted,
+                Seen::Message(0, payload("new 0")),
+                Seen::Message(1, payload("new 1")),
+            ]
+        );
+        assert_eq!(harness.metrics.engine_restarts.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_gap_is_filled_from_replay_before_the_message_that_revealed_it() {
+        let mut harness = Harness::new().await;
+        harness.start(Some(harness.replay(replay::DEFAULT_TIMEOUT)));
+        let first = harness.publisher.publish(payload("x1")).await.unwrap();
+        harness.until(first).await;
+        let recovered_before = harness.metrics.engine_messages_recovered.get();
+
+        harness.publisher.lose_in_transit(payload("x2"));
+        harness.publisher.lose_in_transit(payload("x3"));
+        harness.publisher.publish(payload("x4")).await.unwrap();
+        harness.publisher.skip(2);
+        let last = harness.publisher.publish(payload("x5")).await.unwrap();
+
+        assert_eq!(
+            harness.until(last).await,
+            [
+                Seen::Message(first + 1, payload("x2")),
+                Seen::Message(first + 2, payload("x3")),
+                Seen::Message(first + 3, payload("x4")),
+                Seen::Message(last, payload("x5")),
+            ]
+        );
+        assert_eq!(
+            harness.metrics.engine_messages_recovered.get() - recovered_before,
+            2
+        );
+        assert_eq!(harness.metrics.engine_messages_lost.get(), 2);
+    }
+
+    #[tokio::test]
+    async fn without_a_replay_endpoint_gaps_are_counted_and_nothing_is_primed() {
+        let mut harness = Harness::new().await;
+        harness.start(None);
+        let first = harness.publisher.publish(payload("a")).await.unwrap();
+        assert_eq!(
+            harness.until(first).await,
+            [Seen::Message(first, payload("a"))]
+        );
+        harness.publisher.lose_in_transit(payload("b"));
+        let last = harness.publisher.publish(payload("c")).await.unwrap();
+        assert_eq!(
+            harness.until(last).await,
+            [Seen::Message(last, payload("c"))]
+        );
+        assert_eq!(harness.metrics.engine_messages_lost.get(), 1);
+        assert_eq!(harness.metrics.engine_messages_recovered.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_replay_endpoint_that_never_answers_delays_each_hole_by_its_timeout_at_most() {
+        let mut harness = Harness::new().await;
+        let mut silent = zeromq::RouterSocket::new();
+        let address = silent.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let timeout = Duration::from_millis(300);
+        harness.start(Some(ReplayClient::new(address, Bytes::new(), timeout)));
+
+        let started = Instant::now();
+        let first = harness.publisher.publish(payload("a")).await.unwrap();
+        // Priming and the hole before `a` each wait out the timeout.
+        assert_eq!(
+            harness.until(first).await,
+            [Seen::Message(first, payload("a"))]
+        );
+        harness.publisher.lose_in_transit(payload("b"));
+        let last = harness.publisher.publish(payload("c")).await.unwrap();
+        assert_eq!(
+            harness.until(last).await,
+            [Seen::Message(last, payload("c"))]
+        );
+        assert!(started.elapsed() < 3 * timeout + Duration::from_secs(3));
+        assert_eq!(harness.metrics.engine_messages_lost.get(), 1);
+    }
 }

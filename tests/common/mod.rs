@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
-use kvgate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
+use kvgate::proto::common::KvEventBatch;
 use tonic::codec::Streaming;
 use tonic::transport::Channel;
 
@@ -23,6 +23,8 @@ pub const DEADLINE: Duration = Duration::from_secs(20);
 pub struct Gateway {
     child: Child,
     pub address: SocketAddr,
+    /// The admin HTTP address, when started with `--metrics-listen`.
+    pub admin: Option<SocketAddr>,
 }
 
 impl Gateway {
@@ -44,22 +46,32 @@ impl Gateway {
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std_mpsc::channel();
         std::thread::spawn(move || {
+            let mut admin = None;
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
+                if let Some(rest) =
+                    line.strip_prefix("kvgate: metrics, /healthz and /status on http://")
+                {
+                    admin = rest.parse::<SocketAddr>().ok();
+                }
                 if let Some(rest) = line.strip_prefix("kvgate: serving gRPC on ") {
                     let address = rest.split(',').next().unwrap_or_default().to_owned();
-                    let _ = tx.send(address);
+                    let _ = tx.send((address, admin));
                 }
             }
         });
-        let address = match rx.recv_timeout(DEADLINE) {
-            Ok(address) => address.parse().expect("a socket address"),
+        let (address, admin) = match rx.recv_timeout(DEADLINE) {
+            Ok((address, admin)) => (address.parse().expect("a socket address"), admin),
             Err(_) => {
                 let _ = child.kill();
                 panic!("kvgate did not report its address in time");
             }
         };
-        Self { child, address }
+        Self {
+            child,
+            address,
+            admin,
+        }
     }
 
     pub fn url(&self) -> String {
@@ -105,23 +117,8 @@ impl Drop for Gateway {
 }
 
 /// Subscribes through a stock tonic client to `service`'s `SubscribeKvEvents`.
-pub async fn subscribe(
-    channel: Channel,
-    service: &str,
-    start_sequence_number: u64,
-) -> Result<Streaming<KvEventBatch>, tonic::Status> {
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.expect("channel ready");
-    let path = format!("/{service}/SubscribeKvEvents").parse().unwrap();
-    let request = SubscribeKvEventsRequest {
-        start_sequence_number,
-        load_records_before_first_batch: false,
-    };
-    let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
-    grpc.server_streaming(tonic::Request::new(request), path, codec)
-        .await
-        .map(tonic::Response::into_inner)
-}
+#[allow(unused_imports)]
+pub use kvgate::tools::subscribe;
 
 /// The next batch, failing the test if none comes within the deadline.
 pub async fn next_batch(stream: &mut Streaming<KvEventBatch>) -> KvEventBatch {
@@ -162,8 +159,12 @@ pub fn fixture(name: &str) -> (Vec<u8>, serde_json::Value) {
     (payload, serde_json::from_slice(&json).unwrap())
 }
 
-/// A vLLM-format payload `[ts, [AllBlocksCleared{ownership: "fence-N"}], rank]`:
-/// a marker a test can publish and recognise in every stream.
+/// First hash of a fence removal ("kvgate" in ASCII): no engine stores it.
+const FENCE_MARKER: i64 = 0x6b76_6761_7465_0000;
+
+/// A vLLM-format payload `[ts, [BlockRemoved{block_hashes: [MARKER, n]}], rank]`:
+/// a marker a test can publish and recognise in every stream. Removing
+/// blocks nobody stored changes no state, in kvgate or in a router.
 pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
     let mut out = Vec::new();
     rmp::encode::write_array_len(&mut out, 3).unwrap();
@@ -171,24 +172,30 @@ pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
     rmp::encode::write_array_len(&mut out, 1).unwrap();
     rmp::encode::write_map_len(&mut out, 2).unwrap();
     rmp::encode::write_str(&mut out, "type").unwrap();
-    rmp::encode::write_str(&mut out, "AllBlocksCleared").unwrap();
-    rmp::encode::write_str(&mut out, "ownership").unwrap();
-    rmp::encode::write_str(&mut out, &format!("fence-{n}")).unwrap();
+    rmp::encode::write_str(&mut out, "BlockRemoved").unwrap();
+    rmp::encode::write_str(&mut out, "block_hashes").unwrap();
+    rmp::encode::write_array_len(&mut out, 2).unwrap();
+    rmp::encode::write_sint(&mut out, FENCE_MARKER).unwrap();
+    rmp::encode::write_uint(&mut out, n).unwrap();
     rmp::encode::write_uint(&mut out, u64::from(rank)).unwrap();
     out.into()
 }
 
+/// The fence number of `event`, if it is a fence.
+pub fn fence_number(event: &kvgate::proto::common::KvCacheEvent) -> Option<u64> {
+    use kvgate::proto::common::kv_cache_event::Data;
+    match &event.data {
+        Some(Data::Removed(removed)) => match removed.block_hashes.as_slice() {
+            [FENCE_MARKER, n] => Some(*n as u64),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 /// The fence number a batch carries, if any.
 pub fn fence_in(batch: &KvEventBatch) -> Option<u64> {
-    use kvgate::proto::common::kv_cache_event::Data;
-    batch.events.iter().find_map(|event| match &event.data {
-        Some(Data::Cleared(cleared)) => cleared
-            .ownership
-            .as_deref()
-            .and_then(|owner| owner.strip_prefix("fence-"))
-            .and_then(|n| n.parse().ok()),
-        _ => None,
-    })
+    batch.events.iter().find_map(fence_number)
 }
 
 /// Reads `stream` up to and including the batch with fence `n`.
@@ -236,4 +243,28 @@ pub async fn sync_streams(
         skip_past_fence(stream, last).await;
     }
     last
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status code, body).
+pub async fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("admin port");
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(DEADLINE, stream.read_to_string(&mut response))
+        .await
+        .expect("a response before the deadline")
+        .unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("headers end");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .expect("a status code");
+    (status, body.to_owned())
 }

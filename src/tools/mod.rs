@@ -1,0 +1,47 @@
+//! Command-line clients of a running gateway: `kvgate tail` and
+//! `kvgate status`. They talk gRPC only, like any router would.
+
+pub mod status;
+pub mod tail;
+
+use tonic::codec::Streaming;
+use tonic::transport::Channel;
+
+use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
+
+/// Connects to `address` (`host:port` or `http://host:port`).
+pub async fn connect(address: &str) -> anyhow::Result<Channel> {
+    let uri = if address.contains("://") {
+        address.to_owned()
+    } else {
+        format!("http://{address}")
+    };
+    Channel::from_shared(uri.clone())
+        .map_err(|error| anyhow::anyhow!("--addr {address}: {error}"))?
+        .connect()
+        .await
+        .map_err(|error| anyhow::anyhow!("--addr {address}: cannot connect: {error}"))
+}
+
+/// Opens `SubscribeKvEvents` on `service` with a stock prost client.
+pub async fn subscribe(
+    channel: Channel,
+    service: &str,
+    start_sequence_number: u64,
+) -> Result<Streaming<KvEventBatch>, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|error| tonic::Status::unavailable(error.to_string()))?;
+    let path = format!("/{service}/SubscribeKvEvents")
+        .parse()
+        .map_err(|_| tonic::Status::invalid_argument(format!("bad service name {service:?}")))?;
+    let request = SubscribeKvEventsRequest {
+        start_sequence_number,
+        load_records_before_first_batch: false,
+    };
+    let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
+    grpc.server_streaming(tonic::Request::new(request), path, codec)
+        .await
+        .map(tonic::Response::into_inner)
+}
