@@ -13,3 +13,7 @@ test:
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --locked --all-targets -- -D warnings
+
+# Criterion benchmarks of every hot-path stage (see BENCHMARKS.md).
+bench:
+	cargo bench --bench pipeline

@@ -44,7 +44,7 @@ use kvgate::hub::subscription::{CursorError, Step, Subscription};
 use kvgate::hub::{HistoryLimits, HubReader, hub};
 use kvgate::metrics::Metrics;
 use kvgate::proto::common::{KvCacheCleared, KvEventBatch, kv_cache_event::Data};
-use kvgate::sim::{SimEvent, encode_batch};
+use kvgate::sim::{SimConfig, SimEngine, SimEvent, encode_batch};
 use kvgate::source::{EngineMessage, SourceEvent};
 
 /// Far above 1024, so neither `seq <= 1` nor `seq + 1024 <= last` can make
@@ -52,7 +52,17 @@ use kvgate::source::{EngineMessage, SourceEvent};
 const FIRST_SEQUENCE: u64 = 7_000_000;
 const BLOCK_SIZE: u32 = 2;
 /// A history that never evicts in these tests.
-const UNBOUNDED_HISTORY: usize = 4096;
+const UNBOUNDED_HISTORY: HistoryLimits = HistoryLimits {
+    batches: 4096,
+    bytes: usize::MAX,
+};
+
+fn history_of(batches: usize) -> HistoryLimits {
+    HistoryLimits {
+        batches,
+        bytes: usize::MAX,
+    }
+}
 
 /// Hash of pool block `index`, spread over 64 bits so that half of them
 /// read as negative int64 on the wire.
@@ -163,14 +173,8 @@ struct Gateway {
 }
 
 impl Gateway {
-    fn new(live_capacity: usize, history_batches: usize, max_batch_events: usize) -> Self {
-        let (writer, reader) = hub(
-            live_capacity,
-            HistoryLimits {
-                batches: history_batches,
-                bytes: usize::MAX,
-            },
-        );
+    fn new(live_capacity: usize, history: HistoryLimits, max_batch_events: usize) -> Self {
+        let (writer, reader) = hub(live_capacity, history);
         let limits = BatchLimits {
             max_events: max_batch_events,
             max_bytes: 1 << 20,
@@ -190,8 +194,13 @@ impl Gateway {
             .iter()
             .filter_map(|plan| self.engines.event(rank, plan))
             .collect();
+        self.send(rank, &events);
+    }
+
+    /// Rank `rank`'s publisher sends `events` as its next message.
+    fn send(&mut self, rank: u32, events: &[SimEvent]) {
         let mut payload = Vec::new();
-        encode_batch(1.0, &events, Some(rank), &mut payload);
+        encode_batch(1.0, events, Some(rank), &mut payload);
         let counter = self.engines.counters.entry(rank).or_default();
         self.drain.ingest(SourceEvent::Message(EngineMessage {
             rank,
@@ -446,6 +455,406 @@ fn is_ownerless_clear(batch: &KvEventBatch) -> bool {
 }
 
 // ---------------------------------------------------------------------------
+// One mechanism at a time.
+
+#[test]
+fn resuming_from_a_cursor_replays_everything_after_it_exactly_once_while_the_engine_keeps_publishing()
+ {
+    let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 1);
+    let mut subscriber = Subscriber::join(&gateway);
+    for block in 0..3 {
+        gateway.publish_cycle(0, &[store(&[block], None)]);
+    }
+    subscriber.read_to_end(&gateway);
+    let cursor = subscriber.router.resume_cursor();
+    assert_eq!(cursor, FIRST_SEQUENCE + 2);
+    // Published while the router is away.
+    for block in 3..6 {
+        gateway.publish_cycle(0, &[store(&[block], Some(block - 1))]);
+    }
+    subscriber.reconnect(&gateway);
+    let mut received = subscriber.read(&gateway, 2);
+    for block in 6..9 {
+        gateway.publish_cycle(0, &[store(&[block], None), remove(&[0])]);
+        received.extend(subscriber.read(&gateway, 1));
+    }
+    received.extend(subscriber.read_to_end(&gateway));
+    assert_eq!(
+        sequences(&received, 0),
+        (cursor + 1..=FIRST_SEQUENCE + 11).collect::<Vec<_>>()
+    );
+    assert!(received.iter().all(|batch| batch.snapshot.is_none()));
+    subscriber.assert_holds_the_engines_blocks(&gateway, 1);
+}
+
+#[test]
+fn a_resumed_subscriber_gets_what_it_missed_even_while_the_engine_is_idle() {
+    let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 1);
+    let mut subscriber = Subscriber::join(&gateway);
+    for block in 0..5 {
+        gateway.publish_cycle(0, &[store(&[block], None)]);
+    }
+    subscriber.read(&gateway, 2);
+    subscriber.reconnect(&gateway);
+    // Nothing is published from here on: no live batch will come to reveal
+    // what the router missed.
+    let received = subscriber.read_to_end(&gateway);
+    assert_eq!(
+        sequences(&received, 0),
+        (FIRST_SEQUENCE + 2..FIRST_SEQUENCE + 5).collect::<Vec<_>>()
+    );
+    subscriber.assert_holds_the_engines_blocks(&gateway, 1);
+}
+
+#[test]
+fn a_lagging_subscriber_is_refilled_from_the_history_without_noticing() {
+    let live_capacity = 2;
+    let mut gateway = Gateway::new(live_capacity, UNBOUNDED_HISTORY, 1);
+    let mut subscriber = Subscriber::join(&gateway);
+    gateway.publish_cycle(0, &[store(&[0], None)]);
+    gateway.publish_cycle(1, &[store(&[0], None)]);
+    subscriber.read_to_end(&gateway);
+    for block in 1..=6 {
+        gateway.publish_cycle(0, &[store(&[block], Some(block - 1))]);
+        gateway.publish_cycle(1, &[store(&[block], Some(block - 1))]);
+    }
+    assert_eq!(
+        subscriber.connection.stream.backlog(),
+        live_capacity,
+        "the live channel overflowed"
+    );
+    let received = subscriber.read_to_end(&gateway);
+    for rank in 0..2 {
+        assert_eq!(
+            sequences(&received, rank),
+            (FIRST_SEQUENCE + 1..=FIRST_SEQUENCE + 6).collect::<Vec<_>>()
+        );
+    }
+    assert_eq!(subscriber.losses, 0);
+    subscriber.assert_holds_the_engines_blocks(&gateway, 2);
+}
+
+#[test]
+fn a_subscriber_behind_the_history_ends_with_data_loss() {
+    let mut gateway = Gateway::new(2, history_of(4), 1);
+    let mut subscriber = Subscriber::join(&gateway);
+    gateway.publish_cycle(0, &[store(&[0], None)]);
+    subscriber.read_to_end(&gateway);
+    for block in 1..=6 {
+        gateway.publish_cycle(0, &[store(&[block], Some(block - 1))]);
+    }
+    assert!(matches!(
+        subscriber.connection.stream.next().now_or_never(),
+        Some(Step::Lost { position: 2 })
+    ));
+    // The router clears the worker and subscribes again with 0.
+    let received = subscriber.read_to_end(&gateway);
+    assert_eq!(subscriber.losses, 1);
+    assert!(received[0].snapshot.is_some());
+    subscriber.assert_holds_the_engines_blocks(&gateway, 1);
+}
+
+#[test]
+fn a_cursor_older_than_the_history_or_newer_than_anything_sent_is_refused() {
+    let mut gateway = Gateway::new(4, history_of(3), 1);
+    let refusal = |gateway: &Gateway, cursor| Subscription::resume(&gateway.hub, cursor).err();
+    assert_eq!(refusal(&gateway, FIRST_SEQUENCE), Some(CursorError::Empty));
+    gateway.publish_cycle(1, &[store(&[0], None)]);
+    assert_eq!(
+        refusal(&gateway, FIRST_SEQUENCE),
+        Some(CursorError::Empty),
+        "rank 0 sent nothing yet"
+    );
+
+    let mut gateway = Gateway::new(4, history_of(3), 1);
+    let mut subscriber = Subscriber::join(&gateway);
+    gateway.publish_cycle(0, &[store(&[0], None)]);
+    subscriber.read_to_end(&gateway);
+    for block in 1..6 {
+        gateway.publish_cycle(0, &[store(&[block], None)]);
+    }
+    // Held: FIRST_SEQUENCE + 3 ..= + 5.
+    for (cursor, expected) in [
+        (FIRST_SEQUENCE - 5, Some(CursorError::Behind)),
+        (FIRST_SEQUENCE + 1, Some(CursorError::Behind)),
+        (FIRST_SEQUENCE + 2, None),
+        (FIRST_SEQUENCE + 5, None),
+        (FIRST_SEQUENCE + 6, Some(CursorError::Ahead)),
+    ] {
+        assert_eq!(refusal(&gateway, cursor), expected, "cursor {cursor}");
+    }
+    // The router's answer to OUT_OF_RANGE: clear, then a snapshot.
+    assert_eq!(subscriber.router.resume_cursor(), FIRST_SEQUENCE);
+    subscriber.reconnect(&gateway);
+    assert!(!subscriber.connection.chunks.is_empty());
+    subscriber.read_to_end(&gateway);
+    subscriber.assert_holds_the_engines_blocks(&gateway, 1);
+}
+
+#[test]
+fn a_cursor_whose_own_batch_was_just_evicted_is_resumed_while_everything_after_it_is_held() {
+    let mut gateway = Gateway::new(4, history_of(3), 1);
+    let mut subscriber = Subscriber::join(&gateway);
+    gateway.publish_cycle(0, &[store(&[0], None)]);
+    subscriber.read_to_end(&gateway);
+    gateway.publish_cycle(1, &[store(&[1], None)]);
+    gateway.publish_cycle(0, &[store(&[2], None)]);
+    gateway.publish_cycle(1, &[store(&[3], None)]);
+    assert_eq!(
+        gateway.hub.history().oldest(),
+        2,
+        "only the cursor's batch is gone"
+    );
+    let cursor = subscriber.router.resume_cursor();
+    subscriber.reconnect(&gateway);
+    assert!(
+        subscriber.connection.chunks.is_empty(),
+        "resumed, no snapshot"
+    );
+    let received = subscriber.read_to_end(&gateway);
+    assert_eq!(received.len(), 3);
+    subscriber.assert_holds_the_engines_blocks(&gateway, 2);
+
+    gateway.publish_cycle(0, &[store(&[4], None)]);
+    assert_eq!(
+        Subscription::resume(&gateway.hub, cursor).err(),
+        Some(CursorError::Behind),
+        "rank 1's batch after the cursor is gone too"
+    );
+}
+
+#[test]
+fn a_snapshot_then_live_has_no_gap_and_no_duplicate() {
+    let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 2);
+    gateway.publish_cycle(
+        0,
+        &[
+            store(&[1, 2, 3], None),
+            store(&[4], Some(3)),
+            store(&[2], None),
+        ],
+    );
+    gateway.publish_cycle(1, &[store(&[5, 6], Some(1)), remove(&[0])]);
+    gateway.publish_cycle(0, &[remove(&[1])]);
+    let last_sequences = gateway.drain.cut().last_sequences;
+    let mut subscriber = Subscriber::join(&gateway);
+    let snapshot = subscriber.read_to_end(&gateway);
+    assert!(snapshot.iter().all(|chunk| chunk.snapshot.is_some()));
+    assert_eq!(
+        snapshot
+            .iter()
+            .map(|chunk| (chunk.dp_rank, chunk.sequence_number))
+            .collect::<Vec<_>>(),
+        vec![(Some(1), last_sequences[&1]), (Some(0), last_sequences[&0])],
+        "rank 0 last, each rank stamped with its last number"
+    );
+    assert!(matches!(
+        snapshot[0].events[0].data,
+        Some(Data::Cleared(KvCacheCleared { ownership: None }))
+    ));
+    assert_eq!(snapshot[1].snapshot.unwrap().blocks, 6, "copies counted");
+    assert!(
+        snapshot
+            .iter()
+            .flat_map(|chunk| &chunk.events)
+            .all(|event| event.event_id == 0)
+    );
+    subscriber.assert_holds_the_engines_blocks(&gateway, 2);
+
+    let mut live = Vec::new();
+    for block in 7..10 {
+        gateway.publish_cycle(0, &[store(&[block], None), remove(&[0])]);
+        gateway.publish_cycle(1, &[store(&[block], Some(block - 1))]);
+        live.extend(subscriber.read(&gateway, 2));
+    }
+    live.extend(subscriber.read_to_end(&gateway));
+    for rank in 0..2 {
+        let first = last_sequences[&(rank as u32)] + 1;
+        let sent = sequences(&live, rank);
+        assert_eq!(sent, (first..first + sent.len() as u64).collect::<Vec<_>>());
+    }
+    subscriber.assert_holds_the_engines_blocks(&gateway, 2);
+}
+
+#[test]
+fn a_subscriber_cut_off_inside_a_snapshot_takes_a_new_one_and_loses_no_rank() {
+    let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 1024);
+    gateway.publish_cycle(0, &[store(&[1], None)]);
+    gateway.publish_cycle(1, &[store(&[2, 3], None)]);
+    gateway.publish_cycle(2, &[store(&[4], None)]);
+    let mut subscriber = Subscriber::join(&gateway);
+    let ranks = |chunks: &VecDeque<Bytes>| -> Vec<Option<i32>> {
+        chunks
+            .iter()
+            .map(|chunk| KvEventBatch::decode(chunk.clone()).unwrap().dp_rank)
+            .collect()
+    };
+    assert_eq!(
+        ranks(&subscriber.connection.chunks),
+        vec![Some(1), Some(2), Some(0)]
+    );
+    for applied in 1..=2 {
+        subscriber.read(&gateway, applied);
+        // No rank-0 cursor yet: the router asks for a whole new snapshot.
+        subscriber.reconnect(&gateway);
+        assert_eq!(subscriber.connection.chunks.len(), 3);
+    }
+    subscriber.read_to_end(&gateway);
+    gateway.publish_cycle(1, &[store(&[5], Some(3))]);
+    gateway.publish_cycle(2, &[remove(&[0])]);
+    subscriber.read_to_end(&gateway);
+    subscriber.assert_holds_the_engines_blocks(&gateway, 3);
+}
+
+#[test]
+fn with_three_ranks_resuming_never_trips_the_restart_rule() {
+    let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 1);
+    let mut subscriber = Subscriber::join(&gateway);
+    let mut empty_rank0_batches = 0;
+    for round in 0..12u8 {
+        gateway.publish(
+            1,
+            &[
+                store(&[round], None),
+                store(&[round + 1], Some(round)),
+                remove(&[round]),
+            ],
+        );
+        gateway.publish(2, &[store(&[round], None), store(&[round + 2], None)]);
+        if round % 3 == 0 {
+            gateway.publish(0, &[store(&[round], None)]);
+        }
+        gateway.cycle();
+        // Cut off after every batch: each resume goes by rank 0's cursor
+        // alone, and `admit` checks no rank ever gets a batch below its own.
+        loop {
+            let read = subscriber.read(&gateway, 1);
+            let Some(batch) = read.first() else { break };
+            if batch.dp_rank == Some(0) && batch.events.is_empty() {
+                empty_rank0_batches += 1;
+            }
+            subscriber.reconnect(&gateway);
+        }
+    }
+    assert!(
+        empty_rank0_batches > 0,
+        "ranks 1 and 2 outpace rank 0, so empty rank-0 batches pace them"
+    );
+    subscriber.assert_holds_the_engines_blocks(&gateway, 3);
+}
+
+#[test]
+fn an_engine_restart_reaches_subscribers_as_an_ownerless_clear_and_numbering_goes_on() {
+    let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 1024);
+    let mut subscriber = Subscriber::join(&gateway);
+    gateway.publish_cycle(0, &[store(&[1], None)]);
+    gateway.publish_cycle(1, &[store(&[1, 2], None)]);
+    subscriber.read_to_end(&gateway);
+    let last = subscriber.router.cursor(1).unwrap();
+    let rank1_batches = |subscriber: &mut Subscriber, gateway: &Gateway| {
+        let read = subscriber.read_to_end(gateway);
+        read.into_iter()
+            .filter(|batch| batch.dp_rank == Some(1))
+            .collect::<Vec<_>>()
+    };
+
+    // Restarted and quiet: the clear goes out alone at the next number.
+    gateway.restart_engine(1);
+    gateway.cycle();
+    let batches = rank1_batches(&mut subscriber, &gateway);
+    assert_eq!(batches.len(), 1);
+    assert_eq!(batches[0].sequence_number, last + 1);
+    assert!(is_ownerless_clear(&batches[0]));
+    assert!(subscriber.router.blocks(1).is_empty());
+    assert!(!subscriber.router.blocks(0).is_empty(), "only that rank");
+
+    // The new engine counts from 0 again; kvgate's numbers go on.
+    gateway.publish_cycle(1, &[store(&[3], None)]);
+    assert_eq!(gateway.engines.counters[&1], 1);
+    // Restarted and publishing in the same cycle: its events follow the
+    // clear in one batch.
+    gateway.restart_engine(1);
+    gateway.publish_cycle(1, &[store(&[4], None)]);
+    // Restarted and clearing by itself: no second clear.
+    gateway.restart_engine(1);
+    gateway.publish_cycle(1, &[EventPlan::Clear, store(&[5], None)]);
+    let batches = rank1_batches(&mut subscriber, &gateway);
+    assert_eq!(sequences(&batches, 1), vec![last + 2, last + 3, last + 4]);
+    let clears = |batch: &KvEventBatch| {
+        batch
+            .events
+            .iter()
+            .filter(|event| matches!(event.data, Some(Data::Cleared(_))))
+            .count()
+    };
+    assert_eq!(
+        batches.iter().map(clears).collect::<Vec<_>>(),
+        vec![0, 1, 1]
+    );
+    assert_eq!(batches[1].events[0].event_id, 0, "kvgate's own clear");
+    assert_ne!(batches[2].events[0].event_id, 0, "the engine's clear");
+    subscriber.assert_holds_the_engines_blocks(&gateway, 2);
+}
+
+#[test]
+fn routers_following_simulated_engines_end_with_the_engines_own_blocks() {
+    let ranks = 3u32;
+    let mut engines: Vec<SimEngine> = (0..ranks)
+        .map(|rank| {
+            SimEngine::new(SimConfig {
+                seed: u64::from(rank) + 11,
+                capacity_blocks: 24,
+                prompt_families: 3,
+                family_prompt_blocks: 2,
+                max_suffix_blocks: 3,
+                max_requests_per_step: 3,
+                clear_every: Some(17),
+                ..SimConfig::default()
+            })
+            .unwrap()
+        })
+        .collect();
+    let mut gateway = Gateway::new(3, history_of(24), 4);
+    let mut subscribers: Vec<Subscriber> = (0..3).map(|_| Subscriber::join(&gateway)).collect();
+    for step in 0..60usize {
+        for (rank, engine) in (0..).zip(&mut engines) {
+            gateway.send(rank, &engine.step());
+        }
+        if step % 23 == 22 {
+            gateway.restart_engine(1);
+            engines[1] = SimEngine::new(SimConfig {
+                seed: step as u64,
+                ..SimConfig::default()
+            })
+            .unwrap();
+        }
+        gateway.cycle();
+        // Three paces: keeping up, reconnecting now and then, falling behind.
+        subscribers[0].read(&gateway, 12);
+        subscribers[1].read(&gateway, step % 9);
+        if step % 5 == 4 {
+            subscribers[1].reconnect(&gateway);
+        }
+        if step % 13 == 12 {
+            subscribers[2].read(&gateway, 8);
+        }
+    }
+    assert!(
+        subscribers[2].losses > 0,
+        "the slow router fell behind the history"
+    );
+    for subscriber in &mut subscribers {
+        subscriber.read_to_end(&gateway);
+        assert!(subscriber.router.gaps.is_empty());
+        assert_eq!(subscriber.router.restarts, 0);
+        for (rank, engine) in (0..).zip(&engines) {
+            let truth: BlockSet = engine.live_blocks().map(|hash| (hash as i64, 1)).collect();
+            assert_eq!(subscriber.router.blocks(rank), truth, "rank {rank}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // The property.
 
 #[derive(Clone, Debug)]
@@ -473,7 +882,7 @@ enum Op {
 struct Setup {
     ranks: u32,
     live_capacity: usize,
-    history_batches: usize,
+    history: HistoryLimits,
     max_batch_events: usize,
     subscribers: usize,
 }
@@ -482,18 +891,27 @@ struct Setup {
 const MAX_SUBSCRIBERS: usize = 5;
 
 fn setup() -> impl Strategy<Value = Setup> {
+    // A batch here takes about 20 to 200 bytes.
+    let history = prop_oneof![
+        (2..=12usize).prop_map(history_of),
+        (100..=1500usize).prop_map(|bytes| HistoryLimits {
+            batches: UNBOUNDED_HISTORY.batches,
+            bytes,
+        }),
+        Just(UNBOUNDED_HISTORY),
+    ];
     (
         1..=3u32,
         1..=4usize,
-        prop_oneof![2..=12usize, Just(UNBOUNDED_HISTORY)],
+        history,
         prop_oneof![Just(1usize), Just(2), Just(1024)],
         1..=3usize,
     )
         .prop_map(
-            |(ranks, live_capacity, history_batches, max_batch_events, subscribers)| Setup {
+            |(ranks, live_capacity, history, max_batch_events, subscribers)| Setup {
                 ranks,
                 live_capacity,
-                history_batches,
+                history,
                 max_batch_events,
                 subscribers,
             },
@@ -528,11 +946,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn run(setup: &Setup, ops: &[Op]) {
-    let mut gateway = Gateway::new(
-        setup.live_capacity,
-        setup.history_batches,
-        setup.max_batch_events,
-    );
+    let mut gateway = Gateway::new(setup.live_capacity, setup.history, setup.max_batch_events);
     let mut subscribers: Vec<Subscriber> = (0..setup.subscribers)
         .map(|_| Subscriber::join(&gateway))
         .collect();

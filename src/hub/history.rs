@@ -34,6 +34,12 @@ pub struct History {
     /// Rank 0's newest sequence number, 0 before its first batch (kvgate
     /// never sends 0): tells a cursor that is ahead from one that is behind.
     rank0_newest: AtomicU64,
+    /// (position, sequence) of the batch evicted last, if it was rank 0's:
+    /// everything after it is still held, so a cursor naming it can still
+    /// be resumed (the contract asks for `c+1` onwards, not `c`). A reader
+    /// may see it after more was evicted; the subscription then reports the
+    /// loss.
+    rank0_evicted: ArcSwapOption<(u64, u64)>,
 }
 
 impl History {
@@ -69,6 +75,16 @@ impl History {
             .map(|batch| batch.position)
     }
 
+    /// Where rank 0's batch `sequence` stood, if it is the batch evicted
+    /// last (see `rank0_evicted`).
+    pub fn rank0_just_evicted(&self, sequence: u64) -> Option<u64> {
+        self.rank0_evicted
+            .load()
+            .as_deref()
+            .filter(|&&(_, evicted)| evicted == sequence)
+            .map(|&(position, _)| position)
+    }
+
     /// The (oldest, newest) positions held, for metrics and status.
     pub fn span(&self) -> (u64, u64) {
         (self.oldest(), self.newest())
@@ -92,6 +108,7 @@ impl HistoryWriter {
             oldest: AtomicU64::new(1),
             newest: AtomicU64::new(0),
             rank0_newest: AtomicU64::new(0),
+            rank0_evicted: ArcSwapOption::empty(),
         };
         Self {
             history: Arc::new(history),
@@ -118,14 +135,20 @@ impl HistoryWriter {
         let capacity = history.slots.len() as u64;
         let mut oldest = history.oldest();
         let incoming = batch.encoded.len();
+        let mut last_evicted = None;
         while oldest < position
             && (position - oldest >= capacity || self.bytes + incoming > self.limits.bytes)
         {
             if let Some(evicted) = history.slot(oldest).swap(None) {
                 self.bytes -= evicted.encoded.len();
+                last_evicted = Some(evicted);
             }
             oldest += 1;
             history.oldest.store(oldest, Ordering::Release);
+        }
+        if let Some(evicted) = last_evicted {
+            let rank0 = (evicted.rank == 0).then(|| Arc::new((evicted.position, evicted.sequence)));
+            history.rank0_evicted.store(rank0);
         }
         self.bytes += incoming;
         let rank0_sequence = (batch.rank == 0).then_some(batch.sequence);
@@ -209,5 +232,27 @@ mod tests {
             writer.push(batch(position, 1, 77 + position, 1));
         }
         assert_eq!(history.rank0_position(50), None, "evicted");
+    }
+
+    #[test]
+    fn a_rank0_batch_is_still_found_while_only_it_has_been_evicted() {
+        let mut writer = HistoryWriter::new(HistoryLimits {
+            batches: 2,
+            bytes: usize::MAX,
+        });
+        let history = writer.reader();
+        writer.push(batch(1, 0, 50, 1));
+        writer.push(batch(2, 1, 80, 1));
+        writer.push(batch(3, 0, 51, 1));
+        assert_eq!(history.rank0_position(50), None);
+        assert_eq!(history.rank0_just_evicted(50), Some(1));
+        writer.push(batch(4, 0, 52, 1));
+        assert_eq!(
+            history.rank0_just_evicted(50),
+            None,
+            "rank 1's batch after it is gone too"
+        );
+        writer.push(batch(5, 1, 81, 1));
+        assert_eq!(history.rank0_just_evicted(51), Some(3));
     }
 }

@@ -9,6 +9,14 @@
 //! rank r's chunks are numbered consecutively and end at rank r's last
 //! sequence number at the cut, so its live batches continue with no gap and
 //! no duplicate.
+//!
+//! Rank 0's chunks come last. A router applies each chunk as it comes and
+//! resumes from rank 0's cursor alone, so one cut off inside the snapshot
+//! must not hold a rank-0 cursor yet: it asks for a new snapshot instead of
+//! resuming with the other ranks' chunks missing. (A rank 0 with more than
+//! one chunk still leaves a window: a router cut off between them resumes
+//! over a partial rank 0. Only a router that waits for `index + 1 == count`
+//! can close it.)
 
 use std::collections::BTreeMap;
 
@@ -51,7 +59,9 @@ pub fn encode_snapshot(cut: &SnapshotCut, timestamp: f64) -> Vec<SnapshotChunk> 
     let empty = RankBlocks::default();
     let mut per_rank = Vec::new();
     let mut total_blocks = 0;
-    for (&rank, &last_sequence) in &cut.last_sequences {
+    let rank0 = cut.last_sequences.get_key_value(&0);
+    let others = cut.last_sequences.range(1..);
+    for (&rank, &last_sequence) in others.chain(rank0) {
         let blocks = cut.state.get(&rank).unwrap_or(&empty);
         let mut chunker = Chunker::new(timestamp);
         chunker.push_event(&ownerless_clear(), 0);
@@ -325,7 +335,7 @@ mod tests {
             rank0.iter().map(|b| b.sequence_number).collect::<Vec<_>>(),
             vec![998, 999, 1000]
         );
-        assert_eq!(batches[3].sequence_number, 2000);
+        assert_eq!(batches[0].sequence_number, 2000);
         for (index, batch) in batches.iter().enumerate() {
             let header = batch.snapshot.unwrap();
             assert_eq!(header.index as usize, index);
@@ -397,7 +407,7 @@ mod tests {
         };
         let batches = decode(&encode_snapshot(&cut, 1.0));
         assert_eq!(batches.len(), 2);
-        assert_eq!(batches[1].sequence_number, 20);
-        assert_eq!(batches[1].events.len(), 1);
+        assert_eq!(batches[0].sequence_number, 20);
+        assert_eq!(batches[0].events.len(), 1);
     }
 }

@@ -18,8 +18,8 @@ use super::{Batch, History, HubReader};
 /// Why a resume cursor cannot be honoured (the call fails with OUT_OF_RANGE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CursorError {
-    /// Older than anything the history still holds, or from an earlier
-    /// kvgate process (whose numbers are all below this one's).
+    /// Some batch after it has left the history, or from an earlier kvgate
+    /// process (whose numbers are all below this one's).
     Behind,
     /// Newer than anything rank 0 was sent.
     Ahead,
@@ -138,7 +138,10 @@ fn locate(history: &History, cursor: u64) -> Result<u64, CursorError> {
     }
     // Newest first: once a sequence shows as sent, its batch is findable.
     let newest = history.rank0_newest_sequence();
-    if let Some(position) = history.rank0_position(cursor) {
+    if let Some(position) = history
+        .rank0_position(cursor)
+        .or_else(|| history.rank0_just_evicted(cursor))
+    {
         return Ok(position);
     }
     match newest {

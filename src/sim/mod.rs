@@ -12,6 +12,7 @@
 pub mod engine;
 pub mod payload;
 pub mod publisher;
+pub mod workload;
 
 use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -23,6 +24,7 @@ use crate::source::endpoint::{EndpointError, TcpEndpoint};
 pub use engine::{ConfigError, SimConfig, SimEngine};
 pub use payload::{SimEvent, encode_batch};
 pub use publisher::{EnginePublisher, PublisherOptions};
+pub use workload::{SteadyState, WorkloadShape};
 
 /// Attempts at finding `dp_ranks` consecutive free ports after an ephemeral
 /// rank-0 port, before giving up.

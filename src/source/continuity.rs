@@ -83,14 +83,12 @@ impl PublisherCursor {
     /// Classifies a live message and, unless it is an echo, makes its number
     /// the new last one.
     pub fn observe(&mut self, sequence: u64, payload: &[u8]) -> Continuity {
-        if let Some(primed) = self.primed.take() {
-            if primed.repeats(sequence, payload) {
-                self.primed = Some(primed);
-                return Continuity::Echo;
-            }
-            // Past the primed run the live socket has caught up; under a
-            // primed number with other bytes, the engine restarted.
+        if (self.primed.as_ref()).is_some_and(|primed| primed.repeats(sequence, payload)) {
+            return Continuity::Echo;
         }
+        // Past the primed run the live socket has caught up; under a primed
+        // number with other bytes, the engine restarted. No echo can follow.
+        self.primed = None;
         let previous = self.last.replace(sequence);
         match previous {
             None => Continuity::First,

@@ -225,15 +225,15 @@ impl RankTask {
         socket.close().await;
     }
 
-    /// Returns once the drain is gone.
+    /// Returns once the drain is gone. The SUB is not read while a replay
+    /// runs: the zeromq crate resubscribes after a reconnect on its own (not
+    /// on the next read, as libzmq does) and the publisher queues meanwhile,
+    /// so live messages are delayed, not lost.
     async fn serve(&mut self, socket: &mut SubSocket) {
         if !self.prime().await {
             return;
         }
         loop {
-            // While a replay runs the SUB is not read; the zeromq crate
-            // resubscribes after a reconnect on its own and the publisher
-            // queues meanwhile, so nothing is lost, only delayed.
             match socket.recv().await {
                 Ok(message) => {
                     if !self.forward(message).await {

@@ -1,0 +1,228 @@
+//! Criterion benchmarks of each stage of kvgate's hot path. Results and the
+//! method are in BENCHMARKS.md; run with `make bench`.
+
+use std::hint::black_box;
+
+use bytes::Bytes;
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use kvgate::convert::{Converter, Tally};
+use kvgate::drain::Drain;
+use kvgate::drain::batcher::BatchLimits;
+use kvgate::hub::snapshot::encode_snapshot;
+use kvgate::hub::state::LiveState;
+use kvgate::hub::{HistoryLimits, hub};
+use kvgate::metrics::Metrics;
+use kvgate::sim::{SimEvent, SteadyState, WorkloadShape};
+use kvgate::source::{EngineMessage, SourceEvent};
+
+const LIMITS: BatchLimits = BatchLimits {
+    max_events: 1024,
+    max_bytes: 1 << 20,
+};
+
+fn history() -> HistoryLimits {
+    HistoryLimits {
+        batches: 10_000,
+        bytes: 256 << 20,
+    }
+}
+
+/// Payloads of 64 stored 16-token blocks (plus the evictions that keep the
+/// engine at 64k live blocks), with how many blocks each carries.
+fn steady_payloads(count: usize) -> (Vec<Bytes>, u64) {
+    let mut workload = SteadyState::new(WorkloadShape::default(), 7);
+    let mut blocks = 0;
+    let payloads = (0..count)
+        .map(|_| {
+            let events = workload.next_events();
+            blocks += events
+                .iter()
+                .map(|event| match event {
+                    SimEvent::Stored { hashes, .. } | SimEvent::Removed { hashes } => {
+                        hashes.len() as u64
+                    }
+                    SimEvent::Cleared => 0,
+                })
+                .sum::<u64>();
+            let mut out = Vec::new();
+            kvgate::sim::encode_batch(1.0, &events, Some(0), &mut out);
+            Bytes::from(out)
+        })
+        .collect();
+    (payloads, blocks)
+}
+
+fn fixture(name: &str) -> Vec<u8> {
+    std::fs::read(format!(
+        "{}/tests/fixtures/wire/{name}.msgpack",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap()
+}
+
+fn convert(c: &mut Criterion) {
+    let mut group = c.benchmark_group("convert");
+    for name in [
+        "vllm-0.33.0/stored-int-root",
+        "vllm-0.33.0/batch-3000-events",
+        "sglang-0.5.23/batch-3000-events",
+        "vllm-legacy-array/batch-3000-events",
+    ] {
+        let payload = fixture(name);
+        group.throughput(Throughput::Bytes(payload.len() as u64));
+        group.bench_function(name, |b| {
+            let mut converter = Converter::new();
+            b.iter(|| {
+                let mut tally = Tally::default();
+                black_box(
+                    converter
+                        .convert(0, black_box(&payload), &mut tally)
+                        .unwrap(),
+                );
+            });
+        });
+    }
+    let (payloads, blocks) = steady_payloads(256);
+    group.throughput(Throughput::Elements(blocks));
+    group.bench_function("steady-64-block-stores", |b| {
+        let mut converter = Converter::new();
+        b.iter(|| {
+            for payload in &payloads {
+                let mut tally = Tally::default();
+                black_box(converter.convert(0, payload, &mut tally).unwrap());
+            }
+        });
+    });
+    group.finish();
+}
+
+/// The whole drain: convert, apply to the live state, batch, encode once,
+/// append to the history, broadcast.
+fn ingest(c: &mut Criterion) {
+    let (payloads, blocks) = steady_payloads(1024);
+    let mut group = c.benchmark_group("ingest");
+    group.throughput(Throughput::Elements(blocks));
+    group.sample_size(20);
+    group.bench_function("drain-steady-64-block-stores", |b| {
+        let (writer, reader) = hub(1024, history());
+        let mut drain = Drain::new(LIMITS, 1, writer, Metrics::new());
+        let mut engine_sequence = 0;
+        b.iter(|| {
+            for payload in &payloads {
+                drain.ingest(SourceEvent::Message(EngineMessage {
+                    rank: 0,
+                    engine_sequence,
+                    payload: payload.clone(),
+                }));
+                engine_sequence += 1;
+                drain.flush();
+            }
+        });
+        drop(reader);
+    });
+    group.finish();
+}
+
+fn state(c: &mut Criterion) {
+    let (payloads, blocks) = steady_payloads(1024);
+    let mut converter = Converter::new();
+    let events: Vec<_> = payloads
+        .iter()
+        .flat_map(|payload| {
+            converter
+                .convert(0, payload, &mut Tally::default())
+                .unwrap()
+                .events
+        })
+        .collect();
+    let mut group = c.benchmark_group("state");
+    group.throughput(Throughput::Elements(blocks));
+    group.sample_size(20);
+    group.bench_function("apply-steady-64-block-stores", |b| {
+        b.iter_batched(
+            || (LiveState::default(), events.clone()),
+            |(mut state, mut events)| {
+                for event in &mut events {
+                    state.apply(0, event);
+                }
+                state
+            },
+            BatchSize::LargeInput,
+        );
+    });
+    group.finish();
+}
+
+/// A live state of `blocks` 16-token blocks on rank 0.
+fn state_of(blocks: usize) -> (Drain, kvgate::hub::HubReader) {
+    let shape = WorkloadShape {
+        blocks_per_store: 64,
+        block_size: 16,
+        live_blocks: blocks,
+    };
+    let mut workload = SteadyState::new(shape, 3);
+    let (writer, reader) = hub(16, history());
+    let mut drain = Drain::new(LIMITS, 1, writer, Metrics::new());
+    for engine_sequence in 0..(blocks / 64) as u64 {
+        drain.ingest(SourceEvent::Message(EngineMessage {
+            rank: 0,
+            engine_sequence,
+            payload: Bytes::from(workload.next_payload(1.0, 0)),
+        }));
+        drain.flush();
+    }
+    (drain, reader)
+}
+
+fn snapshot(c: &mut Criterion) {
+    let (drain, _reader) = state_of(1 << 20);
+    let mut group = c.benchmark_group("snapshot-1M-blocks");
+    group.sample_size(10);
+    group.bench_function("cut", |b| b.iter(|| black_box(drain.cut())));
+    group.throughput(Throughput::Elements(1 << 20));
+    group.bench_function("encode", |b| {
+        let cut = drain.cut();
+        b.iter(|| black_box(encode_snapshot(&cut, 1.0)));
+    });
+    group.finish();
+}
+
+/// What the drain pays per batch with N subscribers: one history store and
+/// one channel push, whatever N.
+fn fan_out(c: &mut Criterion) {
+    let mut group = c.benchmark_group("fan-out-publish");
+    let encoded = Bytes::from(vec![0u8; 4096]);
+    for subscribers in [0usize, 1, 8, 64] {
+        group.bench_function(format!("{subscribers}-subscribers"), |b| {
+            let (mut writer, reader) = hub(1024, history());
+            let receivers: Vec<_> = (0..subscribers).map(|_| reader.subscribe_live()).collect();
+            let mut sequence = 1;
+            b.iter(|| {
+                writer.publish(0, sequence, 64, encoded.clone());
+                sequence += 1;
+            });
+            drop(receivers);
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("fan-out-receive");
+    group.bench_function("one-subscriber-per-batch", |b| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (mut writer, reader) = hub(1 << 16, history());
+        let live = reader.subscribe_live();
+        let mut subscription = kvgate::hub::subscription::Subscription::after_cut(&reader, live, 0);
+        let mut sequence = 1;
+        b.iter(|| {
+            writer.publish(0, sequence, 64, encoded.clone());
+            sequence += 1;
+            let step = runtime.block_on(subscription.next());
+            black_box(step);
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, convert, ingest, state, snapshot, fan_out);
+criterion_main!(benches);
