@@ -19,7 +19,8 @@ use crate::server::admin::{self, AdminState};
 use crate::server::passthrough::PassThrough;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
-use crate::source::endpoint::TcpEndpoint;
+use crate::source::SourceEvent;
+use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{ZmqSource, ZmqSourceConfig};
 
 /// Engine messages queued between the sockets and the drain. Beyond this the
@@ -34,16 +35,8 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let metrics = Metrics::new();
     let (stop, _) = watch::channel(false);
 
-    let (endpoint, demo) = if args.demo {
-        let demo = DemoEngine::bind(DemoConfig::new(args.dp_size)).await?;
-        let endpoint: TcpEndpoint = demo.endpoint().parse()?;
-        (endpoint, Some(demo))
-    } else {
-        let endpoint = args.zmq_endpoint.clone().context(
-            "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher) or --demo",
-        )?;
-        (endpoint, None)
-    };
+    let (source_config, demo) = choose_source(&args).await?;
+    let source_description = source_config.to_string();
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -72,19 +65,8 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     };
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
-    let source = ZmqSource::start(
-        ZmqSourceConfig {
-            endpoint: endpoint.clone(),
-            replay_endpoint: args.zmq_replay_endpoint.clone(),
-            dp_size: args.dp_size,
-            topic: args.zmq_topic.clone(),
-            bind: args.zmq_bind,
-        },
-        events_tx,
-        metrics.clone(),
-        ready_tx,
-    )
-    .await?;
+    let source =
+        RunningSource::start(source_config, events_tx, metrics.clone(), ready_tx, &stop).await?;
     let drain = Drain::new(limits, epoch_seed(), hub_writer, metrics.clone());
     let drain_task = tokio::spawn(drain.run(events_rx));
 
@@ -93,7 +75,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
             metrics: metrics.clone(),
             hub: hub_reader.clone(),
             source_ready: ready_rx.clone(),
-            source: endpoint.to_string().into(),
+            source: source_description.clone().into(),
             started: Instant::now(),
         };
         let address = listener.local_addr().ok();
@@ -125,10 +107,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         }))
     });
 
-    println!(
-        "kvgate: serving gRPC on {address}, engine events from {endpoint} ({} rank(s))",
-        args.dp_size
-    );
+    println!("kvgate: serving gRPC on {address}, events from {source_description}");
     if args.demo {
         println!(
             "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
@@ -174,5 +153,91 @@ fn display_address(address: std::net::SocketAddr) -> String {
         format!("localhost:{}", address.port())
     } else {
         address.to_string()
+    }
+}
+
+/// Where events come from, as configured.
+enum SourceConfig {
+    Zmq(ZmqSourceConfig),
+    Upstream(UpstreamConfig),
+}
+
+impl std::fmt::Display for SourceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Zmq(config) => write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size),
+            Self::Upstream(config) => write!(f, "{} ({})", config.uri, config.service),
+        }
+    }
+}
+
+/// Exactly one of `--zmq-endpoint`, `--demo` (a simulated engine started
+/// here) and `--upstream-grpc`.
+async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+    let zmq = |endpoint| {
+        SourceConfig::Zmq(ZmqSourceConfig {
+            endpoint,
+            replay_endpoint: args.zmq_replay_endpoint.clone(),
+            replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+            dp_size: args.dp_size,
+            topic: args.zmq_topic.clone(),
+            bind: args.zmq_bind,
+        })
+    };
+    if args.demo {
+        let demo = DemoEngine::bind(DemoConfig::new(args.dp_size)).await?;
+        let endpoint = demo.endpoint().parse()?;
+        return Ok((zmq(endpoint), Some(demo)));
+    }
+    if let Some(uri) = &args.upstream_grpc {
+        let config = UpstreamConfig {
+            uri: uri.clone(),
+            service: args.upstream_service.clone(),
+        };
+        return Ok((SourceConfig::Upstream(config), None));
+    }
+    let endpoint = args.zmq_endpoint.clone().context(
+        "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
+         --upstream-grpc URI (another SubscribeKvEvents server) or --demo",
+    )?;
+    Ok((zmq(endpoint), None))
+}
+
+/// The running source, stopped before the drain so the drain ends cleanly.
+enum RunningSource {
+    Zmq(ZmqSource),
+    Upstream(tokio::task::JoinHandle<()>),
+}
+
+impl RunningSource {
+    async fn start(
+        config: SourceConfig,
+        events: mpsc::Sender<SourceEvent>,
+        metrics: Metrics,
+        ready: watch::Sender<bool>,
+        stop: &watch::Sender<bool>,
+    ) -> anyhow::Result<Self> {
+        Ok(match config {
+            SourceConfig::Zmq(config) => {
+                Self::Zmq(ZmqSource::start(config, events, metrics, ready).await?)
+            }
+            SourceConfig::Upstream(config) => Self::Upstream(tokio::spawn(upstream::run(
+                config,
+                events,
+                metrics,
+                ready,
+                stop.subscribe(),
+            ))),
+        })
+    }
+
+    async fn shutdown(self) {
+        match self {
+            Self::Zmq(source) => source.shutdown().await,
+            // It watches the stop signal, already sent.
+            Self::Upstream(task) => {
+                let _ = task.await;
+            }
+        }
     }
 }

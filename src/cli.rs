@@ -38,6 +38,9 @@ pub enum Command {
     Tail(crate::tools::tail::TailArgs),
     /// Summarise a running gateway: health, services, blocks per rank.
     Status(crate::tools::status::StatusArgs),
+    /// Load-test kvgate: a simulated engine, N gRPC subscribers and a kvgate
+    /// child process; reports throughput, latency, CPU and memory.
+    Bench(crate::tools::load::LoadArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -56,6 +59,20 @@ pub struct ServeArgs {
     )]
     pub zmq_endpoint: Option<TcpEndpoint>,
 
+    /// Another SubscribeKvEvents server to re-serve instead of a ZMQ engine
+    /// (TensorRT-LLM's gRPC server, or another kvgate), e.g. http://127.0.0.1:50051.
+    #[arg(long, env = "KVGATE_UPSTREAM_GRPC", value_name = "URI", conflicts_with_all = ["zmq_endpoint", "demo"])]
+    pub upstream_grpc: Option<String>,
+
+    /// The upstream service name to call SubscribeKvEvents on.
+    #[arg(
+        long,
+        env = "KVGATE_UPSTREAM_SERVICE",
+        default_value = "kvgate.v1.KvGate",
+        value_name = "NAME"
+    )]
+    pub upstream_service: String,
+
     /// Number of data-parallel ranks, each with its own publisher.
     #[arg(long, env = "KVGATE_DP_SIZE", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -65,6 +82,13 @@ pub struct ServeArgs {
     /// port + r): fills lost messages and primes the state at start.
     #[arg(long, env = "KVGATE_ZMQ_REPLAY_ENDPOINT", value_name = "URI")]
     pub zmq_replay_endpoint: Option<TcpEndpoint>,
+
+    /// Most milliseconds one replay request may take (engines answer within
+    /// ~100 ms when idle).
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_TIMEOUT_MS",
+          default_value_t = crate::source::replay::DEFAULT_TIMEOUT.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub zmq_replay_timeout_ms: u64,
 
     /// Topic the engine publishes under (empty by default, as in the engines).
     #[arg(long, env = "KVGATE_ZMQ_TOPIC", default_value = "")]

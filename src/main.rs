@@ -10,6 +10,7 @@ async fn main() -> std::process::ExitCode {
         Command::Serve(args) => kvgate::app::serve(args, shutdown_signal()).await,
         Command::Tail(args) => kvgate::tools::tail::run(args).await,
         Command::Status(args) => kvgate::tools::status::run(args).await,
+        Command::Bench(args) => kvgate::tools::load::run(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

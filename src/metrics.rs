@@ -75,6 +75,8 @@ pub struct Metrics {
     pub history_bytes: Gauge,
     /// Calls passed through to the engine, by method and final gRPC status.
     pub pass_through_calls: Family<CallLabels, Counter>,
+    /// Times the upstream gRPC source lost its stream and resumed.
+    pub upstream_reconnects: Counter,
     /// Snapshots served to subscribers joining with cursor 0.
     pub snapshots_served: Counter,
     /// Subscriber streams ended because they fell further behind than kvgate
@@ -106,6 +108,7 @@ impl Metrics {
             subscribers: Gauge::default(),
             subscribers_lost: Counter::default(),
             snapshots_served: Counter::default(),
+            upstream_reconnects: Counter::default(),
             pass_through_calls: Family::default(),
             state_blocks: Family::default(),
             last_sequence: Family::default(),
@@ -195,6 +198,11 @@ impl Metrics {
             "history_bytes",
             "Encoded bytes held by the history",
             metrics.history_bytes.clone(),
+        );
+        registry.register(
+            "upstream_reconnects",
+            "Times the upstream gRPC source lost its stream and resumed",
+            metrics.upstream_reconnects.clone(),
         );
         Self {
             registry: Arc::new(registry),

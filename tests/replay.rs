@@ -5,12 +5,10 @@
 mod common;
 
 use std::collections::HashSet;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
 
 use bytes::Bytes;
 use common::router::{Admission, RouterView};
-use common::{DEADLINE, Gateway, free_ports, next_batch, subscribe, sync_streams};
+use common::{Gateway, free_ports, http_get, next_batch, subscribe, sync_streams};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
 use kvgate::sim::{EnginePublisher, PublisherOptions, SimEvent, encode_batch};
 use tonic::codec::Streaming;
@@ -28,19 +26,29 @@ async fn replaying_publisher(buffer_steps: usize) -> EnginePublisher {
         .expect("publisher binds")
 }
 
-/// A gateway on `publisher` (one rank) with its replay endpoint and an admin
-/// port for the counters.
-fn gateway(publisher: &EnginePublisher, replay_endpoint: &str) -> (Gateway, SocketAddr) {
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_ports(1)).parse().unwrap();
-    let gateway = Gateway::start(&[
+/// A gateway on `publisher` (one rank) with its replay endpoint and the
+/// admin port, for the counters.
+/// A gateway with a replay timeout that a loaded test machine cannot miss
+/// for a reachable endpoint (`gateway_timing_out_after` for a dead one).
+fn gateway(publisher: &EnginePublisher, replay_endpoint: &str) -> Gateway {
+    gateway_timing_out_after(publisher, replay_endpoint, "10000")
+}
+
+fn gateway_timing_out_after(
+    publisher: &EnginePublisher,
+    replay_endpoint: &str,
+    millis: &str,
+) -> Gateway {
+    Gateway::start(&[
         "--zmq-endpoint",
         publisher.endpoint(),
         "--zmq-replay-endpoint",
         replay_endpoint,
+        "--zmq-replay-timeout-ms",
+        millis,
         "--metrics-listen",
-        &admin.to_string(),
-    ]);
-    (gateway, admin)
+        "127.0.0.1:0",
+    ])
 }
 
 /// A vLLM 0.33 batch storing the one root block `hash` on rank 0.
@@ -104,18 +112,14 @@ async fn read_until_stored(
 }
 
 /// A counter from the admin port's Prometheus text.
-fn counter(admin: SocketAddr, name: &str) -> u64 {
-    let mut http = TcpStream::connect(admin).expect("admin port");
-    http.set_read_timeout(Some(DEADLINE)).unwrap();
-    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvgate\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut response = String::new();
-    http.read_to_string(&mut response).unwrap();
+async fn counter(gateway: &Gateway, name: &str) -> u64 {
+    let admin = gateway.admin.expect("admin port reported");
+    let (code, text) = http_get(admin, "/metrics").await;
+    assert_eq!(code, 200);
     let prefix = format!("kvgate_{name}_total ");
-    response
-        .lines()
+    text.lines()
         .find_map(|line| line.strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("no {name} in {response}"))
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
         .trim()
         .parse()
         .unwrap()
@@ -160,14 +164,14 @@ async fn wait_for_blocks(gateway: &Gateway, expected: &[HashSet<i64>]) {
 async fn engine_messages_lost_in_transit_are_fetched_from_replay_and_reach_subscribers_in_order() {
     let mut publisher = replaying_publisher(10_000).await;
     let replay = publisher.replay_endpoint().unwrap().to_owned();
-    let (gateway, admin) = gateway(&publisher, &replay);
+    let gateway = gateway(&publisher, &replay);
     let mut streams = vec![
         subscribe(gateway.channel().await, SERVICE, 0)
             .await
             .unwrap(),
     ];
     sync_streams(&mut publisher, 0, &mut streams).await;
-    let recovered_before = counter(admin, "engine_messages_recovered");
+    let recovered_before = counter(&gateway, "engine_messages_recovered").await;
 
     publisher.publish(stored(1)).await.unwrap();
     publisher.lose_in_transit(stored(2));
@@ -182,10 +186,10 @@ async fn engine_messages_lost_in_transit_are_fetched_from_replay_and_reach_subsc
     assert_eq!(router_blocks(&router), block_set(1..=6));
     assert!(router.gaps.is_empty());
     assert_eq!(
-        counter(admin, "engine_messages_recovered") - recovered_before,
+        counter(&gateway, "engine_messages_recovered").await - recovered_before,
         3
     );
-    assert_eq!(counter(admin, "engine_messages_lost"), 0);
+    assert_eq!(counter(&gateway, "engine_messages_lost").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -198,7 +202,7 @@ async fn a_gateway_started_after_the_engine_primes_its_state_from_replay_and_kno
         publisher.publish(stored(hash)).await.unwrap();
     }
     let replay = publisher.replay_endpoint().unwrap().to_owned();
-    let (gateway, admin) = gateway(&publisher, &replay);
+    let gateway = gateway(&publisher, &replay);
     let expected = block_set(1..=2500);
     wait_for_blocks(&gateway, std::slice::from_ref(&expected)).await;
 
@@ -210,7 +214,7 @@ async fn a_gateway_started_after_the_engine_primes_its_state_from_replay_and_kno
         assert_eq!(header.unknown_before, 0);
         assert_eq!(header.blocks, 2500);
     }
-    assert_eq!(counter(admin, "engine_messages_recovered"), 2500);
+    assert_eq!(counter(&gateway, "engine_messages_recovered").await, 2500);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -221,7 +225,7 @@ async fn when_the_ring_no_longer_reaches_back_to_the_engines_start_unknown_befor
         publisher.publish(stored(hash)).await.unwrap();
     }
     let replay = publisher.replay_endpoint().unwrap().to_owned();
-    let (gateway, _admin) = gateway(&publisher, &replay);
+    let gateway = gateway(&publisher, &replay);
     // The ring kept the last 100 messages: seqs 200..=299, hashes 201..=300.
     let expected = block_set(201..=300);
     wait_for_blocks(&gateway, std::slice::from_ref(&expected)).await;
@@ -262,6 +266,8 @@ async fn with_several_ranks_each_rank_primes_from_its_own_replay_endpoint_at_bas
         &format!("tcp://*:{base}"),
         "--zmq-replay-endpoint",
         &format!("tcp://*:{replay_base}"),
+        "--zmq-replay-timeout-ms",
+        "10000",
         "--dp-size",
         "2",
     ]);
@@ -279,7 +285,7 @@ async fn with_several_ranks_each_rank_primes_from_its_own_replay_endpoint_at_bas
 async fn messages_the_engine_numbered_but_never_sent_are_counted_as_lost_and_the_stream_goes_on() {
     let mut publisher = replaying_publisher(10_000).await;
     let replay = publisher.replay_endpoint().unwrap().to_owned();
-    let (gateway, admin) = gateway(&publisher, &replay);
+    let gateway = gateway(&publisher, &replay);
     let mut streams = vec![
         subscribe(gateway.channel().await, SERVICE, 0)
             .await
@@ -293,7 +299,7 @@ async fn messages_the_engine_numbered_but_never_sent_are_counted_as_lost_and_the
     publisher.publish(stored(2)).await.unwrap();
     let batches = read_until_stored(&mut streams[0], &mut router, 2).await;
     assert_eq!(stored_hashes(&batches), [1, 2]);
-    assert_eq!(counter(admin, "engine_messages_lost"), 3);
+    assert_eq!(counter(&gateway, "engine_messages_lost").await, 3);
 
     publisher.publish(stored(3)).await.unwrap();
     read_until_stored(&mut streams[0], &mut router, 3).await;
@@ -306,7 +312,7 @@ async fn after_an_engine_restart_the_new_engines_first_messages_the_socket_misse
 {
     let mut publisher = replaying_publisher(10_000).await;
     let replay = publisher.replay_endpoint().unwrap().to_owned();
-    let (gateway, _admin) = gateway(&publisher, &replay);
+    let gateway = gateway(&publisher, &replay);
     let mut streams = vec![
         subscribe(gateway.channel().await, SERVICE, 0)
             .await
@@ -346,7 +352,7 @@ async fn an_unreachable_replay_endpoint_never_stops_the_live_stream() {
         .await
         .unwrap();
     let nobody = format!("tcp://127.0.0.1:{}", free_ports(1));
-    let (gateway, admin) = gateway(&publisher, &nobody);
+    let gateway = gateway_timing_out_after(&publisher, &nobody, "300");
     let mut streams = vec![
         subscribe(gateway.channel().await, SERVICE, 0)
             .await
@@ -360,6 +366,6 @@ async fn an_unreachable_replay_endpoint_never_stops_the_live_stream() {
     publisher.publish(stored(2)).await.unwrap();
     let batches = read_until_stored(&mut streams[0], &mut router, 2).await;
     assert_eq!(stored_hashes(&batches), [1, 2]);
-    assert_eq!(counter(admin, "engine_messages_lost"), 1);
-    assert_eq!(counter(admin, "engine_messages_recovered"), 0);
+    assert_eq!(counter(&gateway, "engine_messages_lost").await, 1);
+    assert_eq!(counter(&gateway, "engine_messages_recovered").await, 0);
 }

@@ -116,15 +116,31 @@ impl Drain {
     pub fn ingest(&mut self, event: SourceEvent) {
         match event {
             SourceEvent::Message(message) => self.ingest_message(message),
-            SourceEvent::PublisherRestarted { rank } => {
-                // What the old engine sent still goes out, then the clear.
-                self.close_batch(rank);
-                self.owe_clear.insert(rank);
-                self.state.reset_rank(rank);
-                self.converter.forget_rank(rank);
-                self.first_engine_sequence.remove(&rank);
+            SourceEvent::PublisherRestarted { rank } => self.restart_rank(rank),
+            SourceEvent::Events {
+                rank,
+                timestamp,
+                events,
+            } => self.push_events(rank, events, timestamp),
+            SourceEvent::Resync => {
+                let ranks: BTreeSet<u32> =
+                    self.sequencer.ranks().chain(self.state.ranks()).collect();
+                for rank in ranks {
+                    self.restart_rank(rank);
+                }
             }
         }
+    }
+
+    /// Everything known about `rank`'s cache is void; subscribers get an
+    /// ownerless clear for it before its next events.
+    fn restart_rank(&mut self, rank: u32) {
+        // What the old engine sent still goes out, then the clear.
+        self.close_batch(rank);
+        self.owe_clear.insert(rank);
+        self.state.reset_rank(rank);
+        self.converter.forget_rank(rank);
+        self.first_engine_sequence.remove(&rank);
     }
 
     fn ingest_message(&mut self, message: EngineMessage) {
@@ -150,11 +166,16 @@ impl Drain {
                 warn!(rank, claimed = ?converted.dp_rank, "payload names another dp_rank than its socket; numbering by the socket's rank");
             });
         }
-        if self.owe_clear.remove(&rank) && !starts_with_ownerless_clear(&converted.events) {
-            self.push_event(rank, ownerless_clear(), converted.timestamp);
+        self.push_events(rank, converted.events, converted.timestamp);
+    }
+
+    /// Batches one message's events, after the clear a restarted rank owes.
+    fn push_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
+        if self.owe_clear.remove(&rank) && !starts_with_ownerless_clear(&events) {
+            self.push_event(rank, ownerless_clear(), timestamp);
         }
-        for event in converted.events {
-            self.push_event(rank, event, converted.timestamp);
+        for event in events {
+            self.push_event(rank, event, timestamp);
         }
     }
 

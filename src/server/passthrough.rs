@@ -113,10 +113,10 @@ impl HttpBody for CountStatus {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled {
-            if let Some(code) = frame.trailers_ref().and_then(grpc_status) {
-                self.metrics.count_pass_through(&self.method, code);
-            }
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(code) = frame.trailers_ref().and_then(grpc_status)
+        {
+            self.metrics.count_pass_through(&self.method, code);
         }
         polled
     }

@@ -8,9 +8,9 @@
 //! Priming complicates this: the live socket subscribes before the replay
 //! that primes kvgate is served, so it may deliver again messages the replay
 //! already gave. Invariant: such a copy is recognised as an echo only if its
-//! number lies in the primed run and its payload is byte for byte the primed
-//! one; anything else under a primed number is a restarted engine, never
-//! silently skipped.
+//! number lies in the primed run and its payload hashes (64 bits) like the
+//! primed one; anything else under a primed number is a restarted engine,
+//! never silently skipped.
 
 use std::hash::BuildHasher;
 use std::ops::RangeInclusive;
@@ -83,7 +83,11 @@ impl PublisherCursor {
     /// Classifies a live message and, unless it is an echo, makes its number
     /// the new last one.
     pub fn observe(&mut self, sequence: u64, payload: &[u8]) -> Continuity {
-        if (self.primed.as_ref()).is_some_and(|primed| primed.repeats(sequence, payload)) {
+        if self
+            .primed
+            .as_ref()
+            .is_some_and(|primed| primed.repeats(sequence, payload))
+        {
             return Continuity::Echo;
         }
         // Past the primed run the live socket has caught up; under a primed

@@ -8,9 +8,12 @@
 pub mod continuity;
 pub mod endpoint;
 pub mod replay;
+pub mod upstream;
 pub mod zmq;
 
 use bytes::Bytes;
+
+use crate::proto::common::KvCacheEvent;
 
 /// One engine message as the publisher of rank `rank` sent it.
 #[derive(Clone, Debug)]
@@ -31,6 +34,14 @@ pub enum SourceEvent {
     PublisherRestarted {
         rank: u32,
     },
+    /// Events already in proto form (from an upstream gRPC server).
+    Events {
+        rank: u32,
+        timestamp: f64,
+        events: Vec<KvCacheEvent>,
+    },
+    /// The upstream starts over with a snapshot: every rank's cache is void.
+    Resync,
 }
 
 /// Why an engine message or replay reply was skipped before decoding.

@@ -25,7 +25,7 @@ use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
 use super::endpoint::TcpEndpoint;
-use super::replay::{self, ReplayClient, Replayed};
+use super::replay::{ReplayClient, Replayed};
 use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
 use crate::metrics::Metrics;
 
@@ -36,6 +36,9 @@ pub struct ZmqSourceConfig {
     pub endpoint: TcpEndpoint,
     /// Rank 0's replay ROUTER, offset per rank like `endpoint`.
     pub replay_endpoint: Option<TcpEndpoint>,
+    /// How long one replay request may take before what it got is kept and
+    /// the rest counted as lost.
+    pub replay_timeout: std::time::Duration,
     pub dp_size: u32,
     /// Exact topic every message must carry (SUB filtering is only a prefix match).
     pub topic: String,
@@ -96,7 +99,7 @@ impl ZmqSource {
                         })?
                         .connect_address(),
                     topic.clone(),
-                    replay::DEFAULT_TIMEOUT,
+                    config.replay_timeout,
                 )),
                 None => None,
             };
@@ -413,6 +416,7 @@ mod tests {
                 Seen::Message(message.engine_sequence, message.payload)
             }
             SourceEvent::PublisherRestarted { .. } => Seen::Restarted,
+            other => panic!("a ZMQ source never sends {other:?}"),
         }
     }
 
@@ -528,7 +532,7 @@ mod tests {
         // The SUB holds these too: they went out live before the task started.
         harness.publisher.publish(payload("a")).await.unwrap();
         let b = harness.publisher.publish(payload("b")).await.unwrap();
-        harness.start(Some(harness.replay(replay::DEFAULT_TIMEOUT)));
+        harness.start(Some(harness.replay(crate::source::replay::DEFAULT_TIMEOUT)));
         let primed = harness.until(b).await;
         assert_eq!(numbers(&primed), (0..=b).map(Some).collect::<Vec<_>>());
 
@@ -542,7 +546,7 @@ mod tests {
     async fn an_engine_restarted_while_primed_numbers_are_pending_is_a_restart_not_an_echo() {
         let mut harness = Harness::new().await;
         let a = harness.publisher.publish(payload("a")).await.unwrap();
-        harness.start(Some(harness.replay(replay::DEFAULT_TIMEOUT)));
+        harness.start(Some(harness.replay(crate::source::replay::DEFAULT_TIMEOUT)));
         harness.until(a).await;
 
         harness.publisher.restart();
@@ -563,7 +567,7 @@ mod tests {
     #[tokio::test]
     async fn a_gap_is_filled_from_replay_before_the_message_that_revealed_it() {
         let mut harness = Harness::new().await;
-        harness.start(Some(harness.replay(replay::DEFAULT_TIMEOUT)));
+        harness.start(Some(harness.replay(crate::source::replay::DEFAULT_TIMEOUT)));
         let first = harness.publisher.publish(payload("x1")).await.unwrap();
         harness.until(first).await;
         let recovered_before = harness.metrics.engine_messages_recovered.get();

@@ -1,10 +1,11 @@
-//! Command-line clients of a running gateway: `kvgate tail` and
-//! `kvgate status`. They talk gRPC only, like any router would.
+//! Command-line clients of a gateway: `kvgate tail`, `kvgate status` and
+//! the load tool `kvgate bench`. They talk gRPC only, like any router would.
 
+pub mod load;
 pub mod status;
 pub mod tail;
 
-use tonic::codec::Streaming;
+use tonic::codec::{Codec, Streaming};
 use tonic::transport::Channel;
 
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
@@ -29,6 +30,21 @@ pub async fn subscribe(
     service: &str,
     start_sequence_number: u64,
 ) -> Result<Streaming<KvEventBatch>, tonic::Status> {
+    let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
+    subscribe_with(channel, service, start_sequence_number, codec).await
+}
+
+/// Opens `SubscribeKvEvents` on `service`, reading the batches with `codec`.
+pub async fn subscribe_with<C>(
+    channel: Channel,
+    service: &str,
+    start_sequence_number: u64,
+    codec: C,
+) -> Result<Streaming<C::Decode>, tonic::Status>
+where
+    C: Codec<Encode = SubscribeKvEventsRequest>,
+    C::Decode: Send + Sync + 'static,
+{
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready()
         .await
@@ -40,7 +56,6 @@ pub async fn subscribe(
         start_sequence_number,
         load_records_before_first_batch: false,
     };
-    let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
     grpc.server_streaming(tonic::Request::new(request), path, codec)
         .await
         .map(tonic::Response::into_inner)

@@ -31,9 +31,15 @@ impl Gateway {
     /// Starts `kvgate serve --listen 127.0.0.1:0 <args>` and waits until it
     /// reports its address.
     pub fn start(args: &[&str]) -> Self {
+        Self::start_listening("127.0.0.1:0", args)
+    }
+
+    /// Starts `kvgate serve --listen <listen> <args>` and waits until it
+    /// reports its address.
+    pub fn start_listening(listen: &str, args: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
             .arg("serve")
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .args(args)
             .env(
                 "RUST_LOG",
@@ -219,6 +225,17 @@ pub async fn sync_streams(
     rank: u32,
     streams: &mut [Streaming<KvEventBatch>],
 ) -> u64 {
+    sync_streams_observing(publisher, rank, streams, |_, _| {}).await
+}
+
+/// [`sync_streams`], handing every batch read on the way to `observe` with
+/// its stream's index (a router view must see them all).
+pub async fn sync_streams_observing(
+    publisher: &mut kvgate::sim::EnginePublisher,
+    rank: u32,
+    streams: &mut [Streaming<KvEventBatch>],
+    mut observe: impl FnMut(usize, &KvEventBatch),
+) -> u64 {
     static NEXT_FENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let fence = || NEXT_FENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let deadline = tokio::time::Instant::now() + DEADLINE;
@@ -233,14 +250,17 @@ pub async fn sync_streams(
             .unwrap();
         let probe = tokio::time::timeout(Duration::from_millis(50), streams[0].message()).await;
         if let Ok(received) = probe {
-            received.expect("healthy stream").expect("open stream");
+            let batch = received.expect("healthy stream").expect("open stream");
+            observe(0, &batch);
             break;
         }
     }
     let last = fence();
     publisher.publish(fence_payload(last, rank)).await.unwrap();
-    for stream in streams.iter_mut() {
-        skip_past_fence(stream, last).await;
+    for (index, stream) in streams.iter_mut().enumerate() {
+        for batch in skip_past_fence(stream, last).await {
+            observe(index, &batch);
+        }
     }
     last
 }

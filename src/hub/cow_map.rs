@@ -1,0 +1,162 @@
+//! A hash map from block hash to record whose clone costs a few
+//! microseconds however large it is.
+//!
+//! Invariant: the map is split into `SHARDS` shards, each an `Arc` of a
+//! plain hash map. A clone shares every shard; the first write to a shared
+//! shard copies that shard alone (about 1/`SHARDS` of the map), so a
+//! snapshot cut never stalls the writer for more than one shard copy, and
+//! with no snapshot outstanding a write is a plain hash-map write.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rustc_hash::FxBuildHasher;
+
+const SHARD_BITS: u32 = 10;
+const SHARDS: usize = 1 << SHARD_BITS;
+
+type Shard<V> = HashMap<i64, V, FxBuildHasher>;
+
+#[derive(Debug)]
+pub struct CowMap<V> {
+    shards: Box<[Arc<Shard<V>>]>,
+    len: usize,
+}
+
+impl<V> Clone for CowMap<V> {
+    fn clone(&self) -> Self {
+        Self {
+            shards: self.shards.clone(),
+            len: self.len,
+        }
+    }
+}
+
+impl<V: Clone> Default for CowMap<V> {
+    fn default() -> Self {
+        // Every shard starts as the same empty map; writes split them off.
+        let empty = Arc::new(Shard::default());
+        Self {
+            shards: (0..SHARDS).map(|_| Arc::clone(&empty)).collect(),
+            len: 0,
+        }
+    }
+}
+
+/// Which shard holds `key`. Block hashes are already uniform, but some
+/// engines' are not (small test values, old builtin hashes): mix first.
+fn shard_of(key: i64) -> usize {
+    ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARD_BITS)) as usize
+}
+
+impl<V: Clone> CowMap<V> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn get(&self, key: i64) -> Option<&V> {
+        self.shards[shard_of(key)].get(&key)
+    }
+
+    /// The value of `key` for writing; copies its shard first if a clone
+    /// still shares it (and only if `key` is there).
+    pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
+        let shard = &mut self.shards[shard_of(key)];
+        if !shard.contains_key(&key) {
+            return None;
+        }
+        Arc::make_mut(shard).get_mut(&key)
+    }
+
+    pub fn insert(&mut self, key: i64, value: V) {
+        if Arc::make_mut(&mut self.shards[shard_of(key)])
+            .insert(key, value)
+            .is_none()
+        {
+            self.len += 1;
+        }
+    }
+
+    pub fn remove(&mut self, key: i64) -> Option<V> {
+        let shard = &mut self.shards[shard_of(key)];
+        if !shard.contains_key(&key) {
+            return None;
+        }
+        let removed = Arc::make_mut(shard).remove(&key);
+        self.len -= usize::from(removed.is_some());
+        removed
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (i64, &V)> {
+        self.shards
+            .iter()
+            .flat_map(|shard| shard.iter().map(|(key, value)| (*key, value)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn it_behaves_as_a_map() {
+        let mut map = CowMap::default();
+        for key in -500..500 {
+            map.insert(key, key * 2);
+        }
+        assert_eq!(map.len(), 1000);
+        assert_eq!(map.get(-7), Some(&-14));
+        *map.get_mut(3).unwrap() = 0;
+        assert_eq!(map.get(3), Some(&0));
+        assert_eq!(map.remove(3), Some(0));
+        assert_eq!(map.remove(3), None);
+        assert!(map.get_mut(3).is_none());
+        assert_eq!(map.len(), 999);
+        let mut keys: Vec<i64> = map.iter().map(|(key, _)| key).collect();
+        keys.sort();
+        assert_eq!(keys.len(), 999);
+        assert_eq!(keys[0], -500);
+    }
+
+    #[test]
+    fn a_clone_keeps_its_contents_while_the_original_changes() {
+        let mut map = CowMap::default();
+        for key in 0..10_000 {
+            map.insert(key, key);
+        }
+        let frozen = map.clone();
+        for key in 0..5_000 {
+            map.remove(key);
+        }
+        *map.get_mut(9_999).unwrap() = -1;
+        map.insert(20_000, 1);
+        assert_eq!(frozen.len(), 10_000);
+        assert_eq!(frozen.get(0), Some(&0));
+        assert_eq!(frozen.get(9_999), Some(&9_999));
+        assert_eq!(frozen.get(20_000), None);
+        assert_eq!(frozen.iter().count(), 10_000);
+        assert_eq!(map.len(), 5_001);
+        assert_eq!(map.get(9_999), Some(&-1));
+    }
+
+    #[test]
+    fn a_write_to_a_shared_map_copies_only_the_shard_it_touches() {
+        let mut map = CowMap::default();
+        for key in 0..100_000 {
+            map.insert(key, key);
+        }
+        let frozen = map.clone();
+        map.insert(1_000_000, 0);
+        let copied = map
+            .shards
+            .iter()
+            .zip(frozen.shards.iter())
+            .filter(|(now, then)| !Arc::ptr_eq(now, then))
+            .count();
+        assert_eq!(copied, 1);
+    }
+}

@@ -1,0 +1,279 @@
+//! An upstream `SubscribeKvEvents` server as the event source: TensorRT-LLM's
+//! gRPC server (whose own drain is single-consumer) or another kvgate.
+//!
+//! Invariant: kvgate is one well-behaved router towards the upstream. It
+//! admits batches by the router's rules (contract section 3), keeps its own
+//! cursor, resumes after a disconnect with backoff, and when the upstream
+//! cannot honour the cursor (OUT_OF_RANGE, DATA_LOSS, a gap it cannot
+//! resume over) it starts again from 0: the upstream's snapshot then reaches
+//! kvgate's own subscribers as a resync, an ownerless clear of every rank
+//! followed by the new state, without dropping any of them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tonic::Code;
+use tracing::{info, warn};
+
+use super::SourceEvent;
+use crate::metrics::Metrics;
+use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
+
+/// Where the upstream is and which of its service names to call.
+#[derive(Clone, Debug)]
+pub struct UpstreamConfig {
+    pub uri: String,
+    pub service: String,
+}
+
+/// What the router's rules make of one batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The next batch of its rank (or the first): forward it.
+    Next,
+    /// Already applied: drop it.
+    Stale,
+    /// The upstream started this rank over: clear it, then forward.
+    Restart,
+    /// Numbers were skipped: resume from the cursor.
+    Gap,
+    /// A snapshot chunk; `first` is chunk 0 (resync every rank).
+    Snapshot { first: bool },
+}
+
+/// Per-rank cursors, as a router keeps them.
+#[derive(Debug, Default)]
+pub struct Cursors {
+    last: BTreeMap<i32, u64>,
+    /// No batch received yet on the current connection.
+    fresh: bool,
+}
+
+impl Cursors {
+    /// Rank 0's cursor: what to resume from (0 = snapshot).
+    pub fn resume_from(&self) -> u64 {
+        self.last.get(&0).copied().unwrap_or(0)
+    }
+
+    pub fn connected(&mut self) {
+        self.fresh = true;
+    }
+
+    pub fn forget(&mut self) {
+        self.last.clear();
+    }
+
+    pub fn admit(&mut self, batch: &KvEventBatch) -> Verdict {
+        let fresh = std::mem::replace(&mut self.fresh, false);
+        let rank = batch.dp_rank.unwrap_or(0);
+        let seq = batch.sequence_number;
+        if let Some(chunk) = &batch.snapshot {
+            self.last.insert(rank, seq);
+            return Verdict::Snapshot {
+                first: chunk.index == 0,
+            };
+        }
+        let verdict = match self.last.get(&rank).copied() {
+            None => Verdict::Next,
+            Some(last) if seq == last + 1 => Verdict::Next,
+            Some(last) if seq == last => Verdict::Stale,
+            Some(last) if seq < last => {
+                let restart = has_ownerless_clear(batch) || fresh || seq <= 1 || seq + 1024 <= last;
+                if restart {
+                    Verdict::Restart
+                } else {
+                    Verdict::Stale
+                }
+            }
+            Some(_) => Verdict::Gap,
+        };
+        if matches!(verdict, Verdict::Next | Verdict::Restart) {
+            self.last.insert(rank, seq);
+        }
+        verdict
+    }
+}
+
+fn has_ownerless_clear(batch: &KvEventBatch) -> bool {
+    batch.events.iter().any(
+        |event| matches!(&event.data, Some(Data::Cleared(cleared)) if cleared.ownership.is_none()),
+    )
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Subscribes to the upstream until `stop` turns true, forwarding admitted
+/// events to the drain.
+pub async fn run(
+    config: UpstreamConfig,
+    events: mpsc::Sender<SourceEvent>,
+    metrics: Metrics,
+    ready: watch::Sender<bool>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut cursors = Cursors::default();
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let outcome = tokio::select! {
+            outcome = follow(&config, &mut cursors, &events, &metrics, &ready) => outcome,
+            _ = stop.wait_for(|stopped| *stopped) => return,
+        };
+        ready.send_replace(false);
+        match outcome {
+            Outcome::DrainGone => return,
+            Outcome::Resync(reason) => {
+                info!(upstream = %config.uri, %reason, "resubscribing from 0 for a snapshot");
+                cursors.forget();
+                backoff = FIRST_BACKOFF;
+            }
+            Outcome::Retry(reason) => {
+                metrics.upstream_reconnects.inc();
+                warn!(upstream = %config.uri, %reason, ?backoff, "upstream stream lost; resuming");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop.wait_for(|stopped| *stopped) => return,
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+    }
+}
+
+/// Why one subscription ended.
+enum Outcome {
+    /// Resume from the cursor after a pause.
+    Retry(String),
+    /// The cursor is worthless: start over with a snapshot.
+    Resync(String),
+    DrainGone,
+}
+
+async fn follow(
+    config: &UpstreamConfig,
+    cursors: &mut Cursors,
+    events: &mpsc::Sender<SourceEvent>,
+    metrics: &Metrics,
+    ready: &watch::Sender<bool>,
+) -> Outcome {
+    let channel = match crate::tools::connect(&config.uri).await {
+        Ok(channel) => channel,
+        Err(error) => return Outcome::Retry(error.to_string()),
+    };
+    let mut stream =
+        match crate::tools::subscribe(channel, &config.service, cursors.resume_from()).await {
+            Ok(stream) => stream,
+            Err(status) if matches!(status.code(), Code::OutOfRange | Code::DataLoss) => {
+                return Outcome::Resync(status.to_string());
+            }
+            Err(status) => return Outcome::Retry(status.to_string()),
+        };
+    cursors.connected();
+    ready.send_replace(true);
+    loop {
+        let batch = match stream.message().await {
+            Ok(Some(batch)) => batch,
+            Ok(None) => return Outcome::Retry("the upstream ended the stream".into()),
+            Err(status) if status.code() == Code::DataLoss => {
+                return Outcome::Resync(status.to_string());
+            }
+            Err(status) => {
+                if status.code() == Code::Internal {
+                    metrics.count_bad_message("upstream_undecodable");
+                }
+                return Outcome::Retry(status.to_string());
+            }
+        };
+        metrics
+            .engine_messages
+            .get_or_create(&crate::metrics::RankLabel {
+                rank: batch.dp_rank.unwrap_or(0).max(0) as u32,
+            })
+            .inc();
+        let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+        let reset = match cursors.admit(&batch) {
+            Verdict::Stale => continue,
+            Verdict::Gap => return Outcome::Retry("a gap in the upstream's numbers".into()),
+            Verdict::Next | Verdict::Snapshot { first: false } => None,
+            Verdict::Restart => Some(SourceEvent::PublisherRestarted { rank }),
+            Verdict::Snapshot { first: true } => Some(SourceEvent::Resync),
+        };
+        if let Some(reset) = reset
+            && events.send(reset).await.is_err()
+        {
+            return Outcome::DrainGone;
+        }
+        let forwarded = SourceEvent::Events {
+            rank,
+            timestamp: batch.timestamp,
+            events: batch.events,
+        };
+        if events.send(forwarded).await.is_err() {
+            return Outcome::DrainGone;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk};
+
+    fn batch(rank: i32, seq: u64) -> KvEventBatch {
+        KvEventBatch {
+            sequence_number: seq,
+            dp_rank: Some(rank),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn batches_are_admitted_by_the_routers_rules() {
+        let mut cursors = Cursors::default();
+        cursors.connected();
+        assert_eq!(cursors.admit(&batch(0, 100)), Verdict::Next);
+        assert_eq!(cursors.admit(&batch(0, 101)), Verdict::Next);
+        assert_eq!(cursors.admit(&batch(0, 101)), Verdict::Stale);
+        assert_eq!(
+            cursors.admit(&batch(0, 99)),
+            Verdict::Stale,
+            "old, not a restart"
+        );
+        assert_eq!(cursors.admit(&batch(0, 103)), Verdict::Gap);
+        assert_eq!(cursors.admit(&batch(1, 7)), Verdict::Next);
+        assert_eq!(cursors.resume_from(), 101);
+        let mut clear = batch(0, 50);
+        clear.events.push(KvCacheEvent {
+            event_id: 0,
+            data: Some(Data::Cleared(KvCacheCleared::default())),
+        });
+        assert_eq!(cursors.admit(&clear), Verdict::Restart);
+        assert_eq!(cursors.resume_from(), 50);
+    }
+
+    #[test]
+    fn an_old_batch_first_on_a_fresh_connection_is_a_restart() {
+        let mut cursors = Cursors::default();
+        cursors.connected();
+        cursors.admit(&batch(0, 100));
+        cursors.connected();
+        assert_eq!(cursors.admit(&batch(0, 90)), Verdict::Restart);
+    }
+
+    #[test]
+    fn a_snapshot_sets_the_cursor_of_its_rank_and_chunk_0_resyncs() {
+        let mut cursors = Cursors::default();
+        let mut chunk = batch(1, 40);
+        chunk.snapshot = Some(KvSnapshotChunk {
+            index: 0,
+            count: 2,
+            ..Default::default()
+        });
+        assert_eq!(cursors.admit(&chunk), Verdict::Snapshot { first: true });
+        chunk.snapshot.as_mut().unwrap().index = 1;
+        chunk.sequence_number = 41;
+        assert_eq!(cursors.admit(&chunk), Verdict::Snapshot { first: false });
+        assert_eq!(cursors.admit(&batch(1, 42)), Verdict::Next);
+    }
+}

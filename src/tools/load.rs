@@ -1,0 +1,350 @@
+//! `kvgate bench`: a load run of the real thing on one machine.
+//!
+//! Per subscriber count: a simulated engine (a real ZMQ PUB, vLLM's msgpack,
+//! a steady mix of 16-token-block stores and one-hash removals) on its own
+//! thread, `kvgate serve` as a child process, and N decode-light gRPC
+//! subscribers on another thread, each on its own HTTP/2 connection. After
+//! ZMQ's slow joiner and a warm-up, it measures for the duration: events
+//! published and delivered per second, publish-to-receive latency (the
+//! engine stamps each payload, kvgate passes the stamp on as the batch
+//! timestamp), kvgate's CPU and memory from `/proc`, and the tool's own CPU
+//! — where that approaches kvgate's, the run measures the tool.
+
+mod chart;
+mod gateway;
+mod histogram;
+mod procfs;
+mod publisher;
+mod report;
+mod subscriber;
+mod worker;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use gateway::Gateway;
+use histogram::Histogram;
+use publisher::{Mode, Publisher};
+use report::{Config, KvgateCost, Latency, Report, RunReport, ToolCost};
+use subscriber::{Delivery, Subscribers, Window};
+
+use crate::sim::WorkloadShape;
+
+/// kvgate's resident memory is read this long after it starts serving.
+const IDLE_SETTLE: Duration = Duration::from_millis(500);
+/// How long kvgate's SUB may take to join the publisher.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(20);
+/// No event for this long: everything published has arrived.
+const QUIET: Duration = Duration::from_millis(300);
+/// After publishing stops, how long subscribers may go without progress
+/// before the events they lack count as missing.
+const DRAIN_STALL: Duration = Duration::from_secs(2);
+const POLL: Duration = Duration::from_millis(10);
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoadArgs {
+    /// Subscriber counts, one run each (a list is a sweep).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64",
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub subscribers: Vec<u32>,
+
+    /// Events per second the simulated engine publishes; 0 publishes as fast
+    /// as it can.
+    #[arg(long, default_value_t = 20_000)]
+    pub rate: u64,
+
+    /// Seconds measured per run.
+    #[arg(long, default_value = "10", value_parser = seconds)]
+    pub duration: Duration,
+
+    /// Seconds of load before measuring (kvgate and the engine's cache reach
+    /// their steady state).
+    #[arg(long, default_value = "2", value_parser = seconds)]
+    pub warmup: Duration,
+
+    /// 16-token blocks per stored event; once the engine's cache is full,
+    /// each store comes with as many one-block removals.
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub blocks_per_store: u32,
+
+    /// Write the report as JSON here.
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+
+    /// Write an SVG chart (throughput and latency against subscribers) here.
+    #[arg(long, value_name = "PATH")]
+    pub svg: Option<PathBuf>,
+
+    /// The kvgate binary to measure (default: this one).
+    #[arg(long, value_name = "PATH")]
+    pub kvgate: Option<PathBuf>,
+
+    /// Extra `kvgate serve` flags, after `--` (e.g. `-- --max-batch-events 256`).
+    #[arg(last = true, value_name = "SERVE_ARGS")]
+    pub serve_args: Vec<String>,
+}
+
+fn seconds(text: &str) -> Result<Duration, String> {
+    text.parse::<f64>()
+        .ok()
+        .filter(|secs| *secs >= 0.0)
+        .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
+        .ok_or_else(|| format!("{text:?} is not a number of seconds"))
+}
+
+pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.duration.is_zero(), "--duration must be positive");
+    let binary = match &args.kvgate {
+        Some(path) => path.clone(),
+        None => std::env::current_exe().context("cannot find this kvgate binary")?,
+    };
+    let shape = WorkloadShape {
+        blocks_per_store: args.blocks_per_store as usize,
+        ..WorkloadShape::default()
+    };
+    let mut runs = Vec::with_capacity(args.subscribers.len());
+    for &subscribers in &args.subscribers {
+        let subscribers = subscribers as usize;
+        eprintln!("kvgate bench: {subscribers} subscriber(s)...");
+        let run = measure(&args, &binary, shape, subscribers)
+            .await
+            .with_context(|| format!("the run with {subscribers} subscriber(s)"))?;
+        eprintln!(
+            "kvgate bench: {subscribers} subscriber(s): {:.0} events/s delivered per subscriber, p99 {:.2} ms",
+            run.delivered_events_per_s_mean, run.latency_ms.p99
+        );
+        runs.push(run);
+    }
+    let config = Config {
+        rate_events_per_s: args.rate,
+        duration_s: args.duration.as_secs_f64(),
+        warmup_s: args.warmup.as_secs_f64(),
+        blocks_per_store: shape.blocks_per_store,
+        block_size: shape.block_size,
+        live_blocks: shape.live_blocks,
+        kvgate: binary.display().to_string(),
+        serve_args: args.serve_args.clone(),
+    };
+    let report = Report::new(procfs::machine(), config, runs);
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("--json {}", path.display()))?;
+    }
+    if let Some(path) = &args.svg {
+        std::fs::write(path, chart::render(&report))
+            .with_context(|| format!("--svg {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The clocks read at either end of the measurement window.
+struct Reading {
+    at: Instant,
+    published: u64,
+    kvgate_cpu: f64,
+    publisher_cpu: f64,
+    subscribers_cpu: f64,
+}
+
+impl Reading {
+    fn take(
+        gateway: &Gateway,
+        publisher: &Publisher,
+        subscribers: &Subscribers,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            at: Instant::now(),
+            published: publisher.published_events(),
+            kvgate_cpu: procfs::process_cpu_seconds(gateway.pid())?,
+            publisher_cpu: publisher.cpu_seconds()?,
+            subscribers_cpu: subscribers.cpu_seconds()?,
+        })
+    }
+}
+
+/// One run; everything it started is stopped however it ends.
+async fn measure(
+    args: &LoadArgs,
+    binary: &Path,
+    shape: WorkloadShape,
+    count: usize,
+) -> anyhow::Result<RunReport> {
+    let delivery = Delivery::new(count);
+    let publisher = Publisher::start(shape, args.rate, Arc::clone(&delivery)).await?;
+    let gateway = Gateway::start(binary, publisher.endpoint(), &args.serve_args).await?;
+    tokio::time::sleep(IDLE_SETTLE).await;
+    let idle = procfs::memory(gateway.pid())?;
+    let subscribers = Subscribers::connect(gateway.address(), &delivery).await?;
+
+    // ZMQ's slow joiner: the PUB drops everything until kvgate's SUB has
+    // joined, so publish slowly until every subscriber sees data, then let
+    // the pipeline empty and count from there.
+    publisher.set_mode(Mode::Prime);
+    let joined = wait_until(JOIN_TIMEOUT, || {
+        delivery.events().iter().all(|events| *events > 0)
+    })
+    .await;
+    anyhow::ensure!(joined, "kvgate forwarded nothing within {JOIN_TIMEOUT:?}");
+    publisher.set_mode(Mode::Quiet);
+    settle(&delivery).await;
+    let published_before = publisher.published_events();
+    let received_before = delivery.events();
+
+    publisher.set_mode(Mode::Run);
+    tokio::time::sleep(args.warmup).await;
+    let start = Reading::take(&gateway, &publisher, &subscribers)?;
+    subscribers.record(true);
+    tokio::time::sleep(args.duration).await;
+    subscribers.record(false);
+    let end = Reading::take(&gateway, &publisher, &subscribers)?;
+    let published_total = publisher.stop().await?;
+
+    let missing_events = drain(
+        &delivery,
+        &received_before,
+        published_total - published_before,
+    )
+    .await;
+    let ended_early = delivery.ended();
+    let peak = procfs::memory(gateway.pid())?;
+    // Ends every stream, which ends every subscriber.
+    drop(gateway);
+    let windows = subscribers.finish().await?;
+    Ok(Measured {
+        subscribers: count,
+        start,
+        end,
+        idle,
+        peak,
+        missing_events,
+        ended_early,
+        windows,
+    }
+    .report())
+}
+
+/// A run's raw figures.
+struct Measured {
+    subscribers: usize,
+    start: Reading,
+    end: Reading,
+    idle: procfs::Memory,
+    peak: procfs::Memory,
+    missing_events: u64,
+    /// Per subscriber: whether its stream ended before kvgate was stopped.
+    ended_early: Vec<bool>,
+    windows: Vec<Window>,
+}
+
+impl Measured {
+    fn report(self) -> RunReport {
+        let (start, end) = (&self.start, &self.end);
+        let window_s = (end.at - start.at).as_secs_f64();
+        let count = self.subscribers as f64;
+        let mut latency = Histogram::default();
+        for window in &self.windows {
+            latency.merge(&window.latency);
+        }
+        let millis = |quantile| latency.quantile(quantile).unwrap_or(0) as f64 / 1e3;
+        let delivered: Vec<f64> = self
+            .windows
+            .iter()
+            .map(|window| window.events as f64 / window_s)
+            .collect();
+        let batches: u64 = self.windows.iter().map(|window| window.batches).sum();
+        let kvgate_cpu = end.kvgate_cpu - start.kvgate_cpu;
+        let subscribers_cpu = end.subscribers_cpu - start.subscribers_cpu;
+        let publisher_cpu = end.publisher_cpu - start.publisher_cpu;
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+        RunReport {
+            subscribers: self.subscribers,
+            window_s,
+            published_events_per_s: (end.published - start.published) as f64 / window_s,
+            delivered_events_per_s_mean: delivered.iter().sum::<f64>() / count,
+            delivered_events_per_s_min: delivered.iter().copied().fold(f64::INFINITY, f64::min),
+            batches_per_s_per_subscriber: batches as f64 / count / window_s,
+            latency_ms: Latency {
+                p50: millis(0.5),
+                p99: millis(0.99),
+                max: millis(1.0),
+                samples: latency.count(),
+            },
+            missing_events: self.missing_events,
+            streams_ended_early: self.ended_early.iter().filter(|early| **early).count(),
+            first_stream_error: self
+                .windows
+                .iter()
+                .zip(&self.ended_early)
+                .find(|(_, early)| **early)
+                .and_then(|(window, _)| window.error.clone()),
+            kvgate: KvgateCost {
+                cpu_s: kvgate_cpu,
+                cpu_percent_of_one_core: 100.0 * kvgate_cpu / window_s,
+                idle_rss_mb: self.idle.rss_mb,
+                peak_rss_mb: self.peak.peak_rss_mb,
+            },
+            tool: ToolCost {
+                subscribers_cpu_s: subscribers_cpu,
+                subscribers_cpu_percent_of_one_core: 100.0 * subscribers_cpu / window_s,
+                publisher_cpu_s: publisher_cpu,
+                subscribers_cheaper_than_kvgate: subscribers_cpu < kvgate_cpu,
+            },
+            machine_busy_percent: 100.0 * (kvgate_cpu + subscribers_cpu + publisher_cpu)
+                / (window_s * cpus),
+        }
+    }
+}
+
+async fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    true
+}
+
+/// Waits until no subscriber has received anything for [`QUIET`].
+async fn settle(delivery: &Delivery) {
+    let mut last = delivery.events();
+    let mut since = Instant::now();
+    while since.elapsed() < QUIET {
+        tokio::time::sleep(POLL).await;
+        let now = delivery.events();
+        if now != last {
+            last = now;
+            since = Instant::now();
+        }
+    }
+}
+
+/// Waits until every subscriber has the `published` events sent since it
+/// had `before[i]`, or until they stop making progress; returns the events
+/// still lacking, summed over subscribers.
+async fn drain(delivery: &Delivery, before: &[u64], published: u64) -> u64 {
+    let lacking = |received: &[u64]| -> u64 {
+        received
+            .iter()
+            .zip(before)
+            .map(|(now, before)| (before + published).saturating_sub(*now))
+            .sum()
+    };
+    let mut last = delivery.events();
+    let mut since = Instant::now();
+    while lacking(&last) > 0 && since.elapsed() < DRAIN_STALL {
+        tokio::time::sleep(POLL).await;
+        let now = delivery.events();
+        if now != last {
+            last = now;
+            since = Instant::now();
+        }
+    }
+    lacking(&last)
+}

@@ -1,0 +1,418 @@
+//! A load sweep's figures: per run, what was published, what each
+//! subscriber received and how late, and what kvgate and the tool itself
+//! cost; rendered as a table, JSON and the issue's targets.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use super::procfs::Machine;
+
+/// The rate the latency targets are stated at.
+const TARGET_RATE: u64 = 20_000;
+/// Busier than this, kvgate competed with the tool for CPU.
+const SATURATED_PERCENT: f64 = 90.0;
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub machine: Machine,
+    pub config: Config,
+    pub runs: Vec<RunReport>,
+    pub targets: Vec<TargetCheck>,
+    /// Where the figures measure the tool rather than kvgate.
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Config {
+    /// Events per second asked for; 0 = as fast as the publisher can.
+    pub rate_events_per_s: u64,
+    pub duration_s: f64,
+    pub warmup_s: f64,
+    pub blocks_per_store: usize,
+    pub block_size: u32,
+    pub live_blocks: usize,
+    pub kvgate: String,
+    pub serve_args: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RunReport {
+    pub subscribers: usize,
+    pub window_s: f64,
+    pub published_events_per_s: f64,
+    /// Events per second each subscriber received: the mean and the
+    /// slowest subscriber.
+    pub delivered_events_per_s_mean: f64,
+    pub delivered_events_per_s_min: f64,
+    pub batches_per_s_per_subscriber: f64,
+    /// Engine publish to subscriber receive, one sample per batch.
+    pub latency_ms: Latency,
+    /// Events published after the warm-up that some subscriber never got,
+    /// summed over subscribers.
+    pub missing_events: u64,
+    /// Streams that ended before the run did, and the first reason.
+    pub streams_ended_early: usize,
+    pub first_stream_error: Option<String>,
+    pub kvgate: KvgateCost,
+    pub tool: ToolCost,
+    /// CPU used by kvgate and the tool together, as a share of all cores.
+    pub machine_busy_percent: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Latency {
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+    pub samples: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KvgateCost {
+    pub cpu_s: f64,
+    pub cpu_percent_of_one_core: f64,
+    pub idle_rss_mb: f64,
+    pub peak_rss_mb: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ToolCost {
+    /// The one thread all subscribers run on.
+    pub subscribers_cpu_s: f64,
+    pub subscribers_cpu_percent_of_one_core: f64,
+    pub publisher_cpu_s: f64,
+    pub subscribers_cheaper_than_kvgate: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TargetCheck {
+    pub target: String,
+    /// What was measured, in the target's unit; `None` if the sweep did not
+    /// include the runs it needs.
+    pub measured: Option<f64>,
+    pub met: Option<bool>,
+    pub note: Option<String>,
+}
+
+impl Report {
+    pub fn new(machine: Machine, config: Config, runs: Vec<RunReport>) -> Self {
+        let targets = targets(&config, &runs);
+        let notes = notes(&machine, &runs);
+        Self {
+            machine,
+            config,
+            runs,
+            targets,
+            notes,
+        }
+    }
+
+    /// The rate asked for, in words.
+    pub fn rate_label(&self) -> String {
+        rate_label(self.config.rate_events_per_s)
+    }
+
+    pub fn table(&self) -> String {
+        let config = &self.config;
+        let machine = &self.machine;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "kvgate bench: {}, {} s measured after {} s warm-up, stores of {} blocks x {} tokens",
+            self.rate_label(),
+            config.duration_s,
+            config.warmup_s,
+            config.blocks_per_store,
+            config.block_size,
+        );
+        let _ = writeln!(
+            out,
+            "machine: {} CPUs ({}), {:.1} GiB, Linux {}\n",
+            machine.cpus, machine.cpu_model, machine.memory_gib, machine.kernel
+        );
+        let _ = writeln!(
+            out,
+            "{:>5} {:>12} {:>22} {:>24} {:>22} {:>18} {:>22} {:>6} {:>8}",
+            "",
+            "published",
+            "delivered/s per sub",
+            "latency ms",
+            "kvgate CPU",
+            "kvgate RSS MB",
+            "tool CPU s",
+            "busy",
+            "missing"
+        );
+        let _ = writeln!(
+            out,
+            "{:>5} {:>12} {:>11} {:>10} {:>7} {:>7} {:>8} {:>8} {:>13} {:>8} {:>8} {:>21} {:>6} {:>8}",
+            "subs",
+            "events/s",
+            "mean",
+            "min",
+            "p50",
+            "p99",
+            "max",
+            "s",
+            "% of a core",
+            "idle",
+            "peak",
+            "subscribers publisher",
+            "%",
+            "events"
+        );
+        for run in &self.runs {
+            let _ = writeln!(
+                out,
+                "{:>5} {:>12.0} {:>11.0} {:>10.0} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>13.0} {:>8.1} {:>8.1} {:>11.2} {:>9.2} {:>6.0} {:>8}",
+                run.subscribers,
+                run.published_events_per_s,
+                run.delivered_events_per_s_mean,
+                run.delivered_events_per_s_min,
+                run.latency_ms.p50,
+                run.latency_ms.p99,
+                run.latency_ms.max,
+                run.kvgate.cpu_s,
+                run.kvgate.cpu_percent_of_one_core,
+                run.kvgate.idle_rss_mb,
+                run.kvgate.peak_rss_mb,
+                run.tool.subscribers_cpu_s,
+                run.tool.publisher_cpu_s,
+                run.machine_busy_percent,
+                run.missing_events,
+            );
+        }
+        if !self.targets.is_empty() {
+            out.push_str("\ntargets (reported, not asserted):\n");
+            for target in &self.targets {
+                let verdict = match (target.measured, target.met) {
+                    (Some(measured), Some(met)) => {
+                        format!("{measured:.2}, {}", if met { "met" } else { "NOT met" })
+                    }
+                    _ => "not measured".to_owned(),
+                };
+                let _ = write!(out, "  {}: {verdict}", target.target);
+                if let Some(note) = &target.note {
+                    let _ = write!(out, " ({note})");
+                }
+                out.push('\n');
+            }
+        }
+        if !self.notes.is_empty() {
+            out.push('\n');
+            for note in &self.notes {
+                let _ = writeln!(out, "note: {note}");
+            }
+        }
+        out
+    }
+}
+
+fn rate_label(rate: u64) -> String {
+    match rate {
+        0 => "as fast as possible".to_owned(),
+        rate => format!("{rate} events/s"),
+    }
+}
+
+fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
+    let run = |subscribers| runs.iter().find(|run| run.subscribers == subscribers);
+    let rate_note = (config.rate_events_per_s != TARGET_RATE).then(|| {
+        format!(
+            "stated at {TARGET_RATE} events/s; this sweep published {}",
+            rate_label(config.rate_events_per_s)
+        )
+    });
+    let mut checks = Vec::new();
+    for (subscribers, limit_ms) in [(8, 2.0), (32, 5.0)] {
+        let measured = run(subscribers).map(|run| run.latency_ms.p99);
+        checks.push(TargetCheck {
+            target: format!("p99 latency <= {limit_ms} ms with {subscribers} subscribers (ms)"),
+            measured,
+            met: measured.map(|p99| p99 <= limit_ms),
+            note: rate_note.clone(),
+        });
+    }
+    let scaling = run(1).zip(run(64)).map(|(one, many)| {
+        100.0 * many.delivered_events_per_s_min / one.delivered_events_per_s_mean
+    });
+    checks.push(TargetCheck {
+        target: "slowest of 64 subscribers >= 90% of 1 subscriber's events/s (%)".to_owned(),
+        measured: scaling,
+        met: scaling.map(|percent| percent >= 90.0),
+        note: (config.rate_events_per_s != 0).then(|| {
+            "at a fixed rate this only shows kvgate keeping up; --rate 0 measures the ceiling"
+                .to_owned()
+        }),
+    });
+    let idle = runs
+        .iter()
+        .map(|run| run.kvgate.idle_rss_mb)
+        .reduce(f64::max);
+    checks.push(TargetCheck {
+        target: "idle RSS <= 30 MB (MB, largest over the runs)".to_owned(),
+        measured: idle,
+        met: idle.map(|mb| mb <= 30.0),
+        note: None,
+    });
+    checks
+}
+
+/// Where the tool stops measuring kvgate alone.
+fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
+    let mut notes = Vec::new();
+    let mut by_subscribers: Vec<&RunReport> = runs.iter().collect();
+    by_subscribers.sort_by_key(|run| run.subscribers);
+    match by_subscribers
+        .iter()
+        .find(|run| !run.tool.subscribers_cheaper_than_kvgate)
+    {
+        Some(run) => notes.push(format!(
+            "from {} subscribers on, the subscribers used as much CPU as kvgate or more \
+             ({:.2} s vs {:.2} s): figures there measure the tool as much as kvgate",
+            run.subscribers, run.tool.subscribers_cpu_s, run.kvgate.cpu_s
+        )),
+        None if !runs.is_empty() => {
+            notes.push("in every run the subscribers used less CPU than kvgate".to_owned());
+        }
+        None => {}
+    }
+    if let Some(run) = by_subscribers
+        .iter()
+        .find(|run| run.tool.subscribers_cpu_percent_of_one_core >= SATURATED_PERCENT)
+    {
+        notes.push(format!(
+            "from {} subscribers on, the subscriber thread was busy {:.0}% of the time: \
+             it, not kvgate, bounds throughput and adds latency",
+            run.subscribers, run.tool.subscribers_cpu_percent_of_one_core
+        ));
+    }
+    if let Some(run) = by_subscribers
+        .iter()
+        .find(|run| run.machine_busy_percent >= SATURATED_PERCENT)
+    {
+        notes.push(format!(
+            "from {} subscribers on, kvgate and the tool kept {:.0}% of the {} CPUs busy: \
+             kvgate competed with the tool for CPU, so its figures there are lower bounds",
+            run.subscribers, run.machine_busy_percent, machine.cpus
+        ));
+    }
+    for run in runs.iter().filter(|run| run.streams_ended_early > 0) {
+        notes.push(format!(
+            "{} of {} streams ended early with {} subscribers: {}",
+            run.streams_ended_early,
+            run.subscribers,
+            run.subscribers,
+            run.first_stream_error
+                .as_deref()
+                .unwrap_or("no reason given"),
+        ));
+    }
+    notes
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    pub fn run(subscribers: usize, p99: f64, delivered: f64, subscribers_cpu_s: f64) -> RunReport {
+        RunReport {
+            subscribers,
+            window_s: 10.0,
+            published_events_per_s: 20_000.0,
+            delivered_events_per_s_mean: delivered,
+            delivered_events_per_s_min: delivered,
+            batches_per_s_per_subscriber: 1_000.0,
+            latency_ms: Latency {
+                p50: p99 / 2.0,
+                p99,
+                max: p99 * 2.0,
+                samples: 10_000,
+            },
+            missing_events: 0,
+            streams_ended_early: 0,
+            first_stream_error: None,
+            kvgate: KvgateCost {
+                cpu_s: 2.0,
+                cpu_percent_of_one_core: 20.0,
+                idle_rss_mb: 9.5,
+                peak_rss_mb: 40.0,
+            },
+            tool: ToolCost {
+                subscribers_cpu_s,
+                subscribers_cpu_percent_of_one_core: subscribers_cpu_s * 10.0,
+                publisher_cpu_s: 0.5,
+                subscribers_cheaper_than_kvgate: subscribers_cpu_s < 2.0,
+            },
+            machine_busy_percent: 30.0,
+        }
+    }
+
+    pub fn config(rate: u64) -> Config {
+        Config {
+            rate_events_per_s: rate,
+            duration_s: 10.0,
+            warmup_s: 2.0,
+            blocks_per_store: 16,
+            block_size: 16,
+            live_blocks: 65_536,
+            kvgate: "kvgate".to_owned(),
+            serve_args: Vec::new(),
+        }
+    }
+
+    pub fn machine() -> Machine {
+        Machine {
+            cpus: 2,
+            cpu_model: "test".to_owned(),
+            memory_gib: 1.0,
+            kernel: "6.0".to_owned(),
+        }
+    }
+
+    #[test]
+    fn targets_are_judged_from_the_runs_that_exist() {
+        let runs = vec![
+            run(1, 0.5, 20_000.0, 0.5),
+            run(8, 1.5, 20_000.0, 1.0),
+            run(32, 6.0, 19_000.0, 2.5),
+            run(64, 9.0, 17_000.0, 4.0),
+        ];
+        let report = Report::new(machine(), config(20_000), runs);
+        let verdicts: Vec<_> = report
+            .targets
+            .iter()
+            .map(|target| (target.measured, target.met))
+            .collect();
+        assert_eq!(
+            verdicts,
+            [
+                (Some(1.5), Some(true)),
+                (Some(6.0), Some(false)),
+                (Some(85.0), Some(false)),
+                (Some(9.5), Some(true)),
+            ]
+        );
+        assert!(report.notes[0].starts_with("from 32 subscribers on"));
+        assert!(report.table().contains("NOT met"));
+    }
+
+    #[test]
+    fn a_sweep_without_the_counts_a_target_needs_leaves_it_unmeasured() {
+        let report = Report::new(machine(), config(0), vec![run(8, 1.0, 50_000.0, 0.1)]);
+        assert_eq!(report.targets[1].measured, None);
+        assert_eq!(report.targets[2].met, None);
+        assert!(
+            report.targets[0]
+                .note
+                .as_deref()
+                .unwrap()
+                .contains("as fast as possible")
+        );
+        assert_eq!(
+            report.notes,
+            ["in every run the subscribers used less CPU than kvgate"]
+        );
+    }
+}
