@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint bench
+.PHONY: run test lint bench load
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
@@ -17,3 +17,14 @@ lint:
 # Criterion benchmarks of every hot-path stage (see BENCHMARKS.md).
 bench:
 	cargo bench --bench pipeline
+
+# The load sweep of BENCHMARKS.md: a release kvgate under 1, 8, 32 and 64
+# real subscribers, at 20k events/s and at full speed; tables on stdout,
+# JSON and charts in benchmarks/.
+load:
+	cargo build --release --locked
+	mkdir -p benchmarks
+	target/release/kvgate bench --subscribers 1,8,32,64 --rate 20000 \
+		--json benchmarks/load.json --svg benchmarks/load.svg
+	target/release/kvgate bench --subscribers 1,8,32,64 --rate 0 \
+		--json benchmarks/load-max.json --svg benchmarks/load-max.svg

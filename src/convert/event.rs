@@ -193,6 +193,9 @@ impl<'a> RawEvent<'a> {
                     Ok(hash(cell))
                 })?;
             }
+            Field::TokenIds if r.u32_array(&mut scratch.tokens).is_some() => {
+                self.tokens = List::Read;
+            }
             Field::TokenIds => {
                 // All cells must share the first cell's shape.
                 let mut pairs = None;

@@ -101,6 +101,35 @@ impl<'a> Reader<'a> {
         Ok(Item::Ext)
     }
 
+    /// Reads an array of unsigned ints that each fit a `u32` (token ids, in
+    /// practice always) into `out` in one tight loop. Anything else leaves
+    /// the reader where it was and returns `None`, for the general path.
+    pub(crate) fn u32_array(&mut self, out: &mut Vec<u32>) -> Option<()> {
+        let mut probe = self.clone();
+        let Ok(Item::Array(len)) = probe.item() else {
+            return None;
+        };
+        out.clear();
+        out.reserve(probe.room_for(len, 1));
+        for _ in 0..len {
+            let rest = probe.buf.get(probe.pos..)?;
+            let (value, width) = match *rest.first()? {
+                byte @ 0x00..=0x7f => (u32::from(byte), 1),
+                0xcc => (u32::from(*rest.get(1)?), 2),
+                0xcd => (
+                    u32::from(u16::from_be_bytes(*rest.get(1..3)?.first_chunk()?)),
+                    3,
+                ),
+                0xce => (u32::from_be_bytes(*rest.get(1..5)?.first_chunk()?), 5),
+                _ => return None,
+            };
+            probe.pos += width;
+            out.push(value);
+        }
+        *self = probe;
+        Some(())
+    }
+
     /// Reads the next item; for a str, bin or ext this consumes its payload.
     #[inline(always)]
     pub(crate) fn item(&mut self) -> Result<Item<'a>, Error> {
@@ -381,5 +410,48 @@ mod tests {
         assert_eq!(r.value_bytes().unwrap(), &bytes[..8]);
         assert_eq!(r.value_bytes().unwrap(), &[0xc0]);
         assert_eq!(r.item(), Ok(Item::Int(42)));
+    }
+}
+
+#[cfg(test)]
+mod u32_array_tests {
+    use super::*;
+
+    fn encoded(values: &[u64]) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmp::encode::write_array_len(&mut out, values.len() as u32).unwrap();
+        for &value in values {
+            rmp::encode::write_uint(&mut out, value).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn a_plain_token_array_is_read_whole_at_any_int_width() {
+        let values = [0, 127, 128, 255, 256, 65_535, 65_536, u64::from(u32::MAX)];
+        let bytes = encoded(&values);
+        let mut reader = Reader::new(&bytes);
+        let mut out = vec![9];
+        assert_eq!(reader.u32_array(&mut out), Some(()));
+        assert_eq!(
+            out.iter().map(|&v| u64::from(v)).collect::<Vec<_>>(),
+            values
+        );
+        assert_eq!(reader.remaining(), 0);
+    }
+
+    #[test]
+    fn anything_else_leaves_the_reader_for_the_general_path() {
+        for bytes in [
+            encoded(&[1, 2, u64::from(u32::MAX) + 1]),
+            [0x92, 0x01, 0xff].to_vec(),
+            [0x92, 0x01, 0x92, 0x01, 0x02].to_vec(),
+            [0x93, 0x01].to_vec(),
+            [0xc0].to_vec(),
+        ] {
+            let mut reader = Reader::new(&bytes);
+            assert_eq!(reader.u32_array(&mut Vec::new()), None, "{bytes:?}");
+            assert_eq!(reader.remaining(), bytes.len());
+        }
     }
 }

@@ -11,7 +11,7 @@
 use prost::Message;
 use prost::encoding;
 
-use crate::hub::batch::{EVENTS_FIELD, OpenBatch};
+use crate::hub::batch::{EventLen, OpenBatch};
 use crate::proto::common::{KvCacheEvent, kv_cache_event::Data};
 
 /// Limits of one outgoing batch.
@@ -38,8 +38,8 @@ impl Batcher {
 
     /// Adds `event`; every batch that becomes full on the way goes to `full`.
     pub fn push(&mut self, event: KvCacheEvent, timestamp: f64, full: &mut impl FnMut(OpenBatch)) {
-        let len = entry_len(&event);
-        if len > self.limits.max_bytes {
+        let len = EventLen::of(&event);
+        if len.entry > self.limits.max_bytes {
             for piece in split(event, self.limits.max_bytes) {
                 self.push(piece, timestamp, full);
             }
@@ -47,22 +47,17 @@ impl Batcher {
         }
         if !self
             .open
-            .fits(self.limits.max_events, self.limits.max_bytes, len)
+            .fits(self.limits.max_events, self.limits.max_bytes, len.entry)
         {
             full(std::mem::take(&mut self.open));
         }
-        self.open.push(&event, timestamp);
+        self.open.push(&event, len, timestamp);
     }
 
     /// Hands over the batch being filled, if it has any event.
     pub fn close(&mut self) -> Option<OpenBatch> {
         (!self.open.is_empty()).then(|| std::mem::take(&mut self.open))
     }
-}
-
-/// Encoded size of `event` as one `events` field of a batch.
-fn entry_len(event: &KvCacheEvent) -> usize {
-    encoding::message::encoded_len(EVENTS_FIELD, event)
 }
 
 /// Splits an event whose encoding exceeds `max_bytes` into events that fit.
@@ -150,7 +145,7 @@ mod tests {
         }
         batches.extend(batcher.close());
         batches
-            .iter()
+            .into_iter()
             .enumerate()
             .map(|(i, batch)| KvEventBatch::decode(batch.encode(2, 100 + i as u64, None)).unwrap())
             .collect()

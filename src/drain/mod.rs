@@ -207,7 +207,7 @@ impl Drain {
             self.close_batch(rank);
         }
         for (rank, batch) in std::mem::take(&mut self.ready) {
-            self.publish(rank, &batch);
+            self.publish(rank, batch);
         }
         self.report();
     }
@@ -240,24 +240,22 @@ impl Drain {
         self.hub.report(reports);
     }
 
-    fn publish(&mut self, rank: u32, batch: &OpenBatch) {
+    fn publish(&mut self, rank: u32, batch: OpenBatch) {
         if rank == 0 {
             self.since_rank0.clear();
         } else if !self.since_rank0.insert(rank) {
             // This rank already had its one batch since rank 0's last:
             // a rank-0 batch (empty) must come first.
-            self.publish(0, &OpenBatch::with_timestamp(unix_now()));
+            self.publish(0, OpenBatch::with_timestamp(unix_now()));
             self.since_rank0.insert(rank);
         }
         let sequence = self.sequencer.assign(rank);
+        let event_count = batch.event_count();
         let encoded = batch.encode(rank, sequence, None);
         self.metrics.batches_out.inc();
-        self.metrics
-            .events_out
-            .inc_by(u64::from(batch.event_count()));
+        self.metrics.events_out.inc_by(u64::from(event_count));
         self.metrics.bytes_out.inc_by(encoded.len() as u64);
-        self.hub
-            .publish(rank, sequence, batch.event_count(), encoded);
+        self.hub.publish(rank, sequence, event_count, encoded);
     }
 }
 

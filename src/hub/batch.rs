@@ -4,7 +4,8 @@
 //! Events are encoded as they are added; finishing a batch only writes its
 //! header around them, so no event is encoded twice.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
+use prost::Message;
 use prost::encoding;
 
 use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
@@ -26,16 +27,57 @@ pub struct Batch {
 /// The field number of `KvEventBatch.events`.
 pub const EVENTS_FIELD: u32 = 3;
 
+/// Room kept in front of the events for the header fields written last:
+/// `sequence_number` (tag + up to 10 varint bytes) and `timestamp` (tag + 8).
+const HEADER_ROOM: usize = 20;
+
+/// An event's encoded body length and its length as one `events` field.
+#[derive(Clone, Copy, Debug)]
+pub struct EventLen {
+    body: usize,
+    pub entry: usize,
+}
+
+impl EventLen {
+    pub fn of(event: &KvCacheEvent) -> Self {
+        let body = event.encoded_len();
+        Self {
+            body,
+            entry: encoding::key_len(EVENTS_FIELD)
+                + encoding::encoded_len_varint(body as u64)
+                + body,
+        }
+    }
+}
+
 /// A batch being filled, its events already encoded as `events` fields.
-#[derive(Debug, Default)]
+///
+/// The buffer starts with `HEADER_ROOM` spare bytes so the finished batch is
+/// the same allocation: the header goes right-aligned into that room (field
+/// order is free in protobuf) and the rest is appended.
+#[derive(Debug)]
 pub struct OpenBatch {
-    events: BytesMut,
+    buffer: Vec<u8>,
     count: u32,
     /// Engine timestamp of the newest event (Unix seconds).
     timestamp: f64,
 }
 
+impl Default for OpenBatch {
+    fn default() -> Self {
+        Self::with_timestamp(0.0)
+    }
+}
+
 impl OpenBatch {
+    pub fn with_timestamp(timestamp: f64) -> Self {
+        Self {
+            buffer: vec![0; HEADER_ROOM],
+            count: 0,
+            timestamp,
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.count == 0
     }
@@ -46,39 +88,41 @@ impl OpenBatch {
 
     /// Encoded bytes of the events so far.
     pub fn events_len(&self) -> usize {
-        self.events.len()
+        self.buffer.len() - HEADER_ROOM
     }
 
     /// Whether one more event of `entry_len` encoded bytes stays within limits.
     pub fn fits(&self, max_events: usize, max_bytes: usize, entry_len: usize) -> bool {
-        (self.count as usize) < max_events && self.events.len() + entry_len <= max_bytes
+        (self.count as usize) < max_events && self.events_len() + entry_len <= max_bytes
     }
 
-    pub fn push(&mut self, event: &KvCacheEvent, timestamp: f64) {
-        encoding::message::encode(EVENTS_FIELD, event, &mut self.events);
+    /// Appends `event`, whose length `len` the caller already measured.
+    pub fn push(&mut self, event: &KvCacheEvent, len: EventLen, timestamp: f64) {
+        self.buffer.reserve(len.entry);
+        encoding::encode_key(
+            EVENTS_FIELD,
+            encoding::WireType::LengthDelimited,
+            &mut self.buffer,
+        );
+        encoding::encode_varint(len.body as u64, &mut self.buffer);
+        event.encode_raw(&mut self.buffer);
         self.count += 1;
         self.timestamp = timestamp;
     }
 
     /// The complete `KvEventBatch` bytes for `sequence` on `rank`.
-    pub fn encode(&self, rank: u32, sequence: u64, snapshot: Option<&KvSnapshotChunk>) -> Bytes {
-        let mut out = BytesMut::with_capacity(self.events.len() + 32);
-        encoding::uint64::encode(1, &sequence, &mut out);
+    pub fn encode(mut self, rank: u32, sequence: u64, snapshot: Option<&KvSnapshotChunk>) -> Bytes {
+        let mut header = Vec::with_capacity(HEADER_ROOM);
+        encoding::uint64::encode(1, &sequence, &mut header);
         if self.timestamp != 0.0 {
-            encoding::double::encode(2, &self.timestamp, &mut out);
+            encoding::double::encode(2, &self.timestamp, &mut header);
         }
-        out.extend_from_slice(&self.events);
-        encoding::int32::encode(4, &(rank as i32), &mut out);
+        let start = HEADER_ROOM - header.len();
+        self.buffer[start..HEADER_ROOM].copy_from_slice(&header);
+        encoding::int32::encode(4, &(rank as i32), &mut self.buffer);
         if let Some(chunk) = snapshot {
-            encoding::message::encode(7, chunk, &mut out);
+            encoding::message::encode(7, chunk, &mut self.buffer);
         }
-        out.freeze()
-    }
-
-    pub fn with_timestamp(timestamp: f64) -> Self {
-        Self {
-            timestamp,
-            ..Self::default()
-        }
+        Bytes::from(self.buffer).slice(start..)
     }
 }

@@ -12,13 +12,14 @@ use std::sync::Arc;
 
 use rustc_hash::FxBuildHasher;
 
-const SHARD_BITS: u32 = 10;
+const SHARD_BITS: u32 = 8;
 const SHARDS: usize = 1 << SHARD_BITS;
 
 type Shard<V> = HashMap<i64, V, FxBuildHasher>;
 
 #[derive(Debug)]
 pub struct CowMap<V> {
+    /// Empty until the first insert: most maps (tiers, ranks) stay empty.
     shards: Box<[Arc<Shard<V>>]>,
     len: usize,
 }
@@ -32,12 +33,10 @@ impl<V> Clone for CowMap<V> {
     }
 }
 
-impl<V: Clone> Default for CowMap<V> {
+impl<V> Default for CowMap<V> {
     fn default() -> Self {
-        // Every shard starts as the same empty map; writes split them off.
-        let empty = Arc::new(Shard::default());
         Self {
-            shards: (0..SHARDS).map(|_| Arc::clone(&empty)).collect(),
+            shards: Box::default(),
             len: 0,
         }
     }
@@ -59,13 +58,13 @@ impl<V: Clone> CowMap<V> {
     }
 
     pub fn get(&self, key: i64) -> Option<&V> {
-        self.shards[shard_of(key)].get(&key)
+        self.shards.get(shard_of(key))?.get(&key)
     }
 
     /// The value of `key` for writing; copies its shard first if a clone
     /// still shares it (and only if `key` is there).
     pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
-        let shard = &mut self.shards[shard_of(key)];
+        let shard = self.shards.get_mut(shard_of(key))?;
         if !shard.contains_key(&key) {
             return None;
         }
@@ -73,6 +72,11 @@ impl<V: Clone> CowMap<V> {
     }
 
     pub fn insert(&mut self, key: i64, value: V) {
+        if self.shards.is_empty() {
+            // Every shard starts as the same empty map; writes split them off.
+            let empty = Arc::new(Shard::default());
+            self.shards = (0..SHARDS).map(|_| Arc::clone(&empty)).collect();
+        }
         if Arc::make_mut(&mut self.shards[shard_of(key)])
             .insert(key, value)
             .is_none()
@@ -82,7 +86,7 @@ impl<V: Clone> CowMap<V> {
     }
 
     pub fn remove(&mut self, key: i64) -> Option<V> {
-        let shard = &mut self.shards[shard_of(key)];
+        let shard = self.shards.get_mut(shard_of(key))?;
         if !shard.contains_key(&key) {
             return None;
         }

@@ -8,6 +8,7 @@
 //! and refills from the history by position.
 
 pub mod batch;
+pub mod cow_map;
 pub mod history;
 pub mod snapshot;
 pub mod state;

@@ -25,7 +25,7 @@ use prost::Message;
 use prost::encoding;
 use rustc_hash::FxHashSet;
 
-use super::batch::OpenBatch;
+use super::batch::{EventLen, OpenBatch};
 use super::state::{BlockRecord, RankBlocks, StateCut};
 use crate::proto::common::{
     KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data,
@@ -74,7 +74,7 @@ pub fn encode_snapshot(cut: &SnapshotCut, timestamp: f64) -> Vec<SnapshotChunk> 
     let mut out = Vec::with_capacity(count);
     for (rank, last_sequence, chunks) in per_rank {
         let first_sequence = last_sequence + 1 - chunks.len() as u64;
-        for (offset, chunk) in chunks.iter().enumerate() {
+        for (offset, chunk) in chunks.into_iter().enumerate() {
             let sequence = first_sequence + offset as u64;
             let header = KvSnapshotChunk {
                 index,
@@ -98,7 +98,7 @@ fn walk(blocks: &RankBlocks, chunker: &mut Chunker) {
     for tier in 0..5 {
         let mut emitted = FxHashSet::default();
         let mut path = Vec::new();
-        for (&hash, record) in blocks.tier(tier) {
+        for (hash, record) in blocks.tier(tier) {
             if !emitted.insert(hash) {
                 continue;
             }
@@ -174,11 +174,11 @@ impl Chunker {
     }
 
     fn push_event(&mut self, event: &KvCacheEvent, blocks: usize) {
-        let len = encoding::message::encoded_len(crate::hub::batch::EVENTS_FIELD, event);
-        if !self.open.is_empty() && !self.room(blocks, len) {
+        let len = EventLen::of(event);
+        if !self.open.is_empty() && !self.room(blocks, len.entry) {
             self.next_chunk();
         }
-        self.open.push(event, self.timestamp);
+        self.open.push(event, len, self.timestamp);
         self.open_blocks += blocks;
         self.blocks_total += blocks as u64;
     }

@@ -4,9 +4,9 @@
 //! (rank, tier, hash) and counts its physical copies (a hash stored again
 //! while live is a second copy, capped at 8); each record keeps what its
 //! first store carried, so a snapshot can re-issue that store. Maps are
-//! persistent (`imbl`), so `cut` is a handful of pointer copies however
-//! large the state is, and the drain goes on mutating while a subscriber
-//! walks the cut.
+//! copy-on-write by shard (`CowMap`), so `cut` costs a few microseconds
+//! however large the state is, and the drain goes on mutating while a
+//! subscriber walks the cut.
 //!
 //! The store-wide fields (tier, medium, LoRA, salt, …) are interned: blocks
 //! of one store share one `Arc`, which keeps a record small.
@@ -15,9 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::sync::Arc;
 
-use imbl::GenericHashMap;
-use imbl::shared_ptr::DefaultSharedPtr;
-use rustc_hash::FxBuildHasher;
+use super::cow_map::CowMap;
 
 use crate::proto::common::{
     KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, KvCacheTier,
@@ -30,7 +28,7 @@ pub const MAX_COPIES: u8 = 8;
 /// Tiers are 0..=4 (`KvCacheTier`); one map each.
 const TIERS: usize = 5;
 
-type BlockMap = GenericHashMap<i64, BlockRecord, FxBuildHasher, DefaultSharedPtr>;
+type BlockMap = CowMap<BlockRecord>;
 
 /// Everything a store carried besides its blocks (and each block's hash,
 /// tokens and extra keys).
@@ -138,12 +136,12 @@ pub struct RankBlocks {
 
 impl RankBlocks {
     /// Live blocks of `tier`.
-    pub fn tier(&self, tier: usize) -> impl ExactSizeIterator<Item = (&i64, &BlockRecord)> {
+    pub fn tier(&self, tier: usize) -> impl Iterator<Item = (i64, &BlockRecord)> {
         self.tiers[tier].iter()
     }
 
     pub fn get(&self, tier: usize, hash: i64) -> Option<&BlockRecord> {
-        self.tiers[tier].get(&hash)
+        self.tiers[tier].get(hash)
     }
 
     /// Live blocks, each copy counted.
@@ -210,7 +208,7 @@ impl LiveState {
         if let Some(parent) = stored
             .parent_block_hash
             .filter(|_| inherits)
-            .and_then(|hash| map.get(&hash))
+            .and_then(|hash| map.get(hash))
         {
             if stored.lora_name.is_none() {
                 stored.lora_name = parent.fields.lora_name.clone();
@@ -223,7 +221,7 @@ impl LiveState {
         let mut parent = stored.parent_block_hash;
         for block in &stored.blocks {
             let hash = block.block_hash;
-            if let Some(live) = map.get_mut(&hash) {
+            if let Some(live) = map.get_mut(hash) {
                 if live.copies < MAX_COPIES {
                     live.copies += 1;
                     *copies += 1;
@@ -253,11 +251,11 @@ impl LiveState {
         let tier = tier_index(removed.tier);
         let map = &mut blocks.tiers[tier];
         for hash in &removed.block_hashes {
-            if let Some(live) = map.get_mut(hash) {
+            if let Some(live) = map.get_mut(*hash) {
                 live.copies -= 1;
                 blocks.copies[tier] -= 1;
                 if live.copies == 0 {
-                    map.remove(hash);
+                    map.remove(*hash);
                 }
             }
         }
@@ -336,7 +334,7 @@ mod tests {
     fn live(state: &LiveState, rank: u32, tier: KvCacheTier) -> Vec<i64> {
         let mut hashes: Vec<i64> = state
             .rank(rank)
-            .map(|blocks| blocks.tier(tier as usize).map(|(hash, _)| *hash).collect())
+            .map(|blocks| blocks.tier(tier as usize).map(|(hash, _)| hash).collect())
             .unwrap_or_default();
         hashes.sort();
         hashes
@@ -436,7 +434,7 @@ mod tests {
         state.apply(0, &mut store(None, &[7], KvCacheTier::Device));
         let mut in_cut: Vec<i64> = cut[&0]
             .tier(KvCacheTier::Device as usize)
-            .map(|(h, _)| *h)
+            .map(|(h, _)| h)
             .collect();
         in_cut.sort();
         assert_eq!(in_cut, vec![1, 2]);

@@ -149,6 +149,9 @@ struct Reading {
     kvgate_cpu: f64,
     publisher_cpu: f64,
     subscribers_cpu: f64,
+    /// This whole process: publisher, subscribers and orchestration.
+    tool_cpu: f64,
+    system: procfs::SystemCpu,
 }
 
 impl Reading {
@@ -163,6 +166,8 @@ impl Reading {
             kvgate_cpu: procfs::process_cpu_seconds(gateway.pid())?,
             publisher_cpu: publisher.cpu_seconds()?,
             subscribers_cpu: subscribers.cpu_seconds()?,
+            tool_cpu: procfs::process_cpu_seconds(std::process::id())?,
+            system: procfs::system_cpu()?,
         })
     }
 }
@@ -175,7 +180,7 @@ async fn measure(
     count: usize,
 ) -> anyhow::Result<RunReport> {
     let delivery = Delivery::new(count);
-    let publisher = Publisher::start(shape, args.rate, Arc::clone(&delivery)).await?;
+    let mut publisher = Publisher::start(shape, args.rate, Arc::clone(&delivery)).await?;
     let gateway = Gateway::start(binary, publisher.endpoint(), &args.serve_args).await?;
     tokio::time::sleep(IDLE_SETTLE).await;
     let idle = procfs::memory(gateway.pid())?;
@@ -212,7 +217,10 @@ async fn measure(
     .await;
     let ended_early = delivery.ended();
     let peak = procfs::memory(gateway.pid())?;
-    // Ends every stream, which ends every subscriber.
+    // Everything has arrived or never will, so closing the engine's socket
+    // loses nothing; killing kvgate then ends every stream and so every
+    // subscriber.
+    drop(publisher);
     drop(gateway);
     let windows = subscribers.finish().await?;
     Ok(Measured {
@@ -260,7 +268,9 @@ impl Measured {
         let kvgate_cpu = end.kvgate_cpu - start.kvgate_cpu;
         let subscribers_cpu = end.subscribers_cpu - start.subscribers_cpu;
         let publisher_cpu = end.publisher_cpu - start.publisher_cpu;
+        let tool_cpu = end.tool_cpu - start.tool_cpu;
         let cpus = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+        let of_machine = |cpu_s: f64| 100.0 * cpu_s / (window_s * cpus);
         RunReport {
             subscribers: self.subscribers,
             window_s,
@@ -294,8 +304,11 @@ impl Measured {
                 publisher_cpu_s: publisher_cpu,
                 subscribers_cheaper_than_kvgate: subscribers_cpu < kvgate_cpu,
             },
-            machine_busy_percent: 100.0 * (kvgate_cpu + subscribers_cpu + publisher_cpu)
-                / (window_s * cpus),
+            machine_busy_percent: of_machine(kvgate_cpu + tool_cpu),
+            others_busy_percent: of_machine(
+                (end.system.busy_s - start.system.busy_s - kvgate_cpu - tool_cpu).max(0.0),
+            ),
+            steal_percent: of_machine(end.system.steal_s - start.system.steal_s),
         }
     }
 }

@@ -44,17 +44,25 @@ pub fn render(report: &Report) -> String {
         escape(&report.machine.cpu_model),
     );
 
-    let throughput = Panel::new(80.0, "delivered events/s per subscriber", &labels, {
-        published.iter().chain(&mean).copied().fold(0.0, f64::max)
-    });
+    let throughput = Panel {
+        left: 80.0,
+        title: "delivered events/s per subscriber",
+        labels: &labels,
+        scale: Scale::linear(published.iter().chain(&mean).copied().fold(0.0, f64::max)),
+    };
     throughput.frame(&mut svg);
     throughput.series(&mut svg, &published, (GREY, true), "published", 0);
     throughput.series(&mut svg, &mean, (BLUE, false), "mean", 1);
     throughput.series(&mut svg, &min, (BLUE, true), "slowest subscriber", 2);
 
-    let latency = Panel::new(560.0, "latency, publish to receive (ms)", &labels, {
-        p99.iter().copied().fold(0.0, f64::max)
-    });
+    // Logarithmic: a stall of a few hundred milliseconds in one run would
+    // flatten the others' sub-millisecond figures on a linear axis.
+    let latency = Panel {
+        left: 560.0,
+        title: "latency, publish to receive (ms)",
+        labels: &labels,
+        scale: Scale::log(p50.iter().chain(&p99).copied()),
+    };
     latency.frame(&mut svg);
     latency.series(&mut svg, &p99, (RED, false), "p99", 0);
     latency.series(&mut svg, &p50, (RED, true), "p50", 1);
@@ -67,28 +75,84 @@ struct Panel<'a> {
     left: f64,
     title: &'a str,
     labels: &'a [String],
-    y_max: f64,
-    y_step: f64,
+    scale: Scale,
 }
 
-impl<'a> Panel<'a> {
-    fn new(left: f64, title: &'a str, labels: &'a [String], largest: f64) -> Self {
-        let (y_max, y_step) = axis(largest);
-        Self {
-            left,
-            title,
-            labels,
-            y_max,
-            y_step,
+/// How a panel maps values to heights.
+enum Scale {
+    /// From 0 to `max`, a gridline every `step`.
+    Linear { max: f64, step: f64 },
+    /// From 10^`low` to 10^`high`, a gridline at each power of ten.
+    Log { low: i32, high: i32 },
+}
+
+impl Scale {
+    /// A round top above `largest` and a step of 1, 2 or 5 times a power of
+    /// ten, for four or five gridlines.
+    fn linear(largest: f64) -> Self {
+        if largest.is_nan() || largest <= 0.0 {
+            return Self::Linear {
+                max: 1.0,
+                step: 0.25,
+            };
+        }
+        let rough = largest / 4.0;
+        let magnitude = 10f64.powf(rough.log10().floor());
+        let step = [1.0, 2.0, 5.0, 10.0]
+            .into_iter()
+            .map(|factor| factor * magnitude)
+            .find(|step| *step >= rough)
+            .unwrap_or(10.0 * magnitude);
+        Self::Linear {
+            max: (largest / step).ceil() * step,
+            step,
         }
     }
 
+    /// The powers of ten around the positive `values`, from 0.01 up.
+    fn log(values: impl Iterator<Item = f64>) -> Self {
+        let (smallest, largest) = values
+            .filter(|value| *value > 0.0)
+            .fold((f64::INFINITY, 0.0f64), |(low, high), value| {
+                (low.min(value), high.max(value))
+            });
+        if largest == 0.0 {
+            return Self::Log { low: -1, high: 1 };
+        }
+        let low = (smallest.log10().floor() as i32).max(-2);
+        let high = (largest.log10().ceil() as i32).max(low + 1);
+        Self::Log { low, high }
+    }
+
+    /// Height of `value` as a fraction of the plot's.
+    fn fraction(&self, value: f64) -> f64 {
+        match *self {
+            Self::Linear { max, .. } => value / max,
+            Self::Log { low, high } => {
+                let floor = 10f64.powi(low);
+                (value.max(floor).log10() - f64::from(low)) / f64::from(high - low)
+            }
+        }
+    }
+
+    fn gridlines(&self) -> Vec<f64> {
+        match *self {
+            Self::Linear { max, step } => {
+                let count = (max / step).round() as u32;
+                (0..=count).map(|tick| step * f64::from(tick)).collect()
+            }
+            Self::Log { low, high } => (low..=high).map(|power| 10f64.powi(power)).collect(),
+        }
+    }
+}
+
+impl Panel<'_> {
     fn x(&self, index: usize) -> f64 {
         self.left + PLOT_WIDTH * (index as f64 + 0.5) / self.labels.len().max(1) as f64
     }
 
     fn y(&self, value: f64) -> f64 {
-        PLOT_TOP + PLOT_HEIGHT * (1.0 - value / self.y_max)
+        PLOT_TOP + PLOT_HEIGHT * (1.0 - self.scale.fraction(value))
     }
 
     fn frame(&self, svg: &mut String) {
@@ -99,9 +163,7 @@ impl<'a> Panel<'a> {
             left + PLOT_WIDTH / 2.0,
             escape(self.title)
         );
-        let ticks = (self.y_max / self.y_step).round() as usize;
-        for tick in 0..=ticks {
-            let value = self.y_step * tick as f64;
+        for value in self.scale.gridlines() {
             let y = self.y(value);
             let _ = writeln!(
                 svg,
@@ -168,22 +230,6 @@ impl<'a> Panel<'a> {
     }
 }
 
-/// A round top for the y axis and its tick step: 1, 2 or 5 times a power of
-/// ten, four or five ticks.
-fn axis(largest: f64) -> (f64, f64) {
-    if largest.is_nan() || largest <= 0.0 {
-        return (1.0, 0.25);
-    }
-    let rough = largest / 4.0;
-    let magnitude = 10f64.powf(rough.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0]
-        .into_iter()
-        .map(|factor| factor * magnitude)
-        .find(|step| *step >= rough)
-        .unwrap_or(10.0 * magnitude);
-    ((largest / step).ceil() * step, step)
-}
-
 fn tick_label(value: f64) -> String {
     let (scaled, suffix) = if value >= 1e6 {
         (value / 1e6, "M")
@@ -210,14 +256,34 @@ mod tests {
     use super::super::report::tests::{config, machine, run};
     use super::*;
 
+    fn linear(largest: f64) -> (f64, f64) {
+        match Scale::linear(largest) {
+            Scale::Linear { max, step } => (max, step),
+            Scale::Log { .. } => unreachable!(),
+        }
+    }
+
     #[test]
-    fn axes_end_on_round_numbers_above_the_data() {
-        assert_eq!(axis(18_700.0), (20_000.0, 5_000.0));
-        assert_eq!(axis(1.3), (1.5, 0.5));
-        assert_eq!(axis(0.0), (1.0, 0.25));
+    fn linear_axes_end_on_round_numbers_above_the_data() {
+        assert_eq!(linear(18_700.0), (20_000.0, 5_000.0));
+        assert_eq!(linear(1.3), (1.5, 0.5));
+        assert_eq!(linear(0.0), (1.0, 0.25));
         assert_eq!(tick_label(25_000.0), "25k");
         assert_eq!(tick_label(1.5), "1.5");
         assert_eq!(tick_label(2_500_000.0), "2.5M");
+    }
+
+    #[test]
+    fn log_axes_span_the_powers_of_ten_around_the_data() {
+        let scale = Scale::log([0.21, 3.5, 340.0, 0.0].into_iter());
+        assert!(matches!(scale, Scale::Log { low: -1, high: 3 }));
+        assert_eq!(scale.gridlines(), [0.1, 1.0, 10.0, 100.0, 1000.0]);
+        assert_eq!(scale.fraction(10.0), 0.5);
+        assert_eq!(scale.fraction(0.0), 0.0);
+        assert!(matches!(
+            Scale::log([2.0, 2.0].into_iter()),
+            Scale::Log { low: 0, high: 1 }
+        ));
     }
 
     #[test]

@@ -26,6 +26,20 @@ fn read_cpu_seconds(path: &str) -> io::Result<f64> {
     parse_cpu_seconds(&stat).ok_or_else(|| invalid(path))
 }
 
+/// CPU time of the whole machine, summed over its CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SystemCpu {
+    /// Seconds spent running anything (user, nice, system, interrupts).
+    pub busy_s: f64,
+    /// Seconds the hypervisor ran someone else while this VM wanted a CPU.
+    pub steal_s: f64,
+}
+
+pub fn system_cpu() -> io::Result<SystemCpu> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    parse_system_cpu(&stat).ok_or_else(|| invalid("/proc/stat"))
+}
+
 /// The id of the calling thread.
 pub fn current_thread_id() -> io::Result<u32> {
     // `/proc/thread-self` links to `<pid>/task/<tid>`.
@@ -90,6 +104,23 @@ fn parse_cpu_seconds(stat: &str) -> Option<f64> {
     Some((user + system) as f64 / CLOCK_TICKS_PER_SECOND)
 }
 
+/// The `cpu` line: user nice system idle iowait irq softirq steal ...
+fn parse_system_cpu(stat: &str) -> Option<SystemCpu> {
+    let line = stat.lines().find_map(|line| line.strip_prefix("cpu "))?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let [user, nice, system, _idle, _iowait, irq, softirq, steal, ..] = ticks[..] else {
+        return None;
+    };
+    Some(SystemCpu {
+        busy_s: (user + nice + system + irq + softirq) as f64 / CLOCK_TICKS_PER_SECOND,
+        steal_s: steal as f64 / CLOCK_TICKS_PER_SECOND,
+    })
+}
+
 fn parse_memory(status: &str) -> Option<Memory> {
     let mb = |name| Some(kib_field(status, name)? * 1024.0 / 1e6);
     Some(Memory {
@@ -152,6 +183,21 @@ mod tests {
             .unwrap();
         assert_ne!(main, other);
         assert!(thread_cpu_seconds(main).is_ok());
+    }
+
+    #[test]
+    fn the_machine_line_of_proc_stat_sums_busy_time() {
+        let stat = "cpu  1000 20 300 9000 40 5 6 70 0 0\ncpu0 500 10 150 4500 20 2 3 35 0 0\n";
+        assert_eq!(
+            parse_system_cpu(stat),
+            Some(SystemCpu {
+                busy_s: 13.31,
+                steal_s: 0.7
+            })
+        );
+        assert_eq!(parse_system_cpu("cpu  1 2 3\n"), None);
+        let now = system_cpu().unwrap();
+        assert!(now.busy_s > 0.0);
     }
 
     #[test]

@@ -12,6 +12,9 @@ use super::procfs::Machine;
 const TARGET_RATE: u64 = 20_000;
 /// Busier than this, kvgate competed with the tool for CPU.
 const SATURATED_PERCENT: f64 = 90.0;
+/// Other processes or the hypervisor taking more than this of the CPUs
+/// make a run's figures noisy.
+const DISTURBED_PERCENT: f64 = 10.0;
 
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -56,8 +59,12 @@ pub struct RunReport {
     pub first_stream_error: Option<String>,
     pub kvgate: KvgateCost,
     pub tool: ToolCost,
-    /// CPU used by kvgate and the tool together, as a share of all cores.
+    /// CPU used by kvgate and the tool together, as a share of all CPUs.
     pub machine_busy_percent: f64,
+    /// CPU used by every other process meanwhile, as a share of all CPUs.
+    pub others_busy_percent: f64,
+    /// CPU time the hypervisor gave elsewhere, as a share of all CPUs.
+    pub steal_percent: f64,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -133,7 +140,7 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "{:>5} {:>12} {:>22} {:>24} {:>22} {:>18} {:>22} {:>6} {:>8}",
+            "{:>5} {:>12} {:>22} {:>24} {:>22} {:>18} {:>22} {:>13} {:>8}",
             "",
             "published",
             "delivered/s per sub",
@@ -141,12 +148,12 @@ impl Report {
             "kvgate CPU",
             "kvgate RSS MB",
             "tool CPU s",
-            "busy",
+            "CPUs busy %",
             "missing"
         );
         let _ = writeln!(
             out,
-            "{:>5} {:>12} {:>11} {:>10} {:>7} {:>7} {:>8} {:>8} {:>13} {:>8} {:>8} {:>21} {:>6} {:>8}",
+            "{:>5} {:>12} {:>11} {:>10} {:>7} {:>7} {:>8} {:>8} {:>13} {:>8} {:>8} {:>21} {:>13} {:>8}",
             "subs",
             "events/s",
             "mean",
@@ -159,13 +166,13 @@ impl Report {
             "idle",
             "peak",
             "subscribers publisher",
-            "%",
+            "run   others",
             "events"
         );
         for run in &self.runs {
             let _ = writeln!(
                 out,
-                "{:>5} {:>12.0} {:>11.0} {:>10.0} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>13.0} {:>8.1} {:>8.1} {:>11.2} {:>9.2} {:>6.0} {:>8}",
+                "{:>5} {:>12.0} {:>11.0} {:>10.0} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>13.0} {:>8.1} {:>8.1} {:>11.2} {:>9.2} {:>5.0} {:>7.0} {:>8}",
                 run.subscribers,
                 run.published_events_per_s,
                 run.delivered_events_per_s_mean,
@@ -180,6 +187,7 @@ impl Report {
                 run.tool.subscribers_cpu_s,
                 run.tool.publisher_cpu_s,
                 run.machine_busy_percent,
+                run.others_busy_percent + run.steal_percent,
                 run.missing_events,
             );
         }
@@ -298,6 +306,16 @@ fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
             run.subscribers, run.machine_busy_percent, machine.cpus
         ));
     }
+    for run in runs
+        .iter()
+        .filter(|run| run.others_busy_percent + run.steal_percent > DISTURBED_PERCENT)
+    {
+        notes.push(format!(
+            "during the {}-subscriber run other processes used {:.0}% of the CPUs and the \
+             hypervisor took {:.0}%: its figures are noisy",
+            run.subscribers, run.others_busy_percent, run.steal_percent
+        ));
+    }
     for run in runs.iter().filter(|run| run.streams_ended_early > 0) {
         notes.push(format!(
             "{} of {} streams ended early with {} subscribers: {}",
@@ -346,6 +364,8 @@ pub(super) mod tests {
                 subscribers_cheaper_than_kvgate: subscribers_cpu_s < 2.0,
             },
             machine_busy_percent: 30.0,
+            others_busy_percent: 1.0,
+            steal_percent: 0.0,
         }
     }
 
