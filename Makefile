@@ -17,6 +17,7 @@ lint:
 # Criterion benchmarks of every hot-path stage (see BENCHMARKS.md).
 bench:
 	cargo bench --bench pipeline
+	cargo bench --bench memory
 
 # The load sweep of BENCHMARKS.md: a release kvgate under 1, 8, 32 and 64
 # real subscribers, at 20k events/s and at full speed; tables on stdout,

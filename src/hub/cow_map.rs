@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use rustc_hash::FxBuildHasher;
 
-const SHARD_BITS: u32 = 8;
+const SHARD_BITS: u32 = 14;
 const SHARDS: usize = 1 << SHARD_BITS;
 
 type Shard<V> = HashMap<i64, V, FxBuildHasher>;

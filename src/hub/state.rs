@@ -15,6 +15,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::sync::Arc;
 
+use triomphe::ThinArc;
+
 use super::cow_map::CowMap;
 
 use crate::proto::common::{
@@ -87,21 +89,30 @@ impl StoreFields {
     }
 }
 
-/// One live block.
+/// One live block, kept small: a million of them is a normal cache.
+///
+/// Cloning must not allocate (a snapshot cut makes the drain clone whole
+/// shards of records), hence the shared token buffer; a thin one, since a
+/// fat pointer would cost 8 more bytes per block.
 #[derive(Clone, Debug)]
 pub struct BlockRecord {
-    parent: Option<i64>,
-    tokens: Box<[u32]>,
-    /// Rare (LoRA names, multimodal items, salts); empty costs no allocation.
-    extra_keys: Box<[KvBlockExtraKey]>,
+    /// Meaningful only with `has_parent` (an `Option<i64>` would take 16 bytes).
+    parent: i64,
+    tokens: ThinArc<(), u32>,
+    /// Rare (LoRA names, multimodal items, salts): one pointer when absent.
+    extra_keys: Option<Box<ExtraKeys>>,
     fields: Arc<StoreFields>,
     block_size: i32,
     copies: u8,
+    has_parent: bool,
 }
+
+#[derive(Clone, Debug)]
+struct ExtraKeys(Vec<KvBlockExtraKey>);
 
 impl BlockRecord {
     pub fn parent(&self) -> Option<i64> {
-        self.parent
+        self.has_parent.then_some(self.parent)
     }
 
     pub fn fields(&self) -> &Arc<StoreFields> {
@@ -116,11 +127,14 @@ impl BlockRecord {
     pub fn to_block(&self, hash: i64) -> KvBlock {
         KvBlock {
             block_hash: hash,
-            token_ids: self.tokens.to_vec(),
+            token_ids: self.tokens.slice.to_vec(),
             block_size: self.block_size,
             lora_id: self.fields.lora_id,
             cache_level: self.fields.cache_level,
-            extra_keys: self.extra_keys.to_vec(),
+            extra_keys: self
+                .extra_keys
+                .as_ref()
+                .map_or_else(Vec::new, |keys| keys.0.clone()),
         }
     }
 }
@@ -231,9 +245,11 @@ impl LiveState {
                 map.insert(
                     hash,
                     BlockRecord {
-                        parent,
-                        tokens: block.token_ids.as_slice().into(),
-                        extra_keys: block.extra_keys.as_slice().into(),
+                        parent: parent.unwrap_or_default(),
+                        has_parent: parent.is_some(),
+                        tokens: ThinArc::from_header_and_iter((), block.token_ids.iter().copied()),
+                        extra_keys: (!block.extra_keys.is_empty())
+                            .then(|| Box::new(ExtraKeys(block.extra_keys.clone()))),
                         fields: Arc::clone(&fields),
                         block_size: block.block_size,
                         copies: 1,
@@ -338,6 +354,11 @@ mod tests {
             .unwrap_or_default();
         hashes.sort();
         hashes
+    }
+
+    #[test]
+    fn a_block_record_fits_in_40_bytes() {
+        assert!(std::mem::size_of::<BlockRecord>() <= 40);
     }
 
     #[test]

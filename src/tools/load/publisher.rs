@@ -18,6 +18,8 @@ use crate::sim::{EnginePublisher, PublisherOptions, SteadyState, WorkloadShape, 
 const PRIME_EVERY: Duration = Duration::from_millis(10);
 /// How often a paced publisher catches up with its schedule.
 const PACING_TICK: Duration = Duration::from_millis(1);
+/// How far a paced publisher may fall behind its schedule.
+const MAX_BEHIND: Duration = Duration::from_millis(100);
 /// Most payloads sent in one catch-up, so a rate beyond what the publisher
 /// can reach still lets it notice a change of mode.
 const MAX_BURST: usize = 1024;
@@ -168,8 +170,16 @@ impl Pace {
     fn ready(&mut self, published: u64) -> bool {
         match self {
             Self::Rate { rate, schedule } => {
-                let (start, before) = *schedule.get_or_insert_with(|| (Instant::now(), published));
-                published < before + (*rate as f64 * start.elapsed().as_secs_f64()) as u64
+                let (start, before) = schedule.get_or_insert_with(|| (Instant::now(), published));
+                let rate = *rate as f64;
+                let behind = start.elapsed().as_secs_f64() - (published - *before) as f64 / rate;
+                // A publisher that fell behind catches up, but by no more
+                // than MAX_BEHIND: a longer burst would put the hiccup into
+                // the measured rate.
+                if behind > MAX_BEHIND.as_secs_f64() {
+                    *start += Duration::from_secs_f64(behind - MAX_BEHIND.as_secs_f64());
+                }
+                behind > 0.0
             }
             Self::Delivered { delivery, start } => {
                 let slowest = delivery.slowest();
