@@ -40,7 +40,11 @@ pub struct EventLen {
 
 impl EventLen {
     pub fn of(event: &KvCacheEvent) -> Self {
-        let body = event.encoded_len();
+        Self::of_body(event.encoded_len())
+    }
+
+    /// The lengths of an event whose encoded body takes `body` bytes.
+    pub fn of_body(body: usize) -> Self {
         Self {
             body,
             entry: encoding::key_len(EVENTS_FIELD)
@@ -106,6 +110,19 @@ impl OpenBatch {
         );
         encoding::encode_varint(len.body as u64, &mut self.buffer);
         event.encode_raw(&mut self.buffer);
+        self.count += 1;
+        self.timestamp = timestamp;
+    }
+
+    /// Appends an event given as its encoded body.
+    pub fn push_encoded(&mut self, event: &[u8], timestamp: f64) {
+        encoding::encode_key(
+            EVENTS_FIELD,
+            encoding::WireType::LengthDelimited,
+            &mut self.buffer,
+        );
+        encoding::encode_varint(event.len() as u64, &mut self.buffer);
+        self.buffer.extend_from_slice(event);
         self.count += 1;
         self.timestamp = timestamp;
     }

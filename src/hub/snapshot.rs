@@ -22,14 +22,12 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use prost::Message;
-use prost::encoding;
+use prost::encoding::{self, WireType};
 use rustc_hash::FxHashSet;
 
 use super::batch::{EventLen, OpenBatch};
 use super::state::{BlockRecord, RankBlocks, StateCut};
-use crate::proto::common::{
-    KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data,
-};
+use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data};
 
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
@@ -94,31 +92,48 @@ pub fn encode_snapshot(cut: &SnapshotCut, timestamp: f64) -> Vec<SnapshotChunk> 
 }
 
 /// Emits every live block of one rank, tier by tier, parents first.
+///
+/// Blocks go in store order, which is parents-first except where a parent
+/// was evicted and stored again after its child: such a child pulls its
+/// later ancestors out ahead of their turn. A block whose parent is the
+/// block just emitted extends the current chain without any lookup, so the
+/// walk reads the state in order instead of chasing parent links.
 fn walk(blocks: &RankBlocks, chunker: &mut Chunker) {
     for tier in 0..5 {
-        let mut emitted = FxHashSet::default();
-        let mut path = Vec::new();
-        for (hash, record) in blocks.tier(tier) {
-            if !emitted.insert(hash) {
+        let mut ordered: Vec<(u64, i64, &BlockRecord)> = blocks
+            .tier(tier)
+            .map(|(hash, record)| (record.order(), hash, record))
+            .collect();
+        ordered.sort_unstable_by_key(|&(order, ..)| order);
+        let mut early = FxHashSet::default();
+        let mut run: Vec<(i64, &BlockRecord)> = Vec::new();
+        for &(order, hash, record) in &ordered {
+            if early.remove(&hash) {
                 continue;
             }
-            // Climb to the oldest ancestor not yet emitted; the walk ends at a
-            // block whose parent is gone or already out (a cycle ends too).
-            path.clear();
-            path.push((hash, record));
-            let mut current = record;
-            while let Some(parent) = current.parent() {
-                match blocks.get(tier, parent) {
-                    Some(parent_record) if emitted.insert(parent) => {
-                        path.push((parent, parent_record));
-                        current = parent_record;
+            let parent = record.parent();
+            let continues = parent.is_some() && parent == run.last().map(|&(last, _)| last);
+            if !continues {
+                emit_path(&run, chunker);
+                run.clear();
+                // Ancestors stored after this block are not out yet.
+                let mut ancestors = Vec::new();
+                let mut next = parent;
+                while let Some(ancestor) = next {
+                    match blocks.get(tier, ancestor) {
+                        Some(found) if found.order() > order && early.insert(ancestor) => {
+                            ancestors.push((ancestor, found));
+                            next = found.parent();
+                        }
+                        _ => break,
                     }
-                    _ => break,
                 }
+                ancestors.reverse();
+                emit_path(&ancestors, chunker);
             }
-            path.reverse();
-            emit_path(&path, chunker);
+            run.push((hash, record));
         }
+        emit_path(&run, chunker);
     }
 }
 
@@ -139,6 +154,59 @@ fn emit_path(path: &[(i64, &BlockRecord)], chunker: &mut Chunker) {
         for _ in 1..record.copies() {
             chunker.push_chain(&[(hash, record)]);
         }
+    }
+}
+
+/// One store event being encoded straight from block records: the store's
+/// own fields first, then its blocks (field order is free in protobuf).
+struct StorePiece {
+    store: Vec<u8>,
+    blocks: usize,
+    last_hash: Option<i64>,
+}
+
+/// `KvCacheEvent.stored` and `KvBlocksStored.blocks`.
+const STORED_FIELD: u32 = 2;
+const BLOCKS_FIELD: u32 = 1;
+
+impl StorePiece {
+    fn new(first: &BlockRecord, parent: Option<i64>) -> Self {
+        let mut store = Vec::new();
+        first.fields().to_store(parent).encode_raw(&mut store);
+        Self {
+            store,
+            blocks: 0,
+            last_hash: None,
+        }
+    }
+
+    fn add(&mut self, hash: i64, record: &BlockRecord, block_len: usize) {
+        encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, &mut self.store);
+        encoding::encode_varint(block_len as u64, &mut self.store);
+        record.encode_block(hash, &mut self.store);
+        self.blocks += 1;
+        self.last_hash = Some(hash);
+    }
+
+    /// The event's length as a batch entry once a block of `block_len` more
+    /// is added.
+    fn entry_len_with(&self, block_len: usize) -> usize {
+        let store = self.store.len()
+            + encoding::key_len(BLOCKS_FIELD)
+            + encoding::encoded_len_varint(block_len as u64)
+            + block_len;
+        let event =
+            encoding::key_len(STORED_FIELD) + encoding::encoded_len_varint(store as u64) + store;
+        EventLen::of_body(event).entry
+    }
+
+    /// The `KvCacheEvent` body (`event_id` 0 is the default: not written).
+    fn into_event(self) -> Vec<u8> {
+        let mut event = Vec::with_capacity(self.store.len() + 8);
+        encoding::encode_key(STORED_FIELD, WireType::LengthDelimited, &mut event);
+        encoding::encode_varint(self.store.len() as u64, &mut event);
+        event.extend_from_slice(&self.store);
+        event
     }
 }
 
@@ -190,35 +258,35 @@ impl Chunker {
         let Some(&(_, first)) = chain.first() else {
             return;
         };
-        let mut store = first.fields().to_store(first.parent());
-        // Tag, length and a margin for the event wrapper around the store.
-        let overhead = store.encoded_len() + 16;
-        let mut size = overhead;
+        let mut piece = StorePiece::new(first, first.parent());
         for &(hash, record) in chain {
-            let block: KvBlock = record.to_block(hash);
-            let block_len = encoding::message::encoded_len(1, &block);
-            if !store.blocks.is_empty() && !self.room(store.blocks.len() + 1, size + block_len) {
-                let parent = store.blocks.last().map(|b| b.block_hash);
-                let piece = std::mem::replace(&mut store, first.fields().to_store(parent));
-                self.push_store(piece);
-                size = overhead;
+            let block_len = record.encoded_block_len(hash);
+            let grown = piece.entry_len_with(block_len);
+            if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
+                let next = StorePiece::new(first, piece.last_hash);
+                self.push_piece(std::mem::replace(&mut piece, next));
             }
-            if store.blocks.is_empty() && !self.room(1, size + block_len) && !self.open.is_empty() {
+            if piece.blocks == 0
+                && !self.open.is_empty()
+                && !self.room(1, piece.entry_len_with(block_len))
+            {
                 self.next_chunk();
             }
-            size += block_len;
-            store.blocks.push(block);
+            piece.add(hash, record, block_len);
         }
-        self.push_store(store);
+        self.push_piece(piece);
     }
 
-    fn push_store(&mut self, store: KvBlocksStored) {
-        let blocks = store.blocks.len();
-        let event = KvCacheEvent {
-            event_id: 0,
-            data: Some(Data::Stored(store)),
-        };
-        self.push_event(&event, blocks);
+    fn push_piece(&mut self, piece: StorePiece) {
+        let blocks = piece.blocks;
+        let event = piece.into_event();
+        let len = EventLen::of_body(event.len());
+        if !self.open.is_empty() && !self.room(blocks, len.entry) {
+            self.next_chunk();
+        }
+        self.open.push_encoded(&event, self.timestamp);
+        self.open_blocks += blocks;
+        self.blocks_total += blocks as u64;
     }
 
     fn finish(mut self) -> Vec<OpenBatch> {
@@ -238,7 +306,7 @@ fn ownerless_clear() -> KvCacheEvent {
 mod tests {
     use super::*;
     use crate::hub::state::LiveState;
-    use crate::proto::common::{KvCacheTier, KvEventBatch};
+    use crate::proto::common::{KvBlock, KvBlocksStored, KvCacheTier, KvEventBatch};
 
     fn store(state: &mut LiveState, rank: u32, parent: Option<i64>, hashes: &[i64], tokens: usize) {
         let mut event = KvCacheEvent {
@@ -376,6 +444,35 @@ mod tests {
                 .iter()
                 .all(|b| b.encoded_len() <= MAX_CHUNK_BYTES + 64)
         );
+    }
+
+    #[test]
+    fn a_parent_stored_again_after_its_child_still_comes_first() {
+        let mut state = LiveState::default();
+        store(&mut state, 0, None, &[1], 2);
+        store(&mut state, 0, Some(1), &[2], 2);
+        let mut evict = KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Removed(crate::proto::common::KvBlocksRemoved {
+                block_hashes: vec![1],
+                tier: Some(KvCacheTier::Device as i32),
+                ..Default::default()
+            })),
+        };
+        state.apply(0, &mut evict);
+        store(&mut state, 0, None, &[1], 2);
+        let cut = SnapshotCut {
+            state: state.cut(),
+            last_sequences: BTreeMap::from([(0, 10)]),
+            position: 1,
+            unknown_before: 0,
+        };
+        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let flat: Vec<i64> = stored_hashes(&batches[0])
+            .into_iter()
+            .flat_map(|(_, hashes)| hashes)
+            .collect();
+        assert_eq!(flat, vec![1, 2]);
     }
 
     #[test]
