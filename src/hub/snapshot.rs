@@ -305,28 +305,25 @@ fn ownerless_clear() -> KvCacheEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::state::LiveState;
-    use crate::proto::common::{KvBlock, KvBlocksStored, KvCacheTier, KvEventBatch};
+    use crate::hub::state::{LiveState, stored_event};
+    use crate::proto::common::{KvCacheTier, KvEventBatch};
 
     fn store(state: &mut LiveState, rank: u32, parent: Option<i64>, hashes: &[i64], tokens: usize) {
-        let mut event = KvCacheEvent {
-            event_id: 1,
-            data: Some(Data::Stored(KvBlocksStored {
-                blocks: hashes
-                    .iter()
-                    .map(|&block_hash| KvBlock {
-                        block_hash,
-                        token_ids: vec![3; tokens],
-                        block_size: tokens as i32,
-                        ..Default::default()
-                    })
-                    .collect(),
-                parent_block_hash: parent,
-                tier: Some(KvCacheTier::Device as i32),
-                ..Default::default()
-            })),
+        state.apply(
+            rank,
+            &mut stored_event(parent, hashes, KvCacheTier::Device, tokens),
+        );
+    }
+
+    /// The snapshot of `state` with these last sequence numbers.
+    fn snapshot_of(state: &LiveState, last_sequences: &[(u32, u64)]) -> Vec<KvEventBatch> {
+        let cut = SnapshotCut {
+            state: state.cut(),
+            last_sequences: last_sequences.iter().copied().collect(),
+            position: 1,
+            unknown_before: 0,
         };
-        state.apply(rank, &mut event);
+        decode(&encode_snapshot(&cut, 1.0))
     }
 
     fn decode(chunks: &[SnapshotChunk]) -> Vec<KvEventBatch> {
@@ -431,13 +428,7 @@ mod tests {
         let mut state = LiveState::default();
         let hashes: Vec<i64> = (1..=400).collect();
         store(&mut state, 0, None, &hashes, 4096);
-        let cut = SnapshotCut {
-            state: state.cut(),
-            last_sequences: BTreeMap::from([(0, 400)]),
-            position: 1,
-            unknown_before: 0,
-        };
-        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let batches = snapshot_of(&state, &[(0, 400)]);
         assert!(batches.len() > 1);
         assert!(
             batches
@@ -461,13 +452,7 @@ mod tests {
         };
         state.apply(0, &mut evict);
         store(&mut state, 0, None, &[1], 2);
-        let cut = SnapshotCut {
-            state: state.cut(),
-            last_sequences: BTreeMap::from([(0, 10)]),
-            position: 1,
-            unknown_before: 0,
-        };
-        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let batches = snapshot_of(&state, &[(0, 10)]);
         let flat: Vec<i64> = stored_hashes(&batches[0])
             .into_iter()
             .flat_map(|(_, hashes)| hashes)
@@ -481,13 +466,7 @@ mod tests {
         store(&mut state, 0, None, &[7], 2);
         store(&mut state, 0, None, &[7], 2);
         store(&mut state, 0, None, &[7], 2);
-        let cut = SnapshotCut {
-            state: state.cut(),
-            last_sequences: BTreeMap::from([(0, 10)]),
-            position: 1,
-            unknown_before: 0,
-        };
-        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let batches = snapshot_of(&state, &[(0, 10)]);
         let stores = stored_hashes(&batches[0]);
         assert_eq!(stores.len(), 3);
         assert!(stores.iter().all(|(_, hashes)| hashes == &vec![7]));

@@ -415,29 +415,40 @@ impl Interner {
     }
 }
 
+/// A store of `hashes` (a chain under `parent`) of `tokens` tokens each.
+#[cfg(test)]
+pub(crate) fn stored_event(
+    parent: Option<i64>,
+    hashes: &[i64],
+    tier: KvCacheTier,
+    tokens: usize,
+) -> KvCacheEvent {
+    KvCacheEvent {
+        event_id: 1,
+        data: Some(Data::Stored(KvBlocksStored {
+            blocks: hashes
+                .iter()
+                .map(|&block_hash| KvBlock {
+                    block_hash,
+                    token_ids: vec![3; tokens],
+                    block_size: tokens as i32,
+                    ..Default::default()
+                })
+                .collect(),
+            parent_block_hash: parent,
+            tier: Some(tier as i32),
+            ..Default::default()
+        })),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proto::common::KvCacheCleared;
 
     fn store(parent: Option<i64>, hashes: &[i64], tier: KvCacheTier) -> KvCacheEvent {
-        KvCacheEvent {
-            event_id: 1,
-            data: Some(Data::Stored(KvBlocksStored {
-                blocks: hashes
-                    .iter()
-                    .map(|&block_hash| KvBlock {
-                        block_hash,
-                        token_ids: vec![1, 2],
-                        block_size: 2,
-                        ..Default::default()
-                    })
-                    .collect(),
-                parent_block_hash: parent,
-                tier: Some(tier as i32),
-                ..Default::default()
-            })),
-        }
+        stored_event(parent, hashes, tier, 2)
     }
 
     fn remove(hashes: &[i64], tier: KvCacheTier) -> KvCacheEvent {

@@ -52,7 +52,7 @@ pub struct LoadArgs {
     pub subscribers: Vec<u32>,
 
     /// Events per second the simulated engine publishes; 0 publishes as fast
-    /// as it can.
+    /// as every subscriber receives (a bounded number of events in flight).
     #[arg(long, default_value_t = 20_000)]
     pub rate: u64,
 

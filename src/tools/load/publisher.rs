@@ -26,9 +26,9 @@ const MAX_BURST: usize = 1024;
 /// At `--rate 0`, most events published and not yet received by every
 /// subscriber. A PUB never waits, so without a bound the publisher would
 /// outrun kvgate, take a core from it and measure ZMQ's drops. 32 of
-/// kvgate's largest batches ride out its brief stalls (a quarter of the
-/// throughput was lost with 8); the price is latency, which at this rate is
-/// mostly time spent queued inside this window.
+/// kvgate's largest batches ride out its brief stalls (with 8, a quarter or
+/// more of the throughput was lost); the price is latency, which at this
+/// rate is mostly time spent queued inside this window.
 const IN_FLIGHT: u64 = 32_768;
 /// Fixed, so every run publishes the same traffic.
 const SEED: u64 = 7;

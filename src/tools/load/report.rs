@@ -28,7 +28,7 @@ pub struct Report {
 
 #[derive(Debug, Serialize)]
 pub struct Config {
-    /// Events per second asked for; 0 = as fast as the publisher can.
+    /// Events per second asked for; 0 = as fast as every subscriber receives.
     pub rate_events_per_s: u64,
     pub duration_s: f64,
     pub warmup_s: f64,
@@ -219,7 +219,7 @@ impl Report {
 
 fn rate_label(rate: u64) -> String {
     match rate {
-        0 => "as fast as possible".to_owned(),
+        0 => "full speed (closed loop)".to_owned(),
         rate => format!("{rate} events/s"),
     }
 }
@@ -428,7 +428,7 @@ pub(super) mod tests {
                 .note
                 .as_deref()
                 .unwrap()
-                .contains("as fast as possible")
+                .contains("full speed")
         );
         assert_eq!(
             report.notes,
