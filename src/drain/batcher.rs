@@ -12,6 +12,7 @@ use prost::Message;
 use prost::encoding;
 
 use crate::hub::batch::{EventLen, OpenBatch};
+use crate::hub::wire;
 use crate::proto::common::{KvCacheEvent, kv_cache_event::Data};
 
 /// Limits of one outgoing batch.
@@ -26,6 +27,9 @@ pub struct BatchLimits {
 pub struct Batcher {
     limits: BatchLimits,
     open: OpenBatch,
+    /// The event being added, encoded (reused from event to event).
+    encoded: Vec<u8>,
+    scratch: Vec<u8>,
 }
 
 impl Batcher {
@@ -33,12 +37,20 @@ impl Batcher {
         Self {
             limits,
             open: OpenBatch::default(),
+            encoded: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 
     /// Adds `event`; every batch that becomes full on the way goes to `full`.
-    pub fn push(&mut self, event: KvCacheEvent, timestamp: f64, full: &mut impl FnMut(OpenBatch)) {
-        let len = EventLen::of(&event);
+    pub fn push(
+        &mut self,
+        mut event: KvCacheEvent,
+        timestamp: f64,
+        full: &mut impl FnMut(OpenBatch),
+    ) {
+        wire::encode_event(&mut event, &mut self.encoded, &mut self.scratch);
+        let len = EventLen::of_body(self.encoded.len());
         if len.entry > self.limits.max_bytes {
             for piece in split(event, self.limits.max_bytes) {
                 self.push(piece, timestamp, full);
@@ -51,7 +63,7 @@ impl Batcher {
         {
             full(std::mem::take(&mut self.open));
         }
-        self.open.push(&event, len, timestamp);
+        self.open.push_encoded(&self.encoded, timestamp);
     }
 
     /// Hands over the batch being filled, if it has any event.

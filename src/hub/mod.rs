@@ -13,6 +13,7 @@ pub mod history;
 pub mod snapshot;
 pub mod state;
 pub mod subscription;
+pub mod wire;
 
 use std::sync::Arc;
 

@@ -27,6 +27,7 @@ use rustc_hash::FxHashSet;
 
 use super::batch::{EventLen, OpenBatch};
 use super::state::{BlockRecord, RankBlocks, StateCut};
+use super::wire::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data};
 
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
@@ -165,10 +166,6 @@ struct StorePiece {
     last_hash: Option<i64>,
 }
 
-/// `KvCacheEvent.stored` and `KvBlocksStored.blocks`.
-const STORED_FIELD: u32 = 2;
-const BLOCKS_FIELD: u32 = 1;
-
 impl StorePiece {
     fn new(first: &BlockRecord, parent: Option<i64>) -> Self {
         let mut store = Vec::new();
@@ -180,12 +177,12 @@ impl StorePiece {
         }
     }
 
-    fn add(&mut self, hash: i64, record: &BlockRecord, block_len: usize) {
+    fn add(&mut self, block: &BlockFields<'_>, block_len: usize) {
         encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, &mut self.store);
         encoding::encode_varint(block_len as u64, &mut self.store);
-        record.encode_block(hash, &mut self.store);
+        block.encode(&mut self.store);
         self.blocks += 1;
-        self.last_hash = Some(hash);
+        self.last_hash = Some(block.hash);
     }
 
     /// The event's length as a batch entry once a block of `block_len` more
@@ -260,7 +257,8 @@ impl Chunker {
         };
         let mut piece = StorePiece::new(first, first.parent());
         for &(hash, record) in chain {
-            let block_len = record.encoded_block_len(hash);
+            let block = record.block_fields(hash);
+            let block_len = block.encoded_len();
             let grown = piece.entry_len_with(block_len);
             if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
                 let next = StorePiece::new(first, piece.last_hash);
@@ -272,7 +270,7 @@ impl Chunker {
             {
                 self.next_chunk();
             }
-            piece.add(hash, record, block_len);
+            piece.add(&block, block_len);
         }
         self.push_piece(piece);
     }

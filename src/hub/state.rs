@@ -15,10 +15,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::sync::Arc;
 
-use prost::encoding;
 use triomphe::ThinArc;
 
 use super::cow_map::CowMap;
+use super::wire::BlockFields;
 
 use crate::proto::common::{
     KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, KvCacheTier,
@@ -132,56 +132,16 @@ impl BlockRecord {
         self.copies
     }
 
-    /// Length of [`Self::encode_block`]'s output.
-    pub fn encoded_block_len(&self, hash: i64) -> usize {
-        let tokens = &self.tokens.slice;
-        let mut len = 0;
-        if hash != 0 {
-            len += encoding::int64::encoded_len(1, &hash);
-        }
-        if !tokens.is_empty() {
-            let packed = packed_len(tokens);
-            len += encoding::key_len(2) + encoding::encoded_len_varint(packed as u64) + packed;
-        }
-        if self.block_size != 0 {
-            len += encoding::int32::encoded_len(3, &self.block_size);
-        }
-        if let Some(lora_id) = &self.fields.lora_id {
-            len += encoding::int64::encoded_len(4, lora_id);
-        }
-        if let Some(cache_level) = &self.fields.cache_level {
-            len += encoding::int32::encoded_len(5, cache_level);
-        }
-        if let Some(keys) = &self.extra_keys {
-            len += encoding::message::encoded_len_repeated(6, &keys.0);
-        }
-        len
-    }
-
-    /// Writes the `KvBlock` this record stands for, as prost would encode
-    /// [`Self::to_block`], without building it: snapshots encode a million
-    /// of these, and the token copy is what it would cost.
-    pub fn encode_block(&self, hash: i64, buf: &mut Vec<u8>) {
-        let tokens = &self.tokens.slice;
-        if hash != 0 {
-            encoding::int64::encode(1, &hash, buf);
-        }
-        if !tokens.is_empty() {
-            encoding::encode_key(2, encoding::WireType::LengthDelimited, buf);
-            encoding::encode_varint(packed_len(tokens) as u64, buf);
-            encode_packed(tokens, buf);
-        }
-        if self.block_size != 0 {
-            encoding::int32::encode(3, &self.block_size, buf);
-        }
-        if let Some(lora_id) = &self.fields.lora_id {
-            encoding::int64::encode(4, lora_id, buf);
-        }
-        if let Some(cache_level) = &self.fields.cache_level {
-            encoding::int32::encode(5, cache_level, buf);
-        }
-        if let Some(keys) = &self.extra_keys {
-            encoding::message::encode_repeated(6, &keys.0, buf);
+    /// The block's fields, for encoding it without building a `KvBlock`
+    /// (a snapshot encodes a million of them).
+    pub fn block_fields(&self, hash: i64) -> BlockFields<'_> {
+        BlockFields {
+            hash,
+            tokens: &self.tokens.slice,
+            block_size: self.block_size,
+            lora_id: self.fields.lora_id,
+            cache_level: self.fields.cache_level,
+            extra_keys: self.extra_keys.as_ref().map_or(&[], |keys| &keys.0),
         }
     }
 
@@ -197,44 +157,6 @@ impl BlockRecord {
                 .extra_keys
                 .as_ref()
                 .map_or_else(Vec::new, |keys| keys.0.clone()),
-        }
-    }
-}
-
-/// Bytes of `tokens` as packed varints.
-fn packed_len(tokens: &[u32]) -> usize {
-    tokens
-        .iter()
-        // 1 byte per started 7 bits, as `encoded_len_varint` counts.
-        .map(|&token| ((31 - (token | 1).leading_zeros()) * 9 + 73) as usize / 64)
-        .sum()
-}
-
-/// Writes `tokens` as packed varints: prost's generic writer pushes a byte
-/// at a time, and a snapshot writes sixteen million tokens per million blocks.
-fn encode_packed(tokens: &[u32], buf: &mut Vec<u8>) {
-    buf.reserve(tokens.len() * 5);
-    for &token in tokens {
-        let low = token as u8;
-        match token {
-            0..0x80 => buf.push(low),
-            0x80..0x4000 => buf.extend_from_slice(&[low | 0x80, (token >> 7) as u8]),
-            0x4000..0x20_0000 => {
-                buf.extend_from_slice(&[low | 0x80, (token >> 7) as u8 | 0x80, (token >> 14) as u8])
-            }
-            0x20_0000..0x1000_0000 => buf.extend_from_slice(&[
-                low | 0x80,
-                (token >> 7) as u8 | 0x80,
-                (token >> 14) as u8 | 0x80,
-                (token >> 21) as u8,
-            ]),
-            _ => buf.extend_from_slice(&[
-                low | 0x80,
-                (token >> 7) as u8 | 0x80,
-                (token >> 14) as u8 | 0x80,
-                (token >> 21) as u8 | 0x80,
-                (token >> 28) as u8,
-            ]),
         }
     }
 }
@@ -503,9 +425,8 @@ mod tests {
         let mut checked = 0;
         for (hash, record) in blocks.tier(KvCacheTier::Host as usize) {
             let mut encoded = Vec::new();
-            record.encode_block(hash, &mut encoded);
+            record.block_fields(hash).encode(&mut encoded);
             assert_eq!(encoded, record.to_block(hash).encode_to_vec());
-            assert_eq!(record.encoded_block_len(hash), encoded.len());
             checked += 1;
         }
         assert_eq!(checked, 3);

@@ -285,6 +285,7 @@ impl Measured {
                 samples: latency.count(),
             },
             missing_events: self.missing_events,
+            sequence_gaps: self.windows.iter().map(|window| window.sequence_gaps).sum(),
             streams_ended_early: self.ended_early.iter().filter(|early| **early).count(),
             first_stream_error: self
                 .windows

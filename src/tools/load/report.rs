@@ -54,6 +54,8 @@ pub struct RunReport {
     /// Events published after the warm-up that some subscriber never got,
     /// summed over subscribers.
     pub missing_events: u64,
+    /// Batch sequence numbers skipped, summed over subscribers.
+    pub sequence_gaps: u64,
     /// Streams that ended before the run did, and the first reason.
     pub streams_ended_early: usize,
     pub first_stream_error: Option<String>,
@@ -316,6 +318,16 @@ fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
             run.subscribers, run.others_busy_percent, run.steal_percent
         ));
     }
+    for run in runs
+        .iter()
+        .filter(|run| run.missing_events > 0 || run.sequence_gaps > 0)
+    {
+        notes.push(format!(
+            "with {} subscribers, {} events never arrived and {} batch sequence numbers \
+             were skipped",
+            run.subscribers, run.missing_events, run.sequence_gaps
+        ));
+    }
     for run in runs.iter().filter(|run| run.streams_ended_early > 0) {
         notes.push(format!(
             "{} of {} streams ended early with {} subscribers: {}",
@@ -349,6 +361,7 @@ pub(super) mod tests {
                 samples: 10_000,
             },
             missing_events: 0,
+            sequence_gaps: 0,
             streams_ended_early: 0,
             first_stream_error: None,
             kvgate: KvgateCost {

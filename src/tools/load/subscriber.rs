@@ -134,6 +134,9 @@ pub struct Window {
     pub batches: u64,
     /// Publish-to-receive latency, one sample per batch, in microseconds.
     pub latency: Histogram,
+    /// Sequence numbers skipped over the whole stream (kvgate numbers each
+    /// rank's batches +1, so any is a lost batch).
+    pub sequence_gaps: u64,
     /// Why the stream ended, if it did before kvgate was stopped.
     pub error: Option<String>,
 }
@@ -210,6 +213,7 @@ async fn receive(
     recording: Arc<AtomicBool>,
 ) -> Window {
     let mut window = Window::default();
+    let mut last_sequence = None;
     let error = loop {
         let message = match stream.message().await {
             Ok(Some(message)) => message,
@@ -221,9 +225,14 @@ async fn receive(
             Ok(batch) => batch,
             Err(error) => break format!("undecodable batch: {error}"),
         };
-        // Snapshot chunks and empty batches carry kvgate's clock, not the
-        // engine's.
-        if batch.snapshot || batch.events == 0 {
+        if batch.snapshot {
+            continue;
+        }
+        if let Some(last) = last_sequence.replace(batch.sequence_number) {
+            window.sequence_gaps += batch.sequence_number.saturating_sub(last + 1);
+        }
+        // Empty batches carry kvgate's clock, not the engine's.
+        if batch.events == 0 {
             continue;
         }
         delivery.events[index].fetch_add(u64::from(batch.events), Ordering::Relaxed);
