@@ -230,7 +230,7 @@ fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
     let run = |subscribers| runs.iter().find(|run| run.subscribers == subscribers);
     let rate_note = (config.rate_events_per_s != TARGET_RATE).then(|| {
         format!(
-            "stated at {TARGET_RATE} events/s; this sweep published {}",
+            "stated at {TARGET_RATE} events/s; this sweep ran at {}",
             rate_label(config.rate_events_per_s)
         )
     });
