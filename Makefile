@@ -18,6 +18,7 @@ lint:
 bench:
 	cargo bench --bench pipeline
 	cargo bench --bench memory
+	cargo bench --bench passthrough
 
 # The load sweep of BENCHMARKS.md: a release kvgate under 1, 8, 32 and 64
 # real subscribers, at 20k events/s and at full speed; tables on stdout,

@@ -1,0 +1,203 @@
+//! Latency kvgate adds to a passed-through call: sequential unary calls and
+//! bidirectional-stream round trips to an echo engine on loopback, made
+//! directly and through kvgate (`--engine-grpc`), both in this process.
+//! Prints a table; `make bench` runs it.
+
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use futures::StreamExt;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct Echo {
+    #[prost(string, tag = "1")]
+    text: String,
+}
+
+type Codec = tonic_prost::ProstCodec<Echo, Echo>;
+
+const CALLS: usize = 5000;
+
+async fn start_engine() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let unary = tower::service_fn(|request: http::Request<axum::body::Body>| async move {
+        let mut grpc = tonic::server::Grpc::new(Codec::default());
+        let handler = tower::service_fn(|request: Request<Echo>| async move {
+            Ok::<_, Status>(Response::new(request.into_inner()))
+        });
+        Ok::<_, std::convert::Infallible>(
+            grpc.unary(handler, request.map(tonic::body::Body::new))
+                .await,
+        )
+    });
+    let chat = tower::service_fn(|request: http::Request<axum::body::Body>| async move {
+        let mut grpc = tonic::server::Grpc::new(Codec::default());
+        let handler = tower::service_fn(|request: Request<Streaming<Echo>>| async move {
+            let mut incoming = request.into_inner();
+            let (tx, rx) = mpsc::channel(16);
+            tokio::spawn(async move {
+                while let Some(Ok(message)) = incoming.next().await {
+                    if tx.send(Ok(message)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok::<_, Status>(Response::new(ReceiverStream::new(rx)))
+        });
+        Ok::<_, std::convert::Infallible>(
+            grpc.streaming(handler, request.map(tonic::body::Body::new))
+                .await,
+        )
+    });
+    let router = axum::Router::new()
+        .route_service("/bench.Engine/Unary", unary)
+        .route_service("/bench.Engine/Chat", chat);
+    let listener = axum::serve::ListenerExt::tap_io(listener, |stream| {
+        let _ = stream.set_nodelay(true);
+    });
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    format!("http://{address}")
+}
+
+async fn channel(uri: &str) -> Channel {
+    Channel::from_shared(uri.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+    samples.sort_unstable();
+    samples[((samples.len() - 1) as f64 * p) as usize]
+}
+
+async fn unary_latencies(channel: Channel) -> Vec<Duration> {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut samples = Vec::with_capacity(CALLS);
+    for n in 0..CALLS + 500 {
+        grpc.ready().await.unwrap();
+        let started = Instant::now();
+        let request = Request::new(Echo {
+            text: "ping".into(),
+        });
+        grpc.unary(
+            request,
+            "/bench.Engine/Unary".parse().unwrap(),
+            Codec::default(),
+        )
+        .await
+        .unwrap();
+        if n >= 500 {
+            samples.push(started.elapsed());
+        }
+    }
+    samples
+}
+
+async fn stream_latencies(channel: Channel) -> Vec<Duration> {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let (outgoing, rx) = mpsc::channel(1);
+    let mut replies = grpc
+        .streaming(
+            Request::new(ReceiverStream::new(rx)),
+            "/bench.Engine/Chat".parse().unwrap(),
+            Codec::default(),
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    let mut samples = Vec::with_capacity(CALLS);
+    for n in 0..CALLS + 500 {
+        let started = Instant::now();
+        outgoing
+            .send(Echo {
+                text: "ping".into(),
+            })
+            .await
+            .unwrap();
+        replies.message().await.unwrap().unwrap();
+        if n >= 500 {
+            samples.push(started.elapsed());
+        }
+    }
+    samples
+}
+
+#[tokio::main]
+async fn main() {
+    if std::env::args().any(|arg| arg == "--test" || arg == "--list") {
+        return;
+    }
+    let engine = start_engine().await;
+    let listen = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let cli = kvgate::cli::Cli::parse_from([
+        "kvgate",
+        "serve",
+        "--demo",
+        "--listen",
+        &listen,
+        "--engine-grpc",
+        &engine,
+    ]);
+    let kvgate::cli::Command::Serve(args) = cli.command else {
+        unreachable!()
+    };
+    tokio::spawn(kvgate::app::serve(args, std::future::pending()));
+    let through = format!("http://{listen}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let gateway = loop {
+        if let Ok(channel) = Channel::from_shared(through.clone())
+            .unwrap()
+            .connect()
+            .await
+        {
+            break channel;
+        }
+        assert!(Instant::now() < deadline, "kvgate did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    println!("{CALLS} sequential calls each, after 500 of warm-up; loopback, this process");
+    println!(
+        "{:<28} {:>10} {:>10} {:>10} {:>10}",
+        "", "p50 µs", "p99 µs", "added p50", "added p99"
+    );
+    for (name, direct, via) in [
+        (
+            "unary call",
+            unary_latencies(channel(&engine).await).await,
+            unary_latencies(gateway.clone()).await,
+        ),
+        (
+            "streamed message round trip",
+            stream_latencies(channel(&engine).await).await,
+            stream_latencies(gateway).await,
+        ),
+    ] {
+        let (mut direct, mut via) = (direct, via);
+        let (d50, d99) = (percentile(&mut direct, 0.5), percentile(&mut direct, 0.99));
+        let (v50, v99) = (percentile(&mut via, 0.5), percentile(&mut via, 0.99));
+        let micros = |d: Duration| d.as_secs_f64() * 1e6;
+        println!(
+            "{name:<28} {:>10.0} {:>10.0} {:>10.0} {:>10.0}   (direct, then through kvgate: {:.0} / {:.0})",
+            micros(d50),
+            micros(d99),
+            micros(v50) - micros(d50),
+            micros(v99) - micros(d99),
+            micros(v50),
+            micros(v99),
+        );
+    }
+}
