@@ -31,6 +31,11 @@ pub struct RankTierLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SubscriberLabel {
+    pub subscriber: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
     pub method: String,
     pub code: i32,
@@ -67,6 +72,8 @@ pub struct Metrics {
     pub bytes_out: Counter,
     /// Subscribers currently streaming.
     pub subscribers: Gauge,
+    /// Batches published but not yet handed to each connected subscriber.
+    pub subscriber_lag: Family<SubscriberLabel, Gauge>,
     /// Live blocks (copies counted) per rank and tier.
     pub state_blocks: Family<RankTierLabels, Gauge>,
     /// Last sequence number sent per rank.
@@ -106,6 +113,7 @@ impl Metrics {
             events_out: Counter::default(),
             bytes_out: Counter::default(),
             subscribers: Gauge::default(),
+            subscriber_lag: Family::default(),
             subscribers_lost: Counter::default(),
             snapshots_served: Counter::default(),
             upstream_reconnects: Counter::default(),
@@ -168,6 +176,11 @@ impl Metrics {
             "subscribers",
             "Subscribers currently streaming",
             metrics.subscribers.clone(),
+        );
+        registry.register(
+            "subscriber_lag",
+            "Batches published but not yet handed to each connected subscriber",
+            metrics.subscriber_lag.clone(),
         );
         registry.register(
             "subscribers_lost",

@@ -328,8 +328,17 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
-    let (gateway, _publisher) = gateway_holding_two_blocks().await;
+    let (gateway, mut publisher) = gateway_holding_two_blocks().await;
     let admin = gateway.admin.expect("admin port reported");
+    // A connected subscriber that has read everything: lag 0.
+    let mut stream = subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+        .await
+        .unwrap();
+    publisher
+        .publish(common::fence_payload(7, 0))
+        .await
+        .unwrap();
+    common::skip_past_fence(&mut stream, 7).await;
     let (code, body) = common::http_get(admin, "/healthz").await;
     assert_eq!((code, body.trim()), (200, "ok"));
 
@@ -365,6 +374,11 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
         sample(&text, "kvgate_events_out_total").unwrap() >= 3.0,
         "{text}"
     );
+    assert_eq!(sample(&text, "kvgate_subscribers"), Some(1.0), "{text}");
+    let lag = text
+        .lines()
+        .find(|line| line.starts_with("kvgate_subscriber_lag{subscriber="));
+    assert!(lag.is_some_and(|line| line.ends_with(" 0")), "{text}");
 
     let (code, body) = common::http_get(admin, "/status").await;
     assert_eq!(code, 200);

@@ -94,9 +94,14 @@ impl Subscription {
         }
     }
 
-    /// How many batches the live channel holds for this subscriber: its lag.
+    /// How many batches the live channel holds for this subscriber.
     pub fn backlog(&self) -> usize {
         self.live.len()
+    }
+
+    /// Batches published that this subscriber has not been handed yet.
+    pub fn lag(&self) -> u64 {
+        (self.history.history().newest() + 1).saturating_sub(self.next_position)
     }
 
     pub async fn next(&mut self) -> Step {

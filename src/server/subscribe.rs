@@ -6,6 +6,7 @@
 //! behind the history, and ends cleanly when kvgate shuts down.
 
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -21,7 +22,7 @@ use crate::drain::unix_now;
 use crate::hub::HubReader;
 use crate::hub::snapshot::encode_snapshot;
 use crate::hub::subscription::{Step, Subscription};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, SubscriberLabel};
 use crate::proto::common::SubscribeKvEventsRequest;
 
 type BatchStream = BoxStream<'static, Result<Bytes, Status>>;
@@ -100,19 +101,35 @@ impl tower::Service<http::Request<Body>> for SubscribeService {
     }
 }
 
-/// Counts a subscriber for as long as its stream exists.
-struct Connected(Metrics);
+/// Counts a subscriber, and shows its lag, for as long as its stream exists.
+struct Connected {
+    metrics: Metrics,
+    /// Labels the subscriber's lag gauge.
+    id: SubscriberLabel,
+}
 
 impl Connected {
     fn new(metrics: Metrics) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         metrics.subscribers.inc();
-        Self(metrics)
+        let id = SubscriberLabel {
+            subscriber: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        };
+        Self { metrics, id }
+    }
+
+    fn lagging(&self, batches: u64) {
+        self.metrics
+            .subscriber_lag
+            .get_or_create(&self.id)
+            .set(i64::try_from(batches).unwrap_or(i64::MAX));
     }
 }
 
 impl Drop for Connected {
     fn drop(&mut self) {
-        self.0.subscribers.dec();
+        self.metrics.subscribers.dec();
+        self.metrics.subscriber_lag.remove(&self.id);
     }
 }
 
@@ -122,10 +139,11 @@ fn stream(subscription: Subscription, metrics: Metrics) -> BatchStream {
         let (mut subscription, connected) = state?;
         match subscription.next().await {
             Step::Batch(batch) => {
+                connected.lagging(subscription.lag());
                 Some((Ok(batch.encoded.clone()), Some((subscription, connected))))
             }
             Step::Lost { position } => {
-                connected.0.subscribers_lost.inc();
+                connected.metrics.subscribers_lost.inc();
                 info!(position, "subscriber fell behind the history");
                 let status = Status::data_loss(
                     "fell behind kvgate's history; resubscribe with 0 for a snapshot",
