@@ -384,6 +384,7 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     assert_eq!(code, 200);
     let status: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status["source_ready"], true);
+    assert_eq!(status["engine"]["messages_lost"], 0);
     assert_eq!(status["ranks"][0]["blocks"][0], 2);
     assert!(status["history"]["batches"].as_u64().unwrap() >= 2);
 }

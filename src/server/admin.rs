@@ -36,7 +36,17 @@ struct Status {
     source_ready: bool,
     subscribers: i64,
     history: HistoryStatus,
+    engine: EngineStatus,
     ranks: Vec<crate::hub::RankReport>,
+}
+
+#[derive(Serialize)]
+struct EngineStatus {
+    restarts: u64,
+    /// Messages missing from the publishers' counters that replay filled.
+    messages_recovered: u64,
+    /// Messages that stayed missing.
+    messages_lost: u64,
 }
 
 #[derive(Serialize)]
@@ -101,6 +111,11 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
             newest_position: newest,
             batches: (newest + 1).saturating_sub(oldest),
             bytes: state.metrics.history_bytes.get() as u64,
+        },
+        engine: EngineStatus {
+            restarts: state.metrics.engine_restarts.get(),
+            messages_recovered: state.metrics.engine_messages_recovered.get(),
+            messages_lost: state.metrics.engine_messages_lost.get(),
         },
         ranks: state.hub.rank_reports(),
     })
