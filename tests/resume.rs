@@ -146,14 +146,15 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
     follow_to_fence(&mut stream, &mut view, 1).await;
     drop(stream);
 
+    // Another subscriber sees when kvgate has the fence: by then the
+    // history has moved past the first one's cursor.
+    let mut probe = RouterView::new();
+    let mut watcher = subscribe(gateway.channel().await, SERVICE, 0)
+        .await
+        .unwrap();
     publish_steps(&mut engine, &mut publisher, 30).await;
     publisher
         .publish(common::fence_payload(2, 0))
-        .await
-        .unwrap();
-    // Wait until kvgate has the fence, so the history has moved on.
-    let mut probe = RouterView::new();
-    let mut watcher = subscribe(gateway.channel().await, SERVICE, 0)
         .await
         .unwrap();
     follow_to_fence(&mut watcher, &mut probe, 2).await;
