@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint bench load
+.PHONY: run test lint bench load benchmarks
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
@@ -30,3 +30,6 @@ load:
 		--json benchmarks/load.json --svg benchmarks/load.svg
 	target/release/kvgate bench --subscribers 1,8,32,64 --rate 0 \
 		--json benchmarks/load-max.json --svg benchmarks/load-max.svg
+
+# Every benchmark of BENCHMARKS.md in one command.
+benchmarks: bench load

@@ -186,20 +186,48 @@ fn a_bad_value_fails_at_start_naming_its_flag() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn sigterm_ends_subscriber_streams_cleanly_and_exits_with_zero() {
-    let (mut gateway, _publisher) = gateway_with_publisher().await;
-    let mut stream = subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+async fn sigterm_under_load_ends_subscriber_streams_cleanly_and_exits_with_zero() {
+    let (mut gateway, mut publisher) = gateway_with_publisher().await;
+    let mut streams = vec![
+        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+            .await
+            .unwrap(),
+    ];
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+    let mut stream = streams.pop().unwrap();
+    // The engine keeps publishing while kvgate shuts down.
+    let load = tokio::spawn(async move {
+        let mut workload = kvgate::sim::SteadyState::new(kvgate::sim::WorkloadShape::default(), 9);
+        for _ in 0..20_000 {
+            if publisher
+                .publish(workload.next_payload(1.0, 0).into())
+                .await
+                .is_err()
+            {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    });
+    common::next_batch(&mut stream).await;
+    let status = tokio::task::spawn_blocking(move || gateway.terminate())
         .await
         .unwrap();
-    let status = gateway.terminate();
     assert!(status.success(), "exit status {status}");
-    let end = tokio::time::timeout(common::DEADLINE, stream.message())
-        .await
-        .expect("stream ends");
+    let end = loop {
+        match tokio::time::timeout(common::DEADLINE, stream.message())
+            .await
+            .expect("the stream ends")
+        {
+            Ok(Some(_)) => continue,
+            end => break end,
+        }
+    };
     assert!(
         matches!(end, Ok(None)),
         "a clean end of stream, got {end:?}"
     );
+    load.abort();
 }
 
 /// A gateway with the admin port, synced past the slow joiner, holding the
