@@ -4,36 +4,10 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use common::router::RouterView;
-use common::{Gateway, fence_in, free_ports, next_batch, subscribe};
+use common::{Gateway, free_ports, next_batch, subscribe};
 use kvgate::proto::common::KvEventBatch;
-use kvgate::sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine, encode_batch};
-use tonic::codec::Streaming;
-
-/// Reads `stream` into `view` until the batch carrying fence `n`.
-async fn follow_to_fence(stream: &mut Streaming<KvEventBatch>, view: &mut RouterView, n: u64) {
-    loop {
-        let batch = next_batch(stream).await;
-        view.admit(&batch);
-        if fence_in(&batch) == Some(n) {
-            return;
-        }
-    }
-}
-
-async fn publish_steps(engine: &mut SimEngine, publisher: &mut EnginePublisher, steps: usize) {
-    for _ in 0..steps {
-        let mut payload = Vec::new();
-        encode_batch(1.0, &engine.step(), Some(0), &mut payload);
-        publisher.publish(payload.into()).await.unwrap();
-    }
-}
-
-fn truth(engine: &SimEngine) -> HashMap<i64, u32> {
-    engine.live_blocks().map(|hash| (hash as i64, 1)).collect()
-}
+use kvgate::sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstream_one() {
@@ -77,13 +51,13 @@ async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstre
         ..SimConfig::default()
     })
     .unwrap();
-    publish_steps(&mut engine, &mut publisher, 40).await;
+    common::publish_steps(&mut engine, &mut publisher, 40).await;
     publisher
         .publish(common::fence_payload(1, 0))
         .await
         .unwrap();
-    follow_to_fence(&mut stream, &mut view, 1).await;
-    assert_eq!(view.blocks(0), truth(&engine));
+    common::follow_to_fence(&mut stream, &mut view, 1).await;
+    assert_eq!(view.blocks(0), common::true_blocks(&engine));
 
     // The upstream restarts; the new one primes itself from the engine's
     // replay ring. The downstream's cursor means nothing to it any more.
@@ -101,15 +75,15 @@ async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstre
         },
     )
     .await;
-    publish_steps(&mut engine, &mut publisher, 40).await;
+    common::publish_steps(&mut engine, &mut publisher, 40).await;
     publisher
         .publish(common::fence_payload(2, 0))
         .await
         .unwrap();
-    follow_to_fence(&mut stream, &mut view, 2).await;
+    common::follow_to_fence(&mut stream, &mut view, 2).await;
     assert_eq!(
         view.blocks(0),
-        truth(&engine),
+        common::true_blocks(&engine),
         "the resync rebuilt the engine's blocks"
     );
     assert!(view.gaps.is_empty(), "no gap: {:?}", view.gaps);

@@ -4,12 +4,10 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use common::router::{Admission, RouterView};
-use common::{Gateway, fence_in, free_ports, next_batch, subscribe, sync_streams_observing};
+use common::{Gateway, free_ports, subscribe, sync_streams_observing};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
-use kvgate::sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine, encode_batch};
+use kvgate::sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
 use tonic::codec::Streaming;
 
 const SERVICE: &str = "vllm.grpc.engine.VllmEngine";
@@ -27,36 +25,6 @@ fn engine(seed: u64) -> SimEngine {
         ..SimConfig::default()
     })
     .unwrap()
-}
-
-async fn publish_steps(engine: &mut SimEngine, publisher: &mut EnginePublisher, steps: usize) {
-    for _ in 0..steps {
-        let mut payload = Vec::new();
-        encode_batch(1.0, &engine.step(), Some(0), &mut payload);
-        publisher.publish(payload.into()).await.unwrap();
-    }
-}
-
-fn truth(engine: &SimEngine) -> HashMap<i64, u32> {
-    engine.live_blocks().map(|hash| (hash as i64, 1)).collect()
-}
-
-/// Admits every batch up to the one carrying fence `n`; returns them.
-async fn follow_to_fence(
-    stream: &mut Streaming<KvEventBatch>,
-    view: &mut RouterView,
-    n: u64,
-) -> Vec<(KvEventBatch, Admission)> {
-    let mut seen = Vec::new();
-    loop {
-        let batch = next_batch(stream).await;
-        let admission = view.admit(&batch);
-        let done = fence_in(&batch) == Some(n);
-        seen.push((batch, admission));
-        if done {
-            return seen;
-        }
-    }
 }
 
 async fn joined(
@@ -88,15 +56,15 @@ async fn resuming_after_a_disconnect_delivers_every_batch_after_the_cursor_exact
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut engine = engine(1);
-    publish_steps(&mut engine, &mut publisher, 20).await;
+    common::publish_steps(&mut engine, &mut publisher, 20).await;
     publisher
         .publish(common::fence_payload(1, 0))
         .await
         .unwrap();
-    follow_to_fence(&mut stream, &mut view, 1).await;
+    common::follow_to_fence(&mut stream, &mut view, 1).await;
 
     drop(stream);
-    publish_steps(&mut engine, &mut publisher, 20).await;
+    common::publish_steps(&mut engine, &mut publisher, 20).await;
     publisher
         .publish(common::fence_payload(2, 0))
         .await
@@ -106,7 +74,7 @@ async fn resuming_after_a_disconnect_delivers_every_batch_after_the_cursor_exact
     let mut stream = subscribe(gateway.channel().await, SERVICE, cursor)
         .await
         .expect("resumed");
-    let resumed = follow_to_fence(&mut stream, &mut view, 2).await;
+    let resumed = common::follow_to_fence(&mut stream, &mut view, 2).await;
 
     assert_eq!(
         resumed[0].0.sequence_number,
@@ -119,7 +87,7 @@ async fn resuming_after_a_disconnect_delivers_every_batch_after_the_cursor_exact
             .all(|(_, admission)| *admission == Admission::Applied),
         "no duplicate, no gap"
     );
-    assert_eq!(view.blocks(0), truth(&engine));
+    assert_eq!(view.blocks(0), common::true_blocks(&engine));
     assert!(view.gaps.is_empty() && view.restarts == 0);
 }
 
@@ -138,12 +106,12 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut engine = engine(2);
-    publish_steps(&mut engine, &mut publisher, 5).await;
+    common::publish_steps(&mut engine, &mut publisher, 5).await;
     publisher
         .publish(common::fence_payload(1, 0))
         .await
         .unwrap();
-    follow_to_fence(&mut stream, &mut view, 1).await;
+    common::follow_to_fence(&mut stream, &mut view, 1).await;
     drop(stream);
 
     // Another subscriber sees when kvgate has the fence: by then the
@@ -152,12 +120,12 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
     let mut watcher = subscribe(gateway.channel().await, SERVICE, 0)
         .await
         .unwrap();
-    publish_steps(&mut engine, &mut publisher, 30).await;
+    common::publish_steps(&mut engine, &mut publisher, 30).await;
     publisher
         .publish(common::fence_payload(2, 0))
         .await
         .unwrap();
-    follow_to_fence(&mut watcher, &mut probe, 2).await;
+    common::follow_to_fence(&mut watcher, &mut probe, 2).await;
 
     view.reconnecting();
     let refused = subscribe(gateway.channel().await, SERVICE, view.resume_cursor())
@@ -173,11 +141,11 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
         .publish(common::fence_payload(3, 0))
         .await
         .unwrap();
-    let rejoined = follow_to_fence(&mut stream, &mut view, 3).await;
+    let rejoined = common::follow_to_fence(&mut stream, &mut view, 3).await;
     assert_eq!(rejoined[0].1, Admission::SnapshotChunk);
     assert_eq!(
         view.blocks(0),
-        truth(&engine),
+        common::true_blocks(&engine),
         "the snapshot rebuilt the engine's blocks"
     );
     assert!(view.gaps.is_empty() && view.restarts == 0);
@@ -191,23 +159,23 @@ async fn a_restarted_engine_reaches_subscribers_as_a_clear_on_the_same_stream_an
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut old_engine = engine(3);
-    publish_steps(&mut old_engine, &mut publisher, 10).await;
+    common::publish_steps(&mut old_engine, &mut publisher, 10).await;
     publisher
         .publish(common::fence_payload(1, 0))
         .await
         .unwrap();
-    follow_to_fence(&mut stream, &mut view, 1).await;
+    common::follow_to_fence(&mut stream, &mut view, 1).await;
     assert!(!view.blocks(0).is_empty());
 
     // The engine restarts: its counter starts over and its cache is empty.
     publisher.restart();
     let mut new_engine = engine(4);
-    publish_steps(&mut new_engine, &mut publisher, 10).await;
+    common::publish_steps(&mut new_engine, &mut publisher, 10).await;
     publisher
         .publish(common::fence_payload(2, 0))
         .await
         .unwrap();
-    let after = follow_to_fence(&mut stream, &mut view, 2).await;
+    let after = common::follow_to_fence(&mut stream, &mut view, 2).await;
 
     let cleared = after.iter().any(|(batch, _)| {
         batch.events.iter().any(|event| {
@@ -220,7 +188,7 @@ async fn a_restarted_engine_reaches_subscribers_as_a_clear_on_the_same_stream_an
             .iter()
             .all(|(_, admission)| *admission == Admission::Applied)
     );
-    assert_eq!(view.blocks(0), truth(&new_engine));
+    assert_eq!(view.blocks(0), common::true_blocks(&new_engine));
     assert!(view.gaps.is_empty() && view.restarts == 0);
 }
 
@@ -233,12 +201,12 @@ async fn after_kvgate_restarts_an_old_cursor_is_refused_never_silently_aliased()
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut engine = engine(5);
-    publish_steps(&mut engine, &mut publisher, 5).await;
+    common::publish_steps(&mut engine, &mut publisher, 5).await;
     publisher
         .publish(common::fence_payload(1, 0))
         .await
         .unwrap();
-    follow_to_fence(&mut stream, &mut view, 1).await;
+    common::follow_to_fence(&mut stream, &mut view, 1).await;
     let old_cursor = view.resume_cursor();
     drop(stream);
     assert!(gateway.terminate().success());

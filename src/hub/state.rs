@@ -406,19 +406,7 @@ mod tests {
             stored.blocks[2].extra_keys = vec![KvBlockExtraKey {
                 key: Some(Key::Text("img".into())),
             }];
-            stored.blocks[2].token_ids = vec![
-                0,
-                127,
-                128,
-                16_383,
-                16_384,
-                300_000,
-                0x1f_ffff,
-                0x20_0000,
-                0xfff_ffff,
-                0x1000_0000,
-                u32::MAX,
-            ];
+            stored.blocks[2].token_ids = vec![0, 300_000, u32::MAX];
         }
         state.apply(0, &mut event);
         let blocks = state.rank(0).unwrap();

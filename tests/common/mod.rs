@@ -21,7 +21,8 @@ pub const DEADLINE: Duration = Duration::from_secs(20);
 
 /// A running `kvgate` process, killed by pid when dropped.
 pub struct Gateway {
-    child: Child,
+    /// Taken by `terminate`, which waits for the exit.
+    child: Option<Child>,
     pub address: SocketAddr,
     /// The admin HTTP address, when started with `--metrics-listen`.
     pub admin: Option<SocketAddr>,
@@ -74,7 +75,7 @@ impl Gateway {
             }
         };
         Self {
-            child,
+            child: Some(child),
             address,
             admin,
         }
@@ -85,7 +86,7 @@ impl Gateway {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.as_ref().expect("still running").id()
     }
 
     pub async fn channel(&self) -> Channel {
@@ -99,26 +100,33 @@ impl Gateway {
 
     /// Sends SIGTERM and waits (bounded) for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("still running");
+        let pid = child.id().to_string();
         let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args(["-TERM", &pid])
             .status()
             .expect("kill runs");
         assert!(status.success());
-        let deadline = std::time::Instant::now() + DEADLINE;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                return status;
+        let (tx, rx) = std_mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait());
+        });
+        match rx.recv_timeout(DEADLINE) {
+            Ok(exit) => exit.expect("wait for kvgate"),
+            Err(_) => {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+                panic!("kvgate did not exit after SIGTERM");
             }
-            assert!(std::time::Instant::now() < deadline, "kvgate did not exit");
-            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
 
 impl Drop for Gateway {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -287,4 +295,41 @@ pub async fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
         .and_then(|code| code.parse().ok())
         .expect("a status code");
     (status, body.to_owned())
+}
+
+/// Publishes `steps` scheduler steps of `engine` on rank 0.
+pub async fn publish_steps(
+    engine: &mut kvgate::sim::SimEngine,
+    publisher: &mut kvgate::sim::EnginePublisher,
+    steps: usize,
+) {
+    for _ in 0..steps {
+        let mut payload = Vec::new();
+        kvgate::sim::encode_batch(1.0, &engine.step(), Some(0), &mut payload);
+        publisher.publish(payload.into()).await.unwrap();
+    }
+}
+
+/// The simulated engine's live blocks as a router's block set.
+pub fn true_blocks(engine: &kvgate::sim::SimEngine) -> router::BlockSet {
+    engine.live_blocks().map(|hash| (hash as i64, 1)).collect()
+}
+
+/// Admits every batch of `stream` into `view` up to the one carrying fence
+/// `n`; returns them with their admissions.
+pub async fn follow_to_fence(
+    stream: &mut Streaming<KvEventBatch>,
+    view: &mut router::RouterView,
+    n: u64,
+) -> Vec<(KvEventBatch, router::Admission)> {
+    let mut seen = Vec::new();
+    loop {
+        let batch = next_batch(stream).await;
+        let admission = view.admit(&batch);
+        let done = fence_in(&batch) == Some(n);
+        seen.push((batch, admission));
+        if done {
+            return seen;
+        }
+    }
 }
