@@ -189,10 +189,6 @@ impl RankBlocks {
     pub fn tier_block_count(&self, tier: usize) -> u64 {
         self.copies[tier]
     }
-
-    pub fn distinct_blocks(&self, tier: usize) -> usize {
-        self.tiers[tier].len()
-    }
 }
 
 /// A consistent view of every rank's blocks at one instant.
