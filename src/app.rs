@@ -174,10 +174,10 @@ impl std::fmt::Display for SourceConfig {
 /// Exactly one of `--zmq-endpoint`, `--demo` (a simulated engine started
 /// here) and `--upstream-grpc`.
 async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
-    let zmq = |endpoint| {
+    let zmq = |endpoint, replay_endpoint| {
         SourceConfig::Zmq(ZmqSourceConfig {
             endpoint,
-            replay_endpoint: args.zmq_replay_endpoint.clone(),
+            replay_endpoint,
             replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
             dp_size: args.dp_size,
             topic: args.zmq_topic.clone(),
@@ -185,9 +185,17 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         })
     };
     if args.demo {
-        let demo = DemoEngine::bind(DemoConfig::new(args.dp_size)).await?;
+        // With a replay endpoint, like a well-configured engine: kvgate
+        // primes from it, so the first steps lost to ZMQ's slow joiner are not.
+        let mut config = DemoConfig::new(args.dp_size);
+        config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+        let demo = DemoEngine::bind(config).await?;
         let endpoint = demo.endpoint().parse()?;
-        return Ok((zmq(endpoint), Some(demo)));
+        let replay = demo
+            .endpoints()
+            .first()
+            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok());
+        return Ok((zmq(endpoint, replay), Some(demo)));
     }
     if let Some(uri) = &args.upstream_grpc {
         let config = UpstreamConfig {
@@ -200,7 +208,7 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
          --upstream-grpc URI (another SubscribeKvEvents server) or --demo",
     )?;
-    Ok((zmq(endpoint), None))
+    Ok((zmq(endpoint, args.zmq_replay_endpoint.clone()), None))
 }
 
 /// The running source, stopped before the drain so the drain ends cleanly.
