@@ -3,9 +3,10 @@
 //!
 //! Invariant: requests and responses travel as HTTP/2 messages, never
 //! decoded: headers (metadata, `grpc-timeout`), body frames and trailers
-//! (status) go through as they are, over one shared connection. A client
-//! that cancels drops the forwarded request, which resets the engine's
-//! stream too; an engine that resets ends the client's stream.
+//! (status) go through as they are, over one shared HTTP/2 connection
+//! (hyper's pooled client, straight from the serving task: no queue hop in
+//! between). A client that cancels drops the forwarded request, which resets
+//! the engine's stream too; an engine that resets ends the client's stream.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -14,10 +15,12 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use http_body::{Body as HttpBody, Frame};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use tonic::Status;
 use tonic::body::Body;
-use tonic::transport::{Channel, Endpoint};
-use tower::{Service, ServiceExt};
+use tower::Service;
 use tracing::debug;
 
 use crate::metrics::Metrics;
@@ -25,23 +28,50 @@ use crate::metrics::Metrics;
 /// Forwards HTTP/2 gRPC requests to the engine.
 #[derive(Clone)]
 pub struct PassThrough {
-    channel: Channel,
+    client: Client<HttpConnector, Body>,
+    /// Scheme and authority of the engine's server, put on every request.
+    scheme: http::uri::Scheme,
+    authority: http::uri::Authority,
     /// Named in errors, so an operator sees which address failed.
     target: String,
     metrics: Metrics,
 }
 
 impl PassThrough {
-    /// Prepares a lazily connected channel: kvgate starts even when the
-    /// engine's server is not up yet, and reconnects when it comes back.
+    /// Connects on first use: kvgate starts even when the engine's server is
+    /// not up yet, and reconnects when it comes back.
     pub fn new(target: &str, metrics: Metrics) -> anyhow::Result<Self> {
-        let endpoint = Endpoint::from_shared(target.to_owned())
+        let uri: http::Uri = target
+            .parse()
             .map_err(|error| anyhow::anyhow!("--engine-grpc {target}: {error}"))?;
+        let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned())
+        else {
+            anyhow::bail!("--engine-grpc {target}: expected http://HOST:PORT");
+        };
+        if scheme != http::uri::Scheme::HTTP {
+            anyhow::bail!("--engine-grpc {target}: only plaintext http:// is supported");
+        }
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build(connector);
         Ok(Self {
-            channel: endpoint.connect_lazy(),
+            client,
+            scheme,
+            authority,
             target: target.to_owned(),
             metrics,
         })
+    }
+
+    /// The request's path on the engine's origin.
+    fn engine_uri(&self, uri: &http::Uri) -> http::Uri {
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        parts.path_and_query = uri.path_and_query().cloned();
+        http::Uri::from_parts(parts).unwrap_or_else(|_| uri.clone())
     }
 }
 
@@ -55,17 +85,15 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
     }
 
     fn call(&mut self, request: http::Request<axum::body::Body>) -> Self::Future {
-        let mut channel = self.channel.clone();
+        let client = self.client.clone();
         let target = self.target.clone();
         let metrics = self.metrics.clone();
         let method = request.uri().path().to_owned();
+        let (mut parts, body) = request.into_parts();
+        parts.uri = self.engine_uri(&parts.uri);
+        let request = http::Request::from_parts(parts, Body::new(body));
         Box::pin(async move {
-            let request = request.map(Body::new);
-            let forwarded = match channel.ready().await {
-                Ok(ready) => ready.call(request).await,
-                Err(error) => Err(error),
-            };
-            let response = match forwarded {
+            let response = match client.request(request).await {
                 Ok(response) => response,
                 Err(error) => {
                     debug!(%method, %error, "engine gRPC server unreachable");
@@ -76,6 +104,7 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
                     return Ok(status.into_http());
                 }
             };
+            let response = response.map(Body::new);
             // A trailers-only response carries its status in the headers.
             if let Some(code) = grpc_status(response.headers()) {
                 metrics.count_pass_through(&method, code);
