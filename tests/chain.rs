@@ -51,11 +51,7 @@ async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstre
         ..SimConfig::default()
     })
     .unwrap();
-    common::publish_steps(&mut engine, &mut publisher, 40).await;
-    publisher
-        .publish(common::fence_payload(1, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut engine, &mut publisher, 40, 1).await;
     common::follow_to_fence(&mut stream, &mut view, 1).await;
     assert_eq!(view.blocks(0), common::true_blocks(&engine));
 
@@ -75,11 +71,7 @@ async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstre
         },
     )
     .await;
-    common::publish_steps(&mut engine, &mut publisher, 40).await;
-    publisher
-        .publish(common::fence_payload(2, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut engine, &mut publisher, 40, 2).await;
     common::follow_to_fence(&mut stream, &mut view, 2).await;
     assert_eq!(
         view.blocks(0),

@@ -192,23 +192,33 @@ async fn engine_messages_lost_in_transit_are_fetched_from_replay_and_reach_subsc
     assert_eq!(counter(&gateway, "engine_messages_lost").await, 0);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_gateway_started_after_the_engine_primes_its_state_from_replay_and_knows_it_saw_everything()
- {
-    let mut publisher = replaying_publisher(10_000).await;
-    // More than one replay piece (1000 messages), before anyone subscribes:
-    // these exist only in the ring.
-    for hash in 1..=2500 {
+/// Publishes stored blocks 1..=`published` into a replay ring of `ring`
+/// messages before kvgate starts, then returns kvgate's snapshot once it
+/// holds `expected` (the publisher is returned to keep the engine up).
+async fn primed_snapshot(
+    ring: usize,
+    published: u64,
+    expected: &HashSet<i64>,
+) -> (Gateway, EnginePublisher, Vec<KvEventBatch>) {
+    let mut publisher = replaying_publisher(ring).await;
+    for hash in 1..=published {
         publisher.publish(stored(hash)).await.unwrap();
     }
     let replay = publisher.replay_endpoint().unwrap().to_owned();
     let gateway = gateway(&publisher, &replay);
-    let expected = block_set(1..=2500);
-    wait_for_blocks(&gateway, std::slice::from_ref(&expected)).await;
-
+    wait_for_blocks(&gateway, std::slice::from_ref(expected)).await;
     let mut router = RouterView::new();
     let chunks = snapshot(&gateway, &mut router).await;
-    assert_eq!(router_blocks(&router), expected);
+    assert_eq!(&router_blocks(&router), expected);
+    (gateway, publisher, chunks)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gateway_started_after_the_engine_primes_its_state_from_replay_and_knows_it_saw_everything()
+ {
+    // More than one replay piece (1000 messages), before anyone subscribes:
+    // these exist only in the ring.
+    let (gateway, _publisher, chunks) = primed_snapshot(10_000, 2500, &block_set(1..=2500)).await;
     for chunk in &chunks {
         let header = chunk.snapshot.as_ref().unwrap();
         assert_eq!(header.unknown_before, 0);
@@ -220,19 +230,8 @@ async fn a_gateway_started_after_the_engine_primes_its_state_from_replay_and_kno
 #[tokio::test(flavor = "multi_thread")]
 async fn when_the_ring_no_longer_reaches_back_to_the_engines_start_unknown_before_counts_what_preceded_it()
  {
-    let mut publisher = replaying_publisher(100).await;
-    for hash in 1..=300 {
-        publisher.publish(stored(hash)).await.unwrap();
-    }
-    let replay = publisher.replay_endpoint().unwrap().to_owned();
-    let gateway = gateway(&publisher, &replay);
-    // The ring kept the last 100 messages: seqs 200..=299, hashes 201..=300.
-    let expected = block_set(201..=300);
-    wait_for_blocks(&gateway, std::slice::from_ref(&expected)).await;
-
-    let mut router = RouterView::new();
-    let chunks = snapshot(&gateway, &mut router).await;
-    assert_eq!(router_blocks(&router), expected);
+    // The ring keeps the last 100 of 300 messages: seqs 200..=299, hashes 201..=300.
+    let (_gateway, _publisher, chunks) = primed_snapshot(100, 300, &block_set(201..=300)).await;
     for chunk in &chunks {
         assert_eq!(chunk.snapshot.as_ref().unwrap().unknown_before, 200);
     }

@@ -56,19 +56,11 @@ async fn resuming_after_a_disconnect_delivers_every_batch_after_the_cursor_exact
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut engine = engine(1);
-    common::publish_steps(&mut engine, &mut publisher, 20).await;
-    publisher
-        .publish(common::fence_payload(1, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut engine, &mut publisher, 20, 1).await;
     common::follow_to_fence(&mut stream, &mut view, 1).await;
 
     drop(stream);
-    common::publish_steps(&mut engine, &mut publisher, 20).await;
-    publisher
-        .publish(common::fence_payload(2, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut engine, &mut publisher, 20, 2).await;
     view.reconnecting();
     let cursor = view.resume_cursor();
     let mut stream = subscribe(gateway.channel().await, SERVICE, cursor)
@@ -106,11 +98,7 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut engine = engine(2);
-    common::publish_steps(&mut engine, &mut publisher, 5).await;
-    publisher
-        .publish(common::fence_payload(1, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut engine, &mut publisher, 5, 1).await;
     common::follow_to_fence(&mut stream, &mut view, 1).await;
     drop(stream);
 
@@ -120,11 +108,7 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
     let mut watcher = subscribe(gateway.channel().await, SERVICE, 0)
         .await
         .unwrap();
-    common::publish_steps(&mut engine, &mut publisher, 30).await;
-    publisher
-        .publish(common::fence_payload(2, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut engine, &mut publisher, 30, 2).await;
     common::follow_to_fence(&mut watcher, &mut probe, 2).await;
 
     view.reconnecting();
@@ -159,22 +143,14 @@ async fn a_restarted_engine_reaches_subscribers_as_a_clear_on_the_same_stream_an
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut old_engine = engine(3);
-    common::publish_steps(&mut old_engine, &mut publisher, 10).await;
-    publisher
-        .publish(common::fence_payload(1, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut old_engine, &mut publisher, 10, 1).await;
     common::follow_to_fence(&mut stream, &mut view, 1).await;
     assert!(!view.blocks(0).is_empty());
 
     // The engine restarts: its counter starts over and its cache is empty.
     publisher.restart();
     let mut new_engine = engine(4);
-    common::publish_steps(&mut new_engine, &mut publisher, 10).await;
-    publisher
-        .publish(common::fence_payload(2, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut new_engine, &mut publisher, 10, 2).await;
     let after = common::follow_to_fence(&mut stream, &mut view, 2).await;
 
     let cleared = after.iter().any(|(batch, _)| {
@@ -201,11 +177,7 @@ async fn after_kvgate_restarts_an_old_cursor_is_refused_never_silently_aliased()
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut engine = engine(5);
-    common::publish_steps(&mut engine, &mut publisher, 5).await;
-    publisher
-        .publish(common::fence_payload(1, 0))
-        .await
-        .unwrap();
+    common::publish_steps_then_fence(&mut engine, &mut publisher, 5, 1).await;
     common::follow_to_fence(&mut stream, &mut view, 1).await;
     let old_cursor = view.resume_cursor();
     drop(stream);

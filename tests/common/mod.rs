@@ -297,17 +297,20 @@ pub async fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
     (status, body.to_owned())
 }
 
-/// Publishes `steps` scheduler steps of `engine` on rank 0.
-pub async fn publish_steps(
+/// Publishes `steps` scheduler steps of `engine` on rank 0, then fence
+/// `fence` to tell where they end.
+pub async fn publish_steps_then_fence(
     engine: &mut kvgate::sim::SimEngine,
     publisher: &mut kvgate::sim::EnginePublisher,
     steps: usize,
+    fence: u64,
 ) {
     for _ in 0..steps {
         let mut payload = Vec::new();
         kvgate::sim::encode_batch(1.0, &engine.step(), Some(0), &mut payload);
         publisher.publish(payload.into()).await.unwrap();
     }
+    publisher.publish(fence_payload(fence, 0)).await.unwrap();
 }
 
 /// The simulated engine's live blocks as a router's block set.
