@@ -280,28 +280,40 @@ async fn with_several_ranks_each_rank_primes_from_its_own_replay_endpoint_at_bas
     assert_eq!(chunks[0].snapshot.as_ref().unwrap().unknown_before, 0);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn messages_the_engine_numbered_but_never_sent_are_counted_as_lost_and_the_stream_goes_on() {
-    let mut publisher = replaying_publisher(10_000).await;
-    let replay = publisher.replay_endpoint().unwrap().to_owned();
-    let gateway = gateway(&publisher, &replay);
+/// Publishes stored block 1, numbers `lost` messages that are never sent
+/// (nor kept for replay), publishes block 2: a synced subscriber gets both
+/// and kvgate counts the loss. Returns that subscriber.
+async fn across_a_lost_gap(
+    publisher: &mut EnginePublisher,
+    gateway: &Gateway,
+    lost: u64,
+) -> (Streaming<KvEventBatch>, RouterView) {
     let mut streams = vec![
         subscribe(gateway.channel().await, SERVICE, 0)
             .await
             .unwrap(),
     ];
-    sync_streams(&mut publisher, 0, &mut streams).await;
-
+    sync_streams(publisher, 0, &mut streams).await;
+    let mut stream = streams.pop().unwrap();
     let mut router = RouterView::new();
     publisher.publish(stored(1)).await.unwrap();
-    publisher.skip(3);
+    publisher.skip(lost);
     publisher.publish(stored(2)).await.unwrap();
-    let batches = read_until_stored(&mut streams[0], &mut router, 2).await;
+    let batches = read_until_stored(&mut stream, &mut router, 2).await;
     assert_eq!(stored_hashes(&batches), [1, 2]);
-    assert_eq!(counter(&gateway, "engine_messages_lost").await, 3);
+    assert_eq!(counter(gateway, "engine_messages_lost").await, lost);
+    (stream, router)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_the_engine_numbered_but_never_sent_are_counted_as_lost_and_the_stream_goes_on() {
+    let mut publisher = replaying_publisher(10_000).await;
+    let replay = publisher.replay_endpoint().unwrap().to_owned();
+    let gateway = gateway(&publisher, &replay);
+    let (mut stream, mut router) = across_a_lost_gap(&mut publisher, &gateway, 3).await;
 
     publisher.publish(stored(3)).await.unwrap();
-    read_until_stored(&mut streams[0], &mut router, 3).await;
+    read_until_stored(&mut stream, &mut router, 3).await;
     assert_eq!(router_blocks(&router), block_set(1..=3));
     assert_eq!(router.restarts, 0);
 }
@@ -352,19 +364,6 @@ async fn an_unreachable_replay_endpoint_never_stops_the_live_stream() {
         .unwrap();
     let nobody = format!("tcp://127.0.0.1:{}", free_ports(1));
     let gateway = gateway_timing_out_after(&publisher, &nobody, "300");
-    let mut streams = vec![
-        subscribe(gateway.channel().await, SERVICE, 0)
-            .await
-            .unwrap(),
-    ];
-    sync_streams(&mut publisher, 0, &mut streams).await;
-
-    let mut router = RouterView::new();
-    publisher.publish(stored(1)).await.unwrap();
-    publisher.skip(1);
-    publisher.publish(stored(2)).await.unwrap();
-    let batches = read_until_stored(&mut streams[0], &mut router, 2).await;
-    assert_eq!(stored_hashes(&batches), [1, 2]);
-    assert_eq!(counter(&gateway, "engine_messages_lost").await, 1);
+    across_a_lost_gap(&mut publisher, &gateway, 1).await;
     assert_eq!(counter(&gateway, "engine_messages_recovered").await, 0);
 }
