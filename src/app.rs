@@ -16,6 +16,7 @@ use crate::drain::sequence::epoch_seed;
 use crate::hub::{HistoryLimits, hub};
 use crate::metrics::Metrics;
 use crate::server::admin::{self, AdminState};
+use crate::server::connection::ConnectionLimits;
 use crate::server::passthrough::PassThrough;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
@@ -38,6 +39,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let (source_config, demo) = choose_source(&args).await?;
     let source_description = source_config.to_string();
 
+    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
@@ -49,7 +51,13 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let pass_through = args
         .engine_grpc
         .as_deref()
-        .map(|target| PassThrough::new(target, metrics.clone()))
+        .map(|target| {
+            PassThrough::new(
+                target,
+                args.pass_through_max_path_bytes as usize,
+                metrics.clone(),
+            )
+        })
         .transpose()?;
 
     let (hub_writer, hub_reader) = hub(
@@ -95,6 +103,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
             metrics: metrics.clone(),
             source_ready: ready_rx,
             pass_through,
+            limits: ConnectionLimits::from_args(&args),
         },
         async move {
             let _ = server_stop.wait_for(|stopped| *stopped).await;

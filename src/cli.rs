@@ -139,4 +139,57 @@ pub struct ServeArgs {
     /// real one: live events with no GPU.
     #[arg(long, env = "KVGATE_DEMO")]
     pub demo: bool,
+
+    /// Most connections open on the gRPC port; one more is accepted and
+    /// closed at once.
+    #[arg(long, env = "KVGATE_MAX_CONNECTIONS", default_value_t = 512,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_connections: u32,
+
+    /// Most milliseconds from accepting a connection to its HTTP/2 preface
+    /// (TLS handshake included).
+    #[arg(long, env = "KVGATE_HANDSHAKE_TIMEOUT_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub handshake_timeout_ms: u64,
+
+    /// A connection with no open stream for this many milliseconds is closed
+    /// (with GOAWAY; clients reconnect when they next call).
+    #[arg(long, env = "KVGATE_IDLE_TIMEOUT_MS", default_value_t = 300_000,
+          value_parser = clap::value_parser!(u64).range(10..=86_400_000))]
+    pub idle_timeout_ms: u64,
+
+    /// Most concurrent HTTP/2 streams (calls) per connection; clients queue
+    /// beyond it, and a stream over it is refused with REFUSED_STREAM.
+    #[arg(long, env = "KVGATE_HTTP2_MAX_CONCURRENT_STREAMS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub http2_max_concurrent_streams: u32,
+
+    /// Most bytes of request headers (metadata) per call.
+    #[arg(long, env = "KVGATE_HTTP2_MAX_HEADER_LIST_BYTES", default_value_t = 16 << 10,
+          value_parser = clap::value_parser!(u32).range(1024..=(1 << 20)))]
+    pub http2_max_header_list_bytes: u32,
+
+    /// Milliseconds without a frame from a client before kvgate sends it a
+    /// keepalive PING.
+    #[arg(long, env = "KVGATE_HTTP2_KEEPALIVE_INTERVAL_MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(10..=86_400_000))]
+    pub http2_keepalive_interval_ms: u64,
+
+    /// Milliseconds a client has to answer a keepalive PING before its
+    /// connection is closed (a client that stopped reading never answers).
+    #[arg(long, env = "KVGATE_HTTP2_KEEPALIVE_TIMEOUT_MS", default_value_t = 20_000,
+          value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub http2_keepalive_timeout_ms: u64,
+
+    /// Streams a client may open and reset before kvgate accepts them, per
+    /// connection (a bound against rapid-reset floods).
+    #[arg(long, env = "KVGATE_HTTP2_MAX_PENDING_ACCEPT_RESET_STREAMS", default_value_t = 20,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub http2_max_pending_accept_reset_streams: u32,
+
+    /// Longest method path passed through to the engine; longer ones get
+    /// RESOURCE_EXHAUSTED and never reach it.
+    #[arg(long, env = "KVGATE_PASS_THROUGH_MAX_PATH_BYTES", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(64..=16_384))]
+    pub pass_through_max_path_bytes: u32,
 }

@@ -37,7 +37,8 @@ pub struct SubscriberLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
-    pub method: String,
+    /// From the closed set of `server::methods` (`other` for the rest).
+    pub method: &'static str,
     pub code: i32,
 }
 
@@ -84,6 +85,12 @@ pub struct Metrics {
     pub pass_through_calls: Family<CallLabels, Counter>,
     /// Times the upstream gRPC source lost its stream and resumed.
     pub upstream_reconnects: Counter,
+    /// Connections open on the gRPC port.
+    pub connections: Gauge,
+    /// Connections to the gRPC port closed before serving, by reason.
+    pub connections_refused: Family<ReasonLabel, Counter>,
+    /// Served connections kvgate closed itself, by reason.
+    pub connections_closed: Family<ReasonLabel, Counter>,
     /// Snapshots served to subscribers joining with cursor 0.
     pub snapshots_served: Counter,
     /// Subscriber streams ended because they fell further behind than kvgate
@@ -117,6 +124,9 @@ impl Metrics {
             subscribers_lost: Counter::default(),
             snapshots_served: Counter::default(),
             upstream_reconnects: Counter::default(),
+            connections: Gauge::default(),
+            connections_refused: Family::default(),
+            connections_closed: Family::default(),
             pass_through_calls: Family::default(),
             state_blocks: Family::default(),
             last_sequence: Family::default(),
@@ -217,6 +227,31 @@ impl Metrics {
             "Times the upstream gRPC source lost its stream and resumed",
             metrics.upstream_reconnects.clone(),
         );
+        registry.register(
+            "connections",
+            "Connections open on the gRPC port",
+            metrics.connections.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Connections to the gRPC port closed before serving, by reason",
+            metrics.connections_refused.clone(),
+        );
+        registry.register(
+            "connections_closed",
+            "Served gRPC connections kvgate closed itself, by reason",
+            metrics.connections_closed.clone(),
+        );
+        for reason in crate::server::connection::Refusal::ALL {
+            let _ = metrics.connections_refused.get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            });
+        }
+        for reason in crate::server::connection::Closure::ALL {
+            let _ = metrics.connections_closed.get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            });
+        }
         Self {
             registry: Arc::new(registry),
             ..metrics
@@ -276,12 +311,9 @@ impl Metrics {
         }
     }
 
-    pub fn count_pass_through(&self, method: &str, code: i32) {
+    pub fn count_pass_through(&self, method: &'static str, code: i32) {
         self.pass_through_calls
-            .get_or_create(&CallLabels {
-                method: method.to_owned(),
-                code,
-            })
+            .get_or_create(&CallLabels { method, code })
             .inc();
     }
 

@@ -2,14 +2,19 @@
 //! reflection, and every other RPC passed through to the engine (or
 //! answered UNIMPLEMENTED when there is no engine server to pass it to).
 
+pub mod accept;
+mod activity;
 pub mod admin;
 pub mod codec;
+pub mod connection;
+pub mod fd_limit;
+mod methods;
 pub mod passthrough;
+mod preface;
 pub mod subscribe;
 
 use std::future::Future;
 
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::service::Routes;
@@ -37,6 +42,7 @@ pub struct ServerParts {
     pub source_ready: watch::Receiver<bool>,
     /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
     pub pass_through: Option<passthrough::PassThrough>,
+    pub limits: connection::ConnectionLimits,
 }
 
 /// Builds every route of the server.
@@ -71,15 +77,26 @@ pub fn routes(
     Ok((router, health))
 }
 
-/// Serves until `shutdown` resolves, then waits for open streams to end
-/// (closing the hub ends them).
-///
-/// Served by hyper through `axum::serve` rather than tonic's `Server`: tonic's
-/// server enforces `grpc-timeout` itself and answers CANCELLED on expiry,
-/// which would replace the engine's own DEADLINE_EXCEEDED on passed-through
-/// calls. Deadlines are the engine's (and the client's) to enforce.
+/// Serves plaintext HTTP/2 until `shutdown` resolves, then waits for open
+/// streams to end (closing the hub ends them).
 pub async fn serve(
     listener: TcpListener,
+    parts: ServerParts,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    serve_with(listener, accept::Plaintext, parts, shutdown).await
+}
+
+/// [`serve`] over whatever `acceptor` makes of each accepted TCP stream.
+///
+/// Served by hyper's HTTP/2 server (`connection`) rather than tonic's
+/// `Server`: tonic's server enforces `grpc-timeout` itself and answers
+/// CANCELLED on expiry, which would replace the engine's own
+/// DEADLINE_EXCEEDED on passed-through calls. Deadlines are the engine's
+/// (and the client's) to enforce.
+pub async fn serve_with<A: accept::Acceptor>(
+    listener: TcpListener,
+    acceptor: A,
     parts: ServerParts,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
@@ -100,12 +117,14 @@ pub async fn serve(
             }
         }
     });
-    // Small batches must not wait for Nagle's algorithm.
-    let listener = listener.tap_io(|stream| {
-        let _ = stream.set_nodelay(true);
-    });
-    axum::serve(listener, routes)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    connection::serve(
+        listener,
+        acceptor,
+        parts.limits,
+        routes,
+        parts.metrics,
+        shutdown,
+    )
+    .await;
     Ok(())
 }

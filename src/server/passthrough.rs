@@ -7,6 +7,9 @@
 //! (hyper's pooled client, straight from the serving task: no queue hop in
 //! between). A client that cancels drops the forwarded request, which resets
 //! the engine's stream too; an engine that resets ends the client's stream.
+//! A method path longer than `--pass-through-max-path-bytes` is refused
+//! before it is forwarded, and calls are counted under a label from the
+//! closed set of `methods`, never the path a client sent.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -24,6 +27,7 @@ use tower::Service;
 use tracing::debug;
 
 use crate::metrics::Metrics;
+use crate::server::methods;
 
 /// Forwards HTTP/2 gRPC requests to the engine.
 #[derive(Clone)]
@@ -34,13 +38,15 @@ pub struct PassThrough {
     authority: http::uri::Authority,
     /// Named in errors, so an operator sees which address failed.
     target: String,
+    /// Longer method paths are refused, never forwarded.
+    max_path_bytes: usize,
     metrics: Metrics,
 }
 
 impl PassThrough {
     /// Connects on first use: kvgate starts even when the engine's server is
     /// not up yet, and reconnects when it comes back.
-    pub fn new(target: &str, metrics: Metrics) -> anyhow::Result<Self> {
+    pub fn new(target: &str, max_path_bytes: usize, metrics: Metrics) -> anyhow::Result<Self> {
         let uri: http::Uri = target
             .parse()
             .map_err(|error| anyhow::anyhow!("--engine-grpc {target}: {error}"))?;
@@ -61,6 +67,7 @@ impl PassThrough {
             scheme,
             authority,
             target: target.to_owned(),
+            max_path_bytes,
             metrics,
         })
     }
@@ -88,7 +95,18 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
         let client = self.client.clone();
         let target = self.target.clone();
         let metrics = self.metrics.clone();
-        let method = request.uri().path().to_owned();
+        let path = request.uri().path();
+        if path.len() > self.max_path_bytes {
+            let status = Status::resource_exhausted(format!(
+                "method path of {} bytes is longer than the {} bytes kvgate passes through \
+                 (--pass-through-max-path-bytes)",
+                path.len(),
+                self.max_path_bytes
+            ));
+            metrics.count_pass_through(methods::OTHER, status.code() as i32);
+            return Box::pin(std::future::ready(Ok(status.into_http())));
+        }
+        let method = methods::label(path);
         let (mut parts, body) = request.into_parts();
         parts.uri = self.engine_uri(&parts.uri);
         let request = http::Request::from_parts(parts, Body::new(body));
@@ -100,14 +118,14 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
                     let status = Status::unavailable(format!(
                         "kvgate could not reach the engine's gRPC server at {target}: {error}"
                     ));
-                    metrics.count_pass_through(&method, status.code() as i32);
+                    metrics.count_pass_through(method, status.code() as i32);
                     return Ok(status.into_http());
                 }
             };
             let response = response.map(Body::new);
             // A trailers-only response carries its status in the headers.
             if let Some(code) = grpc_status(response.headers()) {
-                metrics.count_pass_through(&method, code);
+                metrics.count_pass_through(method, code);
                 return Ok(response);
             }
             Ok(response.map(|body| {
@@ -129,7 +147,7 @@ fn grpc_status(headers: &http::HeaderMap) -> Option<i32> {
 /// when the trailers go by.
 struct CountStatus {
     inner: Body,
-    method: String,
+    method: &'static str,
     metrics: Metrics,
 }
 
@@ -145,7 +163,7 @@ impl HttpBody for CountStatus {
         if let Poll::Ready(Some(Ok(frame))) = &polled
             && let Some(code) = frame.trailers_ref().and_then(grpc_status)
         {
-            self.metrics.count_pass_through(&self.method, code);
+            self.metrics.count_pass_through(self.method, code);
         }
         polled
     }

@@ -1,0 +1,46 @@
+//! The open-file limit, checked against `--max-connections` at start.
+//!
+//! Invariant: once kvgate is serving, the process may hold every allowed
+//! connection and still have file descriptors for everything else (engine
+//! sockets, the admin port, the pass-through connection, logs), so a flood
+//! of connections never starves `/metrics`, the engine or a new subscriber
+//! of a descriptor.
+
+/// Descriptors kept for everything but client connections, besides two per
+/// data-parallel rank (event and replay sockets).
+const RESERVED: u64 = 128;
+
+/// Raises the soft open-file limit as far as needed (up to the hard limit),
+/// or explains which flag asks for more than the system allows.
+pub fn ensure_room_for(max_connections: u32, dp_size: u32) -> anyhow::Result<()> {
+    let needed = u64::from(max_connections) + 2 * u64::from(dp_size) + RESERVED;
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        // Without a known limit there is nothing to check against.
+        return Ok(());
+    }
+    if limit.rlim_cur >= needed {
+        return Ok(());
+    }
+    if limit.rlim_max >= needed {
+        let raised = libc::rlimit {
+            rlim_cur: needed,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: setrlimit only reads the struct it is given.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            return Ok(());
+        }
+    }
+    anyhow::bail!(
+        "--max-connections {max_connections} needs about {needed} open files \
+         ({RESERVED} more for kvgate itself, 2 per rank), but the limit is {} \
+         (ulimit -n; hard limit {}): lower --max-connections or raise the limit",
+        limit.rlim_cur,
+        limit.rlim_max
+    )
+}

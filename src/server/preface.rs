@@ -1,0 +1,141 @@
+//! The HTTP/2 connection preface, checked before hyper sees the connection.
+//!
+//! Invariant: only a connection whose first bytes are the HTTP/2 client
+//! preface reaches hyper, with those bytes replayed unchanged; anything else
+//! (HTTP/1.1 above all) gets a one-line HTTP/1.1 answer saying why and is
+//! closed, so it is refused and counted rather than left to a protocol error.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+
+/// What every HTTP/2 client sends first (RFC 9113 section 3.4).
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Why a connection is not served.
+#[derive(Debug)]
+pub(crate) enum NotServed {
+    /// The peer spoke something other than HTTP/2 (HTTP/1.1, most likely).
+    NotHttp2,
+    /// The peer closed or failed before sending the whole preface.
+    Closed(io::Error),
+}
+
+/// The answer to a peer that is not speaking HTTP/2.
+const HTTP1_REFUSAL: &[u8] = b"HTTP/1.1 505 HTTP Version Not Supported\r\n\
+    connection: close\r\ncontent-type: text/plain\r\ncontent-length: 42\r\n\r\n\
+    kvgate serves gRPC over HTTP/2 only (h2c)\n";
+
+/// Reads the preface from `io` (never a byte past it) and hands back a
+/// stream that replays it.
+pub(crate) async fn expect_preface<Io>(mut io: Io) -> Result<Replayed<Io>, NotServed>
+where
+    Io: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut received = [0u8; PREFACE.len()];
+    let mut filled = 0;
+    while filled < PREFACE.len() {
+        let read = io
+            .read(&mut received[filled..])
+            .await
+            .map_err(NotServed::Closed)?;
+        if read == 0 {
+            return Err(NotServed::Closed(io::ErrorKind::UnexpectedEof.into()));
+        }
+        if received[filled..filled + read] != PREFACE[filled..filled + read] {
+            // Best effort: the peer may already be gone.
+            let _ = io.write_all(HTTP1_REFUSAL).await;
+            let _ = io.shutdown().await;
+            return Err(NotServed::NotHttp2);
+        }
+        filled += read;
+    }
+    Ok(Replayed { io, replayed: 0 })
+}
+
+/// A stream whose first bytes read are the preface already taken from it.
+pub(crate) struct Replayed<Io> {
+    io: Io,
+    replayed: usize,
+}
+
+impl<Io: AsyncRead + Unpin> AsyncRead for Replayed<Io> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.replayed < PREFACE.len() {
+            let rest = &PREFACE[self.replayed..];
+            let n = rest.len().min(buf.remaining());
+            buf.put_slice(&rest[..n]);
+            self.replayed += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<Io: AsyncWrite + Unpin> AsyncWrite for Replayed<Io> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_preface_is_replayed_before_the_rest_of_the_stream() {
+        let (mut client, server) = tokio::io::duplex(64);
+        client.write_all(PREFACE).await.unwrap();
+        client.write_all(b"frames").await.unwrap();
+        drop(client);
+        let mut replayed = expect_preface(server).await.unwrap();
+        let mut all = Vec::new();
+        replayed.read_to_end(&mut all).await.unwrap();
+        assert_eq!(all, [&PREFACE[..], b"frames"].concat());
+    }
+
+    #[tokio::test]
+    async fn an_http1_request_is_answered_505_and_refused() {
+        let (mut client, server) = tokio::io::duplex(256);
+        client
+            .write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let refused = expect_preface(server).await;
+        assert!(matches!(refused, Err(NotServed::NotHttp2)), "{refused:?}");
+        let mut answer = String::new();
+        client.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 505 "), "{answer}");
+        assert!(answer.ends_with("HTTP/2 only (h2c)\n"), "{answer}");
+    }
+}
