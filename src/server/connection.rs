@@ -216,13 +216,15 @@ async fn connection<A: Acceptor>(
             debug!(%error, "gRPC port: handshake failed");
             Refusal::HandshakeFailed
         })?;
-        expect_preface(io).await.map_err(|not_served| match not_served {
-            NotServed::NotHttp2 => Refusal::NotHttp2,
-            NotServed::Closed(error) => {
-                debug!(%error, "gRPC port: peer left before the HTTP/2 preface");
-                Refusal::HandshakeFailed
-            }
-        })
+        expect_preface(io)
+            .await
+            .map_err(|not_served| match not_served {
+                NotServed::NotHttp2 => Refusal::NotHttp2,
+                NotServed::Closed(error) => {
+                    debug!(%error, "gRPC port: peer left before the HTTP/2 preface");
+                    Refusal::HandshakeFailed
+                }
+            })
     };
     let io = tokio::select! {
         shaken = tokio::time::timeout(shared.limits.handshake_timeout, handshake) => {
@@ -288,7 +290,8 @@ fn close(metrics: &Metrics, closure: Closure) {
 /// hyper reports an unanswered keepalive PING only through its error's
 /// source, a private type whose message is all there is to match.
 fn is_keepalive_timeout(error: &hyper::Error) -> bool {
-    std::error::Error::source(error).is_some_and(|source| source.to_string() == "keep-alive timed out")
+    std::error::Error::source(error)
+        .is_some_and(|source| source.to_string() == "keep-alive timed out")
 }
 
 /// Keeps the open-connections gauge right however the task ends.

@@ -77,6 +77,9 @@ mod tests {
         assert_eq!(label(generate), generate);
         assert_eq!(label("/vllm.grpc.engine.VllmEngine/Made-up"), OTHER);
         assert_eq!(label(&"x".repeat(4000)), OTHER);
-        assert_eq!(label("/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents"), OTHER);
+        assert_eq!(
+            label("/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents"),
+            OTHER
+        );
     }
 }

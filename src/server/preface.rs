@@ -56,6 +56,7 @@ where
 }
 
 /// A stream whose first bytes read are the preface already taken from it.
+#[derive(Debug)]
 pub(crate) struct Replayed<Io> {
     io: Io,
     replayed: usize,

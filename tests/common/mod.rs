@@ -336,3 +336,33 @@ pub async fn follow_to_fence(
         }
     }
 }
+
+/// The value of the sample `name{labels}` in a Prometheus text exposition.
+pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        line.strip_prefix(series)?
+            .trim()
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+/// Polls the admin port's `/metrics` until `series` reads `value`, failing
+/// the test at the deadline.
+pub async fn await_metric(admin: SocketAddr, series: &str, value: f64) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let (_, text) = http_get(admin, "/metrics").await;
+        let now = metric_sample(&text, series);
+        if now == Some(value) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{series} is {now:?}, never {value}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
