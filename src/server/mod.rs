@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod codec;
+mod health;
 pub mod passthrough;
 pub mod subscribe;
 
@@ -11,10 +12,9 @@ use std::future::Future;
 
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tonic::service::Routes;
-use tonic_health::ServingStatus;
 
+use crate::health::HealthWatch;
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
 use subscribe::SubscribeService;
@@ -33,8 +33,8 @@ pub const SUBSCRIBE_SERVICES: [&str; 5] = [
 pub struct ServerParts {
     pub hub: HubReader,
     pub metrics: Metrics,
-    /// Becomes true once the event source is up; health reports SERVING then.
-    pub source_ready: watch::Receiver<bool>,
+    /// What the health service reports.
+    pub health: HealthWatch,
     /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
     pub pass_through: Option<passthrough::PassThrough>,
 }
@@ -84,28 +84,14 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (routes, health) = routes(&parts)?;
-    let names = std::iter::once("").chain(SUBSCRIBE_SERVICES);
-    for name in names.clone() {
-        health
-            .set_service_status(name, ServingStatus::NotServing)
-            .await;
-    }
-    let mut source_ready = parts.source_ready;
-    tokio::spawn(async move {
-        if source_ready.wait_for(|ready| *ready).await.is_ok() {
-            for name in names {
-                health
-                    .set_service_status(name, ServingStatus::Serving)
-                    .await;
-            }
-        }
-    });
+    let health = health::follow(health, parts.health).await;
     // Small batches must not wait for Nagle's algorithm.
     let listener = listener.tap_io(|stream| {
         let _ = stream.set_nodelay(true);
     });
-    axum::serve(listener, routes)
-        .with_graceful_shutdown(shutdown)
-        .await?;
-    Ok(())
+    let serving = axum::serve(listener, routes).with_graceful_shutdown(shutdown);
+    tokio::select! {
+        served = serving => Ok(served?),
+        never = health => match never {},
+    }
 }
