@@ -23,7 +23,7 @@ use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
 use crate::health::HealthWatch;
-use crate::hub::{HistoryLimits, hub};
+use crate::hub::{HistoryLimits, HubWriter, hub};
 use crate::metrics::Metrics;
 use crate::server::admin::{self, AdminState};
 use crate::server::passthrough::PassThrough;
@@ -140,6 +140,8 @@ impl Gateway {
     }
 }
 
+/// Binds every port, then starts the source, drain, admin and gRPC servers
+/// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new();
     let (source_config, demo) = choose_source(&args).await?;
@@ -166,10 +168,6 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
         },
     );
-    let limits = BatchLimits {
-        max_events: args.max_batch_events as usize,
-        max_bytes: args.max_batch_bytes as usize,
-    };
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
     let health = HealthWatch::new(supervisor.lifecycle(), ready_rx);
@@ -181,14 +179,9 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         supervisor,
     )
     .await?;
-    let drain = Drain::new(limits, epoch_seed(), hub_writer, metrics.clone());
-    supervisor.spawn(TaskName::Drain, async move {
-        drain.run(events_rx).await;
-        Ok(())
-    });
-
-    let admin_address = match admin_listener {
-        Some(listener) => {
+    spawn_drain(supervisor, &args, hub_writer, events_rx, metrics.clone());
+    let admin_address = admin_listener
+        .map(|listener| {
             let state = AdminState {
                 metrics: metrics.clone(),
                 hub: hub_reader.clone(),
@@ -196,15 +189,9 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 source: Arc::clone(&source),
                 started: Instant::now(),
             };
-            let address = listener.local_addr()?;
-            let stop = supervisor.stopping().cancelled_owned();
-            supervisor.spawn(TaskName::AdminServer, async move {
-                Ok(admin::serve(listener, state, stop).await?)
-            });
-            Some(address)
-        }
-        None => None,
-    };
+            spawn_admin(supervisor, listener, state)
+        })
+        .transpose()?;
     let parts = ServerParts {
         hub: hub_reader,
         metrics,
@@ -292,6 +279,38 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
          --upstream-grpc URI (another SubscribeKvEvents server) or --demo",
     )?;
     Ok((zmq(endpoint, args.zmq_replay_endpoint.clone()), None))
+}
+
+fn spawn_drain(
+    supervisor: &Supervisor,
+    args: &ServeArgs,
+    hub: HubWriter,
+    events: mpsc::Receiver<SourceEvent>,
+    metrics: Metrics,
+) {
+    let limits = BatchLimits {
+        max_events: args.max_batch_events as usize,
+        max_bytes: args.max_batch_bytes as usize,
+    };
+    let drain = Drain::new(limits, epoch_seed(), hub, metrics);
+    supervisor.spawn(TaskName::Drain, async move {
+        drain.run(events).await;
+        Ok(())
+    });
+}
+
+/// Serves the admin port until shutdown; returns its address.
+fn spawn_admin(
+    supervisor: &Supervisor,
+    listener: TcpListener,
+    state: AdminState,
+) -> std::io::Result<SocketAddr> {
+    let address = listener.local_addr()?;
+    let stop = supervisor.stopping().cancelled_owned();
+    supervisor.spawn(TaskName::AdminServer, async move {
+        Ok(admin::serve(listener, state, stop).await?)
+    });
+    Ok(address)
 }
 
 /// Starts the configured source's tasks.

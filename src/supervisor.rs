@@ -181,9 +181,9 @@ impl Supervisor {
             first
         });
         if first {
-            error!(task = %failure.task, reason = %failure.end, "{failure}; stopping the gateway");
+            error!(task = %failure.task, reason = %failure.end, "a task failed; stopping the gateway");
         } else {
-            warn!(task = %failure.task, reason = %failure.end, "{failure} after an earlier failure");
+            warn!(task = %failure.task, reason = %failure.end, "a task failed after an earlier failure");
         }
         self.stopping.cancel();
     }
