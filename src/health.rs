@@ -78,3 +78,37 @@ impl HealthWatch {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::supervisor::{Supervisor, TaskName};
+
+    #[tokio::test]
+    async fn health_is_serving_only_while_every_task_runs_and_the_source_is_up() {
+        let supervisor = Supervisor::new();
+        let (ready, source_ready) = watch::channel(false);
+        let mut health = HealthWatch::new(supervisor.lifecycle(), source_ready);
+        assert_eq!(health.now(), Health::WaitingForSource);
+
+        ready.send_replace(true);
+        health.changed().await;
+        assert_eq!(health.now(), Health::Serving);
+
+        ready.send_replace(false);
+        health.changed().await;
+        assert_eq!(
+            health.now(),
+            Health::WaitingForSource,
+            "the source went away"
+        );
+
+        ready.send_replace(true);
+        supervisor.spawn(TaskName::Drain, async { Ok(()) });
+        let failure = supervisor.failed().await;
+        assert_eq!(health.now(), Health::Failed(failure));
+        assert!(!health.now().is_serving());
+        drop(ready);
+        assert!(!health.now().is_serving(), "a failure is final");
+    }
+}
