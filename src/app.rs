@@ -31,7 +31,7 @@ use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
 use crate::source::upstream::{self, UpstreamConfig};
-use crate::source::zmq::{self, ZmqSourceConfig};
+use crate::source::zmq::ZmqSourceConfig;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 
 #[cfg(test)]
@@ -322,7 +322,7 @@ async fn start_source(
     supervisor: &Supervisor,
 ) -> anyhow::Result<()> {
     match config {
-        SourceConfig::Zmq(config) => zmq::start(config, events, metrics, ready, supervisor).await,
+        SourceConfig::Zmq(config) => config.start(events, metrics, ready, supervisor).await,
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {

@@ -71,80 +71,83 @@ pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), F
     Ok((parse_sequence(&sequence)?, payload))
 }
 
-/// Opens one socket per rank, each served by its own supervised task until
-/// shutdown. Bound sockets are listening when this returns; connecting
-/// sockets keep retrying in the background until the engine is up. `ready`
-/// becomes true once every rank is connected or bound.
-pub async fn start(
-    config: ZmqSourceConfig,
-    events: mpsc::Sender<SourceEvent>,
-    metrics: Metrics,
-    ready: watch::Sender<bool>,
-    supervisor: &Supervisor,
-) -> anyhow::Result<()> {
-    let ranks_up = Arc::new(RanksUp {
-        up: AtomicU32::new(0),
-        of: config.dp_size,
-        ready,
-    });
-    for rank in 0..config.dp_size {
-        let endpoint = config.endpoint.for_rank(rank).map_err(|error| {
-            anyhow::anyhow!("--zmq-endpoint with --dp-size {}: {error}", config.dp_size)
-        })?;
-        let topic = Bytes::from(config.topic.clone());
-        let replay = match &config.replay_endpoint {
-            Some(base) => Some(ReplayClient::new(
-                base.for_rank(rank)
-                    .map_err(|error| {
-                        anyhow::anyhow!(
-                            "--zmq-replay-endpoint with --dp-size {}: {error}",
-                            config.dp_size
-                        )
-                    })?
-                    .connect_address(),
-                topic.clone(),
-                config.replay_timeout,
-            )),
-            None => None,
-        };
-        let mut options = SocketOptions::default();
-        options.no_connect_timeout();
-        let mut socket = SubSocket::with_options(options);
-        socket.subscribe(&config.topic).await?;
-        let rank_task = RankTask::new(rank, topic, replay, events.clone(), metrics.clone());
-        let stop = supervisor.stopping();
-        if config.bind {
-            let address = endpoint.bind_address();
-            let bound = socket
-                .bind(&address)
-                .await
-                .map_err(|e| anyhow::anyhow!("--zmq-bind: cannot bind {address}: {e}"))?;
-            info!(rank, %bound, "listening for the engine publisher");
-            ranks_up.one_more();
-            supervisor.spawn(TaskName::SourceRank(rank), async move {
-                rank_task.run(socket, stop).await;
-                Ok(())
-            });
-        } else {
-            let address = endpoint.connect_address();
-            let ranks_up = Arc::clone(&ranks_up);
-            supervisor.spawn(TaskName::SourceRank(rank), async move {
-                tokio::select! {
-                    connected = socket.connect(&address) => {
-                        connected.with_context(|| {
-                            format!("cannot connect to the engine publisher at {address}")
-                        })?;
-                        info!(rank, %address, "connected to the engine publisher");
-                        ranks_up.one_more();
-                        rank_task.run(socket, stop).await;
+impl ZmqSourceConfig {
+    /// Opens one socket per rank, each served by its own supervised task until
+    /// shutdown. Bound sockets are listening when this returns; connecting
+    /// sockets keep retrying in the background until the engine is up. `ready`
+    /// becomes true once every rank is connected or bound.
+    pub async fn start(
+        self,
+        events: mpsc::Sender<SourceEvent>,
+        metrics: Metrics,
+        ready: watch::Sender<bool>,
+        supervisor: &Supervisor,
+    ) -> anyhow::Result<()> {
+        let config = self;
+        let ranks_up = Arc::new(RanksUp {
+            up: AtomicU32::new(0),
+            of: config.dp_size,
+            ready,
+        });
+        for rank in 0..config.dp_size {
+            let endpoint = config.endpoint.for_rank(rank).map_err(|error| {
+                anyhow::anyhow!("--zmq-endpoint with --dp-size {}: {error}", config.dp_size)
+            })?;
+            let topic = Bytes::from(config.topic.clone());
+            let replay = match &config.replay_endpoint {
+                Some(base) => Some(ReplayClient::new(
+                    base.for_rank(rank)
+                        .map_err(|error| {
+                            anyhow::anyhow!(
+                                "--zmq-replay-endpoint with --dp-size {}: {error}",
+                                config.dp_size
+                            )
+                        })?
+                        .connect_address(),
+                    topic.clone(),
+                    config.replay_timeout,
+                )),
+                None => None,
+            };
+            let mut options = SocketOptions::default();
+            options.no_connect_timeout();
+            let mut socket = SubSocket::with_options(options);
+            socket.subscribe(&config.topic).await?;
+            let rank_task = RankTask::new(rank, topic, replay, events.clone(), metrics.clone());
+            let stop = supervisor.stopping();
+            if config.bind {
+                let address = endpoint.bind_address();
+                let bound = socket
+                    .bind(&address)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("--zmq-bind: cannot bind {address}: {e}"))?;
+                info!(rank, %bound, "listening for the engine publisher");
+                ranks_up.one_more();
+                supervisor.spawn(TaskName::SourceRank(rank), async move {
+                    rank_task.run(socket, stop).await;
+                    Ok(())
+                });
+            } else {
+                let address = endpoint.connect_address();
+                let ranks_up = Arc::clone(&ranks_up);
+                supervisor.spawn(TaskName::SourceRank(rank), async move {
+                    tokio::select! {
+                        connected = socket.connect(&address) => {
+                            connected.with_context(|| {
+                                format!("cannot connect to the engine publisher at {address}")
+                            })?;
+                            info!(rank, %address, "connected to the engine publisher");
+                            ranks_up.one_more();
+                            rank_task.run(socket, stop).await;
+                        }
+                        () = stop.cancelled() => {}
                     }
-                    () = stop.cancelled() => {}
-                }
-                Ok(())
-            });
+                    Ok(())
+                });
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Counts the ranks that are connected or bound.
