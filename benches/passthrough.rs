@@ -137,38 +137,22 @@ async fn main() {
         return;
     }
     let engine = start_engine().await;
-    let listen = TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string();
     let cli = kvgate::cli::Cli::parse_from([
         "kvgate",
         "serve",
         "--demo",
         "--listen",
-        &listen,
+        "127.0.0.1:0",
         "--engine-grpc",
         &engine,
     ]);
     let kvgate::cli::Command::Serve(args) = cli.command else {
         unreachable!()
     };
-    tokio::spawn(kvgate::app::serve(args, std::future::pending()));
-    let through = format!("http://{listen}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let gateway = loop {
-        if let Ok(channel) = Channel::from_shared(through.clone())
-            .unwrap()
-            .connect()
-            .await
-        {
-            break channel;
-        }
-        assert!(Instant::now() < deadline, "kvgate did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let kvgate = kvgate::app::Gateway::start(args).await.unwrap();
+    let through = format!("http://{}", kvgate.address());
+    tokio::spawn(kvgate.run(std::future::pending()));
+    let gateway = channel(&through).await;
     println!("{CALLS} sequential calls each, after 500 of warm-up; loopback, this process");
     println!(
         "{:<28} {:>10} {:>10} {:>10} {:>10}",

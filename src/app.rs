@@ -1,7 +1,16 @@
-//! `kvgate serve`: wires source → drain → hub → server and shuts them down in
-//! that order, so every subscriber's stream ends cleanly before exit.
+//! `kvgate serve` as a [`Gateway`] handle: `start` binds every port and
+//! spawns every long-lived task under one [`Supervisor`], `run` waits for a
+//! shutdown request or a task failure, `shutdown` stops the tasks.
+//!
+//! Invariants: shutdown follows the flow. Stopping the source drops the
+//! drain's input, the drain then closes the hub, which ends every
+//! subscriber's stream cleanly, which lets the server finish. A task that
+//! ends or panics while the gateway runs turns health NOT_SERVING and makes
+//! `run` return that failure, so the process exits non-zero.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -13,7 +22,8 @@ use crate::cli::ServeArgs;
 use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
-use crate::hub::{HistoryLimits, hub};
+use crate::health::HealthWatch;
+use crate::hub::{HistoryLimits, HubWriter, hub};
 use crate::metrics::Metrics;
 use crate::server::admin::{self, AdminState};
 use crate::server::connection::ConnectionLimits;
@@ -22,7 +32,11 @@ use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
 use crate::source::upstream::{self, UpstreamConfig};
-use crate::source::zmq::{ZmqSource, ZmqSourceConfig};
+use crate::source::zmq::ZmqSourceConfig;
+use crate::supervisor::{Supervisor, TaskFailure, TaskName};
+
+#[cfg(test)]
+mod tests;
 
 /// Engine messages queued between the sockets and the drain. Beyond this the
 /// socket tasks wait, and the engine's own PUB buffer takes over.
@@ -31,13 +45,108 @@ const SOURCE_QUEUE: usize = 4096;
 /// Time allowed for streams to end and tasks to stop after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 
-/// Runs the gateway until `shutdown` resolves.
+/// Runs the gateway until `shutdown` resolves or one of its tasks fails,
+/// announcing its addresses on stdout.
 pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let metrics = Metrics::new();
-    let (stop, _) = watch::channel(false);
+    let demo = args.demo;
+    let gateway = Gateway::start(args).await?;
+    if let Some(admin) = gateway.admin_address() {
+        println!("kvgate: metrics, /healthz and /status on http://{admin}");
+    }
+    let address = gateway.address();
+    println!(
+        "kvgate: serving gRPC on {address}, events from {}",
+        gateway.source()
+    );
+    if demo {
+        println!(
+            "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
+            display_address(address)
+        );
+    }
+    Ok(gateway.run(shutdown).await?)
+}
 
+/// A started gateway: every port bound, every task running.
+pub struct Gateway {
+    supervisor: Supervisor,
+    health: HealthWatch,
+    address: SocketAddr,
+    admin_address: Option<SocketAddr>,
+    source: Arc<str>,
+}
+
+impl Gateway {
+    /// Binds the ports and starts every task. On an error, whatever was
+    /// started is stopped again.
+    pub async fn start(args: ServeArgs) -> anyhow::Result<Self> {
+        let supervisor = Supervisor::new();
+        match start_tasks(&supervisor, args).await {
+            Ok(gateway) => Ok(gateway),
+            Err(error) => {
+                supervisor.stop();
+                let _ = tokio::time::timeout(SHUTDOWN_GRACE, supervisor.tasks_ended()).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// The gRPC address.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// The admin HTTP address, with `--metrics-listen`.
+    pub fn admin_address(&self) -> Option<SocketAddr> {
+        self.admin_address
+    }
+
+    /// Where events come from, as configured.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn health(&self) -> HealthWatch {
+        self.health.clone()
+    }
+
+    /// Serves until `shutdown` resolves or a task fails, then shuts down.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Arc<TaskFailure>> {
+        tokio::select! {
+            () = shutdown => info!("shutting down"),
+            _ = self.supervisor.failed() => {}
+        }
+        self.shutdown().await
+    }
+
+    /// Stops every task, giving streams [`SHUTDOWN_GRACE`] to end; returns
+    /// the task failure that brought the gateway down, if one did.
+    pub async fn shutdown(self) -> Result<(), Arc<TaskFailure>> {
+        self.supervisor.stop();
+        if tokio::time::timeout(SHUTDOWN_GRACE, self.supervisor.tasks_ended())
+            .await
+            .is_err()
+        {
+            warn!("streams did not end within {SHUTDOWN_GRACE:?}; exiting anyway");
+        }
+        match self.supervisor.failure() {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        }
+    }
+
+    #[cfg(test)]
+    fn supervisor(&self) -> &Supervisor {
+        &self.supervisor
+    }
+}
+
+/// Binds every port, then starts the source, drain, admin and gRPC servers
+/// and the demo engine under `supervisor`.
+async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
+    let metrics = Metrics::new();
     let (source_config, demo) = choose_source(&args).await?;
-    let source_description = source_config.to_string();
+    let source: Arc<str> = source_config.to_string().into();
 
     server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)?;
     let listener = TcpListener::bind(args.listen)
@@ -67,93 +176,54 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
             bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
         },
     );
-    let limits = BatchLimits {
-        max_events: args.max_batch_events as usize,
-        max_bytes: args.max_batch_bytes as usize,
-    };
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
-    let source =
-        RunningSource::start(source_config, events_tx, metrics.clone(), ready_tx, &stop).await?;
-    let drain = Drain::new(limits, epoch_seed(), hub_writer, metrics.clone());
-    let drain_task = tokio::spawn(drain.run(events_rx));
-
-    let admin_task = admin_listener.map(|listener| {
-        let state = AdminState {
-            metrics: metrics.clone(),
-            hub: hub_reader.clone(),
-            source_ready: ready_rx.clone(),
-            source: source_description.clone().into(),
-            started: Instant::now(),
-        };
-        let address = listener.local_addr().ok();
-        if let Some(address) = address {
-            println!("kvgate: metrics, /healthz and /status on http://{address}");
-        }
-        let mut admin_stop = stop.subscribe();
-        tokio::spawn(admin::serve(listener, state, async move {
-            let _ = admin_stop.wait_for(|stopped| *stopped).await;
-        }))
-    });
-    let mut server_stop = stop.subscribe();
-    let mut server_task = tokio::spawn(server::serve(
-        listener,
-        ServerParts {
-            hub: hub_reader,
-            metrics: metrics.clone(),
-            source_ready: ready_rx,
-            pass_through,
-            limits: ConnectionLimits::from_args(&args),
-        },
-        async move {
-            let _ = server_stop.wait_for(|stopped| *stopped).await;
-        },
-    ));
-    let demo_task = demo.map(|demo| {
-        let mut demo_stop = stop.subscribe();
-        tokio::spawn(demo.run(async move {
-            let _ = demo_stop.wait_for(|stopped| *stopped).await;
-        }))
-    });
-
-    println!("kvgate: serving gRPC on {address}, events from {source_description}");
-    if args.demo {
-        println!(
-            "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
-            display_address(address)
-        );
+    let health = HealthWatch::new(supervisor.lifecycle(), ready_rx);
+    start_source(
+        source_config,
+        events_tx,
+        metrics.clone(),
+        ready_tx,
+        supervisor,
+    )
+    .await?;
+    spawn_drain(supervisor, &args, hub_writer, events_rx, metrics.clone());
+    let admin_address = admin_listener
+        .map(|listener| {
+            let state = AdminState {
+                metrics: metrics.clone(),
+                hub: hub_reader.clone(),
+                health: health.clone(),
+                source: Arc::clone(&source),
+                started: Instant::now(),
+            };
+            spawn_admin(supervisor, listener, state)
+        })
+        .transpose()?;
+    let parts = ServerParts {
+        hub: hub_reader,
+        metrics,
+        health: health.clone(),
+        pass_through,
+        limits: ConnectionLimits::from_args(&args),
+    };
+    let stop = supervisor.stopping();
+    supervisor.spawn(
+        TaskName::GrpcServer,
+        server::serve(listener, parts, stop.clone().cancelled_owned()),
+    );
+    if let Some(demo) = demo {
+        supervisor.spawn(TaskName::DemoEngine, async move {
+            Ok(demo.run(stop.cancelled_owned()).await?)
+        });
     }
-
-    tokio::select! {
-        () = shutdown => info!("shutting down"),
-        // The server only stops on its own when it failed.
-        joined = &mut server_task => {
-            joined??;
-            anyhow::bail!("the gRPC server stopped unexpectedly");
-        }
-    }
-    stop.send_replace(true);
-    let stopped = tokio::time::timeout(SHUTDOWN_GRACE, async {
-        // Closing the sockets ends the drain, which closes the hub, which
-        // ends every subscriber stream, which lets the server finish.
-        source.shutdown().await;
-        let _ = drain_task.await;
-        if let Some(demo) = demo_task {
-            let _ = demo.await;
-        }
-        if let Some(admin) = admin_task {
-            let _ = admin.await;
-        }
-        server_task.await
+    Ok(Gateway {
+        supervisor: supervisor.clone(),
+        health,
+        address,
+        admin_address,
+        source,
     })
-    .await;
-    match stopped {
-        Ok(joined) => joined?,
-        Err(_) => {
-            warn!("streams did not end within {SHUTDOWN_GRACE:?}; exiting anyway");
-            Ok(())
-        }
-    }
 }
 
 /// A wildcard listen address is reached on loopback.
@@ -220,41 +290,55 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
     Ok((zmq(endpoint, args.zmq_replay_endpoint.clone()), None))
 }
 
-/// The running source, stopped before the drain so the drain ends cleanly.
-enum RunningSource {
-    Zmq(ZmqSource),
-    Upstream(tokio::task::JoinHandle<()>),
+fn spawn_drain(
+    supervisor: &Supervisor,
+    args: &ServeArgs,
+    hub: HubWriter,
+    events: mpsc::Receiver<SourceEvent>,
+    metrics: Metrics,
+) {
+    let limits = BatchLimits {
+        max_events: args.max_batch_events as usize,
+        max_bytes: args.max_batch_bytes as usize,
+    };
+    let drain = Drain::new(limits, epoch_seed(), hub, metrics);
+    supervisor.spawn(TaskName::Drain, async move {
+        drain.run(events).await;
+        Ok(())
+    });
 }
 
-impl RunningSource {
-    async fn start(
-        config: SourceConfig,
-        events: mpsc::Sender<SourceEvent>,
-        metrics: Metrics,
-        ready: watch::Sender<bool>,
-        stop: &watch::Sender<bool>,
-    ) -> anyhow::Result<Self> {
-        Ok(match config {
-            SourceConfig::Zmq(config) => {
-                Self::Zmq(ZmqSource::start(config, events, metrics, ready).await?)
-            }
-            SourceConfig::Upstream(config) => Self::Upstream(tokio::spawn(upstream::run(
-                config,
-                events,
-                metrics,
-                ready,
-                stop.subscribe(),
-            ))),
-        })
-    }
+/// Serves the admin port until shutdown; returns its address.
+fn spawn_admin(
+    supervisor: &Supervisor,
+    listener: TcpListener,
+    state: AdminState,
+) -> std::io::Result<SocketAddr> {
+    let address = listener.local_addr()?;
+    let stop = supervisor.stopping().cancelled_owned();
+    supervisor.spawn(TaskName::AdminServer, async move {
+        Ok(admin::serve(listener, state, stop).await?)
+    });
+    Ok(address)
+}
 
-    async fn shutdown(self) {
-        match self {
-            Self::Zmq(source) => source.shutdown().await,
-            // It watches the stop signal, already sent.
-            Self::Upstream(task) => {
-                let _ = task.await;
-            }
+/// Starts the configured source's tasks.
+async fn start_source(
+    config: SourceConfig,
+    events: mpsc::Sender<SourceEvent>,
+    metrics: Metrics,
+    ready: watch::Sender<bool>,
+    supervisor: &Supervisor,
+) -> anyhow::Result<()> {
+    match config {
+        SourceConfig::Zmq(config) => config.start(events, metrics, ready, supervisor).await,
+        SourceConfig::Upstream(config) => {
+            let stop = supervisor.stopping();
+            supervisor.spawn(TaskName::Upstream, async move {
+                upstream::run(config, events, metrics, ready, stop).await;
+                Ok(())
+            });
+            Ok(())
         }
     }
 }

@@ -12,8 +12,8 @@ use axum::response::{IntoResponse, Json};
 use axum::routing::get;
 use serde::Serialize;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 
+use crate::health::HealthWatch;
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
 
@@ -22,7 +22,7 @@ use crate::metrics::Metrics;
 pub struct AdminState {
     pub metrics: Metrics,
     pub hub: HubReader,
-    pub source_ready: watch::Receiver<bool>,
+    pub health: HealthWatch,
     /// Where events come from, as configured (for `/status`).
     pub source: Arc<str>,
     pub started: Instant,
@@ -34,6 +34,8 @@ struct Status {
     uptime_seconds: u64,
     source: String,
     source_ready: bool,
+    /// What `/healthz` says.
+    health: String,
     subscribers: i64,
     history: HistoryStatus,
     engine: EngineStatus,
@@ -87,14 +89,13 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
 }
 
 async fn healthz(State(state): State<AdminState>) -> impl IntoResponse {
-    if *state.source_ready.borrow() {
-        (StatusCode::OK, "ok\n")
+    let health = state.health.now();
+    let code = if health.is_serving() {
+        StatusCode::OK
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "waiting for the event source\n",
-        )
-    }
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, format!("{health}\n"))
 }
 
 async fn status(State(state): State<AdminState>) -> Json<Status> {
@@ -104,7 +105,8 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
         version: env!("CARGO_PKG_VERSION"),
         uptime_seconds: state.started.elapsed().as_secs(),
         source: state.source.to_string(),
-        source_ready: *state.source_ready.borrow(),
+        source_ready: state.health.source_ready(),
+        health: state.health.now().to_string(),
         subscribers: state.metrics.subscribers.get(),
         history: HistoryStatus {
             oldest_position: oldest,

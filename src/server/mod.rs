@@ -9,6 +9,7 @@ pub mod codec;
 pub mod connection;
 pub mod fd_limit;
 mod methods;
+mod health;
 pub mod passthrough;
 mod preface;
 pub mod subscribe;
@@ -16,10 +17,9 @@ pub mod subscribe;
 use std::future::Future;
 
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tonic::service::Routes;
-use tonic_health::ServingStatus;
 
+use crate::health::HealthWatch;
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
 use subscribe::SubscribeService;
@@ -38,8 +38,8 @@ pub const SUBSCRIBE_SERVICES: [&str; 5] = [
 pub struct ServerParts {
     pub hub: HubReader,
     pub metrics: Metrics,
-    /// Becomes true once the event source is up; health reports SERVING then.
-    pub source_ready: watch::Receiver<bool>,
+    /// What the health service reports.
+    pub health: HealthWatch,
     /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
     pub pass_through: Option<passthrough::PassThrough>,
     pub limits: connection::ConnectionLimits,
@@ -101,30 +101,17 @@ pub async fn serve_with<A: accept::Acceptor>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (routes, health) = routes(&parts)?;
-    let names = std::iter::once("").chain(SUBSCRIBE_SERVICES);
-    for name in names.clone() {
-        health
-            .set_service_status(name, ServingStatus::NotServing)
-            .await;
-    }
-    let mut source_ready = parts.source_ready;
-    tokio::spawn(async move {
-        if source_ready.wait_for(|ready| *ready).await.is_ok() {
-            for name in names {
-                health
-                    .set_service_status(name, ServingStatus::Serving)
-                    .await;
-            }
-        }
-    });
-    connection::serve(
+    let health = health::follow(health, parts.health).await;
+    let serving = connection::serve(
         listener,
         acceptor,
         parts.limits,
         routes,
         parts.metrics,
         shutdown,
-    )
-    .await;
-    Ok(())
+    );
+    tokio::select! {
+        () = serving => Ok(()),
+        never = health => match never {},
+    }
 }

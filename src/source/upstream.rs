@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tracing::{info, warn};
 
@@ -104,21 +105,21 @@ fn has_ownerless_clear(batch: &KvEventBatch) -> bool {
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
-/// Subscribes to the upstream until `stop` turns true, forwarding admitted
-/// events to the drain.
+/// Subscribes to the upstream until `stop` is cancelled (or the drain is
+/// gone), forwarding admitted events to the drain.
 pub async fn run(
     config: UpstreamConfig,
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
     ready: watch::Sender<bool>,
-    mut stop: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) {
     let mut cursors = Cursors::default();
     let mut backoff = FIRST_BACKOFF;
     loop {
         let outcome = tokio::select! {
             outcome = follow(&config, &mut cursors, &events, &metrics, &ready) => outcome,
-            _ = stop.wait_for(|stopped| *stopped) => return,
+            () = stop.cancelled() => return,
         };
         ready.send_replace(false);
         match outcome {
@@ -133,7 +134,7 @@ pub async fn run(
                 warn!(upstream = %config.uri, %reason, ?backoff, "upstream stream lost; resuming");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
-                    _ = stop.wait_for(|stopped| *stopped) => return,
+                    () = stop.cancelled() => return,
                 }
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }

@@ -4,6 +4,9 @@
 //! miss a restarted publisher's first messages), validates the
 //! `[topic, sequence, payload]` framing and forwards messages in arrival
 //! order. Malformed messages are counted and skipped; they never stop the task.
+//! A rank task ends only at shutdown or once the drain is gone; a publisher
+//! it cannot connect to at all (not a ZMQ peer, an unresolvable host) ends it
+//! with an error, which the supervisor turns into a failed gateway.
 //!
 //! With a replay endpoint, the task first primes: it forwards what the
 //! engine's ring holds before reading the live socket. Then, whenever a live
@@ -15,11 +18,14 @@
 //! it could not give is counted as lost.
 
 use std::ops::RangeInclusive;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
 
@@ -28,6 +34,7 @@ use super::endpoint::TcpEndpoint;
 use super::replay::{ReplayClient, Replayed};
 use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
 use crate::metrics::Metrics;
+use crate::supervisor::{Supervisor, TaskName};
 
 /// How kvgate reaches the engine's publishers.
 #[derive(Clone, Debug)]
@@ -64,25 +71,24 @@ pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), F
     Ok((parse_sequence(&sequence)?, payload))
 }
 
-/// The running SUB sockets. Dropping it does not stop them: use `shutdown`.
-pub struct ZmqSource {
-    tasks: JoinSet<()>,
-    stop: watch::Sender<bool>,
-}
-
-impl ZmqSource {
-    /// Opens one socket per rank. Bound sockets are listening when this
-    /// returns; connecting sockets keep retrying in the background until the
-    /// engine is up. `ready` becomes true once every rank is connected or bound.
+impl ZmqSourceConfig {
+    /// Opens one socket per rank, each served by its own supervised task until
+    /// shutdown. Bound sockets are listening when this returns; connecting
+    /// sockets keep retrying in the background until the engine is up. `ready`
+    /// becomes true once every rank is connected or bound.
     pub async fn start(
-        config: ZmqSourceConfig,
+        self,
         events: mpsc::Sender<SourceEvent>,
         metrics: Metrics,
         ready: watch::Sender<bool>,
-    ) -> anyhow::Result<Self> {
-        let (stop, _) = watch::channel(false);
-        let (connected_tx, mut connected_rx) = mpsc::channel::<u32>(config.dp_size as usize);
-        let mut tasks = JoinSet::new();
+        supervisor: &Supervisor,
+    ) -> anyhow::Result<()> {
+        let config = self;
+        let ranks_up = Arc::new(RanksUp {
+            up: AtomicU32::new(0),
+            of: config.dp_size,
+            ready,
+        });
         for rank in 0..config.dp_size {
             let endpoint = config.endpoint.for_rank(rank).map_err(|error| {
                 anyhow::anyhow!("--zmq-endpoint with --dp-size {}: {error}", config.dp_size)
@@ -108,7 +114,7 @@ impl ZmqSource {
             let mut socket = SubSocket::with_options(options);
             socket.subscribe(&config.topic).await?;
             let rank_task = RankTask::new(rank, topic, replay, events.clone(), metrics.clone());
-            let mut stop_rx = stop.subscribe();
+            let stop = supervisor.stopping();
             if config.bind {
                 let address = endpoint.bind_address();
                 let bound = socket
@@ -116,44 +122,46 @@ impl ZmqSource {
                     .await
                     .map_err(|e| anyhow::anyhow!("--zmq-bind: cannot bind {address}: {e}"))?;
                 info!(rank, %bound, "listening for the engine publisher");
-                connected_tx.try_send(rank).ok();
-                tasks.spawn(async move { rank_task.run(socket, &mut stop_rx).await });
+                ranks_up.one_more();
+                supervisor.spawn(TaskName::SourceRank(rank), async move {
+                    rank_task.run(socket, stop).await;
+                    Ok(())
+                });
             } else {
                 let address = endpoint.connect_address();
-                let connected = connected_tx.clone();
-                tasks.spawn(async move {
+                let ranks_up = Arc::clone(&ranks_up);
+                supervisor.spawn(TaskName::SourceRank(rank), async move {
                     tokio::select! {
-                        result = socket.connect(&address) => match result {
-                            Ok(()) => {
-                                info!(rank, %address, "connected to the engine publisher");
-                                connected.try_send(rank).ok();
-                                rank_task.run(socket, &mut stop_rx).await;
-                            }
-                            Err(error) => warn!(rank, %address, %error, "cannot connect to the engine publisher"),
-                        },
-                        _ = stop_rx.changed() => {}
+                        connected = socket.connect(&address) => {
+                            connected.with_context(|| {
+                                format!("cannot connect to the engine publisher at {address}")
+                            })?;
+                            info!(rank, %address, "connected to the engine publisher");
+                            ranks_up.one_more();
+                            rank_task.run(socket, stop).await;
+                        }
+                        () = stop.cancelled() => {}
                     }
+                    Ok(())
                 });
             }
         }
-        drop(connected_tx);
-        let dp_size = config.dp_size;
-        tasks.spawn(async move {
-            let mut up = 0;
-            while connected_rx.recv().await.is_some() {
-                up += 1;
-                if up == dp_size {
-                    ready.send_replace(true);
-                }
-            }
-        });
-        Ok(Self { tasks, stop })
+        Ok(())
     }
+}
 
-    /// Stops every socket and waits for the tasks to end.
-    pub async fn shutdown(mut self) {
-        self.stop.send_replace(true);
-        while self.tasks.join_next().await.is_some() {}
+/// Counts the ranks that are connected or bound.
+struct RanksUp {
+    up: AtomicU32,
+    of: u32,
+    ready: watch::Sender<bool>,
+}
+
+impl RanksUp {
+    fn one_more(&self) {
+        if self.up.fetch_add(1, Ordering::Relaxed) + 1 == self.of {
+            self.ready.send_replace(true);
+        }
     }
 }
 
@@ -219,11 +227,11 @@ impl RankTask {
         }
     }
 
-    async fn run(mut self, mut socket: SubSocket, stop: &mut watch::Receiver<bool>) {
+    async fn run(mut self, mut socket: SubSocket, stop: CancellationToken) {
         // Stopping may cut a replay short: what it would have given is moot.
         tokio::select! {
             () = self.serve(&mut socket) => {}
-            _ = stop.changed() => {}
+            () = stop.cancelled() => {}
         }
         socket.close().await;
     }
@@ -432,7 +440,7 @@ mod tests {
         events: mpsc::Receiver<SourceEvent>,
         sender: mpsc::Sender<SourceEvent>,
         metrics: Metrics,
-        stop: watch::Sender<bool>,
+        stop: CancellationToken,
     }
 
     impl Harness {
@@ -470,7 +478,7 @@ mod tests {
                 events,
                 sender,
                 metrics: Metrics::new(),
-                stop: watch::channel(false).0,
+                stop: CancellationToken::new(),
             }
         }
 
@@ -488,8 +496,7 @@ mod tests {
                 self.metrics.clone(),
             );
             let socket = self.socket.take().expect("started once");
-            let mut stop = self.stop.subscribe();
-            tokio::spawn(async move { task.run(socket, &mut stop).await });
+            tokio::spawn(task.run(socket, self.stop.clone()));
         }
 
         /// Every event up to and including the message numbered `seq`.
@@ -525,7 +532,7 @@ mod tests {
 
     impl Drop for Harness {
         fn drop(&mut self) {
-            self.stop.send_replace(true);
+            self.stop.cancel();
         }
     }
 

@@ -1,0 +1,183 @@
+//! The gateway started in-process: a real engine publisher on loopback, real
+//! tonic clients, and real tasks of the gateway made to die.
+
+use clap::Parser as _;
+use tokio::time::timeout;
+use tokio_stream::StreamExt as _;
+use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+
+use super::*;
+use crate::cli::{Cli, Command};
+use crate::health::Health;
+use crate::sim::{EnginePublisher, PublisherOptions};
+use crate::supervisor::UnexpectedEnd;
+
+/// Upper bound for anything a test waits on.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+fn serve_args(args: &[&str]) -> ServeArgs {
+    let fixed = ["kvgate", "serve", "--listen", "127.0.0.1:0"];
+    let cli = Cli::parse_from(fixed.iter().chain(args));
+    let Command::Serve(args) = cli.command else {
+        unreachable!("parsed as serve")
+    };
+    args
+}
+
+/// A gateway following a real engine publisher.
+async fn gateway_with_publisher() -> (Gateway, EnginePublisher) {
+    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let gateway = Gateway::start(serve_args(&["--zmq-endpoint", publisher.endpoint()]))
+        .await
+        .unwrap();
+    (gateway, publisher)
+}
+
+async fn channel(gateway: &Gateway) -> Channel {
+    Channel::from_shared(format!("http://{}", gateway.address()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Reads the overall health watch until it reports `wanted`.
+async fn until_status(watch: &mut tonic::Streaming<HealthCheckResponse>, wanted: ServingStatus) {
+    loop {
+        let status = timeout(DEADLINE, watch.next())
+            .await
+            .expect("a health status before the deadline")
+            .expect("an open watch")
+            .unwrap();
+        if status.status == wanted as i32 {
+            return;
+        }
+    }
+}
+
+async fn overall_health_watch(channel: Channel) -> tonic::Streaming<HealthCheckResponse> {
+    HealthClient::new(channel)
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_that_panics_turns_health_not_serving_and_fails_the_run_naming_it() {
+    let (gateway, _publisher) = gateway_with_publisher().await;
+    let channel = channel(&gateway).await;
+    let mut health_watch = overall_health_watch(channel.clone()).await;
+    until_status(&mut health_watch, ServingStatus::Serving).await;
+    let mut stream = crate::tools::subscribe(channel, "kvgate.v1.KvGate", 0)
+        .await
+        .unwrap();
+    let supervisor = gateway.supervisor().clone();
+    let health = gateway.health();
+    let run = tokio::spawn(gateway.run(std::future::pending()));
+
+    supervisor.inject_panic(TaskName::Drain);
+    until_status(&mut health_watch, ServingStatus::NotServing).await;
+    drop(health_watch);
+    let failure = timeout(DEADLINE, run)
+        .await
+        .expect("the run ends")
+        .unwrap()
+        .expect_err("a failed run");
+    assert_eq!(failure.task, TaskName::Drain);
+    assert_eq!(
+        failure.end,
+        UnexpectedEnd::Panicked("a fault injected by a test".into())
+    );
+    assert_eq!(health.now(), Health::Failed(Arc::clone(&failure)));
+    // Nothing flows any more, so the subscriber is not left waiting.
+    let end = loop {
+        match timeout(DEADLINE, stream.message())
+            .await
+            .expect("the stream ends")
+        {
+            Ok(Some(_)) => continue,
+            end => break end,
+        }
+    };
+    assert!(!matches!(end, Ok(Some(_))));
+
+    let (code, body) = healthz(health).await;
+    assert_eq!(code, http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        body,
+        "failed: the drain panicked: a fault injected by a test\n"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gateway_asked_to_stop_ends_every_stream_cleanly_and_reports_no_failure() {
+    let (gateway, _publisher) = gateway_with_publisher().await;
+    let channel = channel(&gateway).await;
+    let mut health_watch = overall_health_watch(channel.clone()).await;
+    until_status(&mut health_watch, ServingStatus::Serving).await;
+    let mut stream = crate::tools::subscribe(channel, "kvgate.v1.KvGate", 0)
+        .await
+        .unwrap();
+    let health = gateway.health();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(gateway.run(async {
+        let _ = stopped.await;
+    }));
+
+    stop.send(()).unwrap();
+    until_status(&mut health_watch, ServingStatus::NotServing).await;
+    drop(health_watch);
+    let end = loop {
+        match timeout(DEADLINE, stream.message())
+            .await
+            .expect("the stream ends")
+        {
+            Ok(Some(_)) => continue,
+            end => break end,
+        }
+    };
+    assert!(matches!(end, Ok(None)), "a clean end, got {end:?}");
+    timeout(DEADLINE, run)
+        .await
+        .expect("the run ends")
+        .unwrap()
+        .expect("no failure");
+    assert_eq!(health.now(), Health::Stopping);
+    assert_eq!(healthz(health).await.1, "shutting down\n");
+}
+
+/// What the admin port's `/healthz` answers with `health`.
+async fn healthz(health: HealthWatch) -> (http::StatusCode, String) {
+    use tower::ServiceExt as _;
+    let (_, hub) = crate::hub::hub(
+        1,
+        HistoryLimits {
+            batches: 1,
+            bytes: 1,
+        },
+    );
+    let admin = admin::router(AdminState {
+        metrics: Metrics::new(),
+        hub,
+        health,
+        source: "tcp://127.0.0.1:1".into(),
+        started: Instant::now(),
+    });
+    let request = http::Request::get("/healthz")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let response = admin.oneshot(request).await.unwrap();
+    let code = response.status();
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (code, String::from_utf8(body.to_vec()).unwrap())
+}
