@@ -95,6 +95,10 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
             metrics: metrics.clone(),
             source_ready: ready_rx,
             pass_through,
+            subscribe_limits: server::subscribe::SubscribeLimits {
+                subscribers: args.max_subscribers as usize,
+                snapshot_encodes: args.max_snapshot_encodes as usize,
+            },
         },
         async move {
             let _ = server_stop.wait_for(|stopped| *stopped).await;

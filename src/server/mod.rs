@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod codec;
 pub mod passthrough;
+pub mod request_limit;
 pub mod subscribe;
 
 use std::future::Future;
@@ -17,7 +18,7 @@ use tonic_health::ServingStatus;
 
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
-use subscribe::SubscribeService;
+use subscribe::{SubscribeLimits, SubscribeService};
 
 /// Every fully-qualified service that serves `SubscribeKvEvents` (contract
 /// section 1), all backed by the same hub.
@@ -37,6 +38,7 @@ pub struct ServerParts {
     pub source_ready: watch::Receiver<bool>,
     /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
     pub pass_through: Option<passthrough::PassThrough>,
+    pub subscribe_limits: SubscribeLimits,
 }
 
 /// Builds every route of the server.
@@ -54,7 +56,11 @@ pub fn routes(
         .add_service(reflection().build_v1()?)
         .add_service(reflection().build_v1alpha()?)
         .into_axum_router();
-    let subscribe = SubscribeService::new(parts.hub.clone(), parts.metrics.clone());
+    let subscribe = SubscribeService::new(
+        parts.hub.clone(),
+        parts.metrics.clone(),
+        parts.subscribe_limits,
+    );
     for service in SUBSCRIBE_SERVICES {
         let subscribe = subscribe.clone();
         router = router.route_service(
