@@ -35,7 +35,7 @@ use prost::encoding::{self, WireType};
 use rustc_hash::FxHashSet;
 
 use super::batch::{EventLen, OpenBatch};
-use super::state::{BlockRecord, RankBlocks, StateCut, TIERS};
+use super::state::{BlockRecord, RankBlocks, StateCut, StoreFields, TIERS};
 use super::wire::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data};
 
@@ -258,16 +258,17 @@ struct TierWalk {
     exhausted: bool,
     /// Blocks already emitted ahead of their turn.
     early: FxHashSet<i64>,
-    /// The chain being built: each block the parent of the next.
-    run: Vec<i64>,
+    /// The chain being emitted: each block the parent of the next.
+    run: PathWriter,
+    /// The chain's last block so far.
+    run_last: Option<i64>,
 }
 
 impl TierWalk {
     /// Emits the next block in store order; false once the tier is done.
     fn step(&mut self, blocks: &RankBlocks, tier: usize, chunker: &mut Chunker) -> bool {
         let Some((order, hash)) = self.next_in_order(blocks, tier) else {
-            emit_path(&records(blocks, tier, &self.run), chunker);
-            self.run.clear();
+            self.run.finish(blocks, tier, chunker);
             return false;
         };
         if self.early.remove(&hash) {
@@ -275,10 +276,9 @@ impl TierWalk {
         }
         let record = record(blocks, tier, hash);
         let parent = record.parent();
-        let continues = parent.is_some() && parent == self.run.last().copied();
+        let continues = parent.is_some() && parent == self.run_last;
         if !continues {
-            emit_path(&records(blocks, tier, &self.run), chunker);
-            self.run.clear();
+            self.run.finish(blocks, tier, chunker);
             // Ancestors stored after this block are not out yet.
             let mut ancestors = Vec::new();
             let mut next = parent;
@@ -291,10 +291,14 @@ impl TierWalk {
                     _ => break,
                 }
             }
-            ancestors.reverse();
-            emit_path(&ancestors, chunker);
+            let mut early_path = PathWriter::default();
+            for &(ancestor, found) in ancestors.iter().rev() {
+                early_path.add(ancestor, found, chunker);
+            }
+            early_path.finish(blocks, tier, chunker);
         }
-        self.run.push(hash);
+        self.run.add(hash, record, chunker);
+        self.run_last = Some(hash);
         true
     }
 
@@ -342,29 +346,50 @@ fn record(blocks: &RankBlocks, tier: usize, hash: i64) -> &BlockRecord {
         .expect("the walk only names blocks of its cut")
 }
 
-fn records<'a>(blocks: &'a RankBlocks, tier: usize, hashes: &[i64]) -> Vec<(i64, &'a BlockRecord)> {
-    hashes
-        .iter()
-        .map(|&hash| (hash, record(blocks, tier, hash)))
-        .collect()
+/// Emits a parent-linked path as stores, block by block as the walk
+/// reaches them: one store per run of equal fields (split wherever a chunk
+/// fills), then each extra copy alone once the path ends. Only the store
+/// being filled and the hashes with extra copies are held, so a chain as
+/// long as the whole tier costs no more than a short one.
+#[derive(Default)]
+struct PathWriter {
+    /// The store being filled and the fields every block of it shares.
+    store: Option<(Arc<StoreFields>, StorePiece)>,
+    /// Blocks of the path with more than one copy, in path order.
+    copied: Vec<i64>,
 }
 
-/// Emits a parent-linked path as stores: one per run of equal fields, then
-/// each extra copy alone.
-fn emit_path(path: &[(i64, &BlockRecord)], chunker: &mut Chunker) {
-    let mut start = 0;
-    while start < path.len() {
-        let fields = path[start].1.fields();
-        let end = path[start..]
-            .iter()
-            .position(|(_, record)| !std::sync::Arc::ptr_eq(record.fields(), fields))
-            .map_or(path.len(), |offset| start + offset);
-        chunker.push_chain(&path[start..end]);
-        start = end;
+impl PathWriter {
+    fn add(&mut self, hash: i64, record: &BlockRecord, chunker: &mut Chunker) {
+        let same_fields =
+            matches!(&self.store, Some((fields, _)) if Arc::ptr_eq(fields, record.fields()));
+        if !same_fields {
+            if let Some((_, piece)) = self.store.take() {
+                chunker.push_piece(piece);
+            }
+            let fields = Arc::clone(record.fields());
+            let piece = StorePiece::new(&fields, record.parent());
+            self.store = Some((fields, piece));
+        }
+        let (fields, piece) = self.store.as_mut().expect("a store is open");
+        chunker.extend_store(fields, piece, hash, record);
+        if record.copies() > 1 {
+            self.copied.push(hash);
+        }
     }
-    for &(hash, record) in path {
-        for _ in 1..record.copies() {
-            chunker.push_chain(&[(hash, record)]);
+
+    /// Ends the path: its last store, then its extra copies.
+    fn finish(&mut self, blocks: &RankBlocks, tier: usize, chunker: &mut Chunker) {
+        if let Some((_, piece)) = self.store.take() {
+            chunker.push_piece(piece);
+        }
+        for hash in self.copied.drain(..) {
+            let record = record(blocks, tier, hash);
+            for _ in 1..record.copies() {
+                let mut piece = StorePiece::new(record.fields(), record.parent());
+                chunker.extend_store(record.fields(), &mut piece, hash, record);
+                chunker.push_piece(piece);
+            }
         }
     }
 }
@@ -378,9 +403,9 @@ struct StorePiece {
 }
 
 impl StorePiece {
-    fn new(first: &BlockRecord, parent: Option<i64>) -> Self {
+    fn new(fields: &StoreFields, parent: Option<i64>) -> Self {
         let mut store = Vec::new();
-        first.fields().to_store(parent).encode_raw(&mut store);
+        fields.to_store(parent).encode_raw(&mut store);
         Self {
             store,
             blocks: 0,
@@ -459,31 +484,30 @@ impl Chunker {
         self.blocks_total += blocks as u64;
     }
 
-    /// Stores a chain (each block the parent of the next, equal fields),
-    /// split wherever a chunk fills; each piece names the previous piece's
-    /// last block as its parent.
-    fn push_chain(&mut self, chain: &[(i64, &BlockRecord)]) {
-        let Some(&(_, first)) = chain.first() else {
-            return;
-        };
-        let mut piece = StorePiece::new(first, first.parent());
-        for &(hash, record) in chain {
-            let block = record.block_fields(hash);
-            let block_len = block.encoded_len();
-            let grown = piece.entry_len_with(block_len);
-            if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
-                let next = StorePiece::new(first, piece.last_hash);
-                self.push_piece(std::mem::replace(&mut piece, next));
-            }
-            if piece.blocks == 0
-                && !self.open.is_empty()
-                && !self.room(1, piece.entry_len_with(block_len))
-            {
-                self.next_chunk();
-            }
-            piece.add(&block, block_len);
+    /// Adds a block to `piece`, a store of blocks with `fields`, each the
+    /// parent of the next; when the chunk fills, the piece so far is pushed
+    /// and the next one names its last block as parent.
+    fn extend_store(
+        &mut self,
+        fields: &StoreFields,
+        piece: &mut StorePiece,
+        hash: i64,
+        record: &BlockRecord,
+    ) {
+        let block = record.block_fields(hash);
+        let block_len = block.encoded_len();
+        let grown = piece.entry_len_with(block_len);
+        if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
+            let next = StorePiece::new(fields, piece.last_hash);
+            self.push_piece(std::mem::replace(piece, next));
         }
-        self.push_piece(piece);
+        if piece.blocks == 0
+            && !self.open.is_empty()
+            && !self.room(1, piece.entry_len_with(block_len))
+        {
+            self.next_chunk();
+        }
+        piece.add(&block, block_len);
     }
 
     fn push_piece(&mut self, piece: StorePiece) {
