@@ -206,6 +206,10 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         health: health.clone(),
         pass_through,
         limits: ConnectionLimits::from_args(&args),
+        subscribe_limits: server::subscribe::SubscribeLimits {
+            subscribers: args.max_subscribers as usize,
+            snapshot_encodes: args.max_snapshot_encodes as usize,
+        },
     };
     let stop = supervisor.stopping();
     supervisor.spawn(

@@ -120,11 +120,23 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub history_bytes: u64,
 
-    /// Batches buffered per subscriber before a slow one is refilled from
-    /// the history instead.
+    /// Batch announcements (positions, not batches) buffered per subscriber
+    /// before a slow one is refilled from the history instead.
     #[arg(long, env = "KVGATE_LIVE_BUFFER_BATCHES", default_value_t = 1024,
-          value_parser = clap::value_parser!(u32).range(1..))]
+          value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
     pub live_buffer_batches: u32,
+
+    /// Most SubscribeKvEvents streams open at once; the next one is refused
+    /// with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "KVGATE_MAX_SUBSCRIBERS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub max_subscribers: u32,
+
+    /// Most snapshot chunks encoded at once (one blocking thread each);
+    /// other snapshots wait their turn.
+    #[arg(long, env = "KVGATE_MAX_SNAPSHOT_ENCODES", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub max_snapshot_encodes: u32,
 
     /// The engine's own gRPC server: every RPC but SubscribeKvEvents is
     /// passed through to it unchanged (e.g. http://127.0.0.1:50051).

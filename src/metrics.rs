@@ -73,8 +73,11 @@ pub struct Metrics {
     pub bytes_out: Counter,
     /// Subscribers currently streaming.
     pub subscribers: Gauge,
-    /// Batches published but not yet handed to each connected subscriber.
+    /// Batches published but not yet handed to each connected subscriber
+    /// (set when scraped, see `set_subscriber_lags`).
     pub subscriber_lag: Family<SubscriberLabel, Gauge>,
+    /// Subscriber streams refused because `--max-subscribers` were open.
+    pub subscribers_refused: Counter,
     /// Live blocks (copies counted) per rank and tier.
     pub state_blocks: Family<RankTierLabels, Gauge>,
     /// Last sequence number sent per rank.
@@ -121,6 +124,7 @@ impl Metrics {
             bytes_out: Counter::default(),
             subscribers: Gauge::default(),
             subscriber_lag: Family::default(),
+            subscribers_refused: Counter::default(),
             subscribers_lost: Counter::default(),
             snapshots_served: Counter::default(),
             upstream_reconnects: Counter::default(),
@@ -191,6 +195,11 @@ impl Metrics {
             "subscriber_lag",
             "Batches published but not yet handed to each connected subscriber",
             metrics.subscriber_lag.clone(),
+        );
+        registry.register(
+            "subscribers_refused",
+            "Subscriber streams refused with RESOURCE_EXHAUSTED at --max-subscribers",
+            metrics.subscribers_refused.clone(),
         );
         registry.register(
             "subscribers_lost",
@@ -308,6 +317,18 @@ impl Metrics {
                     .get_or_create(&RankTierLabels { rank, tier })
                     .set(blocks as i64);
             }
+        }
+    }
+
+    /// Replaces every subscriber's lag with `lags` (subscription id, lag):
+    /// subscribers that ended disappear, and a stream that stalled shows
+    /// its lag as of now.
+    pub fn set_subscriber_lags(&self, lags: &[(u64, u64)]) {
+        self.subscriber_lag.clear();
+        for &(subscriber, lag) in lags {
+            self.subscriber_lag
+                .get_or_create(&SubscriberLabel { subscriber })
+                .set(i64::try_from(lag).unwrap_or(i64::MAX));
         }
     }
 

@@ -2,14 +2,17 @@
 //! and (through the drain) state snapshots.
 //!
 //! Invariant: the drain is the only writer. It appends each batch to the
-//! history and then broadcasts the same `Arc`, so serving N subscribers costs
-//! the drain one history store and one channel push per batch, whatever N.
-//! A subscriber that falls behind loses channel items, never blocks the drain,
-//! and refills from the history by position.
+//! history and then announces its position on the live channel, so serving
+//! N subscribers costs the drain one history store and one channel push per
+//! batch, whatever N, and published batches take no memory beyond the
+//! history's. A subscriber that falls behind loses channel items, never
+//! blocks the drain, and refills from the history by position.
 
 pub mod batch;
 pub mod cow_map;
+pub mod cursors;
 pub mod history;
+pub mod live;
 pub mod snapshot;
 pub mod state;
 pub mod subscription;
@@ -23,7 +26,9 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
 pub use batch::{Batch, OpenBatch};
+pub use cursors::Cursors;
 pub use history::{History, HistoryLimits, HistoryWriter};
+pub use live::Live;
 pub use snapshot::SnapshotCut;
 
 /// A subscriber asking the drain for a snapshot cut.
@@ -50,7 +55,7 @@ const CUT_REQUEST_QUEUE: usize = 64;
 
 /// The drain's side of the hub.
 pub struct HubWriter {
-    live: Sender<Arc<Batch>>,
+    live: Sender<Live>,
     history: HistoryWriter,
     next_position: u64,
     cut_requests: mpsc::Receiver<CutRequest>,
@@ -61,13 +66,15 @@ pub struct HubWriter {
 #[derive(Clone)]
 pub struct HubReader {
     /// Keeps the channel open while nobody listens; activated per subscriber.
-    live: InactiveReceiver<Arc<Batch>>,
+    live: InactiveReceiver<Live>,
     history: Arc<History>,
+    /// Where every open subscription stands (lag is read from it).
+    cursors: Arc<Cursors>,
     cut_requests: mpsc::Sender<CutRequest>,
     reports: Arc<ArcSwap<Vec<RankReport>>>,
 }
 
-/// Creates a hub whose live channel holds `live_capacity` batches.
+/// Creates a hub whose live channel holds `live_capacity` announcements.
 pub fn hub(live_capacity: usize, limits: HistoryLimits) -> (HubWriter, HubReader) {
     let (mut live, receiver) = async_broadcast::broadcast(live_capacity.max(1));
     live.set_overflow(true);
@@ -79,6 +86,7 @@ pub fn hub(live_capacity: usize, limits: HistoryLimits) -> (HubWriter, HubReader
         reports: Arc::clone(&reports),
         live: receiver.deactivate(),
         history: history.reader(),
+        cursors: Arc::default(),
         cut_requests: cut_sender,
     };
     let writer = HubWriter {
@@ -107,18 +115,19 @@ impl HubWriter {
 
     /// Publishes an encoded batch to the history and every subscriber.
     pub fn publish(&mut self, rank: u32, sequence: u64, event_count: u32, encoded: bytes::Bytes) {
+        let position = self.next_position;
         let batch = Arc::new(Batch {
-            position: self.next_position,
+            position,
             rank,
             sequence,
             event_count,
             encoded,
         });
         self.next_position += 1;
-        self.history.push(Arc::clone(&batch));
+        self.history.push(batch);
         // Overflow mode never reports Full, and the inactive receiver keeps
         // the channel open, so this cannot fail while the hub exists.
-        let _ = self.live.try_broadcast(batch);
+        let _ = self.live.try_broadcast(Live::Published { position });
     }
 
     /// Replaces what `/status` shows of each rank.
@@ -138,9 +147,19 @@ impl HubWriter {
 }
 
 impl HubReader {
-    /// A receiver of every batch published from now on.
-    pub fn subscribe_live(&self) -> Receiver<Arc<Batch>> {
+    /// A receiver of every announcement from now on.
+    pub fn subscribe_live(&self) -> Receiver<Live> {
         self.live.activate_cloned()
+    }
+
+    pub fn cursors(&self) -> &Arc<Cursors> {
+        &self.cursors
+    }
+
+    /// (subscription id, batches published and not yet handed to it) of
+    /// every open subscription, as of now.
+    pub fn subscriber_lags(&self) -> Vec<(u64, u64)> {
+        self.cursors.lags(self.history.newest())
     }
 
     pub fn history(&self) -> &History {

@@ -17,8 +17,17 @@
 //! one chunk still leaves a window: a router cut off between them resumes
 //! over a partial rank 0. Only a router that waits for `index + 1 == count`
 //! can close it.)
+//!
+//! A snapshot is encoded lazily, one chunk per call, from a cut that shares
+//! the state: what it holds besides the cut is one chunk being filled, the
+//! chain being walked and a window of the next blocks in store order (an
+//! eighth of a tier at most, 16 bytes a block), never the whole snapshot. The
+//! chunk count goes in every header, so a first pass finds the chunk
+//! boundaries (encoding each chunk and dropping it) before the first chunk
+//! is handed out.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use prost::Message;
@@ -26,7 +35,7 @@ use prost::encoding::{self, WireType};
 use rustc_hash::FxHashSet;
 
 use super::batch::{EventLen, OpenBatch};
-use super::state::{BlockRecord, RankBlocks, StateCut};
+use super::state::{BlockRecord, RankBlocks, StateCut, StoreFields, TIERS};
 use super::wire::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data};
 
@@ -34,7 +43,7 @@ pub const MAX_CHUNK_BLOCKS: usize = 2048;
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
 
 /// Everything a snapshot needs, taken by the drain at one instant.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct SnapshotCut {
     pub state: StateCut,
     /// Last sequence number of every rank that has one or has blocks.
@@ -53,107 +62,334 @@ pub struct SnapshotChunk {
     pub encoded: Bytes,
 }
 
-/// Encodes the whole snapshot; empty when no rank is known.
+/// Encodes the whole snapshot at once; empty when no rank is known.
 pub fn encode_snapshot(cut: &SnapshotCut, timestamp: f64) -> Vec<SnapshotChunk> {
-    let empty = RankBlocks::default();
-    let mut per_rank = Vec::new();
-    let mut total_blocks = 0;
-    let rank0 = cut.last_sequences.get_key_value(&0);
-    let others = cut.last_sequences.range(1..);
-    for (&rank, &last_sequence) in others.chain(rank0) {
-        let blocks = cut.state.get(&rank).unwrap_or(&empty);
-        let mut chunker = Chunker::new(timestamp);
-        chunker.push_event(&ownerless_clear(), 0);
-        walk(blocks, &mut chunker);
-        total_blocks += chunker.blocks_total;
-        per_rank.push((rank, last_sequence, chunker.finish()));
-    }
-    let count: usize = per_rank.iter().map(|(_, _, chunks)| chunks.len()).sum();
-    let mut index = 0;
-    let mut out = Vec::with_capacity(count);
-    for (rank, last_sequence, chunks) in per_rank {
-        let first_sequence = last_sequence + 1 - chunks.len() as u64;
-        for (offset, chunk) in chunks.into_iter().enumerate() {
-            let sequence = first_sequence + offset as u64;
-            let header = KvSnapshotChunk {
-                index,
-                count: count as u32,
-                blocks: total_blocks,
-                unknown_before: cut.unknown_before,
-            };
-            out.push(SnapshotChunk {
-                rank,
-                sequence,
-                encoded: chunk.encode(rank, sequence, Some(&header)),
-            });
-            index += 1;
-        }
-    }
-    out
+    SnapshotEncoder::plan(Arc::new(cut.clone()), timestamp).collect()
 }
 
-/// Emits every live block of one rank, tier by tier, parents first.
+/// A snapshot's chunks, each encoded when asked for.
+pub struct SnapshotEncoder {
+    chunks: RawChunks,
+    plan: Plan,
+    /// Index of the next chunk.
+    index: u32,
+    /// The rank of the chunk handed out last, and how many of its chunks
+    /// came before that one.
+    current: Option<(u32, u64)>,
+}
+
+/// What every header needs before the first chunk goes out.
+struct Plan {
+    count: u32,
+    blocks: u64,
+    chunks_per_rank: BTreeMap<u32, u64>,
+}
+
+impl SnapshotEncoder {
+    /// Finds the chunk boundaries of `cut`'s snapshot: a whole encoding
+    /// pass, keeping one chunk at a time. Blocking work.
+    pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
+        let mut planning = RawChunks::new(Arc::clone(&cut), timestamp);
+        let mut chunks_per_rank = BTreeMap::new();
+        let mut count = 0u32;
+        while let Some((rank, _)) = planning.next() {
+            *chunks_per_rank.entry(rank).or_insert(0) += 1;
+            count += 1;
+        }
+        let plan = Plan {
+            count,
+            blocks: planning.blocks,
+            chunks_per_rank,
+        };
+        Self {
+            chunks: RawChunks::new(cut, timestamp),
+            plan,
+            index: 0,
+            current: None,
+        }
+    }
+
+    /// Chunks in the whole snapshot.
+    pub fn count(&self) -> u32 {
+        self.plan.count
+    }
+}
+
+impl Iterator for SnapshotEncoder {
+    type Item = SnapshotChunk;
+
+    /// Encodes the next chunk. Blocking work.
+    fn next(&mut self) -> Option<SnapshotChunk> {
+        let (rank, chunk) = self.chunks.next()?;
+        let offset = match self.current {
+            Some((current, offset)) if current == rank => offset + 1,
+            _ => 0,
+        };
+        self.current = Some((rank, offset));
+        let cut = &self.chunks.cut;
+        let rank_chunks = self.plan.chunks_per_rank[&rank];
+        let sequence = cut.last_sequences[&rank] + 1 - rank_chunks + offset;
+        let header = KvSnapshotChunk {
+            index: self.index,
+            count: self.plan.count,
+            blocks: self.plan.blocks,
+            unknown_before: cut.unknown_before,
+        };
+        self.index += 1;
+        Some(SnapshotChunk {
+            rank,
+            sequence,
+            encoded: chunk.encode(rank, sequence, Some(&header)),
+        })
+    }
+}
+
+/// The snapshot's chunks in order, as filled batches without headers,
+/// walked one chunk at a time.
+struct RawChunks {
+    cut: Arc<SnapshotCut>,
+    timestamp: f64,
+    /// Ranks in emission order: every other rank, then rank 0.
+    ranks: Vec<u32>,
+    next_rank: usize,
+    walking: Option<RankWalk>,
+    /// Blocks (copies counted) of the ranks walked to the end.
+    blocks: u64,
+}
+
+impl RawChunks {
+    fn new(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
+        let rank0 = cut.last_sequences.get_key_value(&0);
+        let others = cut.last_sequences.range(1..);
+        let ranks = others.chain(rank0).map(|(&rank, _)| rank).collect();
+        Self {
+            cut,
+            timestamp,
+            ranks,
+            next_rank: 0,
+            walking: None,
+            blocks: 0,
+        }
+    }
+
+    fn next(&mut self) -> Option<(u32, OpenBatch)> {
+        loop {
+            let Some(walking) = &mut self.walking else {
+                let &rank = self.ranks.get(self.next_rank)?;
+                self.next_rank += 1;
+                self.walking = Some(RankWalk::new(rank, self.timestamp));
+                continue;
+            };
+            if let Some(chunk) = walking.chunker.done.pop_front() {
+                return Some((walking.rank, chunk));
+            }
+            if walking.finished {
+                self.blocks += walking.chunker.blocks_total;
+                self.walking = None;
+                continue;
+            }
+            walking.advance(self.cut.state.get(&walking.rank));
+        }
+    }
+}
+
+/// One rank's walk: an ownerless clear, then every live block, tier by tier.
+struct RankWalk {
+    rank: u32,
+    tier: usize,
+    tier_walk: TierWalk,
+    chunker: Chunker,
+    finished: bool,
+}
+
+impl RankWalk {
+    fn new(rank: u32, timestamp: f64) -> Self {
+        let mut chunker = Chunker::new(timestamp);
+        chunker.push_event(&ownerless_clear(), 0);
+        Self {
+            rank,
+            tier: 0,
+            tier_walk: TierWalk::default(),
+            chunker,
+            finished: false,
+        }
+    }
+
+    /// Walks on until a chunk is full or the rank is done.
+    fn advance(&mut self, blocks: Option<&RankBlocks>) {
+        while self.chunker.done.is_empty() {
+            match blocks {
+                Some(blocks) if self.tier < TIERS => {
+                    if !self.tier_walk.step(blocks, self.tier, &mut self.chunker) {
+                        self.tier += 1;
+                        self.tier_walk = TierWalk::default();
+                    }
+                }
+                _ => {
+                    self.chunker.finish();
+                    self.finished = true;
+                }
+            }
+        }
+    }
+}
+
+/// Fewest blocks fetched into a window; a tier is otherwise scanned at most
+/// `WINDOW_SCANS` times.
+const MIN_WINDOW: usize = 4096;
+const WINDOW_SCANS: usize = 8;
+
+/// Emits every live block of one tier in store order, parents first.
 ///
 /// Blocks go in store order, which is parents-first except where a parent
 /// was evicted and stored again after its child: such a child pulls its
 /// later ancestors out ahead of their turn. A block whose parent is the
 /// block just emitted extends the current chain without any lookup, so the
-/// walk reads the state in order instead of chasing parent links.
-fn walk(blocks: &RankBlocks, chunker: &mut Chunker) {
-    for tier in 0..5 {
-        let mut ordered: Vec<(u64, i64, &BlockRecord)> = blocks
-            .tier(tier)
-            .map(|(hash, record)| (record.order(), hash, record))
-            .collect();
-        ordered.sort_unstable_by_key(|&(order, ..)| order);
-        let mut early = FxHashSet::default();
-        let mut run: Vec<(i64, &BlockRecord)> = Vec::new();
-        for &(order, hash, record) in &ordered {
-            if early.remove(&hash) {
+/// walk reads the state in order instead of chasing parent links. Store
+/// order is read a window at a time (the smallest orders not taken yet, by
+/// one scan of the tier), so the walk never holds the whole tier's order.
+#[derive(Default)]
+struct TierWalk {
+    /// The next (order, hash) pairs, largest first (taken from the end).
+    window: Vec<(u64, i64)>,
+    /// Largest order taken into a window so far.
+    taken_through: Option<u64>,
+    /// The last window held every block left.
+    exhausted: bool,
+    /// Blocks already emitted ahead of their turn.
+    early: FxHashSet<i64>,
+    /// The chain being emitted: each block the parent of the next.
+    run: PathWriter,
+    /// The chain's last block so far.
+    run_last: Option<i64>,
+}
+
+impl TierWalk {
+    /// Emits the next block in store order; false once the tier is done.
+    fn step(&mut self, blocks: &RankBlocks, tier: usize, chunker: &mut Chunker) -> bool {
+        let Some((order, hash)) = self.next_in_order(blocks, tier) else {
+            self.run.finish(blocks, tier, chunker);
+            return false;
+        };
+        if self.early.remove(&hash) {
+            return true;
+        }
+        let record = record(blocks, tier, hash);
+        let parent = record.parent();
+        let continues = parent.is_some() && parent == self.run_last;
+        if !continues {
+            self.run.finish(blocks, tier, chunker);
+            // Ancestors stored after this block are not out yet.
+            let mut ancestors = Vec::new();
+            let mut next = parent;
+            while let Some(ancestor) = next {
+                match blocks.get(tier, ancestor) {
+                    Some(found) if found.order() > order && self.early.insert(ancestor) => {
+                        ancestors.push((ancestor, found));
+                        next = found.parent();
+                    }
+                    _ => break,
+                }
+            }
+            let mut early_path = PathWriter::default();
+            for &(ancestor, found) in ancestors.iter().rev() {
+                early_path.add(ancestor, found, chunker);
+            }
+            early_path.finish(blocks, tier, chunker);
+        }
+        self.run.add(hash, record, chunker);
+        self.run_last = Some(hash);
+        true
+    }
+
+    fn next_in_order(&mut self, blocks: &RankBlocks, tier: usize) -> Option<(u64, i64)> {
+        if self.window.is_empty() && !self.exhausted {
+            self.refill(blocks, tier);
+        }
+        self.window.pop()
+    }
+
+    /// Takes the next window: the smallest orders above `taken_through`.
+    fn refill(&mut self, blocks: &RankBlocks, tier: usize) {
+        let tier_blocks = usize::try_from(blocks.tier_block_count(tier)).unwrap_or(usize::MAX);
+        let size = (tier_blocks / WINDOW_SCANS).max(MIN_WINDOW);
+        let keep_smallest = |window: &mut Vec<(u64, i64)>| {
+            if window.len() > size {
+                window.select_nth_unstable(size - 1);
+                window.truncate(size);
+            }
+        };
+        let mut window = std::mem::take(&mut self.window);
+        let after = self.taken_through;
+        for (hash, record) in blocks.tier(tier) {
+            let order = record.order();
+            if after.is_some_and(|after| order <= after) {
                 continue;
             }
-            let parent = record.parent();
-            let continues = parent.is_some() && parent == run.last().map(|&(last, _)| last);
-            if !continues {
-                emit_path(&run, chunker);
-                run.clear();
-                // Ancestors stored after this block are not out yet.
-                let mut ancestors = Vec::new();
-                let mut next = parent;
-                while let Some(ancestor) = next {
-                    match blocks.get(tier, ancestor) {
-                        Some(found) if found.order() > order && early.insert(ancestor) => {
-                            ancestors.push((ancestor, found));
-                            next = found.parent();
-                        }
-                        _ => break,
-                    }
-                }
-                ancestors.reverse();
-                emit_path(&ancestors, chunker);
+            window.push((order, hash));
+            if window.len() == 2 * size {
+                keep_smallest(&mut window);
             }
-            run.push((hash, record));
         }
-        emit_path(&run, chunker);
+        keep_smallest(&mut window);
+        self.exhausted = window.len() < size;
+        window.sort_unstable_by(|a, b| b.cmp(a));
+        self.taken_through = window.first().map(|&(order, _)| order).or(after);
+        self.window = window;
     }
 }
 
-/// Emits a parent-linked path as stores: one per run of equal fields, then
-/// each extra copy alone.
-fn emit_path(path: &[(i64, &BlockRecord)], chunker: &mut Chunker) {
-    let mut start = 0;
-    while start < path.len() {
-        let fields = path[start].1.fields();
-        let end = path[start..]
-            .iter()
-            .position(|(_, record)| !std::sync::Arc::ptr_eq(record.fields(), fields))
-            .map_or(path.len(), |offset| start + offset);
-        chunker.push_chain(&path[start..end]);
-        start = end;
+/// The record of a block the cut holds (the walk only names such blocks).
+fn record(blocks: &RankBlocks, tier: usize, hash: i64) -> &BlockRecord {
+    blocks
+        .get(tier, hash)
+        .expect("the walk only names blocks of its cut")
+}
+
+/// Emits a parent-linked path as stores, block by block as the walk
+/// reaches them: one store per run of equal fields (split wherever a chunk
+/// fills), then each extra copy alone once the path ends. Only the store
+/// being filled and the hashes with extra copies are held, so a chain as
+/// long as the whole tier costs no more than a short one.
+#[derive(Default)]
+struct PathWriter {
+    /// The store being filled and the fields every block of it shares.
+    store: Option<(Arc<StoreFields>, StorePiece)>,
+    /// Blocks of the path with more than one copy, in path order.
+    copied: Vec<i64>,
+}
+
+impl PathWriter {
+    fn add(&mut self, hash: i64, record: &BlockRecord, chunker: &mut Chunker) {
+        let same_fields =
+            matches!(&self.store, Some((fields, _)) if Arc::ptr_eq(fields, record.fields()));
+        if !same_fields {
+            if let Some((_, piece)) = self.store.take() {
+                chunker.push_piece(piece);
+            }
+            let fields = Arc::clone(record.fields());
+            let piece = StorePiece::new(&fields, record.parent());
+            self.store = Some((fields, piece));
+        }
+        let (fields, piece) = self.store.as_mut().expect("a store is open");
+        chunker.extend_store(fields, piece, hash, record);
+        if record.copies() > 1 {
+            self.copied.push(hash);
+        }
     }
-    for &(hash, record) in path {
-        for _ in 1..record.copies() {
-            chunker.push_chain(&[(hash, record)]);
+
+    /// Ends the path: its last store, then its extra copies.
+    fn finish(&mut self, blocks: &RankBlocks, tier: usize, chunker: &mut Chunker) {
+        if let Some((_, piece)) = self.store.take() {
+            chunker.push_piece(piece);
+        }
+        for hash in self.copied.drain(..) {
+            let record = record(blocks, tier, hash);
+            for _ in 1..record.copies() {
+                let mut piece = StorePiece::new(record.fields(), record.parent());
+                chunker.extend_store(record.fields(), &mut piece, hash, record);
+                chunker.push_piece(piece);
+            }
         }
     }
 }
@@ -167,9 +403,9 @@ struct StorePiece {
 }
 
 impl StorePiece {
-    fn new(first: &BlockRecord, parent: Option<i64>) -> Self {
+    fn new(fields: &StoreFields, parent: Option<i64>) -> Self {
         let mut store = Vec::new();
-        first.fields().to_store(parent).encode_raw(&mut store);
+        fields.to_store(parent).encode_raw(&mut store);
         Self {
             store,
             blocks: 0,
@@ -210,7 +446,7 @@ impl StorePiece {
 /// Cuts one rank's events into chunks within the block and byte limits.
 struct Chunker {
     timestamp: f64,
-    done: Vec<OpenBatch>,
+    done: VecDeque<OpenBatch>,
     open: OpenBatch,
     open_blocks: usize,
     blocks_total: u64,
@@ -220,7 +456,7 @@ impl Chunker {
     fn new(timestamp: f64) -> Self {
         Self {
             timestamp,
-            done: Vec::new(),
+            done: VecDeque::new(),
             open: OpenBatch::with_timestamp(timestamp),
             open_blocks: 0,
             blocks_total: 0,
@@ -234,7 +470,7 @@ impl Chunker {
 
     fn next_chunk(&mut self) {
         let full = std::mem::replace(&mut self.open, OpenBatch::with_timestamp(self.timestamp));
-        self.done.push(full);
+        self.done.push_back(full);
         self.open_blocks = 0;
     }
 
@@ -248,31 +484,30 @@ impl Chunker {
         self.blocks_total += blocks as u64;
     }
 
-    /// Stores a chain (each block the parent of the next, equal fields),
-    /// split wherever a chunk fills; each piece names the previous piece's
-    /// last block as its parent.
-    fn push_chain(&mut self, chain: &[(i64, &BlockRecord)]) {
-        let Some(&(_, first)) = chain.first() else {
-            return;
-        };
-        let mut piece = StorePiece::new(first, first.parent());
-        for &(hash, record) in chain {
-            let block = record.block_fields(hash);
-            let block_len = block.encoded_len();
-            let grown = piece.entry_len_with(block_len);
-            if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
-                let next = StorePiece::new(first, piece.last_hash);
-                self.push_piece(std::mem::replace(&mut piece, next));
-            }
-            if piece.blocks == 0
-                && !self.open.is_empty()
-                && !self.room(1, piece.entry_len_with(block_len))
-            {
-                self.next_chunk();
-            }
-            piece.add(&block, block_len);
+    /// Adds a block to `piece`, a store of blocks with `fields`, each the
+    /// parent of the next; when the chunk fills, the piece so far is pushed
+    /// and the next one names its last block as parent.
+    fn extend_store(
+        &mut self,
+        fields: &StoreFields,
+        piece: &mut StorePiece,
+        hash: i64,
+        record: &BlockRecord,
+    ) {
+        let block = record.block_fields(hash);
+        let block_len = block.encoded_len();
+        let grown = piece.entry_len_with(block_len);
+        if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
+            let next = StorePiece::new(fields, piece.last_hash);
+            self.push_piece(std::mem::replace(piece, next));
         }
-        self.push_piece(piece);
+        if piece.blocks == 0
+            && !self.open.is_empty()
+            && !self.room(1, piece.entry_len_with(block_len))
+        {
+            self.next_chunk();
+        }
+        piece.add(&block, block_len);
     }
 
     fn push_piece(&mut self, piece: StorePiece) {
@@ -287,9 +522,10 @@ impl Chunker {
         self.blocks_total += blocks as u64;
     }
 
-    fn finish(mut self) -> Vec<OpenBatch> {
-        self.done.push(self.open);
-        self.done
+    /// Closes the rank's last chunk.
+    fn finish(&mut self) {
+        let last = std::mem::replace(&mut self.open, OpenBatch::with_timestamp(self.timestamp));
+        self.done.push_back(last);
     }
 }
 

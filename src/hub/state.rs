@@ -29,7 +29,7 @@ use crate::proto::common::{
 pub const MAX_COPIES: u8 = 8;
 
 /// Tiers are 0..=4 (`KvCacheTier`); one map each.
-const TIERS: usize = 5;
+pub const TIERS: usize = 5;
 
 type BlockMap = CowMap<BlockRecord>;
 

@@ -1,19 +1,23 @@
 //! One subscriber's walk through the stream, by position.
 //!
-//! A subscription expects one position next. Whatever was published before
-//! it began comes from the history (the live channel only carries later
-//! batches, and an idle engine may send none for a long time). Live batches
-//! below the expected position are already delivered (the seam after a
-//! replay or snapshot) and are skipped; a live batch above it means the
-//! subscriber fell behind, and the missing positions come from the history
-//! first. The same rule gives resume, seam de-duplication and lag refill
-//! with no gap and no duplicate.
+//! A subscription expects one position next and hands out every published
+//! position from there in order, each read from the history. Whatever was
+//! published before it began is handed out without waiting (the live
+//! channel only announces later batches, and an idle engine may send none
+//! for a long time); after that, an announcement tells how far the stream
+//! has gone. An announcement below the expected position is already
+//! delivered (the seam after a replay or snapshot) and changes nothing; one
+//! above it after missed announcements is refilled from the history all the
+//! same. The same rule gives resume, seam de-duplication and lag refill with
+//! no gap and no duplicate; a position the history no longer holds ends the
+//! stream.
 
 use std::sync::Arc;
 
 use async_broadcast::{Receiver, RecvError};
 
-use super::{Batch, History, HubReader};
+use super::cursors::{Cursor, Cursors};
+use super::{Batch, History, HubReader, Live};
 
 /// Why a resume cursor cannot be honoured (the call fails with OUT_OF_RANGE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,15 +61,12 @@ pub enum Step {
 }
 
 pub struct Subscription {
-    live: Receiver<Arc<Batch>>,
-    history: HubReader,
-    next_position: u64,
-    /// A live batch ahead of `next_position`, held until the gap before it
-    /// is refilled from the history.
-    held: Option<Arc<Batch>>,
-    /// The newest position when the subscription began: up to it, batches
-    /// come from the history without waiting for a live one.
-    replay_through: u64,
+    live: Receiver<Live>,
+    hub: HubReader,
+    /// The position handed out next, shared with the lag metric.
+    next_position: Cursor,
+    /// Every position up to this one is known to be published.
+    published_through: u64,
 }
 
 impl Subscription {
@@ -80,58 +81,49 @@ impl Subscription {
 
     /// Everything after `position` (a snapshot's cut); `live` must have been
     /// subscribed before the cut was taken.
-    pub fn after_cut(hub: &HubReader, live: Receiver<Arc<Batch>>, position: u64) -> Self {
+    pub fn after_cut(hub: &HubReader, live: Receiver<Live>, position: u64) -> Self {
         Self::at(hub, live, position + 1)
     }
 
-    fn at(hub: &HubReader, live: Receiver<Arc<Batch>>, next_position: u64) -> Self {
+    fn at(hub: &HubReader, live: Receiver<Live>, next_position: u64) -> Self {
         Self {
             live,
-            history: hub.clone(),
-            next_position,
-            held: None,
-            replay_through: hub.history().newest(),
+            hub: hub.clone(),
+            next_position: Cursors::open(hub.cursors(), next_position),
+            published_through: hub.history().newest(),
         }
     }
 
-    /// How many batches the live channel holds for this subscriber.
+    /// The id this subscription's lag is reported under.
+    pub fn id(&self) -> u64 {
+        self.next_position.id()
+    }
+
+    /// How many announcements the live channel holds for this subscriber.
     pub fn backlog(&self) -> usize {
         self.live.len()
     }
 
-    /// Batches published that this subscriber has not been handed yet.
-    pub fn lag(&self) -> u64 {
-        (self.history.history().newest() + 1).saturating_sub(self.next_position)
-    }
-
     pub async fn next(&mut self) -> Step {
         loop {
-            if self.held.is_some() || self.next_position <= self.replay_through {
-                let batch = match self
-                    .held
-                    .take_if(|held| held.position == self.next_position)
-                {
-                    Some(held) => Some(held),
-                    None => self.history.history().get(self.next_position),
-                };
-                return match batch {
+            let position = self.next_position.get();
+            if position <= self.published_through {
+                return match self.hub.history().get(position) {
                     Some(batch) => {
-                        self.next_position += 1;
+                        self.next_position.set(position + 1);
                         Step::Batch(batch)
                     }
-                    None => Step::Lost {
-                        position: self.next_position,
-                    },
+                    None => Step::Lost { position },
                 };
             }
-            match self.live.recv_direct().await {
-                Ok(batch) if batch.position < self.next_position => continue,
-                Ok(batch) => self.held = Some(batch),
-                // The skipped batches are in the history; the next live one
-                // reveals how many to refill.
-                Err(RecvError::Overflowed(_)) => continue,
+            let published = match self.live.recv_direct().await {
+                Ok(Live::Published { position }) => position,
+                // Whatever the skipped announcements named is published, so
+                // the history's newest position is a safe bound.
+                Err(RecvError::Overflowed(_)) => self.hub.history().newest(),
                 Err(RecvError::Closed) => return Step::Closed,
-            }
+            };
+            self.published_through = self.published_through.max(published);
         }
     }
 }

@@ -79,6 +79,9 @@ pub async fn serve(
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    state
+        .metrics
+        .set_subscriber_lags(&state.hub.subscriber_lags());
     (
         [(
             header::CONTENT_TYPE,

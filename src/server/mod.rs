@@ -12,6 +12,7 @@ mod methods;
 mod health;
 pub mod passthrough;
 mod preface;
+pub mod request_limit;
 pub mod subscribe;
 
 use std::future::Future;
@@ -22,7 +23,7 @@ use tonic::service::Routes;
 use crate::health::HealthWatch;
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
-use subscribe::SubscribeService;
+use subscribe::{SubscribeLimits, SubscribeService};
 
 /// Every fully-qualified service that serves `SubscribeKvEvents` (contract
 /// section 1), all backed by the same hub.
@@ -43,6 +44,7 @@ pub struct ServerParts {
     /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
     pub pass_through: Option<passthrough::PassThrough>,
     pub limits: connection::ConnectionLimits,
+    pub subscribe_limits: SubscribeLimits,
 }
 
 /// Builds every route of the server.
@@ -60,7 +62,11 @@ pub fn routes(
         .add_service(reflection().build_v1()?)
         .add_service(reflection().build_v1alpha()?)
         .into_axum_router();
-    let subscribe = SubscribeService::new(parts.hub.clone(), parts.metrics.clone());
+    let subscribe = SubscribeService::new(
+        parts.hub.clone(),
+        parts.metrics.clone(),
+        parts.subscribe_limits,
+    );
     for service in SUBSCRIBE_SERVICES {
         let subscribe = subscribe.clone();
         router = router.route_service(
