@@ -4,9 +4,12 @@
 //! Invariant: the drain is the only writer. It appends each batch to the
 //! history and then announces its position on the live channel, so serving
 //! N subscribers costs the drain one history store and one channel push per
-//! batch, whatever N, and published batches take no memory beyond the
-//! history's. A subscriber that falls behind loses channel items, never
-//! blocks the drain, and refills from the history by position.
+//! batch, whatever N. Published batches are held, for every subscriber at
+//! once, by the history and by the live window (the newest
+//! `live_capacity` batches within the history's byte limit, which keeps a
+//! burst readable when the history is short); nothing else holds one, so a
+//! subscriber that stalls pins no batch. A subscriber that falls behind
+//! loses channel items, never blocks the drain, and refills by position.
 
 pub mod batch;
 pub mod cow_map;
@@ -57,6 +60,7 @@ const CUT_REQUEST_QUEUE: usize = 64;
 pub struct HubWriter {
     live: Sender<Live>,
     history: HistoryWriter,
+    live_window: HistoryWriter,
     next_position: u64,
     cut_requests: mpsc::Receiver<CutRequest>,
     reports: Arc<ArcSwap<Vec<RankReport>>>,
@@ -68,6 +72,7 @@ pub struct HubReader {
     /// Keeps the channel open while nobody listens; activated per subscriber.
     live: InactiveReceiver<Live>,
     history: Arc<History>,
+    live_window: Arc<History>,
     /// Where every open subscription stands (lag is read from it).
     cursors: Arc<Cursors>,
     cut_requests: mpsc::Sender<CutRequest>,
@@ -80,18 +85,24 @@ pub fn hub(live_capacity: usize, limits: HistoryLimits) -> (HubWriter, HubReader
     live.set_overflow(true);
     live.set_await_active(false);
     let history = HistoryWriter::new(limits);
+    let live_window = HistoryWriter::new(HistoryLimits {
+        batches: live_capacity,
+        bytes: limits.bytes,
+    });
     let (cut_sender, cut_requests) = mpsc::channel(CUT_REQUEST_QUEUE);
     let reports = Arc::<ArcSwap<Vec<RankReport>>>::default();
     let reader = HubReader {
         reports: Arc::clone(&reports),
         live: receiver.deactivate(),
         history: history.reader(),
+        live_window: live_window.reader(),
         cursors: Arc::default(),
         cut_requests: cut_sender,
     };
     let writer = HubWriter {
         live,
         history,
+        live_window,
         next_position: 1,
         cut_requests,
         reports,
@@ -124,7 +135,8 @@ impl HubWriter {
             encoded,
         });
         self.next_position += 1;
-        self.history.push(batch);
+        self.history.push(Arc::clone(&batch));
+        self.live_window.push(batch);
         // Overflow mode never reports Full, and the inactive receiver keeps
         // the channel open, so this cannot fail while the hub exists.
         let _ = self.live.try_broadcast(Live::Published { position });
@@ -150,6 +162,14 @@ impl HubReader {
     /// A receiver of every announcement from now on.
     pub fn subscribe_live(&self) -> Receiver<Live> {
         self.live.activate_cloned()
+    }
+
+    /// The batch at `position`, while the history or the live window
+    /// holds it.
+    pub fn published(&self, position: u64) -> Option<Arc<Batch>> {
+        self.history
+            .get(position)
+            .or_else(|| self.live_window.get(position))
     }
 
     pub fn cursors(&self) -> &Arc<Cursors> {

@@ -108,7 +108,7 @@ impl Subscription {
         loop {
             let position = self.next_position.get();
             if position <= self.published_through {
-                return match self.hub.history().get(position) {
+                return match self.hub.published(position) {
                     Some(batch) => {
                         self.next_position.set(position + 1);
                         Step::Batch(batch)
