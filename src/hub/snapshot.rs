@@ -108,11 +108,6 @@ impl SnapshotEncoder {
             current: None,
         }
     }
-
-    /// Chunks in the whole snapshot.
-    pub fn count(&self) -> u32 {
-        self.plan.count
-    }
 }
 
 impl Iterator for SnapshotEncoder {
