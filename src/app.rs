@@ -127,7 +127,12 @@ impl Gateway {
             .await
             .is_err()
         {
-            warn!("streams did not end within {SHUTDOWN_GRACE:?}; exiting anyway");
+            let running = self.supervisor.running();
+            let running: Vec<String> = running.iter().map(ToString::to_string).collect();
+            warn!(
+                still_running = running.join(", "),
+                "streams did not end within {SHUTDOWN_GRACE:?}; exiting anyway"
+            );
         }
         match self.supervisor.failure() {
             Some(failure) => Err(failure),

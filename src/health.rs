@@ -27,6 +27,11 @@ impl Health {
     pub fn is_serving(&self) -> bool {
         *self == Self::Serving
     }
+
+    /// Shutting down or failed: health will not change again.
+    pub fn is_final(&self) -> bool {
+        matches!(self, Self::Stopping | Self::Failed(_))
+    }
 }
 
 impl fmt::Display for Health {

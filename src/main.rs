@@ -1,17 +1,33 @@
+use std::time::Duration;
+
 use clap::Parser;
 
 use kvgate::cli::{Cli, Command};
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+/// How long tasks still running once a command is done (the gateway already
+/// gave them its shutdown grace) may keep the process alive.
+const RUNTIME_EXIT_GRACE: Duration = Duration::from_millis(500);
+
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     kvgate::logging::init(cli.log_format);
-    let result = match cli.command {
-        Command::Serve(args) => kvgate::app::serve(args, shutdown_signal()).await,
-        Command::Tail(args) => kvgate::tools::tail::run(args).await,
-        Command::Status(args) => kvgate::tools::status::run(args).await,
-        Command::Bench(args) => kvgate::tools::load::run(args).await,
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("kvgate: cannot start the async runtime: {error}");
+            return std::process::ExitCode::FAILURE;
+        }
     };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Serve(args) => kvgate::app::serve(args, shutdown_signal()).await,
+            Command::Tail(args) => kvgate::tools::tail::run(args).await,
+            Command::Status(args) => kvgate::tools::status::run(args).await,
+            Command::Bench(args) => kvgate::tools::load::run(args).await,
+        }
+    });
+    // Dropping the runtime would wait for a task stuck in a loop forever.
+    runtime.shutdown_timeout(RUNTIME_EXIT_GRACE);
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {

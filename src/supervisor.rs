@@ -13,7 +13,7 @@ use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::FutureExt as _;
 use tokio::sync::watch;
@@ -84,6 +84,8 @@ pub struct Supervisor {
     /// Cancelled once shutdown begins, asked for or after a failure.
     stopping: CancellationToken,
     lifecycle: watch::Sender<Lifecycle>,
+    /// Names of the tasks not ended yet, for the record of a slow shutdown.
+    running: Arc<Mutex<Vec<TaskName>>>,
     #[cfg(test)]
     fault: watch::Sender<Option<TaskName>>,
 }
@@ -100,6 +102,7 @@ impl Supervisor {
             tracker: TaskTracker::new(),
             stopping: CancellationToken::new(),
             lifecycle: watch::Sender::new(Lifecycle::Running),
+            running: Arc::default(),
             #[cfg(test)]
             fault: watch::Sender::new(None),
         }
@@ -114,8 +117,15 @@ impl Supervisor {
         #[cfg(test)]
         let task = self.with_fault(name, task);
         let supervisor = self.clone();
+        self.running_names().push(name);
         self.tracker.spawn(async move {
-            let end = match AssertUnwindSafe(task).catch_unwind().await {
+            let ended = AssertUnwindSafe(task).catch_unwind().await;
+            let mut running = supervisor.running_names();
+            if let Some(index) = running.iter().position(|running| *running == name) {
+                running.swap_remove(index);
+            }
+            drop(running);
+            let end = match ended {
                 Ok(Ok(())) if supervisor.stopping.is_cancelled() => return,
                 Ok(Ok(())) => UnexpectedEnd::Returned,
                 Ok(Err(error)) => UnexpectedEnd::Failed(format!("{error:#}")),
@@ -164,6 +174,17 @@ impl Supervisor {
             Lifecycle::Failed(failure) => Some(Arc::clone(failure)),
             Lifecycle::Running | Lifecycle::Stopping => None,
         }
+    }
+
+    /// The tasks that have not ended yet.
+    pub fn running(&self) -> Vec<TaskName> {
+        self.running_names().clone()
+    }
+
+    fn running_names(&self) -> std::sync::MutexGuard<'_, Vec<TaskName>> {
+        // Only pushes and removals happen under the lock: a panic elsewhere
+        // cannot leave the list half-updated.
+        self.running.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Waits until every task spawned so far has ended.
@@ -297,8 +318,10 @@ mod tests {
                 Ok(())
             });
         }
+        assert_eq!(supervisor.running().len(), 3);
         supervisor.stop();
         supervisor.tasks_ended().await;
+        assert_eq!(supervisor.running(), []);
         assert_eq!(*supervisor.lifecycle().borrow(), Lifecycle::Stopping);
         assert_eq!(supervisor.failure(), None);
     }

@@ -46,6 +46,16 @@ async fn channel(gateway: &Gateway) -> Channel {
         .unwrap()
 }
 
+/// A health watcher gets the final NOT_SERVING, then its stream ends so it
+/// does not hold the shutdown up.
+async fn until_final_not_serving(mut watch: tonic::Streaming<HealthCheckResponse>) {
+    until_status(&mut watch, ServingStatus::NotServing).await;
+    let end = timeout(DEADLINE, watch.next())
+        .await
+        .expect("the watch ends before the deadline");
+    assert!(end.is_none(), "the watch ends, got {end:?}");
+}
+
 /// Reads the overall health watch until it reports `wanted`.
 async fn until_status(watch: &mut tonic::Streaming<HealthCheckResponse>, wanted: ServingStatus) {
     loop {
@@ -84,8 +94,7 @@ async fn a_drain_that_panics_turns_health_not_serving_and_fails_the_run_naming_i
     let run = tokio::spawn(gateway.run(std::future::pending()));
 
     supervisor.inject_panic(TaskName::Drain);
-    until_status(&mut health_watch, ServingStatus::NotServing).await;
-    drop(health_watch);
+    until_final_not_serving(health_watch).await;
     let failure = timeout(DEADLINE, run)
         .await
         .expect("the run ends")
@@ -133,8 +142,7 @@ async fn a_gateway_asked_to_stop_ends_every_stream_cleanly_and_reports_no_failur
     }));
 
     stop.send(()).unwrap();
-    until_status(&mut health_watch, ServingStatus::NotServing).await;
-    drop(health_watch);
+    until_final_not_serving(health_watch).await;
     let end = loop {
         match timeout(DEADLINE, stream.message())
             .await

@@ -2,7 +2,9 @@
 //!
 //! Invariant: every served name (the overall "" and each `SubscribeKvEvents`
 //! service) reports SERVING exactly while [`Health::is_serving`] holds, from
-//! before the first request is answered until the server ends.
+//! before the first request is answered until the server ends. Once health
+//! is final (shutting down or failed), open `Watch` streams get NOT_SERVING
+//! and then end, so a health watcher never holds a shutdown up.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,19 +18,26 @@ use crate::health::{Health, HealthWatch};
 /// Sets every service's status from `health` now; the returned future keeps
 /// them following it for as long as it is polled.
 pub(crate) async fn follow(
-    reporter: HealthReporter,
+    mut reporter: HealthReporter,
     mut health: HealthWatch,
 ) -> impl Future<Output = Infallible> {
     let mut reported = status(&health.now());
     set_all(&reporter, reported).await;
     async move {
         loop {
-            health.changed().await;
-            let now = status(&health.now());
-            if now != reported {
-                set_all(&reporter, now).await;
-                reported = now;
+            let now = health.now();
+            if status(&now) != reported {
+                reported = status(&now);
+                set_all(&reporter, reported).await;
             }
+            if now.is_final() {
+                // Watchers still get the last status before their stream ends.
+                for name in served_names() {
+                    reporter.clear_service_status(name).await;
+                }
+                return std::future::pending().await;
+            }
+            health.changed().await;
         }
     }
 }
@@ -41,8 +50,12 @@ fn status(health: &Health) -> ServingStatus {
     }
 }
 
+fn served_names() -> impl Iterator<Item = &'static str> {
+    std::iter::once("").chain(SUBSCRIBE_SERVICES)
+}
+
 async fn set_all(reporter: &HealthReporter, status: ServingStatus) {
-    for name in std::iter::once("").chain(SUBSCRIBE_SERVICES) {
+    for name in served_names() {
         reporter.set_service_status(name, status).await;
     }
 }
