@@ -128,6 +128,43 @@ async fn an_http1_request_on_the_grpc_port_is_refused_with_505_and_counted() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn request_headers_over_the_header_list_limit_are_refused_and_the_connection_keeps_serving() {
+    let (gateway, mut publisher, _admin) =
+        gateway_with(&["--http2-max-header-list-bytes", "4096"]).await;
+    let channel = gateway.channel().await;
+    let mut grpc = tonic::client::Grpc::new(channel.clone());
+    grpc.ready().await.unwrap();
+    let mut request = Request::new(kvgate::proto::common::SubscribeKvEventsRequest::default());
+    let big = "x".repeat(8000);
+    request.metadata_mut().insert("x-big", big.parse().unwrap());
+    let called = grpc
+        .server_streaming(
+            request,
+            SUBSCRIBE.parse().unwrap(),
+            tonic_prost::ProstCodec::<_, kvgate::proto::common::KvEventBatch>::default(),
+        )
+        .await;
+    // HTTP/2 answers 431 Request Header Fields Too Large, which tonic
+    // reports on the call or on its first message.
+    let refused = match called {
+        Err(status) => status,
+        Ok(response) => {
+            let first = tokio::time::timeout(DEADLINE, response.into_inner().message())
+                .await
+                .expect("an answer before the deadline");
+            first.expect_err("8000 bytes of metadata over a 4096-byte limit")
+        }
+    };
+    assert!(refused.message().contains("431"), "{refused:?}");
+    let mut streams = vec![
+        common::subscribe(channel, "kvgate.v1.KvGate", 0)
+            .await
+            .expect("the same connection still serves"),
+    ];
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+}
+
 /// Hand-made HTTP/2 frames, for a client that ignores the server's settings
 /// or never reads.
 mod raw {
