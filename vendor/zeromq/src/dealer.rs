@@ -78,8 +78,9 @@ impl SocketRecv for DealerSocket {
                 Some((_peer_id, Ok(_))) => {
                     // Ignore non-message frames
                 }
-                Some((_peer_id, Err(e))) => {
-                    // Handle potential errors from the fair queue
+                Some((peer_id, Err(e))) => {
+                    // The peer's stream is unusable after a decode error.
+                    self.backend.peer_disconnected(&peer_id);
                     return Err(e.into());
                 }
                 None => {
@@ -132,10 +133,7 @@ impl DealerSocket {
             DealerSendHalf {
                 inner: inner.clone(),
             },
-            DealerRecvHalf {
-                _inner: inner,
-                fair_queue,
-            },
+            DealerRecvHalf { inner, fair_queue },
         )
     }
 }
@@ -158,7 +156,7 @@ pub struct DealerSendHalf {
 
 /// The recv half of a [`DealerSocket`] produced by [`DealerSocket::split`].
 pub struct DealerRecvHalf {
-    _inner: Arc<DealerSocketInner>,
+    inner: Arc<DealerSocketInner>,
     fair_queue: FairQueue<ZmqFramedRead, PeerIdentity>,
 }
 
@@ -184,7 +182,9 @@ impl SocketRecv for DealerRecvHalf {
                     return Ok(message);
                 }
                 Some((_peer_id, Ok(_))) => {}
-                Some((_peer_id, Err(e))) => {
+                Some((peer_id, Err(e))) => {
+                    // The peer's stream is unusable after a decode error.
+                    self.inner.backend.peer_disconnected(&peer_id);
                     return Err(e.into());
                 }
                 None => {

@@ -196,6 +196,7 @@ pub mod __bench {
     }
 }
 
+pub use crate::codec::CodecError;
 pub use crate::dealer::*;
 pub use crate::endpoint::{Endpoint, Host, Transport, TryIntoEndpoint};
 pub use crate::error::{ZmqError, ZmqResult};
@@ -353,6 +354,7 @@ pub struct SocketOptions {
     // Shared by read preparation and decoder reservation.
     pub(crate) read_buffer_max_size: usize,
     pub(crate) read_buffer_short_reads: usize,
+    pub(crate) max_message_size: Option<usize>,
 }
 
 impl Default for SocketOptions {
@@ -363,6 +365,7 @@ impl Default for SocketOptions {
             read_buffer_initial_size: 128,
             read_buffer_max_size: 64 * 1024,
             read_buffer_short_reads: 2,
+            max_message_size: None,
         }
     }
 }
@@ -416,6 +419,31 @@ impl SocketOptions {
         self.read_buffer_initial_size = initial_size;
         self.read_buffer_max_size = max_size;
         self.read_buffer_short_reads = short_reads;
+        self
+    }
+
+    /// Refuses any incoming message larger than `max_size` bytes, like
+    /// libzmq's `ZMQ_MAXMSGSIZE`: the connection that sent it is dropped
+    /// (a connecting socket reconnects) and the socket goes on serving its
+    /// other peers. Defaults to no limit.
+    ///
+    /// The limit is checked against each frame's announced length before
+    /// any memory is reserved for it, so a peer cannot make the socket
+    /// allocate more than `max_size` bytes per connection by announcing a
+    /// huge frame. A multipart message counts the bodies of its frames plus
+    /// a small fixed overhead per frame (what the socket keeps in memory for
+    /// each one), so many empty frames are bounded too. Commands (greeting
+    /// and handshake frames) are single frames held to the same limit.
+    ///
+    /// ```
+    /// use zeromq::{Socket, SocketOptions, SubSocket};
+    ///
+    /// let mut options = SocketOptions::default();
+    /// options.max_message_size(64 * 1024 * 1024);
+    /// let socket = SubSocket::with_options(options);
+    /// ```
+    pub fn max_message_size(&mut self, max_size: usize) -> &mut Self {
+        self.max_message_size = Some(max_size);
         self
     }
 

@@ -16,6 +16,11 @@ pub enum CodecError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Other(&'static str),
+    /// A peer announced a frame, or a multipart message, larger than
+    /// [`SocketOptions::max_message_size`](crate::SocketOptions::max_message_size).
+    /// `size` is what the message would have reached with the announced frame.
+    #[error("message of {size} bytes exceeds the maximum of {max} bytes")]
+    MessageTooLarge { size: usize, max: usize },
 }
 
 pub(crate) type CodecResult<T> = Result<T, CodecError>;

@@ -32,8 +32,16 @@ pub struct ZmqCodec {
     // This allows to encapsulate its processing inside codec and not expose
     // internal details to higher levels
     buffered_message: Option<ZmqMessage>,
+    // What `buffered_message` counts toward the message size limit so far.
+    buffered_size: usize,
     max_read_chunk_size: usize,
+    max_message_size: Option<usize>,
 }
+
+/// What one frame adds to a multipart message's size besides its body: the
+/// `Bytes` handle and queue slot the message keeps for it. Without it, a
+/// stream of empty frames would grow a message without bound under any limit.
+pub(crate) const FRAME_OVERHEAD: usize = 2 * std::mem::size_of::<Bytes>();
 
 impl ZmqCodec {
     pub fn new() -> Self {
@@ -45,8 +53,30 @@ impl ZmqCodec {
             state: DecoderState::Greeting,
             waiting_for: 64, // len of the greeting frame
             buffered_message: None,
+            buffered_size: 0,
             max_read_chunk_size: options.read_buffer_max_size,
+            max_message_size: options.max_message_size,
         }
+    }
+
+    /// Refuses a frame whose claimed length, or the message it would extend,
+    /// exceeds the configured maximum. Runs on the length header, before
+    /// anything is reserved for the body.
+    fn check_size(&self, frame: Frame, frame_len: usize) -> Result<(), CodecError> {
+        let Some(max) = self.max_message_size else {
+            return Ok(());
+        };
+        let size = if frame.command {
+            frame_len
+        } else {
+            self.buffered_size
+                .saturating_add(frame_len)
+                .saturating_add(FRAME_OVERHEAD)
+        };
+        if size > max {
+            return Err(CodecError::MessageTooLarge { size, max });
+        }
+        Ok(())
     }
 
     /// Returns the minimum additional bytes needed before decode can progress.
@@ -123,6 +153,7 @@ impl Decoder for ZmqCodec {
                     } else {
                         usize::from(src.get_u8())
                     };
+                    self.check_size(frame, frame_len)?;
                     self.state = DecoderState::Frame(frame);
                     self.waiting_for = frame_len;
                 }
@@ -135,6 +166,7 @@ impl Decoder for ZmqCodec {
                     }
 
                     // process incoming message frame
+                    self.buffered_size += data.len() + FRAME_OVERHEAD;
                     match &mut self.buffered_message {
                         Some(v) => v.push_back(data.freeze()),
                         None => self.buffered_message = Some(ZmqMessage::from(data.freeze())),
@@ -142,6 +174,7 @@ impl Decoder for ZmqCodec {
 
                     if !frame.more {
                         // Quoth the Raven “Nevermore.”
+                        self.buffered_size = 0;
                         return Ok(Some(Message::Message(
                             self.buffered_message
                                 .take()
@@ -195,6 +228,7 @@ impl Encoder for ZmqCodec {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    mod max_message_size;
     mod multipart;
     mod read_buffer;
 
