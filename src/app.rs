@@ -182,6 +182,7 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
             dp_size: args.dp_size,
             topic: args.zmq_topic.clone(),
             bind: args.zmq_bind,
+            max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
         })
     };
     if args.demo {
