@@ -212,7 +212,10 @@ async fn a_bound_kvgate_drops_peers_announcing_oversized_frames_and_serves_the_r
         .unwrap();
     real_events_flow(&gateway, &mut publisher).await;
     assert_alive_and_small(&gateway);
-    assert!(gateway.terminate().success(), "kvgate exits cleanly on SIGTERM");
+    assert!(
+        gateway.terminate().success(),
+        "kvgate exits cleanly on SIGTERM"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
