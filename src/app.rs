@@ -82,7 +82,13 @@ impl Gateway {
     pub async fn start(args: ServeArgs) -> anyhow::Result<Self> {
         let supervisor = Supervisor::new();
         match start_tasks(&supervisor, args).await {
-            Ok(gateway) => Ok(gateway),
+            Ok(gateway) => {
+                #[cfg(debug_assertions)]
+                if std::env::var_os("KVGATE_DEBUG_PANIC_TASK").is_some_and(|task| task == "drain") {
+                    supervisor.inject_panic(TaskName::Drain);
+                }
+                Ok(gateway)
+            }
             Err(error) => {
                 supervisor.stop();
                 let _ = tokio::time::timeout(SHUTDOWN_GRACE, supervisor.tasks_ended()).await;
@@ -270,6 +276,7 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
             dp_size: args.dp_size,
             topic: args.zmq_topic.clone(),
             bind: args.zmq_bind,
+            max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
         })
     };
     if args.demo {

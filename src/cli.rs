@@ -90,6 +90,14 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub zmq_replay_timeout_ms: u64,
 
+    /// Largest ZMQ message (all frames) accepted from the engine's publisher
+    /// or replay endpoint, in bytes; a peer announcing more is disconnected
+    /// before anything is allocated for it.
+    #[arg(long, env = "KVGATE_ZMQ_MAX_MESSAGE_BYTES",
+          default_value_t = crate::source::peer::DEFAULT_MAX_MESSAGE_BYTES,
+          value_parser = clap::value_parser!(u64).range(crate::source::peer::MAX_MESSAGE_BYTES_RANGE))]
+    pub zmq_max_message_bytes: u64,
+
     /// Topic the engine publishes under (empty by default, as in the engines).
     #[arg(long, env = "KVGATE_ZMQ_TOPIC", default_value = "")]
     pub zmq_topic: String,

@@ -12,6 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::convert::{DropReason, EventKind, Tally};
+use crate::source::peer::{PeerDropReason, PeerSocket};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RankLabel {
@@ -45,6 +46,21 @@ pub struct CallLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerDropLabels {
+    pub socket: &'static str,
+    pub reason: &'static str,
+}
+
+impl PeerDropLabels {
+    fn new(socket: PeerSocket, reason: PeerDropReason) -> Self {
+        Self {
+            socket: socket.as_str(),
+            reason: reason.as_str(),
+        }
+    }
 }
 
 /// Every metric kvgate exports. Cloning shares the same underlying values.
@@ -99,6 +115,9 @@ pub struct Metrics {
     /// Subscriber streams ended because they fell further behind than kvgate
     /// could refill.
     pub subscribers_lost: Counter,
+    /// ZMQ peer connections dropped for breaking the protocol or the size
+    /// limit, by socket and reason.
+    pub zmq_peers_dropped: Family<PeerDropLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -135,6 +154,7 @@ impl Metrics {
             state_blocks: Family::default(),
             last_sequence: Family::default(),
             history_bytes: Gauge::default(),
+            zmq_peers_dropped: Family::default(),
         };
         registry.register(
             "engine_messages",
@@ -261,6 +281,21 @@ impl Metrics {
                 reason: reason.as_str(),
             });
         }
+        registry.register(
+            "zmq_peers_dropped",
+            "ZMQ peer connections dropped (oversized message, protocol or connection error)",
+            metrics.zmq_peers_dropped.clone(),
+        );
+        // Every series exists from the start, at 0.
+        for socket in PeerSocket::ALL {
+            for reason in PeerDropReason::ALL {
+                drop(
+                    metrics
+                        .zmq_peers_dropped
+                        .get_or_create(&PeerDropLabels::new(socket, reason)),
+                );
+            }
+        }
         Self {
             registry: Arc::new(registry),
             ..metrics
@@ -296,6 +331,12 @@ impl Metrics {
                     .inc_by(dropped);
             }
         }
+    }
+
+    pub fn count_dropped_peer(&self, socket: PeerSocket, reason: PeerDropReason) {
+        self.zmq_peers_dropped
+            .get_or_create(&PeerDropLabels::new(socket, reason))
+            .inc();
     }
 
     pub fn count_bad_message(&self, reason: &'static str) {

@@ -86,7 +86,8 @@ pub struct Supervisor {
     lifecycle: watch::Sender<Lifecycle>,
     /// Names of the tasks not ended yet, for the record of a slow shutdown.
     running: Arc<Mutex<Vec<TaskName>>>,
-    #[cfg(test)]
+    /// Debug builds only: a task name to make panic (see [`Self::inject_panic`]).
+    #[cfg(debug_assertions)]
     fault: watch::Sender<Option<TaskName>>,
 }
 
@@ -103,7 +104,7 @@ impl Supervisor {
             stopping: CancellationToken::new(),
             lifecycle: watch::Sender::new(Lifecycle::Running),
             running: Arc::default(),
-            #[cfg(test)]
+            #[cfg(debug_assertions)]
             fault: watch::Sender::new(None),
         }
     }
@@ -114,7 +115,7 @@ impl Supervisor {
     where
         F: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
-        #[cfg(test)]
+        #[cfg(debug_assertions)]
         let task = self.with_fault(name, task);
         let supervisor = self.clone();
         self.running_names().push(name);
@@ -193,15 +194,26 @@ impl Supervisor {
         self.tracker.wait().await;
     }
 
+    /// Records `failure` and stops the gateway. The first failure is the one
+    /// reported, unless it is a task that merely ended: a task ends when its
+    /// neighbour dies (the source when the drain's input is gone), and may
+    /// notice before the neighbour's panic or error is recorded, so a later
+    /// panic or error is the cause and replaces it.
     fn fail(&self, failure: TaskFailure) {
-        let first = self.lifecycle.send_if_modified(|lifecycle| {
-            let first = !matches!(lifecycle, Lifecycle::Failed(_));
-            if first {
+        let cause = self.lifecycle.send_if_modified(|lifecycle| {
+            let cause = match lifecycle {
+                Lifecycle::Failed(earlier) => {
+                    earlier.end == UnexpectedEnd::Returned
+                        && failure.end != UnexpectedEnd::Returned
+                }
+                Lifecycle::Running | Lifecycle::Stopping => true,
+            };
+            if cause {
                 *lifecycle = Lifecycle::Failed(Arc::new(failure.clone()));
             }
-            first
+            cause
         });
-        if first {
+        if cause {
             error!(task = %failure.task, reason = %failure.end, "a task failed; stopping the gateway");
         } else {
             warn!(task = %failure.task, reason = %failure.end, "a task failed after an earlier failure");
@@ -220,10 +232,13 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
     }
 }
 
-#[cfg(test)]
+/// Fault injection for tests, compiled into debug builds only: the release
+/// binary has neither the hook nor the extra `select!` per task.
+#[cfg(debug_assertions)]
 impl Supervisor {
     /// Makes the running task `name` panic where it stands, as a bug in it
     /// would: its future is dropped by the unwinding, with everything it owns.
+    /// The end-to-end tests reach it through `KVGATE_DEBUG_PANIC_TASK=drain`.
     pub(crate) fn inject_panic(&self, name: TaskName) {
         self.fault.send_replace(Some(name));
     }
@@ -335,5 +350,17 @@ mod tests {
         supervisor.tasks_ended().await;
         let failure = supervisor.failure().expect("failed");
         assert_eq!(failure.task, TaskName::SourceRank(0));
+    }
+
+    #[tokio::test]
+    async fn a_panic_after_a_task_merely_ended_is_reported_as_the_cause() {
+        let supervisor = Supervisor::new();
+        supervisor.spawn(TaskName::SourceRank(0), async { Ok(()) });
+        supervisor.failed().await;
+        supervisor.spawn(TaskName::Drain, async { panic!("the cause") });
+        supervisor.tasks_ended().await;
+        let failure = supervisor.failure().expect("failed");
+        assert_eq!(failure.task, TaskName::Drain);
+        assert_eq!(failure.end, UnexpectedEnd::Panicked("the cause".into()));
     }
 }

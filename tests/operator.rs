@@ -179,6 +179,24 @@ fn a_bad_value_fails_at_start_naming_its_flag() {
             vec!["--zmq-endpoint", "tcp://*:65535", "--dp-size", "2"],
             "--dp-size",
         ),
+        (
+            vec![
+                "--zmq-endpoint",
+                "tcp://*:5557",
+                "--zmq-max-message-bytes",
+                "1024",
+            ],
+            "--zmq-max-message-bytes",
+        ),
+        (
+            vec![
+                "--zmq-endpoint",
+                "tcp://*:5557",
+                "--zmq-max-message-bytes",
+                "2147483648",
+            ],
+            "--zmq-max-message-bytes",
+        ),
     ] {
         let message = serve_fails(&args);
         assert!(message.contains(flag), "{args:?}: {message}");

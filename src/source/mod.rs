@@ -7,6 +7,7 @@
 
 pub mod continuity;
 pub mod endpoint;
+pub mod peer;
 pub mod replay;
 pub mod upstream;
 pub mod zmq;

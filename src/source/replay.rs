@@ -22,8 +22,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::time::{Instant, timeout_at};
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqError, ZmqMessage};
 
+use super::peer::{PeerDropReason, socket_options};
 use super::{FrameError, parse_sequence};
 
 /// The most messages asked for in one request: SGLang's ROUTER truncates
@@ -47,10 +48,27 @@ pub enum ReplayError {
     Timeout(Duration),
     #[error("the replay connection failed: {0}")]
     Disconnected(String),
+    #[error("the replay endpoint was disconnected ({}): {detail}", .reason.as_str())]
+    PeerDropped {
+        reason: PeerDropReason,
+        detail: String,
+    },
     #[error("malformed replay reply: {}", .0.as_str())]
     BadFrames(FrameError),
     #[error("replay sent seq {got} where {expected} was due")]
     NotContiguous { expected: u64, got: u64 },
+}
+
+impl ReplayError {
+    fn from_recv(error: ZmqError) -> Self {
+        match PeerDropReason::of(&error) {
+            Some(reason) => Self::PeerDropped {
+                reason,
+                detail: error.to_string(),
+            },
+            None => Self::Disconnected(error.to_string()),
+        }
+    }
 }
 
 /// What a fetch recovered; see the module docs for what `messages` holds.
@@ -81,16 +99,18 @@ pub struct ReplayClient {
     address: String,
     topic: Bytes,
     timeout: Duration,
+    max_message_bytes: usize,
 }
 
 impl ReplayClient {
     /// `address` is a connect address (`tcp://HOST:PORT`); `timeout` bounds
-    /// each piece.
-    pub fn new(address: String, topic: Bytes, timeout: Duration) -> Self {
+    /// each piece; a reply over `max_message_bytes` drops the connection.
+    pub fn new(address: String, topic: Bytes, timeout: Duration, max_message_bytes: usize) -> Self {
         Self {
             address,
             topic,
             timeout,
+            max_message_bytes,
         }
     }
 
@@ -120,7 +140,7 @@ impl ReplayClient {
     /// Asks for the next piece on a fresh socket and reads it.
     async fn piece(&self, collector: &mut Collector) -> Result<(), ReplayError> {
         let deadline = Instant::now() + self.timeout;
-        let mut dealer = DealerSocket::new();
+        let mut dealer = DealerSocket::with_options(socket_options(self.max_message_bytes));
         // Unlike libzmq's, the zeromq crate's connect waits for the peer,
         // retrying a refused connection for up to 30 s.
         timeout_at(deadline, dealer.connect(&self.address))
@@ -137,7 +157,7 @@ impl ReplayClient {
             let reply = timeout_at(deadline, dealer.recv())
                 .await
                 .map_err(|_| ReplayError::Timeout(self.timeout))?
-                .map_err(|error| ReplayError::Disconnected(error.to_string()))?;
+                .map_err(ReplayError::from_recv)?;
             let reply =
                 parse_reply(&reply.into_vec(), &self.topic).map_err(ReplayError::BadFrames)?;
             if collector.accept(reply)? == Next::PieceDone {
@@ -482,7 +502,12 @@ mod tests {
     }
 
     fn client(address: &str, timeout: Duration) -> ReplayClient {
-        ReplayClient::new(address.to_owned(), Bytes::new(), timeout)
+        ReplayClient::new(
+            address.to_owned(),
+            Bytes::new(),
+            timeout,
+            crate::source::peer::DEFAULT_MAX_MESSAGE_BYTES as usize,
+        )
     }
 
     #[tokio::test]

@@ -4,9 +4,10 @@
 //! miss a restarted publisher's first messages), validates the
 //! `[topic, sequence, payload]` framing and forwards messages in arrival
 //! order. Malformed messages are counted and skipped; they never stop the task.
-//! A rank task ends only at shutdown or once the drain is gone; a publisher
-//! it cannot connect to at all (not a ZMQ peer, an unresolvable host) ends it
-//! with an error, which the supervisor turns into a failed gateway.
+//! A rank task ends only at shutdown or once the drain is gone. A peer that
+//! breaks ZMTP or the message size limit loses its connection, never the
+//! task: a bound SUB goes on accepting, a connecting one reconnects (see
+//! [`super::peer`]).
 //!
 //! With a replay endpoint, the task first primes: it forwards what the
 //! engine's ring holds before reading the live socket. Then, whenever a live
@@ -22,16 +23,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
 use super::endpoint::TcpEndpoint;
-use super::replay::{ReplayClient, Replayed};
+use super::peer::{PeerSocket, record_dropped_peer, socket_options};
+use super::replay::{ReplayClient, ReplayError, Replayed};
 use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
 use crate::metrics::Metrics;
 use crate::supervisor::{Supervisor, TaskName};
@@ -52,6 +53,8 @@ pub struct ZmqSourceConfig {
     /// Bind instead of connecting (the engine was given a concrete host and
     /// connects out).
     pub bind: bool,
+    /// Largest message accepted from a publisher or replay endpoint.
+    pub max_message_bytes: usize,
 }
 
 /// Splits `[topic, sequence (8 bytes BE), payload]`.
@@ -106,14 +109,14 @@ impl ZmqSourceConfig {
                         .connect_address(),
                     topic.clone(),
                     config.replay_timeout,
+                    config.max_message_bytes,
                 )),
                 None => None,
             };
-            let mut options = SocketOptions::default();
+            let mut options = socket_options(config.max_message_bytes);
             options.no_connect_timeout();
             let mut socket = SubSocket::with_options(options);
             socket.subscribe(&config.topic).await?;
-            let rank_task = RankTask::new(rank, topic, replay, events.clone(), metrics.clone());
             let stop = supervisor.stopping();
             if config.bind {
                 let address = endpoint.bind_address();
@@ -122,6 +125,22 @@ impl ZmqSourceConfig {
                     .await
                     .map_err(|e| anyhow::anyhow!("--zmq-bind: cannot bind {address}: {e}"))?;
                 info!(rank, %bound, "listening for the engine publisher");
+                let handshakes = socket.monitor();
+                let rank_task = RankTask::new(
+                    rank,
+                    address.clone(),
+                    topic,
+                    replay,
+                    events.clone(),
+                    metrics.clone(),
+                );
+                let handshake_stop = stop.clone();
+                let handshake_metrics = metrics.clone();
+                supervisor.spawn(TaskName::SourceRank(rank), async move {
+                    count_failed_handshakes(handshakes, address, handshake_metrics, handshake_stop)
+                        .await;
+                    Ok(())
+                });
                 ranks_up.one_more();
                 supervisor.spawn(TaskName::SourceRank(rank), async move {
                     rank_task.run(socket, stop).await;
@@ -129,13 +148,19 @@ impl ZmqSourceConfig {
                 });
             } else {
                 let address = endpoint.connect_address();
+                let rank_task = RankTask::new(
+                    rank,
+                    address.clone(),
+                    topic,
+                    replay,
+                    events.clone(),
+                    metrics.clone(),
+                );
                 let ranks_up = Arc::clone(&ranks_up);
+                let metrics = metrics.clone();
                 supervisor.spawn(TaskName::SourceRank(rank), async move {
                     tokio::select! {
-                        connected = socket.connect(&address) => {
-                            connected.with_context(|| {
-                                format!("cannot connect to the engine publisher at {address}")
-                            })?;
+                        () = connect_until_up(&mut socket, &address, &metrics) => {
                             info!(rank, %address, "connected to the engine publisher");
                             ranks_up.one_more();
                             rank_task.run(socket, stop).await;
@@ -165,9 +190,57 @@ impl RanksUp {
     }
 }
 
+/// Connects `socket` to `address`, retrying until it is up: the zeromq
+/// crate waits out refused connections by itself but gives up on a failed
+/// handshake, and a publisher that once fails one must not cost the rank.
+/// After this, the socket reconnects on its own.
+async fn connect_until_up(socket: &mut SubSocket, address: &str, metrics: &Metrics) {
+    let mut backoff = CONNECT_BACKOFF_MIN;
+    loop {
+        match socket.connect(address).await {
+            Ok(()) => return,
+            Err(error) => {
+                if !record_dropped_peer(metrics, PeerSocket::Sub, address, &error) {
+                    warn!(%address, %error, "cannot connect to the engine publisher; retrying");
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(CONNECT_BACKOFF_MAX);
+    }
+}
+
+const CONNECT_BACKOFF_MIN: Duration = Duration::from_millis(100);
+const CONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Counts the engine-side peers a bound SUB dropped during the handshake
+/// (the receive loop only sees errors after it), until the source stops.
+async fn count_failed_handshakes(
+    mut events: futures::channel::mpsc::Receiver<SocketEvent>,
+    address: String,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    use futures::StreamExt;
+    loop {
+        tokio::select! {
+            event = events.next() => match event {
+                Some(SocketEvent::AcceptFailed(error)) => {
+                    record_dropped_peer(&metrics, PeerSocket::Sub, &address, &error);
+                }
+                Some(_) => {}
+                None => return,
+            },
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
 /// The receive loop of one rank.
 struct RankTask {
     rank: u32,
+    /// Where the SUB binds or connects, for the logs.
+    endpoint: String,
     topic: Bytes,
     replay: Option<ReplayClient>,
     events: mpsc::Sender<SourceEvent>,
@@ -212,6 +285,7 @@ impl Hole {
 impl RankTask {
     fn new(
         rank: u32,
+        endpoint: String,
         topic: Bytes,
         replay: Option<ReplayClient>,
         events: mpsc::Sender<SourceEvent>,
@@ -219,6 +293,7 @@ impl RankTask {
     ) -> Self {
         Self {
             rank,
+            endpoint,
             topic,
             replay,
             events,
@@ -252,7 +327,10 @@ impl RankTask {
                     }
                 }
                 Err(error) => {
-                    debug!(rank = self.rank, %error, "engine socket error; still listening");
+                    if !record_dropped_peer(&self.metrics, PeerSocket::Sub, &self.endpoint, &error)
+                    {
+                        debug!(rank = self.rank, %error, "engine socket error; still listening");
+                    }
                     tokio::time::sleep(ERROR_BACKOFF).await;
                 }
             }
@@ -268,6 +346,7 @@ impl RankTask {
         };
         let primed = replay.fetch(0..=u64::MAX).await;
         if let Some(error) = &primed.stopped {
+            self.count_replay_drop(error);
             warn!(rank = self.rank, replay = replay.address(), %error, "priming from the replay endpoint broke off");
         }
         info!(
@@ -344,6 +423,7 @@ impl RankTask {
             Some(replay) => {
                 let recovered = replay.fetch(missing.clone()).await;
                 if let Some(error) = &recovered.stopped {
+                    self.count_replay_drop(error);
                     warn!(rank = self.rank, replay = replay.address(), ?missing, %error, "replay broke off");
                 }
                 recovered
@@ -371,6 +451,12 @@ impl RankTask {
             );
         }
         self.send_all(recovered.messages).await
+    }
+
+    fn count_replay_drop(&self, stopped: &ReplayError) {
+        if let ReplayError::PeerDropped { reason, .. } = stopped {
+            self.metrics.count_dropped_peer(PeerSocket::Replay, *reason);
+        }
     }
 
     /// Returns false once the drain is gone.
@@ -411,6 +497,8 @@ mod tests {
 
     /// Upper bound on any single wait; the conditions themselves are awaited.
     const WAIT: Duration = Duration::from_secs(10);
+
+    const TEST_MAX_MESSAGE_BYTES: usize = crate::source::peer::DEFAULT_MAX_MESSAGE_BYTES as usize;
 
     #[derive(Debug, PartialEq, Eq)]
     enum Seen {
@@ -484,12 +572,13 @@ mod tests {
 
         fn replay(&self, timeout: Duration) -> ReplayClient {
             let address = self.publisher.replay_endpoint().unwrap().to_owned();
-            ReplayClient::new(address, Bytes::new(), timeout)
+            ReplayClient::new(address, Bytes::new(), timeout, TEST_MAX_MESSAGE_BYTES)
         }
 
         fn start(&mut self, replay: Option<ReplayClient>) {
             let task = RankTask::new(
                 0,
+                self.publisher.endpoint().to_owned(),
                 Bytes::new(),
                 replay,
                 self.sender.clone(),
@@ -629,7 +718,12 @@ mod tests {
         let mut silent = zeromq::RouterSocket::new();
         let address = silent.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         let timeout = Duration::from_millis(300);
-        harness.start(Some(ReplayClient::new(address, Bytes::new(), timeout)));
+        harness.start(Some(ReplayClient::new(
+            address,
+            Bytes::new(),
+            timeout,
+            TEST_MAX_MESSAGE_BYTES,
+        )));
 
         // Priming and the hole before `a` each wait out the timeout, and
         // then the live stream goes on.
