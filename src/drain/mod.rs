@@ -22,12 +22,14 @@ use tracing::warn;
 
 use crate::convert::{Converter, Tally};
 use crate::hub::OpenBatch;
+use crate::hub::batch::ROUTER_MAX_MESSAGE_BYTES;
 use crate::hub::state::LiveState;
 use crate::hub::{CutRequest, HubWriter, RankReport, SnapshotCut};
 use crate::metrics::Metrics;
+use crate::metrics::OVERSIZED_EVENT;
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvCacheTier, kv_cache_event::Data};
 use crate::source::{EngineMessage, SourceEvent};
-use batcher::{BatchLimits, Batcher};
+use batcher::{BatchLimits, Batcher, Output};
 use sequence::Sequencer;
 
 /// Upper bound on engine messages folded into one drain cycle, so a flood
@@ -179,15 +181,32 @@ impl Drain {
         }
     }
 
-    /// Records `event` in the state (which may complete it) and batches it.
+    /// Completes `event` from the state, batches it, and records in the
+    /// state what was sent: a piece too large for any batch is counted and
+    /// left out of both, so a snapshot never carries what the stream did not.
     fn push_event(&mut self, rank: u32, mut event: KvCacheEvent, timestamp: f64) {
-        self.state.apply(rank, &mut event);
+        self.state.complete(rank, &mut event);
         let limits = self.limits;
-        let ready = &mut self.ready;
+        let (ready, state, metrics) = (&mut self.ready, &mut self.state, &self.metrics);
         self.batchers
             .entry(rank)
             .or_insert_with(|| Batcher::new(limits))
-            .push(event, timestamp, &mut |batch| ready.push((rank, batch)));
+            .push(event, timestamp, &mut |output| match output {
+                Output::Batch(batch) => ready.push((rank, batch)),
+                Output::Sent(event) => state.record(rank, event),
+                Output::Oversized { event, bytes } => {
+                    metrics.count_oversized_event();
+                    crate::logging::rate_limited(OVERSIZED_EVENT, || {
+                        warn!(
+                            rank,
+                            event_id = event.event_id,
+                            bytes,
+                            limit = ROUTER_MAX_MESSAGE_BYTES,
+                            "event dropped: larger than any message the router accepts"
+                        );
+                    });
+                }
+            });
     }
 
     fn close_batch(&mut self, rank: u32) {

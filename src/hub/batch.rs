@@ -2,7 +2,9 @@
 //! with every subscriber and the history; and the builder that encodes it.
 //!
 //! Events are encoded as they are added; finishing a batch only writes its
-//! header around them, so no event is encoded twice.
+//! header around them, so no event is encoded twice. A batch handed to the
+//! history sits in an allocation of exactly its size (plus the few header
+//! bytes), so the bytes the history counts are the bytes it holds.
 
 use bytes::Bytes;
 use prost::Message;
@@ -24,12 +26,36 @@ pub struct Batch {
     pub encoded: Bytes,
 }
 
+impl Batch {
+    /// The memory this batch holds while it is kept.
+    pub fn retained_bytes(&self) -> usize {
+        self.encoded.len() + BATCH_OVERHEAD
+    }
+}
+
 /// The field number of `KvEventBatch.events`.
 pub const EVENTS_FIELD: u32 = 3;
 
 /// Room kept in front of the events for the header fields written last:
 /// `sequence_number` (tag + up to 10 varint bytes) and `timestamp` (tag + 8).
 const HEADER_ROOM: usize = 20;
+
+/// Room kept after the events for `dp_rank` (tag + an `int32`, which takes
+/// 10 varint bytes when negative).
+const RANK_ROOM: usize = 11;
+
+/// The largest message the router accepts (its gRPC decoding limit).
+pub const ROUTER_MAX_MESSAGE_BYTES: usize = 4 << 20;
+
+/// The most encoded event bytes one batch may carry and still be a message
+/// the router accepts.
+pub const MAX_EVENTS_BYTES: usize = ROUTER_MAX_MESSAGE_BYTES - HEADER_ROOM - RANK_ROOM;
+
+/// What one held batch costs besides its encoded bytes, rounded up: the
+/// `Arc`'d `Batch`, the `Bytes` header, the header and rank room and the
+/// allocator's own headers. The history charges it per batch, so many tiny
+/// batches cannot hold more memory than `--history-bytes`.
+pub const BATCH_OVERHEAD: usize = 256;
 
 /// An event's encoded body length and its length as one `events` field.
 #[derive(Clone, Copy, Debug)]
@@ -75,10 +101,42 @@ impl Default for OpenBatch {
 
 impl OpenBatch {
     pub fn with_timestamp(timestamp: f64) -> Self {
+        let mut buffer = Vec::with_capacity(HEADER_ROOM + RANK_ROOM);
+        buffer.resize(HEADER_ROOM, 0);
         Self {
-            buffer: vec![0; HEADER_ROOM],
+            buffer,
             count: 0,
             timestamp,
+        }
+    }
+
+    /// A batch of the one event whose encoded body is `event`, in an
+    /// allocation of exactly its size.
+    pub fn alone(event: &[u8], timestamp: f64) -> Self {
+        let entry = EventLen::of_body(event.len()).entry;
+        let mut buffer = Vec::with_capacity(HEADER_ROOM + entry + RANK_ROOM);
+        buffer.resize(HEADER_ROOM, 0);
+        let mut batch = Self {
+            buffer,
+            count: 0,
+            timestamp,
+        };
+        batch.push_encoded(event, timestamp);
+        batch
+    }
+
+    /// Hands over the events so far as a batch in an allocation of exactly
+    /// their size, and starts again empty on this (warm) buffer. The copy
+    /// replaces the copies a growing buffer would make, and the history then
+    /// holds no spare capacity.
+    pub fn take_exact(&mut self) -> Self {
+        let mut buffer = Vec::with_capacity(self.buffer.len() + RANK_ROOM);
+        buffer.extend_from_slice(&self.buffer);
+        self.buffer.truncate(HEADER_ROOM);
+        Self {
+            buffer,
+            count: std::mem::take(&mut self.count),
+            timestamp: self.timestamp,
         }
     }
 
