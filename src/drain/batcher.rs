@@ -93,8 +93,10 @@ impl Batcher {
             }
         }
         // An outsized event must not keep its buffers' size for good.
-        self.encoded.shrink_to(self.max_bytes);
-        self.scratch.shrink_to(self.max_bytes);
+        for buffer in [&mut self.encoded, &mut self.scratch] {
+            buffer.clear();
+            buffer.shrink_to(self.max_bytes);
+        }
     }
 
     /// Hands over the batch being filled, if it has any event.
@@ -483,6 +485,18 @@ mod tests {
             Some(11),
             "the chain names the dropped block, as the engine did"
         );
+    }
+
+    #[test]
+    fn an_outsized_event_leaves_no_outsized_buffer_behind() {
+        let mut batcher = Batcher::new(BatchLimits {
+            max_events: 1024,
+            max_bytes: 4096,
+        });
+        let huge = store_of(vec![block(1, 1_200_000, 3_000_000)], Some("salt".into()));
+        batcher.push(huge, 1.0, &mut |_| {});
+        assert!(batcher.encoded.capacity() <= 4096);
+        assert!(batcher.scratch.capacity() <= 4096);
     }
 
     #[test]

@@ -216,7 +216,9 @@ impl OpenBatch {
             encoding::message::encode(7, chunk, &mut self.buffer);
         }
         let encoded = &self.buffer[start..];
-        if encoded.len() >= OWN_MAPPING_MIN_BYTES
+        // Snapshot chunks are sent and dropped, never held: the heap suits them.
+        if snapshot.is_none()
+            && encoded.len() >= OWN_MAPPING_MIN_BYTES
             && let Ok(mut mapping) = MmapMut::map_anon(encoded.len())
         {
             mapping.copy_from_slice(encoded);
