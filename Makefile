@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint bench load benchmarks
+.PHONY: run test lint fuzz bench load benchmarks
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
@@ -34,3 +34,8 @@ load:
 
 # Every benchmark of BENCHMARKS.md in one command.
 benchmarks: bench load
+
+# The decoder + batcher fuzz target (proptest) for longer than `make test`
+# runs it: 20k cases of each property, bounded (a few minutes in release).
+fuzz:
+	PROPTEST_CASES=20000 cargo test --release --locked --test fuzz

@@ -118,14 +118,16 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(4096..=(3 << 20)))]
     pub max_batch_bytes: u32,
 
-    /// Batches kept for resuming and lagging subscribers.
+    /// Batches kept for resuming and lagging subscribers (slots are
+    /// allocated as batches arrive, 16 bytes per batch held).
     #[arg(long, env = "KVGATE_HISTORY_BATCHES", default_value_t = 10_000,
-          value_parser = clap::value_parser!(u32).range(1..))]
+          value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     pub history_batches: u32,
 
-    /// Encoded bytes kept for resuming and lagging subscribers.
+    /// Bytes of batches kept for resuming and lagging subscribers (encoded
+    /// bytes plus 256 per batch); the newest batch is always kept.
     #[arg(long, env = "KVGATE_HISTORY_BYTES", default_value_t = 256 << 20,
-          value_parser = clap::value_parser!(u64).range(1..))]
+          value_parser = clap::value_parser!(u64).range(4096..=(64 << 30)))]
     pub history_bytes: u64,
 
     /// Batch announcements (positions, not batches) buffered per subscriber

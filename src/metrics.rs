@@ -63,6 +63,10 @@ impl PeerDropLabels {
     }
 }
 
+/// The `events_dropped` reason of an event (or piece of one: a single block)
+/// larger than any message the router accepts.
+pub const OVERSIZED_EVENT: &str = "oversized_event";
+
 /// Every metric kvgate exports. Cloning shares the same underlying values.
 #[derive(Clone)]
 pub struct Metrics {
@@ -71,7 +75,8 @@ pub struct Metrics {
     pub engine_messages: Family<RankLabel, Counter>,
     /// Decoded engine events per rank and type, forwarded or not.
     pub engine_events: Family<RankTypeLabels, Counter>,
-    /// Engine events dropped by a normalization rule.
+    /// Engine events dropped by a normalization rule, and events (or pieces
+    /// of one) too large for the router (`oversized_event`).
     pub events_dropped: Family<ReasonLabel, Counter>,
     /// Engine messages that produced no events at all (bad frames, bad msgpack).
     pub bad_messages: Family<ReasonLabel, Counter>,
@@ -166,9 +171,12 @@ impl Metrics {
             "Decoded engine events per rank and type (forwarded or dropped)",
             metrics.engine_events.clone(),
         );
+        let _ = metrics.events_dropped.get_or_create(&ReasonLabel {
+            reason: OVERSIZED_EVENT,
+        });
         registry.register(
             "events_dropped",
-            "Engine events dropped by a normalization rule",
+            "Engine events dropped, by normalization rule or as oversized_event",
             metrics.events_dropped.clone(),
         );
         registry.register(
@@ -336,6 +344,15 @@ impl Metrics {
     pub fn count_dropped_peer(&self, socket: PeerSocket, reason: PeerDropReason) {
         self.zmq_peers_dropped
             .get_or_create(&PeerDropLabels::new(socket, reason))
+            .inc();
+    }
+
+    /// An event (or piece) too large for the router was not sent.
+    pub fn count_oversized_event(&self) {
+        self.events_dropped
+            .get_or_create(&ReasonLabel {
+                reason: OVERSIZED_EVENT,
+            })
             .inc();
     }
 

@@ -1,19 +1,23 @@
 //! Packing converted events into outgoing batches.
 //!
-//! Invariants: a batch holds events of one rank only, at most
-//! `max_events` of them, and its encoded events take at most `max_bytes`
-//! (the router refuses messages over 4 MiB). An event too large on its own
-//! is split into several events of the same kind first: a store into a
-//! parent-linked chain of stores, a removal into several removals. Events are
-//! encoded once, here, as they arrive; closing a batch only prepends its
-//! header.
+//! Invariants: a batch holds events of one rank only, at most `max_events`
+//! of them, and either its encoded events take at most `max_bytes`, or it is
+//! one event alone, larger than that but still a message the router accepts
+//! (4 MiB). An event over `max_bytes` is cut, in one pass over its blocks,
+//! into events of the same kind (a store into a parent-linked chain of
+//! stores, a removal into several removals); a piece that is still too large
+//! for a batch goes alone, and one too large for the router is reported and
+//! dropped. Nothing is ever cut twice, so a push ends after work linear in
+//! the event's size whatever the event. Events are encoded once as they
+//! arrive (the pieces of a cut event once more); closing a batch only
+//! prepends its header.
 
 use prost::Message;
 use prost::encoding;
 
-use crate::hub::batch::{EventLen, OpenBatch};
-use crate::hub::wire;
-use crate::proto::common::{KvCacheEvent, kv_cache_event::Data};
+use crate::hub::batch::{EventLen, MAX_EVENTS_BYTES, OpenBatch};
+use crate::hub::wire::{self, BlockFields};
+use crate::proto::common::{KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
 
 /// Limits of one outgoing batch.
 #[derive(Clone, Copy, Debug)]
@@ -22,10 +26,27 @@ pub struct BatchLimits {
     pub max_bytes: usize,
 }
 
+/// What the batcher did with an event, or with one piece of a cut event.
+#[derive(Debug)]
+pub enum Output<'a> {
+    /// A batch is complete: full, or an oversized event alone.
+    Batch(OpenBatch),
+    /// This event (or piece) is in a batch.
+    Sent(&'a KvCacheEvent),
+    /// This event (or piece, a single block) encodes to `bytes`, more than
+    /// any message the router accepts: it is not sent.
+    Oversized {
+        event: &'a KvCacheEvent,
+        bytes: usize,
+    },
+}
+
 /// Fills batches for one rank, handing over each full one.
 #[derive(Debug)]
 pub struct Batcher {
-    limits: BatchLimits,
+    max_events: usize,
+    /// `BatchLimits::max_bytes`, never above what the router accepts.
+    max_bytes: usize,
     open: OpenBatch,
     /// The event being added, encoded (reused from event to event).
     encoded: Vec<u8>,
@@ -35,95 +56,205 @@ pub struct Batcher {
 impl Batcher {
     pub fn new(limits: BatchLimits) -> Self {
         Self {
-            limits,
+            max_events: limits.max_events.max(1),
+            max_bytes: limits.max_bytes.min(MAX_EVENTS_BYTES),
             open: OpenBatch::default(),
             encoded: Vec::new(),
             scratch: Vec::new(),
         }
     }
 
-    /// Adds `event`; every batch that becomes full on the way goes to `full`.
+    /// Adds `event`, reporting to `out` every batch that completes and what
+    /// became of the event (or of each of its pieces).
     pub fn push(
         &mut self,
         mut event: KvCacheEvent,
         timestamp: f64,
-        full: &mut impl FnMut(OpenBatch),
+        out: &mut impl FnMut(Output<'_>),
     ) {
-        wire::encode_event(&mut event, &mut self.encoded, &mut self.scratch);
-        let len = EventLen::of_body(self.encoded.len());
-        if len.entry > self.limits.max_bytes {
-            for piece in split(event, self.limits.max_bytes) {
-                self.push(piece, timestamp, full);
-            }
+        let entry = self.encode(&mut event);
+        if entry <= self.max_bytes {
+            self.append(entry, timestamp, out);
+            out(Output::Sent(&event));
             return;
         }
-        if !self
-            .open
-            .fits(self.limits.max_events, self.limits.max_bytes, len.entry)
-        {
-            full(std::mem::take(&mut self.open));
+        match split(event, self.max_bytes) {
+            Split::Whole(event) => self.place_oversized(&event, entry, timestamp, out),
+            Split::Pieces(pieces) => {
+                for mut piece in pieces {
+                    let entry = self.encode(&mut piece);
+                    if entry <= self.max_bytes {
+                        self.append(entry, timestamp, out);
+                        out(Output::Sent(&piece));
+                    } else {
+                        self.place_oversized(&piece, entry, timestamp, out);
+                    }
+                }
+            }
         }
-        self.open.push_encoded(&self.encoded, timestamp);
+        // An outsized event must not keep its buffers' size for good.
+        for buffer in [&mut self.encoded, &mut self.scratch] {
+            buffer.clear();
+            buffer.shrink_to(self.max_bytes);
+        }
     }
 
     /// Hands over the batch being filled, if it has any event.
     pub fn close(&mut self) -> Option<OpenBatch> {
-        (!self.open.is_empty()).then(|| std::mem::take(&mut self.open))
+        (!self.open.is_empty()).then(|| self.open.take_exact())
+    }
+
+    /// Encodes `event` into `self.encoded`; returns its length as an entry.
+    fn encode(&mut self, event: &mut KvCacheEvent) -> usize {
+        wire::encode_event(event, &mut self.encoded, &mut self.scratch);
+        EventLen::of_body(self.encoded.len()).entry
+    }
+
+    /// Appends the encoded event to the open batch, first handing the open
+    /// batch over if the event would not fit in it.
+    fn append(&mut self, entry: usize, timestamp: f64, out: &mut impl FnMut(Output<'_>)) {
+        if !self.open.fits(self.max_events, self.max_bytes, entry) {
+            out(Output::Batch(self.open.take_exact()));
+        }
+        self.open.push_encoded(&self.encoded, timestamp);
+    }
+
+    /// An encoded event over `max_bytes` goes alone, after the batch being
+    /// filled (order is kept), if the router accepts it; otherwise it is
+    /// reported as oversized.
+    fn place_oversized(
+        &mut self,
+        event: &KvCacheEvent,
+        entry: usize,
+        timestamp: f64,
+        out: &mut impl FnMut(Output<'_>),
+    ) {
+        if entry > MAX_EVENTS_BYTES {
+            out(Output::Oversized {
+                event,
+                bytes: entry,
+            });
+            return;
+        }
+        if let Some(open) = self.close() {
+            out(Output::Batch(open));
+        }
+        out(Output::Batch(OpenBatch::alone(&self.encoded, timestamp)));
+        out(Output::Sent(event));
     }
 }
 
-/// Splits an event whose encoding exceeds `max_bytes` into events that fit.
-/// Stores are cut into consecutive runs of blocks, each run's parent being
-/// the previous run's last block, so the chain stays intact.
-fn split(event: KvCacheEvent, max_bytes: usize) -> Vec<KvCacheEvent> {
-    let event_id = event.event_id;
+/// An event cut for batching, or left whole (its encoding is then still the
+/// batcher's `encoded`).
+enum Split {
+    Whole(KvCacheEvent),
+    Pieces(Vec<KvCacheEvent>),
+}
+
+/// Bytes a piece may take beyond its fields without blocks or hashes: the
+/// length prefixes of the entry, of the store or removal and of the packed
+/// hashes grow with the piece (3 varints of at most 10 bytes), plus the
+/// packed field's tag.
+const PIECE_SLACK: usize = 32;
+
+/// Cuts an event over `max_bytes` into pieces in one pass. Every piece of
+/// several blocks (or hashes) fits the budget; a piece of one may not, and
+/// is never cut again.
+///
+/// The budget is `max_bytes` when the fields every piece repeats (salt,
+/// LoRA name, ...) take at most half of it, else the router's limit when
+/// they take at most half of that, else the event stays whole. Two
+/// consecutive pieces then always carry more than half a budget of blocks,
+/// so the pieces together take at most about 3 times the event: a cut can
+/// never multiply a large salt by the number of blocks.
+fn split(event: KvCacheEvent, max_bytes: usize) -> Split {
+    let KvCacheEvent { event_id, data } = event;
     let wrap = |data: Data| KvCacheEvent {
         event_id,
         data: Some(data),
     };
-    match event.data {
-        Some(Data::Stored(stored)) if stored.blocks.len() > 1 => {
-            let mut pieces = Vec::new();
-            let template = crate::proto::common::KvBlocksStored {
-                blocks: Vec::new(),
-                ..stored.clone()
+    match data {
+        Some(Data::Stored(mut stored)) if stored.blocks.len() > 1 => {
+            let blocks = std::mem::take(&mut stored.blocks);
+            let fixed = wrap(Data::Stored(stored.clone())).encoded_len() + PIECE_SLACK;
+            let entry_len = |block: &crate::proto::common::KvBlock| {
+                let body = BlockFields::from(block).encoded_len();
+                encoding::key_len(wire::BLOCKS_FIELD)
+                    + encoding::encoded_len_varint(body as u64)
+                    + body
             };
-            let overhead = template.encoded_len() + 16;
-            let mut current = template.clone();
-            let mut size = overhead;
-            for block in stored.blocks {
-                let block_len = encoding::message::encoded_len(1, &block);
-                if !current.blocks.is_empty() && size + block_len > max_bytes {
-                    let last_hash = current.blocks.last().map(|b| b.block_hash);
-                    let finished = std::mem::replace(&mut current, template.clone());
-                    current.parent_block_hash = last_hash;
-                    size = overhead;
-                    pieces.push(wrap(Data::Stored(finished)));
-                }
-                size += block_len;
-                current.blocks.push(block);
-            }
-            pieces.push(wrap(Data::Stored(current)));
-            pieces
+            let Some(runs) = runs(blocks.iter().map(entry_len), fixed, max_bytes) else {
+                stored.blocks = blocks;
+                return Split::Whole(wrap(Data::Stored(stored)));
+            };
+            let mut blocks = blocks.into_iter();
+            let mut parent = stored.parent_block_hash;
+            let pieces = runs
+                .into_iter()
+                .map(|count| {
+                    let piece = KvBlocksStored {
+                        blocks: blocks.by_ref().take(count).collect(),
+                        parent_block_hash: parent,
+                        ..stored.clone()
+                    };
+                    // The chain stays intact: each piece hangs off the last
+                    // block of the one before.
+                    parent = piece.blocks.last().map(|block| block.block_hash);
+                    wrap(Data::Stored(piece))
+                })
+                .collect();
+            Split::Pieces(pieces)
         }
-        Some(Data::Removed(removed)) if removed.block_hashes.len() > 1 => {
-            // An int64 takes at most 10 bytes as a varint.
-            let per_piece = (max_bytes.saturating_sub(128) / 10).max(1);
-            removed
-                .block_hashes
-                .chunks(per_piece)
-                .map(|hashes| {
-                    wrap(Data::Removed(crate::proto::common::KvBlocksRemoved {
-                        block_hashes: hashes.to_vec(),
+        Some(Data::Removed(mut removed)) if removed.block_hashes.len() > 1 => {
+            let hashes = std::mem::take(&mut removed.block_hashes);
+            let fixed = wrap(Data::Removed(removed.clone())).encoded_len() + PIECE_SLACK;
+            let hash_len = |hash: &i64| encoding::encoded_len_varint(*hash as u64);
+            let Some(runs) = runs(hashes.iter().map(hash_len), fixed, max_bytes) else {
+                removed.block_hashes = hashes;
+                return Split::Whole(wrap(Data::Removed(removed)));
+            };
+            let mut rest = hashes.as_slice();
+            let pieces = runs
+                .into_iter()
+                .map(|count| {
+                    let (run, after) = rest.split_at(count);
+                    rest = after;
+                    wrap(Data::Removed(KvBlocksRemoved {
+                        block_hashes: run.to_vec(),
                         ..removed.clone()
                     }))
                 })
-                .collect()
+                .collect();
+            Split::Pieces(pieces)
         }
-        // A single block larger than a batch cannot be split further; it goes
-        // alone and the router's own limit decides.
-        data => vec![KvCacheEvent { event_id, data }],
+        data => Split::Whole(KvCacheEvent { event_id, data }),
     }
+}
+
+/// How many consecutive units (of the given encoded lengths) go in each
+/// piece, when pieces that repeat `fixed` bytes are worth cutting (see
+/// `split`); `None` when the event is better left whole.
+fn runs(
+    lengths: impl Iterator<Item = usize>,
+    fixed: usize,
+    max_bytes: usize,
+) -> Option<Vec<usize>> {
+    let budget = [max_bytes, MAX_EVENTS_BYTES]
+        .into_iter()
+        .find(|&budget| fixed <= budget / 2)?;
+    let room = budget - fixed;
+    let mut runs = Vec::new();
+    let (mut count, mut bytes) = (0, 0);
+    for len in lengths {
+        if count > 0 && bytes + len > room {
+            runs.push(count);
+            (count, bytes) = (0, 0);
+        }
+        count += 1;
+        bytes += len;
+    }
+    runs.push(count);
+    (runs.len() > 1).then_some(runs)
 }
 
 #[cfg(test)]
@@ -149,18 +280,39 @@ mod tests {
         }
     }
 
-    fn collect(limits: BatchLimits, events: Vec<KvCacheEvent>) -> Vec<KvEventBatch> {
+    /// Everything a batcher made of `events`: batches, pieces sent and
+    /// pieces too large for the router.
+    #[derive(Default)]
+    struct Made {
+        batches: Vec<OpenBatch>,
+        sent: Vec<KvCacheEvent>,
+        oversized: Vec<usize>,
+    }
+
+    fn batch_all(limits: BatchLimits, events: Vec<KvCacheEvent>) -> Made {
         let mut batcher = Batcher::new(limits);
-        let mut batches = Vec::new();
+        let mut made = Made::default();
         for event in events {
-            batcher.push(event, 1.5, &mut |batch| batches.push(batch));
+            batcher.push(event, 1.5, &mut |output| match output {
+                Output::Batch(batch) => made.batches.push(batch),
+                Output::Sent(event) => made.sent.push(event.clone()),
+                Output::Oversized { bytes, .. } => made.oversized.push(bytes),
+            });
         }
-        batches.extend(batcher.close());
+        made.batches.extend(batcher.close());
+        made
+    }
+
+    fn decoded(batches: Vec<OpenBatch>) -> Vec<KvEventBatch> {
         batches
             .into_iter()
             .enumerate()
             .map(|(i, batch)| KvEventBatch::decode(batch.encode(2, 100 + i as u64, None)).unwrap())
             .collect()
+    }
+
+    fn collect(limits: BatchLimits, events: Vec<KvCacheEvent>) -> Vec<KvEventBatch> {
+        decoded(batch_all(limits, events).batches)
     }
 
     #[test]
@@ -185,12 +337,7 @@ mod tests {
             max_bytes: 4096,
         };
         let events: Vec<_> = (0..100).map(|i| stored(i..i + 1, 64)).collect();
-        let mut batcher = Batcher::new(limits);
-        let mut batches = Vec::new();
-        for event in events {
-            batcher.push(event, 0.0, &mut |batch| batches.push(batch));
-        }
-        batches.extend(batcher.close());
+        let batches = batch_all(limits, events).batches;
         assert!(batches.len() > 1);
         assert!(batches.iter().all(|b| b.events_len() <= 4096));
         let total: u32 = batches.iter().map(|b| b.event_count()).sum();
@@ -246,5 +393,198 @@ mod tests {
             hashes,
             (0..1000).map(|h| -h * 1_000_000_007).collect::<Vec<_>>()
         );
+    }
+
+    fn block(hash: i64, tokens: usize, token: u32) -> KvBlock {
+        KvBlock {
+            block_hash: hash,
+            token_ids: vec![token; tokens],
+            block_size: tokens as i32,
+            ..Default::default()
+        }
+    }
+
+    fn store_of(blocks: Vec<KvBlock>, cache_salt: Option<String>) -> KvCacheEvent {
+        KvCacheEvent {
+            event_id: 5,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks,
+                parent_block_hash: Some(-1),
+                cache_salt,
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn stored_hashes(events: &[KvCacheEvent]) -> Vec<i64> {
+        events
+            .iter()
+            .flat_map(|event| match &event.data {
+                Some(Data::Stored(stored)) => stored.blocks.iter().map(|b| b.block_hash).collect(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    const DEFAULT_LIMITS: BatchLimits = BatchLimits {
+        max_events: 1024,
+        max_bytes: 1 << 20,
+    };
+
+    #[test]
+    fn a_block_larger_than_a_batch_goes_alone_and_keeps_its_place_in_the_stream() {
+        let limits = BatchLimits {
+            max_events: 1024,
+            max_bytes: 4096,
+        };
+        // 1024 tokens of 4 varint bytes each: one block over 4096 bytes.
+        let events = vec![
+            stored(1..2, 4),
+            store_of(vec![block(2, 1024, 3_000_000)], None),
+            stored(3..4, 4),
+        ];
+        let made = batch_all(limits, events);
+        assert!(made.oversized.is_empty());
+        let batches = decoded(made.batches);
+        let per_batch: Vec<Vec<i64>> = batches
+            .iter()
+            .map(|batch| stored_hashes(&batch.events))
+            .collect();
+        assert_eq!(per_batch, vec![vec![1], vec![2], vec![3]]);
+        assert!(batches[1].encoded_len() > 4096);
+    }
+
+    #[test]
+    fn a_block_larger_than_any_router_message_is_reported_and_the_rest_of_its_store_is_sent() {
+        let limits = BatchLimits {
+            max_events: 1024,
+            max_bytes: 4096,
+        };
+        // 1.2M tokens of 4 varint bytes: 4.8 MB, over the router's 4 MiB.
+        let huge = block(11, 1_200_000, 3_000_000);
+        let event = store_of(vec![block(10, 16, 1), huge, block(12, 16, 1)], None);
+        let made = batch_all(limits, vec![event, stored(20..21, 4)]);
+        assert_eq!(made.oversized.len(), 1);
+        assert!(made.oversized[0] > MAX_EVENTS_BYTES);
+        assert_eq!(stored_hashes(&made.sent), vec![10, 12, 20]);
+        let batches = decoded(made.batches);
+        assert_eq!(
+            stored_hashes(
+                &batches
+                    .iter()
+                    .flat_map(|b| b.events.clone())
+                    .collect::<Vec<_>>()
+            ),
+            vec![10, 12, 20]
+        );
+        let Some(Data::Stored(after)) = &made.sent[1].data else {
+            panic!("not a store")
+        };
+        assert_eq!(
+            after.parent_block_hash,
+            Some(11),
+            "the chain names the dropped block, as the engine did"
+        );
+    }
+
+    #[test]
+    fn an_outsized_event_leaves_no_outsized_buffer_behind() {
+        let mut batcher = Batcher::new(BatchLimits {
+            max_events: 1024,
+            max_bytes: 4096,
+        });
+        let huge = store_of(vec![block(1, 1_200_000, 3_000_000)], Some("salt".into()));
+        batcher.push(huge, 1.0, &mut |_| {});
+        assert!(batcher.encoded.capacity() <= 4096);
+        assert!(batcher.scratch.capacity() <= 4096);
+    }
+
+    #[test]
+    fn a_salt_larger_than_a_batch_sends_its_store_whole_and_alone() {
+        let salt = "s".repeat(1_100_000);
+        let blocks = (0..1000).map(|hash| block(hash, 16, 1)).collect();
+        let made = batch_all(DEFAULT_LIMITS, vec![store_of(blocks, Some(salt))]);
+        assert!(made.oversized.is_empty());
+        assert_eq!(made.batches.len(), 1, "one event, not a salt per block");
+        assert_eq!(made.sent.len(), 1);
+        let batch = &decoded(made.batches)[0];
+        assert!(batch.encoded_len() <= crate::hub::batch::ROUTER_MAX_MESSAGE_BYTES);
+    }
+
+    #[test]
+    fn a_salt_too_large_for_the_router_drops_its_store_whole_instead_of_copying_the_salt_per_block()
+    {
+        let salt = "s".repeat(3_000_000);
+        let blocks = (0..100_000).map(|hash| block(hash, 16, 1)).collect();
+        let made = batch_all(DEFAULT_LIMITS, vec![store_of(blocks, Some(salt))]);
+        assert_eq!(made.oversized.len(), 1);
+        assert!(made.sent.is_empty());
+        assert!(made.batches.is_empty());
+    }
+
+    #[test]
+    fn a_large_salt_cut_into_router_sized_pieces_takes_at_most_three_times_the_event() {
+        let salt = "s".repeat(1_500_000);
+        let blocks: Vec<_> = (0..200_000).map(|hash| block(hash, 16, 1)).collect();
+        let event = store_of(blocks, Some(salt));
+        let input = event.encoded_len();
+        let made = batch_all(DEFAULT_LIMITS, vec![event]);
+        assert!(made.oversized.is_empty());
+        assert_eq!(stored_hashes(&made.sent), (0..200_000).collect::<Vec<_>>());
+        let output: usize = made.batches.iter().map(OpenBatch::events_len).sum();
+        assert!(output <= 3 * input, "{output} bytes out of {input}");
+        assert!(
+            made.batches
+                .iter()
+                .all(|b| b.events_len() <= MAX_EVENTS_BYTES)
+        );
+    }
+
+    #[test]
+    fn cutting_ends_and_conserves_every_block_and_hash_for_any_limit() {
+        for max_bytes in [1, 7, 64, 300, 4096, 1 << 20] {
+            for tokens in [0, 1, 16, 1024, 20_000] {
+                let limits = BatchLimits {
+                    max_events: 3,
+                    max_bytes,
+                };
+                let blocks = (0..50).map(|hash| block(hash, tokens, 200_000)).collect();
+                let removal = KvCacheEvent {
+                    event_id: 6,
+                    data: Some(Data::Removed(KvBlocksRemoved {
+                        block_hashes: (0..500).map(|h| h * -1_000_000_007).collect(),
+                        ..Default::default()
+                    })),
+                };
+                let made = batch_all(limits, vec![store_of(blocks, Some("salt".into())), removal]);
+                assert!(made.oversized.is_empty());
+                assert_eq!(stored_hashes(&made.sent), (0..50).collect::<Vec<_>>());
+                let batches = decoded(made.batches);
+                let events: Vec<_> = batches.iter().flat_map(|b| b.events.clone()).collect();
+                assert_eq!(events, made.sent);
+                let removed: Vec<i64> = events
+                    .iter()
+                    .filter_map(|event| match &event.data {
+                        Some(Data::Removed(removed)) => Some(removed.block_hashes.clone()),
+                        _ => None,
+                    })
+                    .flatten()
+                    .collect();
+                assert_eq!(
+                    removed,
+                    (0..500).map(|h| h * -1_000_000_007).collect::<Vec<_>>()
+                );
+                for batch in &batches {
+                    assert!(batch.events.len() <= 3);
+                    let events_len = batch.encoded_len()
+                        - KvEventBatch {
+                            events: Vec::new(),
+                            ..batch.clone()
+                        }
+                        .encoded_len();
+                    assert!(events_len <= max_bytes || batch.events.len() == 1);
+                }
+            }
+        }
     }
 }

@@ -22,12 +22,13 @@ use tracing::warn;
 
 use crate::convert::{Converter, Tally};
 use crate::hub::OpenBatch;
+use crate::hub::batch::ROUTER_MAX_MESSAGE_BYTES;
 use crate::hub::state::LiveState;
 use crate::hub::{CutRequest, HubWriter, RankReport, SnapshotCut};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, OVERSIZED_EVENT};
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvCacheTier, kv_cache_event::Data};
 use crate::source::{EngineMessage, SourceEvent};
-use batcher::{BatchLimits, Batcher};
+use batcher::{BatchLimits, Batcher, Output};
 use sequence::Sequencer;
 
 /// Upper bound on engine messages folded into one drain cycle, so a flood
@@ -179,15 +180,32 @@ impl Drain {
         }
     }
 
-    /// Records `event` in the state (which may complete it) and batches it.
+    /// Completes `event` from the state, batches it, and records in the
+    /// state what was sent: a piece too large for any batch is counted and
+    /// left out of both, so a snapshot never carries what the stream did not.
     fn push_event(&mut self, rank: u32, mut event: KvCacheEvent, timestamp: f64) {
-        self.state.apply(rank, &mut event);
+        self.state.complete(rank, &mut event);
         let limits = self.limits;
-        let ready = &mut self.ready;
+        let (ready, state, metrics) = (&mut self.ready, &mut self.state, &self.metrics);
         self.batchers
             .entry(rank)
             .or_insert_with(|| Batcher::new(limits))
-            .push(event, timestamp, &mut |batch| ready.push((rank, batch)));
+            .push(event, timestamp, &mut |output| match output {
+                Output::Batch(batch) => ready.push((rank, batch)),
+                Output::Sent(event) => state.record(rank, event),
+                Output::Oversized { event, bytes } => {
+                    metrics.count_oversized_event();
+                    crate::logging::rate_limited(OVERSIZED_EVENT, || {
+                        warn!(
+                            rank,
+                            event_id = event.event_id,
+                            bytes,
+                            limit = ROUTER_MAX_MESSAGE_BYTES,
+                            "event dropped: larger than any message the router accepts"
+                        );
+                    });
+                }
+            });
     }
 
     fn close_batch(&mut self, rank: u32) {
@@ -278,4 +296,71 @@ pub(crate) fn unix_now() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map(|elapsed| elapsed.as_secs_f64())
         .unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::{HistoryLimits, hub};
+    use crate::proto::common::{KvBlock, KvBlocksStored};
+
+    fn block(hash: i64, tokens: usize, token: u32) -> KvBlock {
+        KvBlock {
+            block_hash: hash,
+            token_ids: vec![token; tokens],
+            block_size: tokens as i32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_block_too_large_for_the_router_is_counted_and_kept_out_of_the_state() {
+        let (writer, reader) = hub(
+            16,
+            HistoryLimits {
+                batches: 100,
+                bytes: 64 << 20,
+            },
+        );
+        let metrics = Metrics::new();
+        let limits = BatchLimits {
+            max_events: 1024,
+            max_bytes: 4096,
+        };
+        let mut drain = Drain::new(limits, 1000, writer, metrics.clone());
+        // 1.2M tokens of 4 varint bytes: 4.8 MB, between two ordinary blocks.
+        let store = KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks: vec![
+                    block(1, 16, 1),
+                    block(2, 1_200_000, 3_000_000),
+                    block(3, 16, 1),
+                ],
+                ..Default::default()
+            })),
+        };
+        drain.ingest(SourceEvent::Events {
+            rank: 0,
+            timestamp: 1.0,
+            events: vec![store],
+        });
+        drain.flush();
+        let cut = drain.cut();
+        let device = KvCacheTier::Device as usize;
+        let mut held: Vec<i64> = cut.state[&0].tier(device).map(|(hash, _)| hash).collect();
+        held.sort_unstable();
+        assert_eq!(held, vec![1, 3]);
+        assert!(
+            metrics
+                .render()
+                .contains("kvgate_events_dropped_total{reason=\"oversized_event\"} 1")
+        );
+        let (oldest, newest) = reader.history().span();
+        let sent: usize = (oldest..=newest)
+            .filter_map(|position| reader.history().get(position))
+            .map(|batch| batch.event_count as usize)
+            .sum();
+        assert_eq!(sent, 2, "the blocks around it were sent");
+    }
 }

@@ -2,9 +2,12 @@
 //! with every subscriber and the history; and the builder that encodes it.
 //!
 //! Events are encoded as they are added; finishing a batch only writes its
-//! header around them, so no event is encoded twice.
+//! header around them, so no event is encoded twice. A batch handed to the
+//! history sits in an allocation of exactly its size (plus the few header
+//! bytes), so the bytes the history counts are the bytes it holds.
 
 use bytes::Bytes;
+use memmap2::MmapMut;
 use prost::Message;
 use prost::encoding;
 
@@ -24,12 +27,52 @@ pub struct Batch {
     pub encoded: Bytes,
 }
 
+impl Batch {
+    /// The memory this batch holds while it is kept.
+    pub fn retained_bytes(&self) -> usize {
+        let len = self.encoded.len();
+        let allocated = if len >= OWN_MAPPING_MIN_BYTES {
+            len.next_multiple_of(PAGE_BYTES)
+        } else {
+            len
+        };
+        allocated + BATCH_OVERHEAD
+    }
+}
+
 /// The field number of `KvEventBatch.events`.
 pub const EVENTS_FIELD: u32 = 3;
 
 /// Room kept in front of the events for the header fields written last:
 /// `sequence_number` (tag + up to 10 varint bytes) and `timestamp` (tag + 8).
 const HEADER_ROOM: usize = 20;
+
+/// Room kept after the events for `dp_rank` (tag + an `int32`, which takes
+/// 10 varint bytes when negative).
+const RANK_ROOM: usize = 11;
+
+/// The largest message the router accepts (its gRPC decoding limit).
+pub const ROUTER_MAX_MESSAGE_BYTES: usize = 4 << 20;
+
+/// The most encoded event bytes one batch may carry and still be a message
+/// the router accepts.
+pub const MAX_EVENTS_BYTES: usize = ROUTER_MAX_MESSAGE_BYTES - HEADER_ROOM - RANK_ROOM;
+
+/// Batches at least this large get a memory mapping of their own rather
+/// than a heap allocation. The history frees batches in age order while the
+/// drain's short-lived buffers (decoded tokens, scratch) fill the heap holes
+/// they leave, so on the heap a full history stays resident at about 1.6 to
+/// 2 times its bytes; an unmapped batch is back with the system at once.
+/// The page rounding costs at most 6% at this size.
+pub const OWN_MAPPING_MIN_BYTES: usize = 64 << 10;
+
+const PAGE_BYTES: usize = 4096;
+
+/// What one held batch costs besides its encoded bytes, rounded up: the
+/// `Arc`'d `Batch`, the `Bytes` header, the header and rank room and the
+/// allocator's own headers. The history charges it per batch, so many tiny
+/// batches cannot hold more memory than `--history-bytes`.
+pub const BATCH_OVERHEAD: usize = 256;
 
 /// An event's encoded body length and its length as one `events` field.
 #[derive(Clone, Copy, Debug)]
@@ -75,10 +118,42 @@ impl Default for OpenBatch {
 
 impl OpenBatch {
     pub fn with_timestamp(timestamp: f64) -> Self {
+        let mut buffer = Vec::with_capacity(HEADER_ROOM + RANK_ROOM);
+        buffer.resize(HEADER_ROOM, 0);
         Self {
-            buffer: vec![0; HEADER_ROOM],
+            buffer,
             count: 0,
             timestamp,
+        }
+    }
+
+    /// A batch of the one event whose encoded body is `event`, in an
+    /// allocation of exactly its size.
+    pub fn alone(event: &[u8], timestamp: f64) -> Self {
+        let entry = EventLen::of_body(event.len()).entry;
+        let mut buffer = Vec::with_capacity(HEADER_ROOM + entry + RANK_ROOM);
+        buffer.resize(HEADER_ROOM, 0);
+        let mut batch = Self {
+            buffer,
+            count: 0,
+            timestamp,
+        };
+        batch.push_encoded(event, timestamp);
+        batch
+    }
+
+    /// Hands over the events so far as a batch in an allocation of exactly
+    /// their size, and starts again empty on this (warm) buffer. The copy
+    /// replaces the copies a growing buffer would make, and the history then
+    /// holds no spare capacity.
+    pub fn take_exact(&mut self) -> Self {
+        let mut buffer = Vec::with_capacity(self.buffer.len() + RANK_ROOM);
+        buffer.extend_from_slice(&self.buffer);
+        self.buffer.truncate(HEADER_ROOM);
+        Self {
+            buffer,
+            count: std::mem::take(&mut self.count),
+            timestamp: self.timestamp,
         }
     }
 
@@ -140,6 +215,49 @@ impl OpenBatch {
         if let Some(chunk) = snapshot {
             encoding::message::encode(7, chunk, &mut self.buffer);
         }
+        let encoded = &self.buffer[start..];
+        // Snapshot chunks are sent and dropped, never held: the heap suits them.
+        if snapshot.is_none()
+            && encoded.len() >= OWN_MAPPING_MIN_BYTES
+            && let Ok(mut mapping) = MmapMut::map_anon(encoded.len())
+        {
+            mapping.copy_from_slice(encoded);
+            return Bytes::from_owner(mapping);
+        }
         Bytes::from(self.buffer).slice(start..)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_overhead_charged_per_batch_covers_what_a_held_batch_allocates_besides_its_bytes() {
+        // The `Arc` counts, the `Bytes` shared header (a pointer, a capacity
+        // and a count), the room around the events, and an allocator header
+        // for each of the three allocations.
+        let held = size_of::<Batch>()
+            + 2 * size_of::<usize>()
+            + 3 * size_of::<usize>()
+            + HEADER_ROOM
+            + RANK_ROOM
+            + 3 * 16;
+        assert!(held <= BATCH_OVERHEAD, "{held} bytes");
+    }
+
+    #[test]
+    fn a_closed_batch_sits_in_an_allocation_of_its_size() {
+        let mut open = OpenBatch::default();
+        for _ in 0..1000 {
+            open.push_encoded(&[8, 1], 1.0);
+        }
+        let closed = open.take_exact();
+        assert_eq!(closed.buffer.capacity(), closed.buffer.len() + RANK_ROOM);
+        assert!(open.is_empty());
+        let encoded = closed.encode(3, 9, None);
+        let decoded = crate::proto::common::KvEventBatch::decode(encoded).unwrap();
+        assert_eq!(decoded.events.len(), 1000);
+        assert_eq!(decoded.dp_rank, Some(3));
     }
 }

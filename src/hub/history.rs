@@ -5,6 +5,13 @@
 //! readable here or evicted. Readers never lock: each slot is an atomic
 //! pointer, and a slot is trusted only if the batch in it carries the
 //! position asked for (eviction and reuse can never hand out a wrong batch).
+//!
+//! Memory follows what is held, not the limits: slots come in segments
+//! allocated when the first position reaching them is written and freed when
+//! their last position is evicted, and each batch is charged its encoded
+//! bytes plus `BATCH_OVERHEAD` against `--history-bytes`. So the history
+//! holds at most `--history-bytes` of batches and 16 bytes of slots per
+//! batch held (plus two segments), whatever `--history-batches` says.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,13 +27,91 @@ pub struct HistoryLimits {
     pub bytes: usize,
 }
 
+/// Keys (positions, or rank-0 sequence numbers) per segment.
+const SEGMENT_KEYS: u64 = 1024;
+
+/// A run of `SEGMENT_KEYS` slots starting at key `first`.
+#[derive(Debug)]
+struct Segment<T> {
+    first: u64,
+    slots: Box<[T]>,
+}
+
+/// Slots for a window of at most `window` consecutive growing keys,
+/// allocated one segment at a time. Only the drain writes and releases;
+/// readers take a segment by atomic load and check it covers their key.
+#[derive(Debug)]
+struct Segments<T> {
+    table: Box<[ArcSwapOption<Segment<T>>]>,
+}
+
+impl<T: Default> Segments<T> {
+    fn new(window: usize) -> Self {
+        // A window of `window` keys touches at most this many segments.
+        let segments = (window as u64).div_ceil(SEGMENT_KEYS) + 1;
+        Self {
+            table: (0..segments).map(|_| ArcSwapOption::empty()).collect(),
+        }
+    }
+
+    fn entry(&self, key: u64) -> &ArcSwapOption<Segment<T>> {
+        &self.table[((key / SEGMENT_KEYS) % self.table.len() as u64) as usize]
+    }
+
+    /// Reads the slot of `key`, if its segment is allocated.
+    fn read<R>(&self, key: u64, read: impl FnOnce(&T) -> R) -> Option<R> {
+        let segment = self.entry(key).load();
+        let segment = segment
+            .as_ref()
+            .filter(|segment| segment.first == key - key % SEGMENT_KEYS)?;
+        Some(read(&segment.slots[(key % SEGMENT_KEYS) as usize]))
+    }
+
+    /// Writes the slot of `key`, allocating its segment first if needed
+    /// (replacing one whose keys have all left the window).
+    fn write(&self, key: u64, write: impl FnOnce(&T)) {
+        let first = key - key % SEGMENT_KEYS;
+        let entry = self.entry(key);
+        let current = entry.load_full().filter(|segment| segment.first == first);
+        let segment = current.unwrap_or_else(|| {
+            let segment = Arc::new(Segment {
+                first,
+                slots: (0..SEGMENT_KEYS).map(|_| T::default()).collect(),
+            });
+            entry.store(Some(Arc::clone(&segment)));
+            segment
+        });
+        write(&segment.slots[(key % SEGMENT_KEYS) as usize]);
+    }
+
+    /// Frees the segment of `key` once `key`, the last of its keys still
+    /// held, has left the window.
+    fn left_window(&self, key: u64) {
+        if key % SEGMENT_KEYS == SEGMENT_KEYS - 1 {
+            self.entry(key).store(None);
+        }
+    }
+
+    /// Segments currently allocated.
+    #[cfg(test)]
+    fn allocated(&self) -> usize {
+        self.table
+            .iter()
+            .filter(|entry| entry.load().is_some())
+            .count()
+    }
+}
+
 /// Shared read side; `HistoryWriter` holds the only write side.
 #[derive(Debug)]
 pub struct History {
-    slots: Box<[ArcSwapOption<Batch>]>,
-    /// Position of rank 0's batch, by rank-0 sequence number modulo capacity:
-    /// a resuming subscriber's cursor is a rank-0 sequence number.
-    rank0_positions: Box<[AtomicU64]>,
+    /// The batch at each position (from 1).
+    slots: Segments<ArcSwapOption<Batch>>,
+    /// Position of rank 0's batch, by rank-0 sequence number: a resuming
+    /// subscriber's cursor is a rank-0 sequence number.
+    rank0_positions: Segments<AtomicU64>,
+    /// Most batches held (`--history-batches`).
+    capacity: u64,
     /// Oldest position still held; `newest + 1` when empty.
     oldest: AtomicU64,
     /// Newest position held, 0 before the first batch.
@@ -43,14 +128,11 @@ pub struct History {
 }
 
 impl History {
-    fn slot(&self, position: u64) -> &ArcSwapOption<Batch> {
-        &self.slots[(position % self.slots.len() as u64) as usize]
-    }
-
     /// The batch at `position`, unless it was evicted or not written yet.
     pub fn get(&self, position: u64) -> Option<Arc<Batch>> {
-        self.slot(position)
-            .load_full()
+        self.slots
+            .read(position, ArcSwapOption::load_full)
+            .flatten()
             .filter(|batch| batch.position == position)
     }
 
@@ -68,8 +150,9 @@ impl History {
 
     /// Where rank 0's batch `sequence` stands, if it is still held.
     pub fn rank0_position(&self, sequence: u64) -> Option<u64> {
-        let index = (sequence % self.rank0_positions.len() as u64) as usize;
-        let position = self.rank0_positions[index].load(Ordering::Acquire);
+        let position = self
+            .rank0_positions
+            .read(sequence, |position| position.load(Ordering::Acquire))?;
         self.get(position)
             .filter(|batch| batch.rank == 0 && batch.sequence == sequence)
             .map(|batch| batch.position)
@@ -96,6 +179,7 @@ impl History {
 pub struct HistoryWriter {
     history: Arc<History>,
     limits: HistoryLimits,
+    /// What the held batches retain (`Batch::retained_bytes`).
     bytes: usize,
 }
 
@@ -103,8 +187,9 @@ impl HistoryWriter {
     pub fn new(limits: HistoryLimits) -> Self {
         let capacity = limits.batches.max(1);
         let history = History {
-            slots: (0..capacity).map(|_| ArcSwapOption::empty()).collect(),
-            rank0_positions: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            slots: Segments::new(capacity),
+            rank0_positions: Segments::new(capacity),
+            capacity: capacity as u64,
             oldest: AtomicU64::new(1),
             newest: AtomicU64::new(0),
             rank0_newest: AtomicU64::new(0),
@@ -121,7 +206,7 @@ impl HistoryWriter {
         Arc::clone(&self.history)
     }
 
-    /// Bytes of encoded batches currently held.
+    /// Bytes the held batches retain, overhead included.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -132,17 +217,22 @@ impl HistoryWriter {
         let history = &self.history;
         let position = batch.position;
         debug_assert_eq!(position, history.newest() + 1);
-        let capacity = history.slots.len() as u64;
+        let capacity = history.capacity;
         let mut oldest = history.oldest();
-        let incoming = batch.encoded.len();
+        let incoming = batch.retained_bytes();
         let mut last_evicted = None;
         while oldest < position
             && (position - oldest >= capacity || self.bytes + incoming > self.limits.bytes)
         {
-            if let Some(evicted) = history.slot(oldest).swap(None) {
-                self.bytes -= evicted.encoded.len();
+            let evicted = history.slots.read(oldest, |slot| slot.swap(None)).flatten();
+            if let Some(evicted) = evicted {
+                self.bytes -= evicted.retained_bytes();
+                if evicted.rank == 0 {
+                    history.rank0_positions.left_window(evicted.sequence);
+                }
                 last_evicted = Some(evicted);
             }
+            history.slots.left_window(oldest);
             oldest += 1;
             history.oldest.store(oldest, Ordering::Release);
         }
@@ -152,13 +242,16 @@ impl HistoryWriter {
         }
         self.bytes += incoming;
         let rank0_sequence = (batch.rank == 0).then_some(batch.sequence);
-        history.slot(position).store(Some(batch));
+        history
+            .slots
+            .write(position, |slot| slot.store(Some(batch)));
         history.newest.store(position, Ordering::Release);
         // Published after the slot, and `rank0_newest` last: a reader that
         // sees a rank-0 sequence as sent also finds its batch.
         if let Some(sequence) = rank0_sequence {
-            let index = (sequence % capacity) as usize;
-            history.rank0_positions[index].store(position, Ordering::Release);
+            history
+                .rank0_positions
+                .write(sequence, |slot| slot.store(position, Ordering::Release));
             history.rank0_newest.store(sequence, Ordering::Release);
         }
     }
@@ -167,6 +260,7 @@ impl HistoryWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hub::batch::BATCH_OVERHEAD;
     use bytes::Bytes;
 
     fn batch(position: u64, rank: u32, sequence: u64, size: usize) -> Arc<Batch> {
@@ -192,23 +286,23 @@ mod tests {
         assert_eq!(history.span(), (3, 5));
         assert!(history.get(2).is_none());
         assert_eq!(history.get(3).unwrap().sequence, 103);
-        assert_eq!(writer.bytes(), 30);
+        assert_eq!(writer.bytes(), 3 * (10 + BATCH_OVERHEAD));
     }
 
     #[test]
     fn the_history_keeps_at_most_the_configured_bytes_but_always_the_newest_batch() {
         let mut writer = HistoryWriter::new(HistoryLimits {
             batches: 100,
-            bytes: 25,
+            bytes: 2 * (10 + BATCH_OVERHEAD) + 5,
         });
         let history = writer.reader();
         writer.push(batch(1, 0, 1, 10));
         writer.push(batch(2, 0, 2, 10));
         writer.push(batch(3, 0, 3, 10));
         assert_eq!(history.span(), (2, 3));
-        writer.push(batch(4, 0, 4, 100));
+        writer.push(batch(4, 0, 4, 1000));
         assert_eq!(history.span(), (4, 4));
-        assert_eq!(writer.bytes(), 100);
+        assert_eq!(writer.bytes(), 1000 + BATCH_OVERHEAD);
     }
 
     #[test]
@@ -254,5 +348,101 @@ mod tests {
         );
         writer.push(batch(5, 1, 81, 1));
         assert_eq!(history.rank0_just_evicted(51), Some(3));
+    }
+
+    #[test]
+    fn tiny_batches_are_charged_their_overhead_so_they_cannot_outgrow_the_byte_limit() {
+        let limit = 100 * (1 + BATCH_OVERHEAD);
+        let mut writer = HistoryWriter::new(HistoryLimits {
+            batches: 1_000_000,
+            bytes: limit,
+        });
+        for position in 1..=10_000 {
+            writer.push(batch(position, 0, position, 1));
+        }
+        assert_eq!(writer.reader().span(), (9_901, 10_000));
+        assert_eq!(writer.bytes(), limit);
+    }
+
+    #[test]
+    fn slots_are_allocated_as_positions_reach_them_and_freed_once_evicted() {
+        let mut writer = HistoryWriter::new(HistoryLimits {
+            batches: 4_000_000_000,
+            bytes: usize::MAX,
+        });
+        let history = writer.reader();
+        assert_eq!(
+            history.slots.allocated(),
+            0,
+            "nothing before the first batch"
+        );
+        writer.push(batch(1, 0, 1, 1));
+        assert_eq!(history.slots.allocated(), 1);
+        assert_eq!(history.rank0_positions.allocated(), 1);
+
+        // A window of 3 000 batches moving over 20 000 positions never
+        // holds more than the segments it spans.
+        let mut writer = HistoryWriter::new(HistoryLimits {
+            batches: 3_000,
+            bytes: usize::MAX,
+        });
+        let history = writer.reader();
+        for position in 1..=20_000u64 {
+            writer.push(batch(position, (position % 2) as u32, 7 + position / 2, 1));
+            assert!(history.slots.allocated() <= 4);
+            assert!(history.rank0_positions.allocated() <= 3);
+        }
+        assert_eq!(history.span(), (17_001, 20_000));
+        for position in 17_001..=20_000 {
+            assert_eq!(history.get(position).unwrap().position, position);
+        }
+        assert!(history.get(17_000).is_none());
+        assert_eq!(history.rank0_position(7 + 10_000), Some(20_000));
+        assert_eq!(history.rank0_position(7 + 8_501), Some(17_002));
+        assert_eq!(history.rank0_position(7 + 8_500), None, "evicted");
+    }
+
+    #[test]
+    fn a_reader_racing_the_writer_finds_every_position_between_oldest_and_newest() {
+        let mut writer = HistoryWriter::new(HistoryLimits {
+            batches: 3_000,
+            bytes: 1_500 * (100 + BATCH_OVERHEAD),
+        });
+        let history = writer.reader();
+        const PUSHES: u64 = 50_000;
+        let reader = std::thread::spawn(move || {
+            let (mut found, mut position) = (0u64, 1u64);
+            while position <= PUSHES {
+                if history.newest() < position {
+                    std::thread::yield_now();
+                    continue;
+                }
+                match history.get(position) {
+                    Some(batch) => {
+                        assert_eq!(batch.position, position);
+                        found += 1;
+                    }
+                    // The writer empties a slot just before it moves
+                    // `oldest` past it.
+                    None => assert!(
+                        history.oldest() >= position,
+                        "position {position} is held but not found"
+                    ),
+                }
+                // Skip ahead now and then, as a lagging subscriber would.
+                position += 1 + (position % 7 == 0) as u64 * 500;
+            }
+            found
+        });
+        for position in 1..=PUSHES {
+            let size = 1 + (position * 37 % 200) as usize;
+            writer.push(batch(
+                position,
+                (position % 3) as u32,
+                1 + position / 3,
+                size,
+            ));
+        }
+        assert!(reader.join().unwrap() > 0);
     }
 }

@@ -207,7 +207,38 @@ impl LiveState {
     /// takes them from its parent's record first (same rank and tier), so
     /// the event itself is completed before it is forwarded.
     pub fn apply(&mut self, rank: u32, event: &mut KvCacheEvent) {
-        match event.data.as_mut() {
+        self.complete(rank, event);
+        self.record(rank, event);
+    }
+
+    /// Completes a store that names neither LoRA nor salt from its parent's
+    /// record (same rank and tier), without recording anything.
+    pub fn complete(&self, rank: u32, event: &mut KvCacheEvent) {
+        let Some(Data::Stored(stored)) = event.data.as_mut() else {
+            return;
+        };
+        if stored.lora_name.is_some() && stored.cache_salt.is_some() {
+            return;
+        }
+        let tier = tier_index(stored.tier);
+        let parent = stored.parent_block_hash.and_then(|hash| {
+            self.ranks
+                .get(&rank)
+                .and_then(|blocks| blocks.tiers[tier].get(hash))
+        });
+        if let Some(parent) = parent {
+            if stored.lora_name.is_none() {
+                stored.lora_name = parent.fields.lora_name.clone();
+            }
+            if stored.cache_salt.is_none() {
+                stored.cache_salt = parent.fields.cache_salt.clone();
+            }
+        }
+    }
+
+    /// Records `event`, already completed, for `rank`.
+    pub fn record(&mut self, rank: u32, event: &KvCacheEvent) {
+        match event.data.as_ref() {
             Some(Data::Stored(stored)) => self.store(rank, stored),
             Some(Data::Removed(removed)) => self.remove(rank, removed),
             Some(Data::Cleared(_)) => self.reset_rank(rank),
@@ -233,24 +264,11 @@ impl LiveState {
         self.ranks.get(&rank)
     }
 
-    fn store(&mut self, rank: u32, stored: &mut KvBlocksStored) {
+    fn store(&mut self, rank: u32, stored: &KvBlocksStored) {
         let tier = tier_index(stored.tier);
         let blocks = self.ranks.entry(rank).or_default();
         let map = &mut blocks.tiers[tier];
         let copies = &mut blocks.copies[tier];
-        let inherits = stored.lora_name.is_none() || stored.cache_salt.is_none();
-        if let Some(parent) = stored
-            .parent_block_hash
-            .filter(|_| inherits)
-            .and_then(|hash| map.get(hash))
-        {
-            if stored.lora_name.is_none() {
-                stored.lora_name = parent.fields.lora_name.clone();
-            }
-            if stored.cache_salt.is_none() {
-                stored.cache_salt = parent.fields.cache_salt.clone();
-            }
-        }
         let fields = self.interned.intern(StoreFields::of(stored));
         let mut parent = stored.parent_block_hash;
         for block in &stored.blocks {
