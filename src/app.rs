@@ -227,6 +227,7 @@ impl RunningSource {
     ) -> anyhow::Result<Self> {
         Ok(match config {
             SourceConfig::Zmq(config) => {
+                metrics.prepare_ranks(config.dp_size);
                 Self::Zmq(ZmqSource::start(config, events, metrics, ready).await?)
             }
             SourceConfig::Upstream(config) => Self::Upstream(tokio::spawn(upstream::run(

@@ -14,6 +14,7 @@ pub mod hub;
 pub mod json;
 pub mod logging;
 pub mod metrics;
+mod process_metrics;
 pub mod proto;
 pub mod server;
 pub mod sim;

@@ -20,6 +20,9 @@ use super::SourceEvent;
 use crate::metrics::Metrics;
 use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
 
+/// The bad-message reason of an upstream batch kvgate cannot decode.
+pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
+
 /// Where the upstream is and which of its service names to call.
 #[derive(Clone, Debug)]
 pub struct UpstreamConfig {
@@ -180,7 +183,7 @@ async fn follow(
             }
             Err(status) => {
                 if status.code() == Code::Internal {
-                    metrics.count_bad_message("upstream_undecodable");
+                    metrics.count_bad_message(UNDECODABLE);
                 }
                 return Outcome::Retry(status.to_string());
             }
