@@ -20,8 +20,10 @@ use crate::server::passthrough::PassThrough;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
+use crate::source::endpoint::check_rank_ports;
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{ZmqSource, ZmqSourceConfig};
+use crate::usage::UsageError;
 
 /// Engine messages queued between the sockets and the drain. Beyond this the
 /// socket tasks wait, and the engine's own PUB buffer takes over.
@@ -204,10 +206,15 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
-    let endpoint = args.zmq_endpoint.clone().context(
-        "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
-         --upstream-grpc URI (another SubscribeKvEvents server) or --demo",
-    )?;
+    let endpoint = args.zmq_endpoint.clone().ok_or_else(|| {
+        UsageError(
+            "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
+             --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
+                .into(),
+        )
+    })?;
+    check_rank_ports(&endpoint, args.zmq_replay_endpoint.as_ref(), args.dp_size)
+        .map_err(UsageError)?;
     Ok((zmq(endpoint, args.zmq_replay_endpoint.clone()), None))
 }
 

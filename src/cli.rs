@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
 use crate::logging::LogFormat;
 use crate::source::endpoint::TcpEndpoint;
 
@@ -45,8 +46,10 @@ pub enum Command {
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// gRPC address routers connect to.
-    #[arg(long, env = "KVGATE_LISTEN", default_value = "0.0.0.0:50061")]
+    /// gRPC address routers connect to: IP:PORT or HOST:PORT (resolved at
+    /// start, e.g. localhost:50061).
+    #[arg(long, env = "KVGATE_LISTEN", default_value = "0.0.0.0:50061",
+          value_name = "ADDR", value_parser = parse_listen_address)]
     pub listen: SocketAddr,
 
     /// The engine's KV-event publisher for rank 0, as configured on the engine
@@ -61,7 +64,8 @@ pub struct ServeArgs {
 
     /// Another SubscribeKvEvents server to re-serve instead of a ZMQ engine
     /// (TensorRT-LLM's gRPC server, or another kvgate), e.g. http://127.0.0.1:50051.
-    #[arg(long, env = "KVGATE_UPSTREAM_GRPC", value_name = "URI", conflicts_with_all = ["zmq_endpoint", "demo"])]
+    #[arg(long, env = "KVGATE_UPSTREAM_GRPC", value_name = "URI",
+          value_parser = parse_grpc_uri, conflicts_with_all = ["zmq_endpoint", "demo"])]
     pub upstream_grpc: Option<String>,
 
     /// The upstream service name to call SubscribeKvEvents on.
@@ -104,20 +108,20 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_batch_events: u32,
 
-    /// Most encoded bytes of events in one outgoing batch (the router refuses
-    /// messages over 4 MiB).
-    #[arg(long, env = "KVGATE_MAX_BATCH_BYTES", default_value_t = 1 << 20,
-          value_parser = clap::value_parser!(u32).range(4096..=(3 << 20)))]
-    pub max_batch_bytes: u32,
+    /// Most encoded bytes of events in one outgoing batch, e.g. 1MiB (the
+    /// router refuses messages over 4 MiB).
+    #[arg(long, env = "KVGATE_MAX_BATCH_BYTES", default_value = "1MiB", value_name = "SIZE",
+          value_parser = byte_size(4096..=(3 << 20)))]
+    pub max_batch_bytes: u64,
 
     /// Batches kept for resuming and lagging subscribers.
     #[arg(long, env = "KVGATE_HISTORY_BATCHES", default_value_t = 10_000,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub history_batches: u32,
 
-    /// Encoded bytes kept for resuming and lagging subscribers.
-    #[arg(long, env = "KVGATE_HISTORY_BYTES", default_value_t = 256 << 20,
-          value_parser = clap::value_parser!(u64).range(1..))]
+    /// Encoded bytes kept for resuming and lagging subscribers, e.g. 256MiB.
+    #[arg(long, env = "KVGATE_HISTORY_BYTES", default_value = "256MiB", value_name = "SIZE",
+          value_parser = byte_size(1..=u64::MAX))]
     pub history_bytes: u64,
 
     /// Batches buffered per subscriber before a slow one is refilled from
@@ -128,7 +132,7 @@ pub struct ServeArgs {
 
     /// The engine's own gRPC server: every RPC but SubscribeKvEvents is
     /// passed through to it unchanged (e.g. http://127.0.0.1:50051).
-    #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI")]
+    #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
 
     /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.

@@ -8,6 +8,7 @@
 
 pub mod app;
 pub mod cli;
+pub mod cli_values;
 pub mod convert;
 pub mod drain;
 pub mod hub;
@@ -20,3 +21,4 @@ pub mod server;
 pub mod sim;
 pub mod source;
 pub mod tools;
+pub mod usage;

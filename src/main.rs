@@ -1,10 +1,8 @@
-use clap::Parser;
-
-use kvgate::cli::{Cli, Command};
+use kvgate::cli::Command;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = kvgate::usage::parse_cli();
     kvgate::logging::init(cli.log_format);
     let result = match cli.command {
         Command::Serve(args) => kvgate::app::serve(args, shutdown_signal()).await,
@@ -16,7 +14,7 @@ async fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kvgate: {error:#}");
-            std::process::ExitCode::FAILURE
+            kvgate::usage::exit_code(&error)
         }
     }
 }
