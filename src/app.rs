@@ -82,7 +82,9 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         };
         let address = listener.local_addr().ok();
         if let Some(address) = address {
-            println!("kvgate: metrics, /healthz and /status on http://{address}");
+            crate::logging::announce(&format!(
+                "kvgate: metrics, /healthz and /status on http://{address}"
+            ));
         }
         let mut admin_stop = stop.subscribe();
         tokio::spawn(admin::serve(listener, state, async move {
@@ -109,12 +111,14 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         }))
     });
 
-    println!("kvgate: serving gRPC on {address}, events from {source_description}");
+    crate::logging::announce(&format!(
+        "kvgate: serving gRPC on {address}, events from {source_description}"
+    ));
     if args.demo {
-        println!(
+        crate::logging::announce(&format!(
             "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
             display_address(address)
-        );
+        ));
     }
 
     tokio::select! {

@@ -160,7 +160,7 @@ async fn follow(
     metrics: &Metrics,
     ready: &watch::Sender<bool>,
 ) -> Outcome {
-    let channel = match crate::tools::connect(&config.uri).await {
+    let channel = match crate::tools::connect("--upstream-grpc", &config.uri).await {
         Ok(channel) => channel,
         Err(error) => return Outcome::Retry(error.to_string()),
     };

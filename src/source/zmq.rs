@@ -121,11 +121,12 @@ impl ZmqSource {
             } else {
                 let address = endpoint.connect_address();
                 let connected = connected_tx.clone();
+                info!(rank, "waiting for the engine at {address}");
                 tasks.spawn(async move {
                     tokio::select! {
                         result = socket.connect(&address) => match result {
                             Ok(()) => {
-                                info!(rank, %address, "connected to the engine publisher");
+                                info!(rank, %address, "engine connected");
                                 connected.try_send(rank).ok();
                                 rank_task.run(socket, &mut stop_rx).await;
                             }
@@ -262,12 +263,16 @@ impl RankTask {
         if let Some(error) = &primed.stopped {
             warn!(rank = self.rank, replay = replay.address(), %error, "priming from the replay endpoint broke off");
         }
-        info!(
-            rank = self.rank,
-            first = ?primed.first(),
-            last = ?primed.last(),
-            "primed from the replay endpoint"
-        );
+        match (primed.first(), primed.last()) {
+            (Some(first), Some(last)) => info!(
+                rank = self.rank,
+                first, last, "primed from the replay endpoint"
+            ),
+            _ => info!(
+                rank = self.rank,
+                "primed from the replay endpoint: it held no message"
+            ),
+        }
         self.cursor.prime(&primed.messages);
         self.metrics
             .engine_messages_recovered

@@ -1,6 +1,7 @@
 //! Command-line clients of a gateway: `kvgate tail`, `kvgate status` and
 //! the load tool `kvgate bench`. They talk gRPC only, like any router would.
 
+pub mod connect_error;
 pub mod load;
 pub mod status;
 pub mod tail;
@@ -10,18 +11,24 @@ use tonic::transport::Channel;
 
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 
-/// Connects to `address` (`host:port` or `http://host:port`).
-pub async fn connect(address: &str) -> anyhow::Result<Channel> {
+/// Connects to `address` (`host:port` or `http://host:port`), which the
+/// user gave as `flag`: an error names that flag and keeps the cause.
+pub async fn connect(flag: &str, address: &str) -> anyhow::Result<Channel> {
     let uri = if address.contains("://") {
         address.to_owned()
     } else {
         format!("http://{address}")
     };
     Channel::from_shared(uri.clone())
-        .map_err(|error| anyhow::anyhow!("--addr {address}: {error}"))?
+        .map_err(|error| anyhow::anyhow!("{flag} {address}: {error}"))?
         .connect()
         .await
-        .map_err(|error| anyhow::anyhow!("--addr {address}: cannot connect: {error}"))
+        .map_err(|error| {
+            anyhow::anyhow!(
+                "{flag} {address}: cannot connect: {}",
+                connect_error::describe(&error)
+            )
+        })
 }
 
 /// Opens `SubscribeKvEvents` on `service` with a stock prost client.

@@ -28,7 +28,7 @@ pub struct TailArgs {
 }
 
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
-    let channel = connect(&args.addr).await?;
+    let channel = connect("--addr", &args.addr).await?;
     let mut stream = subscribe(channel, &args.service, args.from)
         .await
         .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;
