@@ -82,8 +82,9 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub dp_size: u32,
 
-    /// The engine's replay ROUTER for rank 0 (e.g. tcp://*:5558; rank r at
-    /// port + r): fills lost messages and primes the state at start.
+    /// The engine's replay ROUTER for rank 0 (e.g. tcp://*:5567; rank r at
+    /// port + r): fills lost messages and primes the state at start. Keep
+    /// the publisher and replay bases at least --dp-size apart.
     #[arg(long, env = "KVGATE_ZMQ_REPLAY_ENDPOINT", value_name = "URI")]
     pub zmq_replay_endpoint: Option<TcpEndpoint>,
 
