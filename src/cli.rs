@@ -42,6 +42,10 @@ pub enum Command {
     /// Load-test kvgate: a simulated engine, N gRPC subscribers and a kvgate
     /// child process; reports throughput, latency, CPU and memory.
     Bench(crate::tools::load::LoadArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(crate::tools::shell::CompletionsArgs),
+    /// Print the man page (roff), e.g. `kvgate man | man -l -`.
+    Man,
 }
 
 #[derive(Debug, Clone, Args)]

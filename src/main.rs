@@ -9,6 +9,8 @@ async fn main() -> std::process::ExitCode {
         Command::Tail(args) => kvgate::tools::tail::run(args).await,
         Command::Status(args) => kvgate::tools::status::run(args).await,
         Command::Bench(args) => kvgate::tools::load::run(args).await,
+        Command::Completions(args) => kvgate::tools::shell::completions(args),
+        Command::Man => kvgate::tools::shell::man(),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -67,9 +67,6 @@ pub const BAD_MESSAGE_REASONS: [&str; 7] = [
     crate::source::upstream::UNDECODABLE,
 ];
 
-/// The tier labels of `state_blocks`, in the order of a rank report.
-const TIERS: [&str; 4] = ["device", "host", "disk", "external"];
-
 /// Every metric kvgate exports. Cloning shares the same underlying values.
 #[derive(Clone)]
 pub struct Metrics {
@@ -319,7 +316,7 @@ impl Metrics {
                     .get_or_create_owned(&RankTypeLabels { rank, r#type });
             }
             self.last_sequence.get_or_create_owned(&RankLabel { rank });
-            for tier in TIERS {
+            for tier in crate::hub::TIER_NAMES {
                 self.state_blocks
                     .get_or_create_owned(&RankTierLabels { rank, tier });
             }
@@ -344,7 +341,7 @@ impl Metrics {
             self.last_sequence
                 .get_or_create(&RankLabel { rank })
                 .set(report.last_sequence as i64);
-            for (tier, blocks) in TIERS.into_iter().zip(report.blocks) {
+            for (tier, blocks) in crate::hub::TIER_NAMES.into_iter().zip(report.blocks) {
                 self.state_blocks
                     .get_or_create(&RankTierLabels { rank, tier })
                     .set(blocks as i64);

@@ -88,3 +88,39 @@ fn replay_port_examples_agree_everywhere_and_state_the_spacing_rule() {
         }
     }
 }
+
+#[test]
+fn completions_and_the_man_page_cover_every_subcommand_and_flag() {
+    let kvgate = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "kvgate {args:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    for shell in ["bash", "zsh", "fish"] {
+        let script = kvgate(&["completions", shell]);
+        for word in [
+            "serve",
+            "tail",
+            "status",
+            "--zmq-endpoint",
+            "max-batch-bytes",
+        ] {
+            assert!(script.contains(word), "{shell} completion lacks {word}");
+        }
+    }
+    let man = kvgate(&["man"]);
+    assert!(
+        man.starts_with(".ie") || man.contains(".TH kvgate 1"),
+        "{man}"
+    );
+    for section in [
+        ".TH kvgate-serve 1",
+        ".TH kvgate-tail 1",
+        "zmq\\-replay\\-endpoint",
+    ] {
+        assert!(man.contains(section), "man page lacks {section}");
+    }
+}

@@ -403,17 +403,19 @@ async fn tail_prints_one_json_object_per_event_with_signed_hashes() {
         .iter()
         .map(|block| &block["block_hash"])
         .collect();
+    // grpcurl's spelling: lowerCamelCase field names.
     let printed: Vec<&serde_json::Value> = lines[1..]
         .iter()
         .flat_map(|line| line["stored"]["blocks"].as_array().unwrap())
-        .map(|block| &block["block_hash"])
+        .map(|block| &block["blockHash"])
         .collect();
     assert_eq!(printed, expected);
     assert!(
         lines
             .iter()
-            .all(|line| line["dp_rank"] == 0 && line["sequence_number"].is_string())
+            .all(|line| line["dpRank"] == 0 && line["sequenceNumber"].is_string())
     );
+    assert!(lines.iter().all(|line| line.get("block_hash").is_none()));
 
     let output = kvgate(&["tail", "--addr", &address, "--limit", "1"]);
     let text = String::from_utf8(output.stdout).unwrap();
@@ -421,6 +423,24 @@ async fn tail_prints_one_json_object_per_event_with_signed_hashes() {
         text.contains("+2 stored") && text.contains("[snapshot 1/1, 2 blocks]"),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tail_refused_shows_the_status_name_first() {
+    let (gateway, _publisher) = gateway_holding_two_blocks().await;
+    // A cursor from the future: the gateway refuses it with OUT_OF_RANGE.
+    let output = kvgate(&[
+        "tail",
+        "--addr",
+        &gateway.address.to_string(),
+        "--from",
+        &u64::MAX.to_string(),
+        "--limit",
+        "1",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(": OUT_OF_RANGE: "), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -515,6 +535,7 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     let status: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status["source_ready"], true);
     assert_eq!(status["engine"]["messages_lost"], 0);
-    assert_eq!(status["ranks"][0]["blocks"][0], 2);
+    assert_eq!(status["ranks"][0]["blocks"]["device"], 2);
+    assert_eq!(status["ranks"][0]["blocks"]["external"], 0);
     assert!(status["history"]["batches"].as_u64().unwrap() >= 2);
 }

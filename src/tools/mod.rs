@@ -3,6 +3,7 @@
 
 pub mod connect_error;
 pub mod load;
+pub mod shell;
 pub mod status;
 pub mod tail;
 
@@ -29,6 +30,32 @@ pub async fn connect(flag: &str, address: &str) -> anyhow::Result<Channel> {
                 connect_error::describe(&error)
             )
         })
+}
+
+/// A gRPC status as grpcurl shows it: the code's canonical name first
+/// (`OUT_OF_RANGE: cursor 42 is older than the history`).
+pub fn describe_status(status: &tonic::Status) -> String {
+    use tonic::Code;
+    let name = match status.code() {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    };
+    format!("{name}: {}", status.message())
 }
 
 /// Opens `SubscribeKvEvents` on `service` with a stock prost client.
