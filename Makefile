@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint bench load benchmarks
+.PHONY: run test lint bench load benchmarks image
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
@@ -33,3 +33,8 @@ load:
 
 # Every benchmark of BENCHMARKS.md in one command.
 benchmarks: bench load
+
+# The container image, built with buildah and checked in a chroot (see the
+# README's "Container image").
+image:
+	deploy/image/build.sh
