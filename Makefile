@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint fuzz bench load benchmarks
+.PHONY: run test lint fuzz bench load benchmarks image
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
@@ -39,3 +39,8 @@ benchmarks: bench load
 # runs it: 20k cases of each property, bounded (a few minutes in release).
 fuzz:
 	PROPTEST_CASES=20000 cargo test --release --locked --test fuzz
+
+# The container image, built with buildah and checked in a chroot (see the
+# README's "Container image").
+image:
+	deploy/image/build.sh

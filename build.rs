@@ -15,6 +15,7 @@ const PROTOS: &[&str] = &[
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
+    println!("cargo:rustc-env=KVGATE_GIT_COMMIT={}", git_commit());
     let descriptors = protox::compile(PROTOS, ["proto"])?;
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     fs::write(
@@ -28,4 +29,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .compile_fds(descriptors)?;
     Ok(())
+}
+
+/// The commit for `kvgate_build_info`: `KVGATE_GIT_COMMIT` when set (an image
+/// build has no `.git`), else `git rev-parse`, else `unknown`.
+fn git_commit() -> String {
+    println!("cargo:rerun-if-env-changed=KVGATE_GIT_COMMIT");
+    if let Ok(commit) = env::var("KVGATE_GIT_COMMIT") {
+        return commit;
+    }
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|output| output.status.success())
+            .and_then(|output| String::from_utf8(output.stdout).ok())
+            .map(|text| text.trim().to_owned())
+    };
+    // Rebuild when HEAD moves: a commit rewrites the branch's ref file, a
+    // checkout rewrites HEAD (a worktree keeps both in its own git dir).
+    let branch = git(&["rev-parse", "--symbolic-full-name", "HEAD"]);
+    for path in ["HEAD"].into_iter().chain(branch.as_deref()) {
+        if let Some(file) = git(&["rev-parse", "--git-path", path]) {
+            println!("cargo:rerun-if-changed={file}");
+        }
+    }
+    git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into())
 }

@@ -31,8 +31,10 @@ use crate::server::passthrough::PassThrough;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
+use crate::source::endpoint::check_rank_ports;
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::ZmqSourceConfig;
+use crate::usage::UsageError;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 
 #[cfg(test)]
@@ -51,18 +53,20 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let demo = args.demo;
     let gateway = Gateway::start(args).await?;
     if let Some(admin) = gateway.admin_address() {
-        println!("kvgate: metrics, /healthz and /status on http://{admin}");
+        crate::logging::announce(&format!(
+            "kvgate: metrics, /healthz and /status on http://{admin}"
+        ));
     }
     let address = gateway.address();
-    println!(
+    crate::logging::announce(&format!(
         "kvgate: serving gRPC on {address}, events from {}",
         gateway.source()
-    );
+    ));
     if demo {
-        println!(
+        crate::logging::announce(&format!(
             "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
             display_address(address)
-        );
+        ));
     }
     Ok(gateway.run(shutdown).await?)
 }
@@ -299,10 +303,15 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
-    let endpoint = args.zmq_endpoint.clone().context(
-        "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
-         --upstream-grpc URI (another SubscribeKvEvents server) or --demo",
-    )?;
+    let endpoint = args.zmq_endpoint.clone().ok_or_else(|| {
+        UsageError(
+            "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
+             --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
+                .into(),
+        )
+    })?;
+    check_rank_ports(&endpoint, args.zmq_replay_endpoint.as_ref(), args.dp_size)
+        .map_err(UsageError)?;
     Ok((zmq(endpoint, args.zmq_replay_endpoint.clone()), None))
 }
 
@@ -347,7 +356,10 @@ async fn start_source(
     supervisor: &Supervisor,
 ) -> anyhow::Result<()> {
     match config {
-        SourceConfig::Zmq(config) => config.start(events, metrics, ready, supervisor).await,
+        SourceConfig::Zmq(config) => {
+            metrics.prepare_ranks(config.dp_size);
+            config.start(events, metrics, ready, supervisor).await
+        }
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
 use crate::logging::LogFormat;
 use crate::source::endpoint::TcpEndpoint;
 
@@ -41,12 +42,18 @@ pub enum Command {
     /// Load-test kvgate: a simulated engine, N gRPC subscribers and a kvgate
     /// child process; reports throughput, latency, CPU and memory.
     Bench(crate::tools::load::LoadArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(crate::tools::shell::CompletionsArgs),
+    /// Print the man page (roff), e.g. `kvgate man | man -l -`.
+    Man,
 }
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// gRPC address routers connect to.
-    #[arg(long, env = "KVGATE_LISTEN", default_value = "0.0.0.0:50061")]
+    /// gRPC address routers connect to: IP:PORT or HOST:PORT (resolved at
+    /// start, e.g. localhost:50061).
+    #[arg(long, env = "KVGATE_LISTEN", default_value = "0.0.0.0:50061",
+          value_name = "ADDR", value_parser = parse_listen_address)]
     pub listen: SocketAddr,
 
     /// The engine's KV-event publisher for rank 0, as configured on the engine
@@ -61,7 +68,8 @@ pub struct ServeArgs {
 
     /// Another SubscribeKvEvents server to re-serve instead of a ZMQ engine
     /// (TensorRT-LLM's gRPC server, or another kvgate), e.g. http://127.0.0.1:50051.
-    #[arg(long, env = "KVGATE_UPSTREAM_GRPC", value_name = "URI", conflicts_with_all = ["zmq_endpoint", "demo"])]
+    #[arg(long, env = "KVGATE_UPSTREAM_GRPC", value_name = "URI",
+          value_parser = parse_grpc_uri, conflicts_with_all = ["zmq_endpoint", "demo"])]
     pub upstream_grpc: Option<String>,
 
     /// The upstream service name to call SubscribeKvEvents on.
@@ -78,8 +86,9 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub dp_size: u32,
 
-    /// The engine's replay ROUTER for rank 0 (e.g. tcp://*:5558; rank r at
-    /// port + r): fills lost messages and primes the state at start.
+    /// The engine's replay ROUTER for rank 0 (e.g. tcp://*:5567; rank r at
+    /// port + r): fills lost messages and primes the state at start. Keep
+    /// the publisher and replay bases at least --dp-size apart.
     #[arg(long, env = "KVGATE_ZMQ_REPLAY_ENDPOINT", value_name = "URI")]
     pub zmq_replay_endpoint: Option<TcpEndpoint>,
 
@@ -91,11 +100,10 @@ pub struct ServeArgs {
     pub zmq_replay_timeout_ms: u64,
 
     /// Largest ZMQ message (all frames) accepted from the engine's publisher
-    /// or replay endpoint, in bytes; a peer announcing more is disconnected
+    /// or replay endpoint, e.g. 64MiB; a peer announcing more is disconnected
     /// before anything is allocated for it.
-    #[arg(long, env = "KVGATE_ZMQ_MAX_MESSAGE_BYTES",
-          default_value_t = crate::source::peer::DEFAULT_MAX_MESSAGE_BYTES,
-          value_parser = clap::value_parser!(u64).range(crate::source::peer::MAX_MESSAGE_BYTES_RANGE))]
+    #[arg(long, env = "KVGATE_ZMQ_MAX_MESSAGE_BYTES", default_value = "64MiB", value_name = "SIZE",
+          value_parser = byte_size(crate::source::peer::MAX_MESSAGE_BYTES_RANGE))]
     pub zmq_max_message_bytes: u64,
 
     /// Topic the engine publishes under (empty by default, as in the engines).
@@ -112,11 +120,11 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_batch_events: u32,
 
-    /// Most encoded bytes of events in one outgoing batch (the router refuses
-    /// messages over 4 MiB).
-    #[arg(long, env = "KVGATE_MAX_BATCH_BYTES", default_value_t = 1 << 20,
-          value_parser = clap::value_parser!(u32).range(4096..=(3 << 20)))]
-    pub max_batch_bytes: u32,
+    /// Most encoded bytes of events in one outgoing batch, e.g. 1MiB (the
+    /// router refuses messages over 4 MiB).
+    #[arg(long, env = "KVGATE_MAX_BATCH_BYTES", default_value = "1MiB", value_name = "SIZE",
+          value_parser = byte_size(4096..=(3 << 20)))]
+    pub max_batch_bytes: u64,
 
     /// Batches kept for resuming and lagging subscribers (slots are
     /// allocated as batches arrive, 16 bytes per batch held).
@@ -124,10 +132,11 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     pub history_batches: u32,
 
-    /// Bytes of batches kept for resuming and lagging subscribers (encoded
-    /// bytes plus 256 per batch); the newest batch is always kept.
-    #[arg(long, env = "KVGATE_HISTORY_BYTES", default_value_t = 256 << 20,
-          value_parser = clap::value_parser!(u64).range(4096..=(64 << 30)))]
+    /// Bytes of batches kept for resuming and lagging subscribers, e.g.
+    /// 256MiB (encoded bytes plus 256 per batch); the newest batch is always
+    /// kept.
+    #[arg(long, env = "KVGATE_HISTORY_BYTES", default_value = "256MiB", value_name = "SIZE",
+          value_parser = byte_size(4096..=(64 << 30)))]
     pub history_bytes: u64,
 
     /// Batch announcements (positions, not batches) buffered per subscriber
@@ -150,7 +159,7 @@ pub struct ServeArgs {
 
     /// The engine's own gRPC server: every RPC but SubscribeKvEvents is
     /// passed through to it unchanged (e.g. http://127.0.0.1:50051).
-    #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI")]
+    #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
 
     /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.

@@ -12,15 +12,34 @@ static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
     DescriptorPool::decode(FILE_DESCRIPTOR_SET).expect("build.rs wrote a valid descriptor set")
 });
 
+/// How proto3 JSON spells field names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FieldNames {
+    /// As in the `.proto` file (`block_hash`): the fixtures' spelling.
+    Proto,
+    /// lowerCamelCase (`blockHash`): the JSON mapping's default, as grpcurl
+    /// prints it.
+    Json,
+}
+
 /// `message` (whose proto name is `full_name`, e.g.
-/// `smg.grpc.common.KvCacheEvent`) as proto3 JSON.
+/// `smg.grpc.common.KvCacheEvent`) as proto3 JSON with proto field names.
 pub fn to_json(message: &impl prost::Message, full_name: &str) -> serde_json::Value {
+    to_json_with(message, full_name, FieldNames::Proto)
+}
+
+/// `message` as proto3 JSON with field names spelled as `names` says.
+pub fn to_json_with(
+    message: &impl prost::Message,
+    full_name: &str,
+    names: FieldNames,
+) -> serde_json::Value {
     let descriptor = POOL
         .get_message_by_name(full_name)
         .unwrap_or_else(|| panic!("{full_name} is not one of kvgate's messages"));
     let dynamic = DynamicMessage::decode(descriptor, message.encode_to_vec().as_slice())
         .expect("a message decodes as its own type");
-    let options = SerializeOptions::new().use_proto_field_name(true);
+    let options = SerializeOptions::new().use_proto_field_name(names == FieldNames::Proto);
     dynamic
         .serialize_with_options(serde_json::value::Serializer, &options)
         .expect("proto3 JSON always serializes")

@@ -8,6 +8,7 @@
 
 pub mod app;
 pub mod cli;
+pub mod cli_values;
 pub mod convert;
 pub mod drain;
 pub mod health;
@@ -15,9 +16,11 @@ pub mod hub;
 pub mod json;
 pub mod logging;
 pub mod metrics;
+mod process_metrics;
 pub mod proto;
 pub mod server;
 pub mod sim;
 pub mod source;
 pub mod supervisor;
 pub mod tools;
+pub mod usage;

@@ -1,15 +1,13 @@
 use std::time::Duration;
 
-use clap::Parser;
-
-use kvgate::cli::{Cli, Command};
+use kvgate::cli::Command;
 
 /// How long tasks still running once a command is done (the gateway already
 /// gave them its shutdown grace) may keep the process alive.
 const RUNTIME_EXIT_GRACE: Duration = Duration::from_millis(500);
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = kvgate::usage::parse_cli();
     kvgate::logging::init(cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
@@ -24,6 +22,8 @@ fn main() -> std::process::ExitCode {
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,
             Command::Bench(args) => kvgate::tools::load::run(args).await,
+            Command::Completions(args) => kvgate::tools::shell::completions(args),
+            Command::Man => kvgate::tools::shell::man(),
         }
     });
     // Dropping the runtime would wait for a task stuck in a loop forever.
@@ -32,7 +32,7 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kvgate: {error:#}");
-            std::process::ExitCode::FAILURE
+            kvgate::usage::exit_code(&error)
         }
     }
 }

@@ -67,6 +67,27 @@ impl PeerDropLabels {
 /// larger than any message the router accepts.
 pub const OVERSIZED_EVENT: &str = "oversized_event";
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: &'static str,
+    pub commit: &'static str,
+}
+
+/// The git commit kvgate was built from (`unknown` outside a git checkout).
+pub const GIT_COMMIT: &str = env!("KVGATE_GIT_COMMIT");
+
+/// Every reason an engine message can be counted as bad: a closed set, so
+/// each series exists from the start at 0.
+pub const BAD_MESSAGE_REASONS: [&str; 7] = [
+    crate::source::FrameError::ALL[0].as_str(),
+    crate::source::FrameError::ALL[1].as_str(),
+    crate::source::FrameError::ALL[2].as_str(),
+    crate::source::FrameError::ALL[3].as_str(),
+    crate::convert::PayloadError::REASONS[0],
+    crate::convert::PayloadError::REASONS[1],
+    crate::source::upstream::UNDECODABLE,
+];
+
 /// Every metric kvgate exports. Cloning shares the same underlying values.
 #[derive(Clone)]
 pub struct Metrics {
@@ -123,6 +144,8 @@ pub struct Metrics {
     /// ZMQ peer connections dropped for breaking the protocol or the size
     /// limit, by socket and reason.
     pub zmq_peers_dropped: Family<PeerDropLabels, Counter>,
+    /// Always 1, labelled with the version and git commit.
+    pub build_info: Family<BuildLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -160,7 +183,31 @@ impl Metrics {
             last_sequence: Family::default(),
             history_bytes: Gauge::default(),
             zmq_peers_dropped: Family::default(),
+            build_info: Family::default(),
         };
+        metrics
+            .build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+                commit: GIT_COMMIT,
+            })
+            .set(1);
+        for reason in DropReason::ALL {
+            metrics.events_dropped.get_or_create_owned(&ReasonLabel {
+                reason: reason.as_str(),
+            });
+        }
+        for reason in BAD_MESSAGE_REASONS {
+            metrics
+                .bad_messages
+                .get_or_create_owned(&ReasonLabel { reason });
+        }
+        registry.register(
+            "build_info",
+            "kvgate's version and the git commit it was built from (always 1)",
+            metrics.build_info.clone(),
+        );
+        registry.register_collector(Box::new(crate::process_metrics::ProcessCollector));
         registry.register(
             "engine_messages",
             "Engine messages received per data-parallel rank",
@@ -356,7 +403,34 @@ impl Metrics {
             .inc();
     }
 
+    /// Pre-creates every per-rank series of `dp_size` ranks, so each one is
+    /// exported at 0 before the engine's first message.
+    pub fn prepare_ranks(&self, dp_size: u32) {
+        for rank in 0..dp_size {
+            self.engine_messages
+                .get_or_create_owned(&RankLabel { rank });
+            for r#type in EventKind::ALL
+                .map(EventKind::as_str)
+                .into_iter()
+                .chain(["dropped"])
+            {
+                self.engine_events
+                    .get_or_create_owned(&RankTypeLabels { rank, r#type });
+            }
+            self.last_sequence.get_or_create_owned(&RankLabel { rank });
+            for tier in crate::hub::TIER_NAMES {
+                self.state_blocks
+                    .get_or_create_owned(&RankTierLabels { rank, tier });
+            }
+        }
+    }
+
+    /// `reason` is one of [`BAD_MESSAGE_REASONS`].
     pub fn count_bad_message(&self, reason: &'static str) {
+        debug_assert!(
+            BAD_MESSAGE_REASONS.contains(&reason),
+            "{reason} is missing from BAD_MESSAGE_REASONS"
+        );
         self.bad_messages
             .get_or_create(&ReasonLabel { reason })
             .inc();
@@ -364,13 +438,12 @@ impl Metrics {
 
     /// Per-rank gauges from the drain's latest report.
     pub fn record_ranks(&self, reports: &[crate::hub::RankReport]) {
-        const TIERS: [&str; 4] = ["device", "host", "disk", "external"];
         for report in reports {
             let rank = report.rank;
             self.last_sequence
                 .get_or_create(&RankLabel { rank })
                 .set(report.last_sequence as i64);
-            for (tier, blocks) in TIERS.into_iter().zip(report.blocks) {
+            for (tier, blocks) in crate::hub::TIER_NAMES.into_iter().zip(report.blocks) {
                 self.state_blocks
                     .get_or_create(&RankTierLabels { rank, tier })
                     .set(blocks as i64);

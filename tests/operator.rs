@@ -134,22 +134,37 @@ async fn other_rpcs_answer_unimplemented_without_an_engine_to_pass_them_to() {
     assert_eq!(status.code(), tonic::Code::Unimplemented);
 }
 
-fn serve_fails(args: &[&str]) -> String {
-    let output = Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .arg("serve")
-        .args(args)
-        .output()
-        .expect("kvgate runs");
-    assert!(
-        !output.status.success(),
-        "kvgate serve {args:?} should refuse to start"
+/// Runs `kvgate serve ARGS` with `env` set, expecting it to refuse to start
+/// with the usage exit code; returns its stderr. It listens on an ephemeral
+/// port unless ARGS say otherwise, so a gateway on the default port (a
+/// `make run` elsewhere) changes nothing.
+fn serve_fails_with_env(args: &[&str], env: &[(&str, &str)]) -> String {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    command.arg("serve").args(args).envs(env.iter().copied());
+    if !args.contains(&"--listen") && !env.iter().any(|(name, _)| *name == "KVGATE_LISTEN") {
+        command.args(["--listen", "127.0.0.1:0"]);
+    }
+    let output = command.output().expect("kvgate runs");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "kvgate serve {args:?} should refuse to start as a usage error: {stderr}"
     );
-    String::from_utf8_lossy(&output.stderr).into_owned()
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "no colours when stderr is not a terminal: {stderr:?}"
+    );
+    stderr
+}
+
+fn serve_fails(args: &[&str]) -> String {
+    serve_fails_with_env(args, &[])
 }
 
 #[test]
 fn serve_without_an_event_source_refuses_to_start_and_says_what_to_give() {
-    let message = serve_fails(&["--listen", "127.0.0.1:0"]);
+    let message = serve_fails(&[]);
     assert!(message.contains("--zmq-endpoint"), "{message}");
     assert!(message.contains("--demo"), "{message}");
 }
@@ -192,15 +207,102 @@ fn a_bad_value_fails_at_start_naming_its_flag() {
             vec![
                 "--zmq-endpoint",
                 "tcp://*:5557",
+                "--max-batch-bytes",
+                "5MiB",
+            ],
+            "--max-batch-bytes",
+        ),
+        (
+            vec![
+                "--zmq-endpoint",
+                "tcp://*:5557",
                 "--zmq-max-message-bytes",
                 "2147483648",
             ],
             "--zmq-max-message-bytes",
         ),
+        (
+            vec![
+                "--zmq-endpoint",
+                "tcp://*:5557",
+                "--history-bytes",
+                "2 lightyears",
+            ],
+            "--history-bytes",
+        ),
+        (
+            vec![
+                "--zmq-endpoint",
+                "tcp://*:5557",
+                "--engine-grpc",
+                "127.0.0.1:50051",
+            ],
+            "--engine-grpc",
+        ),
+        (
+            vec!["--upstream-grpc", "ftp://127.0.0.1:50051"],
+            "--upstream-grpc",
+        ),
+        (
+            vec!["--upstream-grpc", "http://upstream"],
+            "--upstream-grpc",
+        ),
+        (
+            vec![
+                "--zmq-endpoint",
+                "tcp://*:5557",
+                "--zmq-replay-endpoint",
+                "tcp://*:5558",
+                "--dp-size",
+                "2",
+            ],
+            "at least --dp-size apart",
+        ),
     ] {
         let message = serve_fails(&args);
         assert!(message.contains(flag), "{args:?}: {message}");
     }
+}
+
+#[test]
+fn a_bad_environment_variable_fails_at_start_naming_the_variable_and_its_value() {
+    for (variable, value, flag) in [
+        ("KVGATE_MAX_BATCH_EVENTS", "5000", "--max-batch-events"),
+        ("KVGATE_HISTORY_BYTES", "lots", "--history-bytes"),
+        ("KVGATE_LISTEN", "nowhere", "--listen"),
+        ("KVGATE_ENGINE_GRPC", "engine:50051", "--engine-grpc"),
+    ] {
+        let message =
+            serve_fails_with_env(&["--zmq-endpoint", "tcp://*:5557"], &[(variable, value)]);
+        assert!(
+            message.contains(&format!("{variable}={value}: ")) && message.contains(flag),
+            "{variable}={value}: {message}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sizes_take_units_and_listen_takes_a_host_name() {
+    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let gateway = Gateway::start_listening(
+        "localhost:0",
+        &[
+            "--zmq-endpoint",
+            publisher.endpoint(),
+            "--max-batch-bytes",
+            "2MiB",
+            "--history-bytes",
+            "64MiB",
+        ],
+    );
+    assert!(gateway.address.ip().is_loopback(), "{}", gateway.address);
+    let mut health = tonic_health::pb::health_client::HealthClient::new(gateway.channel().await);
+    health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("the gateway answers on the resolved address");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -319,17 +421,19 @@ async fn tail_prints_one_json_object_per_event_with_signed_hashes() {
         .iter()
         .map(|block| &block["block_hash"])
         .collect();
+    // grpcurl's spelling: lowerCamelCase field names.
     let printed: Vec<&serde_json::Value> = lines[1..]
         .iter()
         .flat_map(|line| line["stored"]["blocks"].as_array().unwrap())
-        .map(|block| &block["block_hash"])
+        .map(|block| &block["blockHash"])
         .collect();
     assert_eq!(printed, expected);
     assert!(
         lines
             .iter()
-            .all(|line| line["dp_rank"] == 0 && line["sequence_number"].is_string())
+            .all(|line| line["dpRank"] == 0 && line["sequenceNumber"].is_string())
     );
+    assert!(lines.iter().all(|line| line.get("block_hash").is_none()));
 
     let output = kvgate(&["tail", "--addr", &address, "--limit", "1"]);
     let text = String::from_utf8(output.stdout).unwrap();
@@ -337,6 +441,24 @@ async fn tail_prints_one_json_object_per_event_with_signed_hashes() {
         text.contains("+2 stored") && text.contains("[snapshot 1/1, 2 blocks]"),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tail_refused_shows_the_status_name_first() {
+    let (gateway, _publisher) = gateway_holding_two_blocks().await;
+    // A cursor from the future: the gateway refuses it with OUT_OF_RANGE.
+    let output = kvgate(&[
+        "tail",
+        "--addr",
+        &gateway.address.to_string(),
+        "--from",
+        &u64::MAX.to_string(),
+        "--limit",
+        "1",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(": OUT_OF_RANGE: "), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -431,6 +553,7 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     let status: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status["source_ready"], true);
     assert_eq!(status["engine"]["messages_lost"], 0);
-    assert_eq!(status["ranks"][0]["blocks"][0], 2);
+    assert_eq!(status["ranks"][0]["blocks"]["device"], 2);
+    assert_eq!(status["ranks"][0]["blocks"]["external"], 0);
     assert!(status["history"]["batches"].as_u64().unwrap() >= 2);
 }

@@ -68,6 +68,9 @@ pub enum PayloadError {
 }
 
 impl PayloadError {
+    /// Every label [`PayloadError::reason`] returns.
+    pub const REASONS: [&'static str; 2] = ["not_msgpack", "bad_envelope"];
+
     /// A metric label.
     pub fn reason(&self) -> &'static str {
         match self {

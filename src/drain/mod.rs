@@ -162,9 +162,13 @@ impl Drain {
                 return;
             }
         };
-        if converted.dp_rank.is_some_and(|claimed| claimed != rank) {
+        if let Some(claimed) = converted.dp_rank.filter(|claimed| *claimed != rank) {
             crate::logging::rate_limited("rank_mismatch", || {
-                warn!(rank, claimed = ?converted.dp_rank, "payload names another dp_rank than its socket; numbering by the socket's rank");
+                warn!(
+                    rank,
+                    claimed,
+                    "payload names another dp_rank than its socket; numbering by the socket's rank"
+                );
             });
         }
         self.push_events(rank, converted.events, converted.timestamp);

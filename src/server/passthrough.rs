@@ -116,7 +116,8 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
                 Err(error) => {
                     debug!(%method, %error, "engine gRPC server unreachable");
                     let status = Status::unavailable(format!(
-                        "kvgate could not reach the engine's gRPC server at {target}: {error}"
+                        "kvgate could not reach the engine's gRPC server at {target} (--engine-grpc): {}",
+                        crate::tools::connect_error::describe(&error)
                     ));
                     metrics.count_pass_through(method, status.code() as i32);
                     return Ok(status.into_http());

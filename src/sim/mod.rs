@@ -133,12 +133,19 @@ impl DemoEngine {
             interval: config.interval,
         };
         for rank in demo.endpoints() {
-            tracing::info!(
-                dp_rank = rank.dp_rank,
-                endpoint = %rank.endpoint,
-                replay_endpoint = ?rank.replay_endpoint,
-                "simulated engine rank bound"
-            );
+            match &rank.replay_endpoint {
+                Some(replay_endpoint) => tracing::info!(
+                    dp_rank = rank.dp_rank,
+                    endpoint = %rank.endpoint,
+                    %replay_endpoint,
+                    "simulated engine rank bound"
+                ),
+                None => tracing::info!(
+                    dp_rank = rank.dp_rank,
+                    endpoint = %rank.endpoint,
+                    "simulated engine rank bound"
+                ),
+            }
         }
         Ok(demo)
     }

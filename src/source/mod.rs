@@ -56,7 +56,14 @@ pub enum FrameError {
 }
 
 impl FrameError {
-    pub fn as_str(self) -> &'static str {
+    pub const ALL: [FrameError; 4] = [
+        Self::WrongFrameCount,
+        Self::BadSequenceFrame,
+        Self::TopicMismatch,
+        Self::MissingDelimiter,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
         match self {
             Self::WrongFrameCount => "wrong_frame_count",
             Self::BadSequenceFrame => "bad_sequence_frame",

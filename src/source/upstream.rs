@@ -21,6 +21,9 @@ use super::SourceEvent;
 use crate::metrics::Metrics;
 use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
 
+/// The bad-message reason of an upstream batch kvgate cannot decode.
+pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
+
 /// Where the upstream is and which of its service names to call.
 #[derive(Clone, Debug)]
 pub struct UpstreamConfig {
@@ -158,7 +161,7 @@ async fn follow(
     metrics: &Metrics,
     ready: &watch::Sender<bool>,
 ) -> Outcome {
-    let channel = match crate::tools::connect(&config.uri).await {
+    let channel = match crate::tools::connect("--upstream-grpc", &config.uri).await {
         Ok(channel) => channel,
         Err(error) => return Outcome::Retry(error.to_string()),
     };
@@ -181,7 +184,7 @@ async fn follow(
             }
             Err(status) => {
                 if status.code() == Code::Internal {
-                    metrics.count_bad_message("upstream_undecodable");
+                    metrics.count_bad_message(UNDECODABLE);
                 }
                 return Outcome::Retry(status.to_string());
             }

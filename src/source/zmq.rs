@@ -158,10 +158,11 @@ impl ZmqSourceConfig {
                 );
                 let ranks_up = Arc::clone(&ranks_up);
                 let metrics = metrics.clone();
+                info!(rank, "waiting for the engine at {address}");
                 supervisor.spawn(TaskName::SourceRank(rank), async move {
                     tokio::select! {
                         () = connect_until_up(&mut socket, &address, &metrics) => {
-                            info!(rank, %address, "connected to the engine publisher");
+                            info!(rank, %address, "engine connected");
                             ranks_up.one_more();
                             rank_task.run(socket, stop).await;
                         }
@@ -349,12 +350,16 @@ impl RankTask {
             self.count_replay_drop(error);
             warn!(rank = self.rank, replay = replay.address(), %error, "priming from the replay endpoint broke off");
         }
-        info!(
-            rank = self.rank,
-            first = ?primed.first(),
-            last = ?primed.last(),
-            "primed from the replay endpoint"
-        );
+        match (primed.first(), primed.last()) {
+            (Some(first), Some(last)) => info!(
+                rank = self.rank,
+                first, last, "primed from the replay endpoint"
+            ),
+            _ => info!(
+                rank = self.rank,
+                "primed from the replay endpoint: it held no message"
+            ),
+        }
         self.cursor.prime(&primed.messages);
         self.metrics
             .engine_messages_recovered

@@ -1,7 +1,9 @@
 //! Command-line clients of a gateway: `kvgate tail`, `kvgate status` and
 //! the load tool `kvgate bench`. They talk gRPC only, like any router would.
 
+pub mod connect_error;
 pub mod load;
+pub mod shell;
 pub mod status;
 pub mod tail;
 
@@ -10,18 +12,50 @@ use tonic::transport::Channel;
 
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 
-/// Connects to `address` (`host:port` or `http://host:port`).
-pub async fn connect(address: &str) -> anyhow::Result<Channel> {
+/// Connects to `address` (`host:port` or `http://host:port`), which the
+/// user gave as `flag`: an error names that flag and keeps the cause.
+pub async fn connect(flag: &str, address: &str) -> anyhow::Result<Channel> {
     let uri = if address.contains("://") {
         address.to_owned()
     } else {
         format!("http://{address}")
     };
     Channel::from_shared(uri.clone())
-        .map_err(|error| anyhow::anyhow!("--addr {address}: {error}"))?
+        .map_err(|error| anyhow::anyhow!("{flag} {address}: {error}"))?
         .connect()
         .await
-        .map_err(|error| anyhow::anyhow!("--addr {address}: cannot connect: {error}"))
+        .map_err(|error| {
+            anyhow::anyhow!(
+                "{flag} {address}: cannot connect: {}",
+                connect_error::describe(&error)
+            )
+        })
+}
+
+/// A gRPC status as grpcurl shows it: the code's canonical name first
+/// (`OUT_OF_RANGE: cursor 42 is older than the history`).
+pub fn describe_status(status: &tonic::Status) -> String {
+    use tonic::Code;
+    let name = match status.code() {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    };
+    format!("{name}: {}", status.message())
 }
 
 /// Opens `SubscribeKvEvents` on `service` with a stock prost client.

@@ -54,7 +54,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
 }
 
 pub async fn collect(address: &str) -> anyhow::Result<GatewayStatus> {
-    let channel = connect(address).await?;
+    let channel = connect("--addr", address).await?;
     let mut health = BTreeMap::new();
     let mut client = HealthClient::new(channel.clone());
     for service in std::iter::once("").chain(SUBSCRIBE_SERVICES) {

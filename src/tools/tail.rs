@@ -1,11 +1,13 @@
 //! `kvgate tail`: print a gateway's stream, one JSON object per event
-//! (`--json`, proto3 JSON as grpcurl shows it) or one line per batch.
+//! (`--json`, proto3 JSON with lowerCamelCase names as grpcurl prints it, so
+//! the two diff cleanly) or one line per batch.
 
 use std::io::Write;
 
 use serde_json::{Map, Value};
 
 use super::{connect, subscribe};
+use crate::json::{FieldNames, to_json_with};
 use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -28,17 +30,21 @@ pub struct TailArgs {
 }
 
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
-    let channel = connect(&args.addr).await?;
+    let channel = connect("--addr", &args.addr).await?;
     let mut stream = subscribe(channel, &args.service, args.from)
         .await
-        .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;
+        .map_err(|status| {
+            anyhow::anyhow!(
+                "SubscribeKvEvents refused: {}",
+                super::describe_status(&status)
+            )
+        })?;
     let mut out = std::io::stdout().lock();
     let mut batches = 0;
     while args.limit.is_none_or(|limit| batches < limit) {
-        let Some(batch) = stream
-            .message()
-            .await
-            .map_err(|status| anyhow::anyhow!("stream ended: {status}"))?
+        let Some(batch) = stream.message().await.map_err(|status| {
+            anyhow::anyhow!("stream ended: {}", super::describe_status(&status))
+        })?
         else {
             break;
         };
@@ -55,8 +61,9 @@ pub async fn run(args: TailArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Each event as proto3 JSON, with its batch's number, rank and snapshot
-/// position alongside.
+/// Each event as proto3 JSON (lowerCamelCase names), with its batch's
+/// number, rank and snapshot position alongside, named as grpcurl names
+/// the batch's fields.
 pub fn event_lines(batch: &KvEventBatch) -> Vec<Value> {
     batch
         .events
@@ -64,18 +71,22 @@ pub fn event_lines(batch: &KvEventBatch) -> Vec<Value> {
         .map(|event| {
             let mut line = Map::new();
             line.insert(
-                "sequence_number".into(),
+                "sequenceNumber".into(),
                 Value::String(batch.sequence_number.to_string()),
             );
-            line.insert("dp_rank".into(), batch.dp_rank.unwrap_or(0).into());
+            line.insert("dpRank".into(), batch.dp_rank.unwrap_or(0).into());
             if let Some(snapshot) = &batch.snapshot {
                 line.insert(
                     "snapshot".into(),
-                    crate::json::to_json(snapshot, "smg.grpc.common.KvSnapshotChunk"),
+                    to_json_with(
+                        snapshot,
+                        "smg.grpc.common.KvSnapshotChunk",
+                        FieldNames::Json,
+                    ),
                 );
             }
             if let Value::Object(event) =
-                crate::json::to_json(event, "smg.grpc.common.KvCacheEvent")
+                to_json_with(event, "smg.grpc.common.KvCacheEvent", FieldNames::Json)
             {
                 line.extend(event);
             }

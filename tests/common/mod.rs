@@ -40,6 +40,8 @@ impl Gateway {
     pub fn start_listening(listen: &str, args: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
             .arg("serve")
+            // The banner this harness reads is on stdout in text format.
+            .args(["--log-format", "text"])
             .args(["--listen", listen])
             .args(args)
             .env(

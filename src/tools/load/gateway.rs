@@ -23,6 +23,8 @@ impl Gateway {
         let mut command = Command::new(binary);
         command
             .arg("serve")
+            // Its banner is on stdout in text format, whatever the environment says.
+            .args(["--log-format", "text"])
             .args(["--listen", "127.0.0.1:0", "--zmq-endpoint", endpoint])
             .args(extra)
             .stdin(Stdio::null())

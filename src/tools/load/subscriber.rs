@@ -159,7 +159,7 @@ impl Subscribers {
             .spawn(async move {
                 let mut streams = Vec::with_capacity(count);
                 for _ in 0..count {
-                    let channel = connect(&address).await?;
+                    let channel = connect("the gateway under test at", &address).await?;
                     let stream = subscribe_with(channel, SERVICE, 0, RawBatches)
                         .await
                         .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;

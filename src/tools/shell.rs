@@ -1,0 +1,37 @@
+//! `kvgate completions SHELL` and `kvgate man`: shell completions and a
+//! roff man page generated from the command-line definition itself, so they
+//! never disagree with `--help`.
+
+use clap::CommandFactory;
+
+use crate::cli::Cli;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct CompletionsArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+/// Writes the completion script for `args.shell` to stdout.
+pub fn completions(args: CompletionsArgs) -> anyhow::Result<()> {
+    let mut command = Cli::command();
+    clap_complete::generate(args.shell, &mut command, "kvgate", &mut std::io::stdout());
+    Ok(())
+}
+
+/// Writes the man page of kvgate and every subcommand (roff) to stdout.
+pub fn man() -> anyhow::Result<()> {
+    let command = Cli::command();
+    let mut out = std::io::stdout().lock();
+    clap_mangen::Man::new(command.clone()).render(&mut out)?;
+    for sub in command.get_subcommands() {
+        let name = format!("kvgate-{}", sub.get_name());
+        let sub = sub
+            .clone()
+            .display_name(name)
+            .version(env!("CARGO_PKG_VERSION"));
+        clap_mangen::Man::new(sub).render(&mut out)?;
+    }
+    Ok(())
+}
