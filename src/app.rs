@@ -14,12 +14,17 @@ use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
 use crate::hub::{HistoryLimits, hub};
+use crate::load::empty_board;
+use crate::load::engine::EngineLoads;
+use crate::load::poller::{self, PollerConfig};
+use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::server::admin::{self, AdminState};
 use crate::server::passthrough::PassThrough;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
+use crate::source::endpoint::RankEndpoints;
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{ZmqSource, ZmqSourceConfig};
 
@@ -51,6 +56,17 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         .as_deref()
         .map(|target| PassThrough::new(target, metrics.clone()))
         .transpose()?;
+    let load_engine = pass_through
+        .as_ref()
+        .filter(|_| args.load_poll_ms > 0)
+        .map(|pass_through| {
+            let (transport, origin) = pass_through.engine_transport();
+            EngineLoads::new(
+                transport,
+                origin,
+                Duration::from_millis(args.load_poll_timeout_ms),
+            )
+        });
 
     let (hub_writer, hub_reader) = hub(
         args.live_buffer_batches as usize,
@@ -67,7 +83,24 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     let (ready_tx, ready_rx) = watch::channel(false);
     let source =
         RunningSource::start(source_config, events_tx, metrics.clone(), ready_tx, &stop).await?;
-    let drain = Drain::new(limits, epoch_seed(), hub_writer, metrics.clone());
+    let mut drain = Drain::new(limits, epoch_seed(), hub_writer, metrics.clone());
+    let mut poller_task = None;
+    if let Some(engine) = load_engine {
+        let config = PollerConfig {
+            interval: Duration::from_millis(args.load_poll_ms),
+            kind: args.engine_kind,
+            ranks: args.dp_size,
+        };
+        let (board, feed) = watch::channel(empty_board(args.dp_size));
+        drain = drain.with_load_records(LoadRecords::new(feed));
+        poller_task = Some(tokio::spawn(poller::run(
+            config,
+            engine,
+            board,
+            metrics.clone(),
+            stop.subscribe(),
+        )));
+    }
     let drain_task = tokio::spawn(drain.run(events_rx));
 
     let admin_task = admin_listener.map(|listener| {
@@ -129,6 +162,9 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         // ends every subscriber stream, which lets the server finish.
         source.shutdown().await;
         let _ = drain_task.await;
+        if let Some(poller) = poller_task {
+            let _ = poller.await;
+        }
         if let Some(demo) = demo_task {
             let _ = demo.await;
         }
@@ -190,11 +226,12 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         let mut config = DemoConfig::new(args.dp_size);
         config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
         let demo = DemoEngine::bind(config).await?;
-        let endpoint = demo.endpoint().parse()?;
+        let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
         let replay = demo
             .endpoints()
             .first()
-            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok());
+            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok())
+            .map(RankEndpoints::Offset);
         return Ok((zmq(endpoint, replay), Some(demo)));
     }
     if let Some(uri) = &args.upstream_grpc {
@@ -204,11 +241,17 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
-    let endpoint = args.zmq_endpoint.clone().context(
-        "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
-         --upstream-grpc URI (another SubscribeKvEvents server) or --demo",
+    let endpoint = RankEndpoints::from_flag("--zmq-endpoint", &args.zmq_endpoint, args.dp_size)?
+        .context(
+            "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
+             --upstream-grpc URI (another SubscribeKvEvents server) or --demo",
+        )?;
+    let replay = RankEndpoints::from_flag(
+        "--zmq-replay-endpoint",
+        &args.zmq_replay_endpoint,
+        args.dp_size,
     )?;
-    Ok((zmq(endpoint, args.zmq_replay_endpoint.clone()), None))
+    Ok((zmq(endpoint, replay), None))
 }
 
 /// The running source, stopped before the drain so the drain ends cleanly.

@@ -10,6 +10,7 @@
 pub mod batch;
 pub mod cow_map;
 pub mod history;
+pub mod load_only;
 pub mod snapshot;
 pub mod state;
 pub mod subscription;
@@ -24,6 +25,16 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use batch::{Batch, OpenBatch};
 pub use history::{History, HistoryLimits, HistoryWriter};
+pub use load_only::LoadOnly;
+
+/// What the live channel carries.
+#[derive(Clone, Debug)]
+pub enum LiveItem {
+    /// A batch, also in the history.
+    Batch(Arc<Batch>),
+    /// A load record between two batches (see [`load_only`]).
+    LoadOnly(Arc<LoadOnly>),
+}
 pub use snapshot::SnapshotCut;
 
 /// A subscriber asking the drain for a snapshot cut.
@@ -50,7 +61,7 @@ const CUT_REQUEST_QUEUE: usize = 64;
 
 /// The drain's side of the hub.
 pub struct HubWriter {
-    live: Sender<Arc<Batch>>,
+    live: Sender<LiveItem>,
     history: HistoryWriter,
     next_position: u64,
     cut_requests: mpsc::Receiver<CutRequest>,
@@ -61,7 +72,7 @@ pub struct HubWriter {
 #[derive(Clone)]
 pub struct HubReader {
     /// Keeps the channel open while nobody listens; activated per subscriber.
-    live: InactiveReceiver<Arc<Batch>>,
+    live: InactiveReceiver<LiveItem>,
     history: Arc<History>,
     cut_requests: mpsc::Sender<CutRequest>,
     reports: Arc<ArcSwap<Vec<RankReport>>>,
@@ -118,7 +129,18 @@ impl HubWriter {
         self.history.push(Arc::clone(&batch));
         // Overflow mode never reports Full, and the inactive receiver keeps
         // the channel open, so this cannot fail while the hub exists.
-        let _ = self.live.try_broadcast(batch);
+        let _ = self.live.try_broadcast(LiveItem::Batch(batch));
+    }
+
+    /// Offers a `load_only` batch to the subscribers that are caught up.
+    /// `before_first_batch`: it is numbered 0, its rank having had no batch.
+    pub fn publish_load_only(&mut self, before_first_batch: bool, encoded: bytes::Bytes) {
+        let item = LoadOnly {
+            after_position: self.next_position - 1,
+            before_first_batch,
+            encoded,
+        };
+        let _ = self.live.try_broadcast(LiveItem::LoadOnly(Arc::new(item)));
     }
 
     /// Replaces what `/status` shows of each rank.
@@ -139,7 +161,7 @@ impl HubWriter {
 
 impl HubReader {
     /// A receiver of every batch published from now on.
-    pub fn subscribe_live(&self) -> Receiver<Arc<Batch>> {
+    pub fn subscribe_live(&self) -> Receiver<LiveItem> {
         self.live.activate_cloned()
     }
 

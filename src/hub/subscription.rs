@@ -7,13 +7,14 @@
 //! replay or snapshot) and are skipped; a live batch above it means the
 //! subscriber fell behind, and the missing positions come from the history
 //! first. The same rule gives resume, seam de-duplication and lag refill
-//! with no gap and no duplicate.
+//! with no gap and no duplicate. `load_only` batches in the live channel are
+//! handed on only at the exact position they were published after.
 
 use std::sync::Arc;
 
 use async_broadcast::{Receiver, RecvError};
 
-use super::{Batch, History, HubReader};
+use super::{Batch, History, HubReader, LiveItem, LoadOnly};
 
 /// Why a resume cursor cannot be honoured (the call fails with OUT_OF_RANGE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +48,8 @@ impl CursorError {
 #[derive(Debug)]
 pub enum Step {
     Batch(Arc<Batch>),
+    /// A rank's load record with no events (never in the history).
+    LoadOnly(Arc<LoadOnly>),
     /// The subscriber fell so far behind that the history no longer holds
     /// `position`: the stream must end with DATA_LOSS.
     Lost {
@@ -57,7 +60,7 @@ pub enum Step {
 }
 
 pub struct Subscription {
-    live: Receiver<Arc<Batch>>,
+    live: Receiver<LiveItem>,
     history: HubReader,
     next_position: u64,
     /// A live batch ahead of `next_position`, held until the gap before it
@@ -66,6 +69,9 @@ pub struct Subscription {
     /// The newest position when the subscription began: up to it, batches
     /// come from the history without waiting for a live one.
     replay_through: u64,
+    /// The subscriber takes `load_only` batches numbered 0 before a rank's
+    /// first batch (`load_records_before_first_batch`).
+    early_load_records: bool,
 }
 
 impl Subscription {
@@ -80,18 +86,26 @@ impl Subscription {
 
     /// Everything after `position` (a snapshot's cut); `live` must have been
     /// subscribed before the cut was taken.
-    pub fn after_cut(hub: &HubReader, live: Receiver<Arc<Batch>>, position: u64) -> Self {
+    pub fn after_cut(hub: &HubReader, live: Receiver<LiveItem>, position: u64) -> Self {
         Self::at(hub, live, position + 1)
     }
 
-    fn at(hub: &HubReader, live: Receiver<Arc<Batch>>, next_position: u64) -> Self {
+    fn at(hub: &HubReader, live: Receiver<LiveItem>, next_position: u64) -> Self {
         Self {
             live,
             history: hub.clone(),
             next_position,
             held: None,
             replay_through: hub.history().newest(),
+            early_load_records: false,
         }
+    }
+
+    /// Also hand on `load_only` batches numbered 0, before a rank's first
+    /// batch (the subscriber asked with `load_records_before_first_batch`).
+    pub fn with_early_load_records(mut self, wanted: bool) -> Self {
+        self.early_load_records = wanted;
+        self
     }
 
     /// How many batches the live channel holds for this subscriber.
@@ -125,8 +139,14 @@ impl Subscription {
                 };
             }
             match self.live.recv_direct().await {
-                Ok(batch) if batch.position < self.next_position => continue,
-                Ok(batch) => self.held = Some(batch),
+                Ok(LiveItem::Batch(batch)) if batch.position < self.next_position => continue,
+                Ok(LiveItem::Batch(batch)) => self.held = Some(batch),
+                Ok(LiveItem::LoadOnly(record))
+                    if record.is_for(self.next_position, self.early_load_records) =>
+                {
+                    return Step::LoadOnly(record);
+                }
+                Ok(LiveItem::LoadOnly(_)) => continue,
                 // The skipped batches are in the history; the next live one
                 // reveals how many to refill.
                 Err(RecvError::Overflowed(_)) => continue,

@@ -44,12 +44,15 @@ impl SubscribeService {
         request: Request<SubscribeKvEventsRequest>,
     ) -> Result<Response<BatchStream>, Status> {
         let cursor = request.get_ref().start_sequence_number;
+        let early_load_records = request.get_ref().load_records_before_first_batch;
         debug!(cursor, "subscriber joined");
         if cursor != 0 {
-            let subscription = Subscription::resume(&self.hub, cursor).map_err(|refusal| {
-                info!(cursor, ?refusal, "refused a resume cursor");
-                Status::out_of_range(refusal.describe(cursor))
-            })?;
+            let subscription = Subscription::resume(&self.hub, cursor)
+                .map_err(|refusal| {
+                    info!(cursor, ?refusal, "refused a resume cursor");
+                    Status::out_of_range(refusal.describe(cursor))
+                })?
+                .with_early_load_records(early_load_records);
             return Ok(Response::new(stream(subscription, self.metrics)));
         }
         // Subscribe before the cut so every batch after it reaches us.
@@ -59,7 +62,8 @@ impl SubscribeService {
             .cut()
             .await
             .ok_or_else(|| Status::unavailable("kvgate is shutting down"))?;
-        let subscription = Subscription::after_cut(&self.hub, live, cut.position);
+        let subscription = Subscription::after_cut(&self.hub, live, cut.position)
+            .with_early_load_records(early_load_records);
         if cut.last_sequences.is_empty() {
             // Nothing was ever seen: live only.
             return Ok(Response::new(stream(subscription, self.metrics)));
@@ -141,6 +145,9 @@ fn stream(subscription: Subscription, metrics: Metrics) -> BatchStream {
             Step::Batch(batch) => {
                 connected.lagging(subscription.lag());
                 Some((Ok(batch.encoded.clone()), Some((subscription, connected))))
+            }
+            Step::LoadOnly(record) => {
+                Some((Ok(record.encoded.clone()), Some((subscription, connected))))
             }
             Step::Lost { position } => {
                 connected.metrics.subscribers_lost.inc();

@@ -24,7 +24,7 @@ use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
-use super::endpoint::TcpEndpoint;
+use super::endpoint::RankEndpoints;
 use super::replay::{ReplayClient, Replayed};
 use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
 use crate::metrics::Metrics;
@@ -32,10 +32,10 @@ use crate::metrics::Metrics;
 /// How kvgate reaches the engine's publishers.
 #[derive(Clone, Debug)]
 pub struct ZmqSourceConfig {
-    /// Rank 0's endpoint; rank r uses its port + r.
-    pub endpoint: TcpEndpoint,
-    /// Rank 0's replay ROUTER, offset per rank like `endpoint`.
-    pub replay_endpoint: Option<TcpEndpoint>,
+    /// Each rank's publisher.
+    pub endpoint: RankEndpoints,
+    /// Each rank's replay ROUTER.
+    pub replay_endpoint: Option<RankEndpoints>,
     /// How long one replay request may take before what it got is kept and
     /// the rest counted as lost.
     pub replay_timeout: std::time::Duration,

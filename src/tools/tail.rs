@@ -1,5 +1,6 @@
 //! `kvgate tail`: print a gateway's stream, one JSON object per event
-//! (`--json`, proto3 JSON as grpcurl shows it) or one line per batch.
+//! (`--json`, proto3 JSON as grpcurl shows it) or one line per batch. Load
+//! records show as a compact line of their own (`--json`: a `load` object).
 
 use std::io::Write;
 
@@ -44,9 +45,11 @@ pub async fn run(args: TailArgs) -> anyhow::Result<()> {
         };
         batches += 1;
         if args.json {
-            for line in event_lines(&batch) {
+            for line in event_lines(&batch).into_iter().chain(load_line(&batch)) {
                 writeln!(out, "{line}")?;
             }
+        } else if batch.load.as_ref().is_some_and(|load| load.load_only) {
+            writeln!(out, "{}", load_summary(&batch).unwrap_or_default())?;
         } else {
             writeln!(out, "{}", summary(&batch))?;
         }
@@ -84,7 +87,45 @@ pub fn event_lines(batch: &KvEventBatch) -> Vec<Value> {
         .collect()
 }
 
-/// One human line per batch.
+/// The batch's load record as proto3 JSON, with its number and rank.
+pub fn load_line(batch: &KvEventBatch) -> Option<Value> {
+    let load = batch.load.as_ref()?;
+    let mut line = Map::new();
+    line.insert(
+        "sequence_number".into(),
+        Value::String(batch.sequence_number.to_string()),
+    );
+    line.insert("dp_rank".into(), batch.dp_rank.unwrap_or(0).into());
+    line.insert(
+        "load".into(),
+        crate::json::to_json(load, "smg.grpc.common.EngineLoad"),
+    );
+    Some(Value::Object(line))
+}
+
+/// The batch's load record as a compact human line.
+pub fn load_summary(batch: &KvEventBatch) -> Option<String> {
+    let load = batch.load.as_ref()?;
+    let mut line = format!(
+        "load rank {} sample {} age {}ms  running {} waiting {} usage {:.3} gen {:.1} tok/s",
+        batch.dp_rank.unwrap_or(0),
+        load.sample,
+        load.age_ms,
+        load.running_requests,
+        load.waiting_requests,
+        load.token_usage,
+        load.gen_throughput,
+    );
+    if let Some(uncached) = load.waiting_uncached_tokens {
+        line.push_str(&format!(" uncached {uncached}"));
+    }
+    if load.load_only {
+        line.push_str("  [load only]");
+    }
+    Some(line)
+}
+
+/// One human line per batch (its load record, if any, on a second line).
 pub fn summary(batch: &KvEventBatch) -> String {
     let (mut stored, mut removed, mut cleared) = (0, 0, 0);
     for event in &batch.events {
@@ -111,6 +152,10 @@ pub fn summary(batch: &KvEventBatch) -> String {
             snapshot.count,
             snapshot.blocks
         ));
+    }
+    if let Some(load) = load_summary(batch) {
+        line.push('\n');
+        line.push_str(&load);
     }
     line
 }
