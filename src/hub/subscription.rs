@@ -66,8 +66,9 @@ pub struct Subscription {
     /// A live batch ahead of `next_position`, held until the gap before it
     /// is refilled from the history.
     held: Option<Arc<Batch>>,
-    /// The newest position when the subscription began: up to it, batches
-    /// come from the history without waiting for a live one.
+    /// The newest position when the subscription began, or that a
+    /// `load_only` item showed was published: up to it, batches come from
+    /// the history without waiting for a live one.
     replay_through: u64,
     /// The subscriber takes `load_only` batches numbered 0 before a rank's
     /// first batch (`load_records_before_first_batch`).
@@ -141,12 +142,15 @@ impl Subscription {
             match self.live.recv_direct().await {
                 Ok(LiveItem::Batch(batch)) if batch.position < self.next_position => continue,
                 Ok(LiveItem::Batch(batch)) => self.held = Some(batch),
-                Ok(LiveItem::LoadOnly(record))
-                    if record.is_for(self.next_position, self.early_load_records) =>
-                {
-                    return Step::LoadOnly(record);
+                Ok(LiveItem::LoadOnly(record)) => {
+                    if record.is_for(self.next_position, self.early_load_records) {
+                        return Step::LoadOnly(record);
+                    }
+                    // Batches this subscriber has not had came before it
+                    // (a channel overflow may have taken their items): they
+                    // come from the history, without waiting for a live one.
+                    self.replay_through = self.replay_through.max(record.after_position);
                 }
-                Ok(LiveItem::LoadOnly(_)) => continue,
                 // The skipped batches are in the history; the next live one
                 // reveals how many to refill.
                 Err(RecvError::Overflowed(_)) => continue,
