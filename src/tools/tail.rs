@@ -6,8 +6,8 @@ use std::io::Write;
 
 use serde_json::{Map, Value};
 
-use super::{connect, subscribe};
-use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
+use super::{connect, subscribe_requesting};
+use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TailArgs {
@@ -23,6 +23,10 @@ pub struct TailArgs {
     /// One JSON object per event instead of a line per batch.
     #[arg(long)]
     pub json: bool,
+    /// Ask for load records before the first batch (load-only batches
+    /// numbered 0 while the engine has sent no KV event yet).
+    #[arg(long)]
+    pub load_before_first_batch: bool,
     /// Stop after this many batches.
     #[arg(long)]
     pub limit: Option<u64>,
@@ -30,7 +34,12 @@ pub struct TailArgs {
 
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
     let channel = connect(&args.addr).await?;
-    let mut stream = subscribe(channel, &args.service, args.from)
+    let request = SubscribeKvEventsRequest {
+        start_sequence_number: args.from,
+        load_records_before_first_batch: args.load_before_first_batch,
+    };
+    let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
+    let mut stream = subscribe_requesting(channel, &args.service, request, codec)
         .await
         .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;
     let mut out = std::io::stdout().lock();
