@@ -155,7 +155,7 @@ impl RankEndpoints {
                 listed
                     .get(rank as usize)
                     .cloned()
-                    .ok_or_else(|| EndpointError::NoSuchRank {
+                    .ok_or(EndpointError::NoSuchRank {
                         rank,
                         listed: listed.len(),
                     })
