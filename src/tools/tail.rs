@@ -168,3 +168,47 @@ pub fn summary(batch: &KvEventBatch) -> String {
     }
     line
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::common::EngineLoad;
+
+    fn heartbeat() -> KvEventBatch {
+        KvEventBatch {
+            sequence_number: 41,
+            dp_rank: Some(1),
+            load: Some(EngineLoad {
+                running_requests: 4,
+                waiting_requests: 1,
+                waiting_uncached_tokens: Some(256),
+                token_usage: 0.5,
+                gen_throughput: 812.0,
+                sample: 12,
+                age_ms: 3,
+                load_only: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_load_record_shows_as_one_compact_line() {
+        assert_eq!(
+            load_summary(&heartbeat()).unwrap(),
+            "load rank 1 sample 12 age 3ms  running 4 waiting 1 usage 0.500 gen 812.0 tok/s uncached 256  [load only]"
+        );
+        assert_eq!(load_summary(&KvEventBatch::default()), None);
+    }
+
+    #[test]
+    fn json_output_includes_the_load_record_with_its_rank_and_number() {
+        let line = load_line(&heartbeat()).unwrap();
+        assert_eq!(line["dp_rank"], 1);
+        assert_eq!(line["sequence_number"], "41");
+        assert_eq!(line["load"]["running_requests"], 4);
+        assert_eq!(line["load"]["load_only"], true);
+        assert!(event_lines(&heartbeat()).is_empty(), "no events");
+    }
+}
