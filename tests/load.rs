@@ -599,20 +599,13 @@ async fn ranks_on_two_hosts_with_unrelated_ports_each_reach_the_stream_with_thei
     assert!(ranks_seen.contains(&Some(0)) && ranks_seen.contains(&Some(1)));
 }
 
-#[test]
-fn a_dp_size_that_disagrees_with_the_endpoints_given_fails_at_start_naming_both() {
+/// Runs `kvgate serve` with `args` and `env`, expecting it to refuse to
+/// start; returns its stderr.
+fn refused_start(args: &[&str], env: &[(&str, &str)]) -> String {
     let child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--dp-size",
-            "3",
-            "--zmq-endpoint",
-            "tcp://127.0.0.1:5001",
-            "--zmq-endpoint",
-            "tcp://127.0.0.2:6001",
-        ])
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -628,13 +621,43 @@ fn a_dp_size_that_disagrees_with_the_endpoints_given_fails_at_start_naming_both(
             let _ = Command::new("kill")
                 .args(["-KILL", &pid.to_string()])
                 .status();
-            panic!("kvgate started despite the disagreement");
+            panic!("kvgate started despite {args:?} {env:?}");
         }
     };
     assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn a_dp_size_that_disagrees_with_the_endpoints_given_fails_at_start_naming_both() {
+    let stderr = refused_start(
+        &[
+            "--dp-size",
+            "3",
+            "--zmq-endpoint",
+            "tcp://127.0.0.1:5001",
+            "--zmq-endpoint",
+            "tcp://127.0.0.2:6001",
+        ],
+        &[],
+    );
     assert!(
         stderr.contains("--zmq-endpoint is given 2 times") && stderr.contains("--dp-size is 3"),
+        "{stderr}"
+    );
+    let stderr = refused_start(
+        &["--zmq-endpoint", "tcp://127.0.0.1:5001"],
+        &[
+            ("KVGATE_DP_SIZE", "2"),
+            (
+                "KVGATE_ZMQ_REPLAY_ENDPOINT",
+                "tcp://127.0.0.1:5101,tcp://127.0.0.2:6101,tcp://127.0.0.3:7101",
+            ),
+        ],
+    );
+    assert!(
+        stderr.contains("--zmq-replay-endpoint is given 3 times")
+            && stderr.contains("--dp-size is 2"),
         "{stderr}"
     );
 }

@@ -59,6 +59,9 @@ impl PollOutcome {
         match status.code() {
             Code::DeadlineExceeded => Self::Timeout,
             Code::Unavailable => Self::Unavailable,
+            // The client's own transport failure (connection refused or
+            // reset) comes as UNKNOWN with its cause attached.
+            Code::Unknown if std::error::Error::source(status).is_some() => Self::Unavailable,
             Code::Unimplemented => Self::Unimplemented,
             _ => Self::Error,
         }
@@ -199,6 +202,27 @@ async fn poll(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_engine_that_cannot_be_reached_counts_as_unavailable_and_its_own_errors_as_errors() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            PollOutcome::of(&Status::from_error(Box::new(refused))),
+            PollOutcome::Unavailable
+        );
+        assert_eq!(
+            PollOutcome::of(&Status::unknown("engine bug")),
+            PollOutcome::Error
+        );
+        assert_eq!(
+            PollOutcome::of(&Status::internal("engine bug")),
+            PollOutcome::Error
+        );
+        assert_eq!(
+            PollOutcome::of(&Status::deadline_exceeded("slow")),
+            PollOutcome::Timeout
+        );
+    }
 
     #[test]
     fn a_failing_engine_is_polled_less_and_less_often_down_to_the_cap() {
