@@ -101,7 +101,8 @@ pub struct Metrics {
     pub load_records_sent: Counter,
     /// `load_only` batches encoded (changes and heartbeats).
     pub load_only_batches: Counter,
-    /// Seconds since the engine last answered `GetLoads`.
+    /// Seconds since the engine last answered `GetLoads` (0 until it first
+    /// does), updated after every poll.
     pub load_poll_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Parts of `GetLoads` answers clamped or dropped, by reason.
     pub load_answer_faults: Family<ReasonLabel, Counter>,

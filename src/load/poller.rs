@@ -104,7 +104,7 @@ pub async fn run(
             return;
         }
     };
-    let mut readings: Vec<Option<Reading>> = empty_board(config.ranks).as_ref().clone();
+    let mut readings: Vec<Option<Reading>> = vec![None; config.ranks as usize];
     let mut last_answer: Option<Instant> = None;
     let mut failures: u32 = 0;
     let mut next_poll = Instant::now();
