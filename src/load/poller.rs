@@ -85,8 +85,8 @@ enum Target {
     Known(LoadService),
 }
 
-/// Polls until `stop` turns true (or records turn off), publishing each
-/// answer on `board`.
+/// Polls until `stop` turns true, publishing each answer on `board` (once
+/// records are off, it only waits for `stop`).
 pub async fn run(
     config: PollerConfig,
     engine: EngineLoads,
@@ -101,7 +101,7 @@ pub async fn run(
             info!(
                 "--engine-kind trtllm: TensorRT-LLM's gRPC service has no GetLoads; load records off"
             );
-            return;
+            return idle_until(stop).await;
         }
     };
     let mut readings: Vec<Option<Reading>> = vec![None; config.ranks as usize];
@@ -138,7 +138,7 @@ pub async fn run(
             Err(status) if outcome == PollOutcome::Unimplemented => {
                 warn!(%status, "the engine serves no GetLoads; load records off (routers poll the engine themselves)");
                 board.send_replace(empty_board(config.ranks));
-                return;
+                return idle_until(stop).await;
             }
             Err(status) => {
                 failures = failures.saturating_add(1);
@@ -162,6 +162,12 @@ pub async fn run(
         }
         next_poll = polled_at + backoff(config.interval, failures);
     }
+}
+
+/// Records off: the task stays until kvgate stops, like every other task
+/// (a supervisor takes a task that ends early for a failure).
+async fn idle_until(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stopped| *stopped).await;
 }
 
 /// The pause before the next poll after `failures` failures in a row.
