@@ -24,6 +24,10 @@ use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
 use crate::health::HealthWatch;
 use crate::hub::{HistoryLimits, HubWriter, hub};
+use crate::load::empty_board;
+use crate::load::engine::EngineLoads;
+use crate::load::poller::{self, PollerConfig};
+use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::server::admin::{self, AdminState};
 use crate::server::connection::ConnectionLimits;
@@ -31,7 +35,7 @@ use crate::server::passthrough::PassThrough;
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
-use crate::source::endpoint::check_rank_ports;
+use crate::source::endpoint::{RankEndpoints, check_rank_ports};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::ZmqSourceConfig;
 use crate::usage::UsageError;
@@ -183,6 +187,17 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             )
         })
         .transpose()?;
+    let load_engine = pass_through
+        .as_ref()
+        .filter(|_| args.load_poll_ms > 0)
+        .map(|pass_through| {
+            let (transport, origin) = pass_through.engine_transport();
+            EngineLoads::new(
+                transport,
+                origin,
+                Duration::from_millis(args.load_poll_timeout_ms),
+            )
+        });
 
     let (hub_writer, hub_reader) = hub(
         args.live_buffer_batches as usize,
@@ -202,7 +217,28 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         supervisor,
     )
     .await?;
-    spawn_drain(supervisor, &args, hub_writer, events_rx, metrics.clone());
+    let load_records = load_engine.map(|engine| {
+        let config = PollerConfig {
+            interval: Duration::from_millis(args.load_poll_ms),
+            kind: args.engine_kind,
+            ranks: args.dp_size,
+        };
+        let (board, feed) = watch::channel(empty_board(args.dp_size));
+        let (stop, metrics) = (supervisor.stopping(), metrics.clone());
+        supervisor.spawn(TaskName::LoadPoller, async move {
+            poller::run(config, engine, board, metrics, stop).await;
+            Ok(())
+        });
+        LoadRecords::new(feed)
+    });
+    spawn_drain(
+        supervisor,
+        &args,
+        hub_writer,
+        events_rx,
+        load_records,
+        metrics.clone(),
+    );
     let admin_address = admin_listener
         .map(|listener| {
             let state = AdminState {
@@ -289,11 +325,12 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         let mut config = DemoConfig::new(args.dp_size);
         config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
         let demo = DemoEngine::bind(config).await?;
-        let endpoint = demo.endpoint().parse()?;
+        let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
         let replay = demo
             .endpoints()
             .first()
-            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok());
+            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok())
+            .map(RankEndpoints::Offset);
         return Ok((zmq(endpoint, replay), Some(demo)));
     }
     if let Some(uri) = &args.upstream_grpc {
@@ -303,16 +340,29 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
-    let endpoint = args.zmq_endpoint.clone().ok_or_else(|| {
-        UsageError(
-            "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
-             --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
-                .into(),
-        )
-    })?;
-    check_rank_ports(&endpoint, args.zmq_replay_endpoint.as_ref(), args.dp_size)
-        .map_err(UsageError)?;
-    Ok((zmq(endpoint, args.zmq_replay_endpoint.clone()), None))
+    let endpoint = RankEndpoints::from_flag("--zmq-endpoint", &args.zmq_endpoint, args.dp_size)
+        .map_err(|error| UsageError(error.to_string()))?
+        .ok_or_else(|| {
+            UsageError(
+                "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
+                 --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
+                    .into(),
+            )
+        })?;
+    let replay = RankEndpoints::from_flag(
+        "--zmq-replay-endpoint",
+        &args.zmq_replay_endpoint,
+        args.dp_size,
+    )
+    .map_err(|error| UsageError(error.to_string()))?;
+    if let RankEndpoints::Offset(publisher) = &endpoint {
+        let replay_base = match &replay {
+            Some(RankEndpoints::Offset(base)) => Some(base),
+            _ => None,
+        };
+        check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
+    }
+    Ok((zmq(endpoint, replay), None))
 }
 
 fn spawn_drain(
@@ -320,13 +370,17 @@ fn spawn_drain(
     args: &ServeArgs,
     hub: HubWriter,
     events: mpsc::Receiver<SourceEvent>,
+    load_records: Option<LoadRecords>,
     metrics: Metrics,
 ) {
     let limits = BatchLimits {
         max_events: args.max_batch_events as usize,
         max_bytes: args.max_batch_bytes as usize,
     };
-    let drain = Drain::new(limits, epoch_seed(), hub, metrics);
+    let mut drain = Drain::new(limits, epoch_seed(), hub, metrics);
+    if let Some(records) = load_records {
+        drain = drain.with_load_records(records);
+    }
     supervisor.spawn(TaskName::Drain, async move {
         drain.run(events).await;
         Ok(())

@@ -57,14 +57,17 @@ pub struct ServeArgs {
     pub listen: SocketAddr,
 
     /// The engine's KV-event publisher for rank 0, as configured on the engine
-    /// (e.g. tcp://*:5557); rank r is at port + r.
+    /// (e.g. tcp://*:5557); rank r is at port + r. With ranks on several
+    /// hosts, give it once per rank in rank order (the env var takes a
+    /// comma-separated list); the count must equal --dp-size.
     #[arg(
         long,
         env = "KVGATE_ZMQ_ENDPOINT",
         value_name = "URI",
+        value_delimiter = ',',
         conflicts_with = "demo"
     )]
-    pub zmq_endpoint: Option<TcpEndpoint>,
+    pub zmq_endpoint: Vec<TcpEndpoint>,
 
     /// Another SubscribeKvEvents server to re-serve instead of a ZMQ engine
     /// (TensorRT-LLM's gRPC server, or another kvgate), e.g. http://127.0.0.1:50051.
@@ -88,9 +91,15 @@ pub struct ServeArgs {
 
     /// The engine's replay ROUTER for rank 0 (e.g. tcp://*:5567; rank r at
     /// port + r): fills lost messages and primes the state at start. Keep
-    /// the publisher and replay bases at least --dp-size apart.
-    #[arg(long, env = "KVGATE_ZMQ_REPLAY_ENDPOINT", value_name = "URI")]
-    pub zmq_replay_endpoint: Option<TcpEndpoint>,
+    /// the publisher and replay bases at least --dp-size apart. Like
+    /// --zmq-endpoint, it may be given once per rank instead.
+    #[arg(
+        long,
+        env = "KVGATE_ZMQ_REPLAY_ENDPOINT",
+        value_name = "URI",
+        value_delimiter = ','
+    )]
+    pub zmq_replay_endpoint: Vec<TcpEndpoint>,
 
     /// Most milliseconds one replay request may take (engines answer within
     /// ~100 ms when idle).
@@ -161,6 +170,23 @@ pub struct ServeArgs {
     /// passed through to it unchanged (e.g. http://127.0.0.1:50051).
     #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
+
+    /// How often to poll the engine's GetLoads (with --engine-grpc) and push
+    /// its load to every subscriber on the stream; 0 turns load records off.
+    #[arg(long, env = "KVGATE_LOAD_POLL_MS", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub load_poll_ms: u64,
+
+    /// Most milliseconds one GetLoads call may take before it counts as a
+    /// timeout.
+    #[arg(long, env = "KVGATE_LOAD_POLL_TIMEOUT_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    pub load_poll_timeout_ms: u64,
+
+    /// Which engine serves --engine-grpc, for GetLoads (detected by trying
+    /// each engine's service when not given; trtllm has no GetLoads).
+    #[arg(long, env = "KVGATE_ENGINE_KIND", value_enum, value_name = "KIND")]
+    pub engine_kind: Option<crate::load::engine::EngineKind>,
 
     /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.
     #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR")]

@@ -3,7 +3,8 @@
 //! Data flows left to right through the modules:
 //! `source` (engine sockets) → `convert` (msgpack → proto) → `drain`
 //! (numbering, batching, encoding once) → `hub` (broadcast, history, state)
-//! → `server` (gRPC services). `sim` is a simulated engine for the demo,
+//! → `server` (gRPC services). `load` polls the engine's `GetLoads` once
+//! for every router and hands the drain the records it stamps on batches. `sim` is a simulated engine for the demo,
 //! the tests and the load tool.
 
 pub mod app;
@@ -14,6 +15,7 @@ pub mod drain;
 pub mod health;
 pub mod hub;
 pub mod json;
+pub mod load;
 pub mod logging;
 pub mod metrics;
 mod process_metrics;

@@ -44,6 +44,11 @@ pub struct CallLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
 }
@@ -146,6 +151,18 @@ pub struct Metrics {
     pub zmq_peers_dropped: Family<PeerDropLabels, Counter>,
     /// Always 1, labelled with the version and git commit.
     pub build_info: Family<BuildLabels, Gauge>,
+    /// `GetLoads` polls of the engine, by outcome.
+    pub load_polls: Family<OutcomeLabel, Counter>,
+    /// Load records encoded onto batches (once each, whatever the number
+    /// of subscribers).
+    pub load_records_sent: Counter,
+    /// `load_only` batches encoded (changes and heartbeats).
+    pub load_only_batches: Counter,
+    /// Seconds since the engine last answered `GetLoads` (0 until it first
+    /// does), updated after every poll.
+    pub load_poll_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Parts of `GetLoads` answers clamped or dropped, by reason.
+    pub load_answer_faults: Family<ReasonLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -184,6 +201,11 @@ impl Metrics {
             history_bytes: Gauge::default(),
             zmq_peers_dropped: Family::default(),
             build_info: Family::default(),
+            load_polls: Family::default(),
+            load_records_sent: Counter::default(),
+            load_only_batches: Counter::default(),
+            load_poll_age_seconds: Gauge::default(),
+            load_answer_faults: Family::default(),
         };
         metrics
             .build_info
@@ -351,6 +373,39 @@ impl Metrics {
                 );
             }
         }
+        registry.register(
+            "load_polls",
+            "GetLoads polls of the engine, by outcome",
+            metrics.load_polls.clone(),
+        );
+        registry.register(
+            "load_records_sent",
+            "Load records encoded onto outgoing batches (once per batch)",
+            metrics.load_records_sent.clone(),
+        );
+        registry.register(
+            "load_only_batches",
+            "load_only batches encoded (record changes and heartbeats)",
+            metrics.load_only_batches.clone(),
+        );
+        registry.register(
+            "load_poll_age_seconds",
+            "Seconds since the engine last answered GetLoads",
+            metrics.load_poll_age_seconds.clone(),
+        );
+        registry.register(
+            "load_answer_faults",
+            "Parts of GetLoads answers clamped or dropped, by reason",
+            metrics.load_answer_faults.clone(),
+        );
+        for outcome in crate::load::poller::PollOutcome::ALL {
+            metrics.count_load_poll_by(outcome, 0);
+        }
+        for fault in crate::load::answer::Fault::ALL {
+            let _ = metrics.load_answer_faults.get_or_create(&ReasonLabel {
+                reason: fault.as_str(),
+            });
+        }
         Self {
             registry: Arc::new(registry),
             ..metrics
@@ -463,7 +518,28 @@ impl Metrics {
         }
     }
 
+    pub fn count_load_poll(&self, outcome: crate::load::poller::PollOutcome) {
+        self.count_load_poll_by(outcome, 1);
+    }
+
+    fn count_load_poll_by(&self, outcome: crate::load::poller::PollOutcome, by: u64) {
+        self.load_polls
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.as_str(),
+            })
+            .inc_by(by);
+    }
+
+    pub fn count_load_fault(&self, fault: crate::load::answer::Fault) {
+        self.load_answer_faults
+            .get_or_create(&ReasonLabel {
+                reason: fault.as_str(),
+            })
+            .inc();
+    }
+
     pub fn count_pass_through(&self, method: &'static str, code: i32) {
+
         self.pass_through_calls
             .get_or_create(&CallLabels { method, code })
             .inc();

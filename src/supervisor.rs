@@ -33,6 +33,8 @@ pub enum TaskName {
     AdminServer,
     /// The simulated engine of `--demo`.
     DemoEngine,
+    /// The engine's `GetLoads` poller.
+    LoadPoller,
 }
 
 impl fmt::Display for TaskName {
@@ -44,6 +46,7 @@ impl fmt::Display for TaskName {
             Self::GrpcServer => f.write_str("gRPC server"),
             Self::AdminServer => f.write_str("admin HTTP server"),
             Self::DemoEngine => f.write_str("demo engine"),
+            Self::LoadPoller => f.write_str("load poller"),
         }
     }
 }

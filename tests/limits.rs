@@ -347,7 +347,9 @@ fn pass_through_series(metrics: &str) -> usize {
 async fn a_thousand_made_up_method_names_through_the_pass_through_make_no_new_series() {
     let paths = Paths::default();
     let engine = start_engine(Arc::clone(&paths)).await;
-    let (gateway, _publisher, admin) = gateway_with(&["--engine-grpc", &engine]).await;
+    // Load records off: the engine here counts only passed-through calls.
+    let (gateway, _publisher, admin) =
+        gateway_with(&["--engine-grpc", &engine, "--load-poll-ms", "0"]).await;
     let channel = gateway.channel().await;
     let known = "/vllm.grpc.engine.VllmEngine/GetLoads";
     call(channel.clone(), known).await;
@@ -385,7 +387,9 @@ async fn a_method_path_over_the_bound_is_refused_with_resource_exhausted_and_nev
  {
     let paths = Paths::default();
     let engine = start_engine(Arc::clone(&paths)).await;
-    let (gateway, _publisher, _admin) = gateway_with(&["--engine-grpc", &engine]).await;
+    // Load records off: the engine here counts only passed-through calls.
+    let (gateway, _publisher, _admin) =
+        gateway_with(&["--engine-grpc", &engine, "--load-poll-ms", "0"]).await;
     let channel = gateway.channel().await;
     let long = format!("/made.up.Service/{}", "x".repeat(4000));
     let status = call(channel.clone(), &long).await;

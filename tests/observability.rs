@@ -12,17 +12,6 @@ use std::process::Command;
 use common::{Gateway, subscribe};
 use kvgate::sim::{EnginePublisher, PublisherOptions};
 
-/// Metrics of features on other branches, named by the dashboard ahead of
-/// their merge (issue 11, load records). The lead empties this list when
-/// they land; the test fails as soon as one of them is exported, so the
-/// list cannot go stale.
-const PENDING: &[&str] = &[
-    "kvgate_load_polls_total",
-    "kvgate_load_records_sent_total",
-    "kvgate_load_only_batches_total",
-    "kvgate_load_poll_age_seconds",
-];
-
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("deploy")
@@ -226,19 +215,9 @@ async fn every_metric_the_dashboard_and_alert_rules_name_is_exported_by_a_runnin
         assert!(!names.is_empty(), "{file} names no kvgate metric");
         named.extend(names);
     }
-    for pending in PENDING {
-        assert!(
-            named.contains(*pending),
-            "{pending} is listed as pending but no deploy file names it"
-        );
-        assert!(
-            !exported.contains(pending),
-            "{pending} is exported now: remove it from PENDING"
-        );
-    }
     let missing: Vec<&String> = named
         .iter()
-        .filter(|name| !exported.contains(name.as_str()) && !PENDING.contains(&name.as_str()))
+        .filter(|name| !exported.contains(name.as_str()))
         .collect();
     assert!(
         missing.is_empty(),

@@ -27,6 +27,12 @@
 //!   the events published: a store adds a copy of each block (the simulated
 //!   engines keep within kvgate's cap of 8), a removal takes one away, a
 //!   clear or an engine restart empties the rank.
+//!
+//! With load records on (`..._with_load_records_on`), `load_only` batches
+//! come between the batches: each must reach a stream only where it was
+//! published (right after the last batch the stream got), repeat its rank's
+//! cursor, carry a sample above any the stream showed before, and change
+//! nothing in the router.
 
 mod common;
 
@@ -45,6 +51,8 @@ use kvgate::hub::snapshot::encode_snapshot;
 use kvgate::hub::state::MAX_COPIES;
 use kvgate::hub::subscription::{CursorError, Step, Subscription};
 use kvgate::hub::{HistoryLimits, HubReader, hub};
+use kvgate::load::records::LoadRecords;
+use kvgate::load::{Board, Reading};
 use kvgate::metrics::Metrics;
 use kvgate::proto::common::{KvCacheCleared, KvEventBatch, kv_cache_event::Data};
 use kvgate::sim::{SimConfig, SimEngine, SimEvent, encode_batch};
@@ -175,9 +183,39 @@ struct Gateway {
     /// every drain cycle (a batch evicted within its own cycle is missing).
     rank0_positions: BTreeMap<u64, u64>,
     logged_through: u64,
+    /// The poller's side of the load records, when they are on.
+    load: Option<tokio::sync::watch::Sender<Board>>,
 }
 
 impl Gateway {
+    /// A gateway whose drain stamps load records for `ranks` ranks.
+    fn with_load_records(mut self, ranks: u32) -> Self {
+        let (board, feed) = tokio::sync::watch::channel(kvgate::load::empty_board(ranks));
+        self.drain = self.drain.with_load_records(LoadRecords::new(feed));
+        self.load = Some(board);
+        self
+    }
+
+    /// The engine reports `running` requests on `rank`; a cycle follows (in
+    /// which the drain sends what is due), as the drain wakes for a poll.
+    fn load_changes(&mut self, rank: u32, running: u32) {
+        let Some(board) = &self.load else { return };
+        board.send_modify(|board| {
+            let mut readings = board.as_ref().clone();
+            if let Some(slot) = readings.get_mut(rank as usize) {
+                *slot = Some(Reading {
+                    load: kvgate::proto::common::EngineLoad {
+                        running_requests: running,
+                        ..Default::default()
+                    },
+                    polled_at: tokio::time::Instant::now(),
+                });
+            }
+            *board = std::sync::Arc::new(readings);
+        });
+        self.cycle();
+    }
+
     fn new(live_capacity: usize, history: HistoryLimits, max_batch_events: usize) -> Self {
         let (writer, reader) = hub(live_capacity, history);
         let limits = BatchLimits {
@@ -190,6 +228,7 @@ impl Gateway {
             engines: Engines::default(),
             rank0_positions: BTreeMap::new(),
             logged_through: 0,
+            load: None,
         }
     }
 
@@ -254,6 +293,7 @@ impl Gateway {
                         chunks: VecDeque::new(),
                         stream,
                         last_position: self.rank0_positions.get(&cursor).copied(),
+                        last_sample: 0,
                     };
                 }
                 Err(refusal) => {
@@ -272,6 +312,7 @@ impl Gateway {
                 .collect(),
             stream,
             last_position: Some(cut.position),
+            last_sample: 0,
         }
     }
 
@@ -300,6 +341,8 @@ struct Connection {
     /// (or cut) it started after; unknown only after resuming at a batch
     /// that was evicted before the test could log it.
     last_position: Option<u64>,
+    /// The newest load record's sample this stream delivered.
+    last_sample: u64,
 }
 
 /// A router subscribed to kvgate.
@@ -308,6 +351,8 @@ struct Subscriber {
     connection: Connection,
     /// Streams that ended with DATA_LOSS.
     losses: usize,
+    /// `load_only` batches received.
+    load_only: usize,
 }
 
 impl Subscriber {
@@ -319,6 +364,7 @@ impl Subscriber {
             router,
             connection,
             losses: 0,
+            load_only: 0,
         }
     }
 
@@ -378,6 +424,27 @@ impl Subscriber {
                     assert_eq!(decoded.dp_rank, Some(batch.rank as i32));
                     assert_eq!(decoded.sequence_number, batch.sequence);
                     assert!(decoded.snapshot.is_none());
+                    self.check_sample(&decoded);
+                    return Some(decoded);
+                }
+                Step::LoadOnly(record) => {
+                    let decoded =
+                        KvEventBatch::decode(record.encoded.clone()).expect("a load-only decodes");
+                    assert!(decoded.load.as_ref().is_some_and(|load| load.load_only));
+                    assert!(decoded.events.is_empty() && decoded.snapshot.is_none());
+                    assert_eq!(
+                        Some(record.after_position),
+                        self.connection.last_position,
+                        "a load-only reached a stream away from where it was published"
+                    );
+                    let rank = decoded.dp_rank.expect("kvgate always sets dp_rank");
+                    assert_eq!(
+                        Some(decoded.sequence_number),
+                        self.router.cursor(rank),
+                        "a load-only repeats its rank's last sequence"
+                    );
+                    self.check_sample(&decoded);
+                    self.load_only += 1;
                     return Some(decoded);
                 }
                 Step::Lost { position } => {
@@ -396,6 +463,19 @@ impl Subscriber {
                 }
                 Step::Closed => panic!("the hub closed while its drain is alive"),
             }
+        }
+    }
+
+    /// Samples only go up on a stream.
+    fn check_sample(&mut self, batch: &KvEventBatch) {
+        if let Some(load) = &batch.load {
+            assert!(
+                load.sample > self.connection.last_sample,
+                "sample {} after {}",
+                load.sample,
+                self.connection.last_sample
+            );
+            self.connection.last_sample = load.sample;
         }
     }
 
@@ -635,6 +715,55 @@ fn a_cursor_whose_own_batch_was_just_evicted_is_resumed_while_everything_after_i
         Some(CursorError::Behind),
         "rank 1's batch after the cursor is gone too"
     );
+}
+
+#[test]
+fn load_only_batches_reach_only_caught_up_streams_and_change_nothing_in_the_router() {
+    let mut gateway = Gateway::new(2, UNBOUNDED_HISTORY, 1).with_load_records(2);
+    let mut keeping_up = Subscriber::join(&gateway);
+    let mut lagging = Subscriber::join(&gateway);
+    gateway.publish_cycle(0, &[store(&[0], None)]);
+    gateway.load_changes(1, 3);
+    keeping_up.read_to_end(&gateway);
+    assert_eq!(
+        keeping_up.load_only, 0,
+        "rank 1 has had no batch: its record is numbered 0, for subscribers that ask"
+    );
+    gateway.publish_cycle(1, &[store(&[0], None)]);
+    keeping_up.read_to_end(&gateway);
+    gateway.load_changes(1, 4);
+    gateway.load_changes(0, 1);
+    let read = keeping_up.read_to_end(&gateway);
+    assert_eq!(keeping_up.load_only, 2);
+    assert!(
+        read.iter()
+            .all(|batch| batch.load.as_ref().is_some_and(|load| load.load_only))
+    );
+    for block in 1..=4 {
+        gateway.publish_cycle(0, &[store(&[block], Some(block - 1))]);
+        gateway.load_changes(0, u32::from(block) + 10);
+    }
+    let refilled = lagging.read_to_end(&gateway);
+    assert!(
+        lagging.load_only <= 1,
+        "a stream catching up skips the records published while it was behind ({} taken)",
+        lagging.load_only
+    );
+    assert!(
+        refilled
+            .iter()
+            .any(|batch| batch.load.as_ref().is_some_and(|load| !load.load_only)),
+        "the batches it catches up on carry records"
+    );
+    let mut joining = Subscriber::join(&gateway);
+    joining.read_to_end(&gateway);
+    gateway.load_changes(1, 9);
+    joining.read_to_end(&gateway);
+    assert_eq!(joining.load_only, 1, "after the snapshot, records flow");
+    for subscriber in [&mut keeping_up, &mut lagging, &mut joining] {
+        subscriber.read_to_end(&gateway);
+        subscriber.assert_holds_the_engines_blocks(&gateway, 2);
+    }
 }
 
 #[test]
@@ -902,6 +1031,11 @@ enum Op {
         subscriber: Index,
     },
     Join,
+    /// The engine's load on a rank changes (with load records on).
+    Load {
+        rank: u32,
+        running: u32,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -969,11 +1103,15 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(subscriber, batches)| Op::Read { subscriber, batches }),
         2 => any::<Index>().prop_map(|subscriber| Op::Reconnect { subscriber }),
         1 => Just(Op::Join),
+        3 => (0..3u32, 0..4u32).prop_map(|(rank, running)| Op::Load { rank, running }),
     ]
 }
 
-fn run(setup: &Setup, ops: &[Op]) {
+fn run(setup: &Setup, ops: &[Op], load_records: bool) {
     let mut gateway = Gateway::new(setup.live_capacity, setup.history, setup.max_batch_events);
+    if load_records {
+        gateway = gateway.with_load_records(setup.ranks);
+    }
     let mut subscribers: Vec<Subscriber> = (0..setup.subscribers)
         .map(|_| Subscriber::join(&gateway))
         .collect();
@@ -1006,6 +1144,7 @@ fn run(setup: &Setup, ops: &[Op]) {
                     subscribers.push(Subscriber::join(&gateway));
                 }
             }
+            Op::Load { rank, running } => gateway.load_changes(rank % setup.ranks, *running),
         }
     }
     for subscriber in &mut subscribers {
@@ -1028,6 +1167,14 @@ proptest! {
         setup in setup(),
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        run(&setup, &ops);
+        run(&setup, &ops, false);
+    }
+
+    #[test]
+    fn a_router_always_ends_with_exactly_the_engines_blocks_with_load_records_on(
+        setup in setup(),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        run(&setup, &ops, true);
     }
 }

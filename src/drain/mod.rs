@@ -10,6 +10,11 @@
 //! batches every other rank gets at most one batch (an empty rank-0 batch is
 //! inserted when needed). A router resuming from rank 0's cursor alone then
 //! never receives another rank's batch below that rank's own cursor.
+//!
+//! With load records on, every batch carries its rank's latest record,
+//! stamped as it is encoded, and `load_only` batches go out between cycles
+//! (see `crate::load::records`); they take no sequence number and no place
+//! in the history.
 
 pub mod batcher;
 pub mod sequence;
@@ -25,6 +30,7 @@ use crate::hub::OpenBatch;
 use crate::hub::batch::ROUTER_MAX_MESSAGE_BYTES;
 use crate::hub::state::LiveState;
 use crate::hub::{CutRequest, HubWriter, RankReport, SnapshotCut};
+use crate::load::records::LoadRecords;
 use crate::metrics::{Metrics, OVERSIZED_EVENT};
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvCacheTier, kv_cache_event::Data};
 use crate::source::{EngineMessage, SourceEvent};
@@ -52,6 +58,8 @@ pub struct Drain {
     first_engine_sequence: BTreeMap<u32, u64>,
     hub: HubWriter,
     metrics: Metrics,
+    /// The engine's load, when kvgate polls it.
+    records: Option<LoadRecords>,
 }
 
 impl Drain {
@@ -68,7 +76,14 @@ impl Drain {
             first_engine_sequence: BTreeMap::new(),
             hub,
             metrics,
+            records: None,
         }
+    }
+
+    /// Stamps load records on the batches and sends `load_only` batches.
+    pub fn with_load_records(mut self, records: LoadRecords) -> Self {
+        self.records = Some(records);
+        self
     }
 
     /// Runs until every source sender is gone, then closes the hub so each
@@ -79,6 +94,7 @@ impl Drain {
             // state has been published.
             tokio::select! {
                 request = self.hub.next_cut_request() => self.answer(request),
+                () = load_wake(&mut self.records) => self.send_load_records(),
                 first = events.recv() => {
                     let Some(first) = first else { break };
                     self.ingest(first);
@@ -231,7 +247,27 @@ impl Drain {
         for (rank, batch) in std::mem::take(&mut self.ready) {
             self.publish(rank, batch);
         }
+        self.send_load_records();
         self.report();
+    }
+
+    /// Sends the `load_only` batches due: record changes no batch carried,
+    /// and heartbeats.
+    fn send_load_records(&mut self) {
+        let Some(records) = &mut self.records else {
+            return;
+        };
+        let now = tokio::time::Instant::now();
+        records.refresh(now);
+        for (rank, load) in records.due(now) {
+            let sent = self.sequencer.sent(rank);
+            let encoded = OpenBatch::with_timestamp(unix_now())
+                .carrying_load(&load)
+                .encode(rank, sent.unwrap_or(0), None);
+            self.metrics.load_records_sent.inc();
+            self.metrics.load_only_batches.inc();
+            self.hub.publish_load_only(sent.is_none(), encoded);
+        }
     }
 
     /// Updates the per-rank figures of `/status` and the metrics.
@@ -273,11 +309,30 @@ impl Drain {
         }
         let sequence = self.sequencer.assign(rank);
         let event_count = batch.event_count();
+        let load = self
+            .records
+            .as_mut()
+            .and_then(|records| records.for_batch(rank, tokio::time::Instant::now()));
+        let batch = match &load {
+            Some(load) => {
+                self.metrics.load_records_sent.inc();
+                batch.carrying_load(load)
+            }
+            None => batch,
+        };
         let encoded = batch.encode(rank, sequence, None);
         self.metrics.batches_out.inc();
         self.metrics.events_out.inc_by(u64::from(event_count));
         self.metrics.bytes_out.inc_by(encoded.len() as u64);
         self.hub.publish(rank, sequence, event_count, encoded);
+    }
+}
+
+/// Returns when the load records need the drain (never without them).
+async fn load_wake(records: &mut Option<LoadRecords>) {
+    match records {
+        Some(records) => records.wake().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -49,6 +49,11 @@ impl Sequencer {
         self.next.get(&rank).copied().unwrap_or(self.seed) - 1
     }
 
+    /// The last number `rank` was given, if it was given any.
+    pub fn sent(&self, rank: u32) -> Option<u64> {
+        self.next.get(&rank).map(|next| next - 1)
+    }
+
     /// Ranks that have been given at least one number.
     pub fn ranks(&self) -> impl Iterator<Item = u32> + '_ {
         self.next.keys().copied()
@@ -68,6 +73,8 @@ mod tests {
         assert_eq!(sequencer.last(0), 5001);
         assert_eq!(sequencer.last(1), 5000);
         assert_eq!(sequencer.last(7), 4999);
+        assert_eq!(sequencer.sent(1), Some(5000));
+        assert_eq!(sequencer.sent(7), None);
         assert_eq!(sequencer.ranks().collect::<Vec<_>>(), vec![0, 1]);
     }
 

@@ -11,7 +11,7 @@ use memmap2::MmapMut;
 use prost::Message;
 use prost::encoding;
 
-use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
+use crate::proto::common::{EngineLoad, KvCacheEvent, KvSnapshotChunk};
 
 /// One encoded `KvEventBatch` and where it stands in the stream.
 #[derive(Debug)]
@@ -42,6 +42,9 @@ impl Batch {
 
 /// The field number of `KvEventBatch.events`.
 pub const EVENTS_FIELD: u32 = 3;
+
+/// The field number of `KvEventBatch.load`.
+pub const LOAD_FIELD: u32 = 8;
 
 /// Room kept in front of the events for the header fields written last:
 /// `sequence_number` (tag + up to 10 varint bytes) and `timestamp` (tag + 8).
@@ -200,6 +203,13 @@ impl OpenBatch {
         self.buffer.extend_from_slice(event);
         self.count += 1;
         self.timestamp = timestamp;
+    }
+
+    /// Adds the rank's load record; call it last, just before `encode`
+    /// (the record's bytes count as the batch's, not as events).
+    pub fn carrying_load(mut self, load: &EngineLoad) -> Self {
+        encoding::message::encode(LOAD_FIELD, load, &mut self.buffer);
+        self
     }
 
     /// The complete `KvEventBatch` bytes for `sequence` on `rank`.

@@ -4,11 +4,19 @@
 //! announced by its position and read from the history, so the history
 //! alone bounds the memory of published batches, however many subscribers
 //! there are and however far behind they fall; a subscriber that stalls
-//! holds a few positions, not batches.
+//! holds a few positions, not batches. The one item that carries bytes is a
+//! `load_only` batch, about a hundred of them.
+
+use std::sync::Arc;
+
+use super::LoadOnly;
 
 /// One announcement on the live channel, in publication order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Live {
     /// The batch at `position` is in the history (until it is evicted).
     Published { position: u64 },
+    /// A load record between two batches: tiny, never in the history (see
+    /// [`super::load_only`]).
+    LoadOnly(Arc<LoadOnly>),
 }

@@ -16,6 +16,7 @@ pub mod cow_map;
 pub mod cursors;
 pub mod history;
 pub mod live;
+pub mod load_only;
 pub mod snapshot;
 pub mod state;
 pub mod subscription;
@@ -32,6 +33,7 @@ pub use batch::{Batch, OpenBatch};
 pub use cursors::Cursors;
 pub use history::{History, HistoryLimits, HistoryWriter};
 pub use live::Live;
+pub use load_only::LoadOnly;
 pub use snapshot::SnapshotCut;
 
 /// A subscriber asking the drain for a snapshot cut.
@@ -152,6 +154,17 @@ impl HubWriter {
         // Overflow mode never reports Full, and the inactive receiver keeps
         // the channel open, so this cannot fail while the hub exists.
         let _ = self.live.try_broadcast(Live::Published { position });
+    }
+
+    /// Offers a `load_only` batch to the subscribers that are caught up.
+    /// `before_first_batch`: it is numbered 0, its rank having had no batch.
+    pub fn publish_load_only(&mut self, before_first_batch: bool, encoded: bytes::Bytes) {
+        let item = LoadOnly {
+            after_position: self.next_position - 1,
+            before_first_batch,
+            encoded,
+        };
+        let _ = self.live.try_broadcast(Live::LoadOnly(Arc::new(item)));
     }
 
     /// Replaces what `/status` shows of each rank.

@@ -10,14 +10,15 @@
 //! above it after missed announcements is refilled from the history all the
 //! same. The same rule gives resume, seam de-duplication and lag refill with
 //! no gap and no duplicate; a position the history no longer holds ends the
-//! stream.
+//! stream. `load_only` items in the live channel
+//! are handed on only at the exact position they were published after.
 
 use std::sync::Arc;
 
 use async_broadcast::{Receiver, RecvError};
 
 use super::cursors::{Cursor, Cursors};
-use super::{Batch, History, HubReader, Live};
+use super::{Batch, History, HubReader, Live, LoadOnly};
 
 /// Why a resume cursor cannot be honoured (the call fails with OUT_OF_RANGE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +52,8 @@ impl CursorError {
 #[derive(Debug)]
 pub enum Step {
     Batch(Arc<Batch>),
+    /// A rank's load record with no events (never in the history).
+    LoadOnly(Arc<LoadOnly>),
     /// The subscriber fell so far behind that the history no longer holds
     /// `position`: the stream must end with DATA_LOSS.
     Lost {
@@ -67,6 +70,9 @@ pub struct Subscription {
     next_position: Cursor,
     /// Every position up to this one is known to be published.
     published_through: u64,
+    /// The subscriber takes `load_only` batches numbered 0 before a rank's
+    /// first batch (`load_records_before_first_batch`).
+    early_load_records: bool,
 }
 
 impl Subscription {
@@ -91,7 +97,15 @@ impl Subscription {
             hub: hub.clone(),
             next_position: Cursors::open(hub.cursors(), next_position),
             published_through: hub.history().newest(),
+            early_load_records: false,
         }
+    }
+
+    /// Also hand on `load_only` batches numbered 0, before a rank's first
+    /// batch (the subscriber asked with `load_records_before_first_batch`).
+    pub fn with_early_load_records(mut self, wanted: bool) -> Self {
+        self.early_load_records = wanted;
+        self
     }
 
     /// The id this subscription's lag is reported under.
@@ -118,6 +132,15 @@ impl Subscription {
             }
             let published = match self.live.recv_direct().await {
                 Ok(Live::Published { position }) => position,
+                Ok(Live::LoadOnly(record)) => {
+                    if record.is_for(position, self.early_load_records) {
+                        return Step::LoadOnly(record);
+                    }
+                    // Batches this subscriber has not had came before it (a
+                    // channel overflow may have taken their announcements):
+                    // they come from the history without waiting.
+                    record.after_position
+                }
                 // Whatever the skipped announcements named is published, so
                 // the history's newest position is a safe bound.
                 Err(RecvError::Overflowed(_)) => self.hub.history().newest(),

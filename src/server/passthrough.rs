@@ -29,10 +29,13 @@ use tracing::debug;
 use crate::metrics::Metrics;
 use crate::server::methods;
 
+/// The HTTP/2 client every call to the engine goes through.
+pub type EngineTransport = Client<HttpConnector, Body>;
+
 /// Forwards HTTP/2 gRPC requests to the engine.
 #[derive(Clone)]
 pub struct PassThrough {
-    client: Client<HttpConnector, Body>,
+    client: EngineTransport,
     /// Scheme and authority of the engine's server, put on every request.
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
@@ -70,6 +73,20 @@ impl PassThrough {
             max_path_bytes,
             metrics,
         })
+    }
+
+    /// The connection pool to the engine and its origin, for kvgate's own
+    /// calls (`GetLoads`): they reach the engine exactly as forwarded ones do.
+    pub fn engine_transport(&self) -> (EngineTransport, http::Uri) {
+        let origin = http::Uri::from_parts({
+            let mut parts = http::uri::Parts::default();
+            parts.scheme = Some(self.scheme.clone());
+            parts.authority = Some(self.authority.clone());
+            parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
+            parts
+        })
+        .expect("scheme and authority came from a parsed URI");
+        (self.client.clone(), origin)
     }
 
     /// The request's path on the engine's origin.

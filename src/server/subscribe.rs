@@ -70,6 +70,7 @@ impl SubscribeService {
         request: Request<SubscribeKvEventsRequest>,
     ) -> Result<Response<BatchStream>, Status> {
         let cursor = request.get_ref().start_sequence_number;
+        let early_load_records = request.get_ref().load_records_before_first_batch;
         debug!(cursor, "subscriber joined");
         let slot = Arc::clone(&self.subscriber_slots)
             .try_acquire_owned()
@@ -83,10 +84,12 @@ impl SubscribeService {
             })?;
         let connected = Connected::new(self.metrics.clone(), slot);
         if cursor != 0 {
-            let subscription = Subscription::resume(&self.hub, cursor).map_err(|refusal| {
-                info!(cursor, ?refusal, "refused a resume cursor");
-                Status::out_of_range(refusal.describe(cursor))
-            })?;
+            let subscription = Subscription::resume(&self.hub, cursor)
+                .map_err(|refusal| {
+                    info!(cursor, ?refusal, "refused a resume cursor");
+                    Status::out_of_range(refusal.describe(cursor))
+                })?
+                .with_early_load_records(early_load_records);
             return Ok(Response::new(stream(subscription, connected)));
         }
         // Subscribe before the cut so every batch after it reaches us.
@@ -96,7 +99,8 @@ impl SubscribeService {
             .cut()
             .await
             .ok_or_else(|| Status::unavailable("kvgate is shutting down"))?;
-        let subscription = Subscription::after_cut(&self.hub, live, cut.position);
+        let subscription = Subscription::after_cut(&self.hub, live, cut.position)
+            .with_early_load_records(early_load_records);
         if cut.last_sequences.is_empty() {
             // Nothing was ever seen: live only.
             return Ok(Response::new(stream(subscription, connected)));
@@ -214,6 +218,9 @@ fn stream(subscription: Subscription, connected: Connected) -> BatchStream {
         match subscription.next().await {
             Step::Batch(batch) => {
                 Some((Ok(batch.encoded.clone()), Some((subscription, connected))))
+            }
+            Step::LoadOnly(record) => {
+                Some((Ok(record.encoded.clone()), Some((subscription, connected))))
             }
             Step::Lost { position } => {
                 connected.metrics.subscribers_lost.inc();

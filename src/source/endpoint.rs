@@ -3,7 +3,9 @@
 //! Engines offset their ports per rank (rank r listens on base port + r) and
 //! bind when given a wildcard host; kvgate then connects to loopback. When the
 //! engine is configured with a concrete host it connects out, and kvgate must
-//! bind instead (`--zmq-bind`).
+//! bind instead (`--zmq-bind`). With multi-node data parallelism the ranks
+//! live on different hosts with ports of their own: then every rank's
+//! endpoint is named, in rank order.
 
 use std::fmt;
 use std::str::FromStr;
@@ -23,6 +25,8 @@ pub enum EndpointError {
     MissingPort(String),
     #[error("bad port in {0:?}")]
     BadPort(String),
+    #[error("rank {rank} has no endpoint ({listed} listed)")]
+    NoSuchRank { rank: u32, listed: usize },
     #[error("rank {rank} of {endpoint} would use port {port}, beyond 65535")]
     PortOverflow {
         endpoint: String,
@@ -134,6 +138,74 @@ pub fn check_rank_ports(
     Ok(())
 }
 
+/// Where every rank's publisher (or replay endpoint) is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RankEndpoints {
+    /// Rank 0's endpoint; rank r at its port + r.
+    Offset(TcpEndpoint),
+    /// Each rank's own endpoint, index = rank.
+    Listed(Vec<TcpEndpoint>),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "{flag} is given {given} times but --dp-size is {dp_size}: give it once (rank r at port + r) or once per rank, in rank order"
+)]
+pub struct RankCountMismatch {
+    pub flag: &'static str,
+    pub given: usize,
+    pub dp_size: u32,
+}
+
+impl RankEndpoints {
+    /// The endpoints `flag` was given, for `dp_size` ranks: none, one (the
+    /// base-port rule) or exactly one per rank.
+    pub fn from_flag(
+        flag: &'static str,
+        given: &[TcpEndpoint],
+        dp_size: u32,
+    ) -> Result<Option<Self>, RankCountMismatch> {
+        match given {
+            [] => Ok(None),
+            [base] => Ok(Some(Self::Offset(base.clone()))),
+            listed if listed.len() == dp_size as usize => Ok(Some(Self::Listed(listed.to_vec()))),
+            listed => Err(RankCountMismatch {
+                flag,
+                given: listed.len(),
+                dp_size,
+            }),
+        }
+    }
+
+    /// Rank `rank`'s endpoint.
+    pub fn for_rank(&self, rank: u32) -> Result<TcpEndpoint, EndpointError> {
+        match self {
+            Self::Offset(base) => base.for_rank(rank),
+            Self::Listed(listed) => {
+                listed
+                    .get(rank as usize)
+                    .cloned()
+                    .ok_or(EndpointError::NoSuchRank {
+                        rank,
+                        listed: listed.len(),
+                    })
+            }
+        }
+    }
+}
+
+impl fmt::Display for RankEndpoints {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Offset(base) => write!(f, "{base}"),
+            Self::Listed(listed) => {
+                let names: Vec<String> = listed.iter().map(ToString::to_string).collect();
+                write!(f, "{}", names.join(" "))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,5 +269,48 @@ mod tests {
             top.for_rank(1),
             Err(EndpointError::PortOverflow { .. })
         ));
+    }
+
+    #[test]
+    fn one_endpoint_per_rank_names_each_ranks_own_host_and_port() {
+        let listed: Vec<TcpEndpoint> = ["tcp://10.0.0.1:7000", "tcp://10.0.0.2:5123"]
+            .iter()
+            .map(|uri| uri.parse().unwrap())
+            .collect();
+        let ranks = RankEndpoints::from_flag("--zmq-endpoint", &listed, 2)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            ranks.for_rank(1).unwrap().to_string(),
+            "tcp://10.0.0.2:5123"
+        );
+        assert_eq!(
+            ranks.for_rank(2),
+            Err(EndpointError::NoSuchRank { rank: 2, listed: 2 })
+        );
+        let once = RankEndpoints::from_flag("--zmq-endpoint", &listed[..1], 4)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            once.for_rank(3).unwrap().port(),
+            7003,
+            "given once: base port + r"
+        );
+    }
+
+    #[test]
+    fn a_count_of_endpoints_that_is_not_the_dp_size_is_refused_naming_both() {
+        let listed: Vec<TcpEndpoint> = ["tcp://a:1", "tcp://b:2"]
+            .iter()
+            .map(|uri| uri.parse().unwrap())
+            .collect();
+        let refused = RankEndpoints::from_flag("--zmq-replay-endpoint", &listed, 3).unwrap_err();
+        let message = refused.to_string();
+        assert!(
+            message.contains("--zmq-replay-endpoint is given 2 times"),
+            "{message}"
+        );
+        assert!(message.contains("--dp-size is 3"), "{message}");
+        assert_eq!(RankEndpoints::from_flag("--zmq-endpoint", &[], 3), Ok(None));
     }
 }

@@ -44,6 +44,8 @@ pub enum Verdict {
     Gap,
     /// A snapshot chunk; `first` is chunk 0 (resync every rank).
     Snapshot { first: bool },
+    /// A `load_only` batch: no events, admitted to no cursor.
+    LoadOnly,
 }
 
 /// Per-rank cursors, as a router keeps them.
@@ -69,6 +71,9 @@ impl Cursors {
     }
 
     pub fn admit(&mut self, batch: &KvEventBatch) -> Verdict {
+        if batch.load.as_ref().is_some_and(|load| load.load_only) {
+            return Verdict::LoadOnly;
+        }
         let fresh = std::mem::replace(&mut self.fresh, false);
         let rank = batch.dp_rank.unwrap_or(0);
         let seq = batch.sequence_number;
@@ -197,7 +202,7 @@ async fn follow(
             .inc();
         let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
         let reset = match cursors.admit(&batch) {
-            Verdict::Stale => continue,
+            Verdict::Stale | Verdict::LoadOnly => continue,
             Verdict::Gap => return Outcome::Retry("a gap in the upstream's numbers".into()),
             Verdict::Next | Verdict::Snapshot { first: false } => None,
             Verdict::Restart => Some(SourceEvent::PublisherRestarted { rank }),
@@ -254,6 +259,27 @@ mod tests {
         });
         assert_eq!(cursors.admit(&clear), Verdict::Restart);
         assert_eq!(cursors.resume_from(), 50);
+    }
+
+    #[test]
+    fn a_load_only_batch_moves_no_cursor_and_is_not_forwarded() {
+        let mut cursors = Cursors::default();
+        cursors.connected();
+        let mut heartbeat = batch(0, 0);
+        heartbeat.load = Some(crate::proto::common::EngineLoad {
+            load_only: true,
+            ..Default::default()
+        });
+        assert_eq!(cursors.admit(&heartbeat), Verdict::LoadOnly);
+        assert_eq!(cursors.resume_from(), 0);
+        cursors.admit(&batch(0, 100));
+        cursors.connected();
+        assert_eq!(cursors.admit(&heartbeat), Verdict::LoadOnly);
+        assert_eq!(
+            cursors.admit(&batch(0, 90)),
+            Verdict::Restart,
+            "still the connection's first real batch"
+        );
     }
 
     #[test]

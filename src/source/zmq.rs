@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
-use super::endpoint::TcpEndpoint;
+use super::endpoint::RankEndpoints;
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{ReplayClient, ReplayError, Replayed};
 use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
@@ -40,10 +40,10 @@ use crate::supervisor::{Supervisor, TaskName};
 /// How kvgate reaches the engine's publishers.
 #[derive(Clone, Debug)]
 pub struct ZmqSourceConfig {
-    /// Rank 0's endpoint; rank r uses its port + r.
-    pub endpoint: TcpEndpoint,
-    /// Rank 0's replay ROUTER, offset per rank like `endpoint`.
-    pub replay_endpoint: Option<TcpEndpoint>,
+    /// Each rank's publisher.
+    pub endpoint: RankEndpoints,
+    /// Each rank's replay ROUTER.
+    pub replay_endpoint: Option<RankEndpoints>,
     /// How long one replay request may take before what it got is kept and
     /// the rest counted as lost.
     pub replay_timeout: std::time::Duration,

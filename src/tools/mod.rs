@@ -79,6 +79,24 @@ where
     C: Codec<Encode = SubscribeKvEventsRequest>,
     C::Decode: Send + Sync + 'static,
 {
+    let request = SubscribeKvEventsRequest {
+        start_sequence_number,
+        load_records_before_first_batch: false,
+    };
+    subscribe_requesting(channel, service, request, codec).await
+}
+
+/// Opens `SubscribeKvEvents` on `service` with `request` as it is.
+pub async fn subscribe_requesting<C>(
+    channel: Channel,
+    service: &str,
+    request: SubscribeKvEventsRequest,
+    codec: C,
+) -> Result<Streaming<C::Decode>, tonic::Status>
+where
+    C: Codec<Encode = SubscribeKvEventsRequest>,
+    C::Decode: Send + Sync + 'static,
+{
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready()
         .await
@@ -86,10 +104,6 @@ where
     let path = format!("/{service}/SubscribeKvEvents")
         .parse()
         .map_err(|_| tonic::Status::invalid_argument(format!("bad service name {service:?}")))?;
-    let request = SubscribeKvEventsRequest {
-        start_sequence_number,
-        load_records_before_first_batch: false,
-    };
     grpc.server_streaming(tonic::Request::new(request), path, codec)
         .await
         .map(tonic::Response::into_inner)

@@ -1,14 +1,15 @@
 //! `kvgate tail`: print a gateway's stream, one JSON object per event
 //! (`--json`, proto3 JSON with lowerCamelCase names as grpcurl prints it, so
-//! the two diff cleanly) or one line per batch.
+//! the two diff cleanly) or one line per batch. Load records show as a
+//! compact line of their own (`--json`: a `load` object).
 
 use std::io::Write;
 
 use serde_json::{Map, Value};
 
-use super::{connect, subscribe};
+use super::{connect, subscribe_requesting};
 use crate::json::{FieldNames, to_json_with};
-use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
+use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TailArgs {
@@ -24,6 +25,10 @@ pub struct TailArgs {
     /// One JSON object per event instead of a line per batch.
     #[arg(long)]
     pub json: bool,
+    /// Ask for load records before the first batch (load-only batches
+    /// numbered 0 while the engine has sent no KV event yet).
+    #[arg(long)]
+    pub load_before_first_batch: bool,
     /// Stop after this many batches.
     #[arg(long)]
     pub limit: Option<u64>,
@@ -31,7 +36,12 @@ pub struct TailArgs {
 
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
     let channel = connect("--addr", &args.addr).await?;
-    let mut stream = subscribe(channel, &args.service, args.from)
+    let request = SubscribeKvEventsRequest {
+        start_sequence_number: args.from,
+        load_records_before_first_batch: args.load_before_first_batch,
+    };
+    let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
+    let mut stream = subscribe_requesting(channel, &args.service, request, codec)
         .await
         .map_err(|status| {
             anyhow::anyhow!(
@@ -50,9 +60,11 @@ pub async fn run(args: TailArgs) -> anyhow::Result<()> {
         };
         batches += 1;
         if args.json {
-            for line in event_lines(&batch) {
+            for line in event_lines(&batch).into_iter().chain(load_line(&batch)) {
                 writeln!(out, "{line}")?;
             }
+        } else if batch.load.as_ref().is_some_and(|load| load.load_only) {
+            writeln!(out, "{}", load_summary(&batch).unwrap_or_default())?;
         } else {
             writeln!(out, "{}", summary(&batch))?;
         }
@@ -95,7 +107,45 @@ pub fn event_lines(batch: &KvEventBatch) -> Vec<Value> {
         .collect()
 }
 
-/// One human line per batch.
+/// The batch's load record as proto3 JSON, with its number and rank.
+pub fn load_line(batch: &KvEventBatch) -> Option<Value> {
+    let load = batch.load.as_ref()?;
+    let mut line = Map::new();
+    line.insert(
+        "sequence_number".into(),
+        Value::String(batch.sequence_number.to_string()),
+    );
+    line.insert("dp_rank".into(), batch.dp_rank.unwrap_or(0).into());
+    line.insert(
+        "load".into(),
+        crate::json::to_json(load, "smg.grpc.common.EngineLoad"),
+    );
+    Some(Value::Object(line))
+}
+
+/// The batch's load record as a compact human line.
+pub fn load_summary(batch: &KvEventBatch) -> Option<String> {
+    let load = batch.load.as_ref()?;
+    let mut line = format!(
+        "load rank {} sample {} age {}ms  running {} waiting {} usage {:.3} gen {:.1} tok/s",
+        batch.dp_rank.unwrap_or(0),
+        load.sample,
+        load.age_ms,
+        load.running_requests,
+        load.waiting_requests,
+        load.token_usage,
+        load.gen_throughput,
+    );
+    if let Some(uncached) = load.waiting_uncached_tokens {
+        line.push_str(&format!(" uncached {uncached}"));
+    }
+    if load.load_only {
+        line.push_str("  [load only]");
+    }
+    Some(line)
+}
+
+/// One human line per batch (its load record, if any, on a second line).
 pub fn summary(batch: &KvEventBatch) -> String {
     let (mut stored, mut removed, mut cleared) = (0, 0, 0);
     for event in &batch.events {
@@ -123,5 +173,53 @@ pub fn summary(batch: &KvEventBatch) -> String {
             snapshot.blocks
         ));
     }
+    if let Some(load) = load_summary(batch) {
+        line.push('\n');
+        line.push_str(&load);
+    }
     line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::common::EngineLoad;
+
+    fn heartbeat() -> KvEventBatch {
+        KvEventBatch {
+            sequence_number: 41,
+            dp_rank: Some(1),
+            load: Some(EngineLoad {
+                running_requests: 4,
+                waiting_requests: 1,
+                waiting_uncached_tokens: Some(256),
+                token_usage: 0.5,
+                gen_throughput: 812.0,
+                sample: 12,
+                age_ms: 3,
+                load_only: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_load_record_shows_as_one_compact_line() {
+        assert_eq!(
+            load_summary(&heartbeat()).unwrap(),
+            "load rank 1 sample 12 age 3ms  running 4 waiting 1 usage 0.500 gen 812.0 tok/s uncached 256  [load only]"
+        );
+        assert_eq!(load_summary(&KvEventBatch::default()), None);
+    }
+
+    #[test]
+    fn json_output_includes_the_load_record_with_its_rank_and_number() {
+        let line = load_line(&heartbeat()).unwrap();
+        assert_eq!(line["dp_rank"], 1);
+        assert_eq!(line["sequence_number"], "41");
+        assert_eq!(line["load"]["running_requests"], 4);
+        assert_eq!(line["load"]["load_only"], true);
+        assert!(event_lines(&heartbeat()).is_empty(), "no events");
+    }
 }

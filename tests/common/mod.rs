@@ -262,7 +262,10 @@ pub async fn sync_streams_observing(
         if let Ok(received) = probe {
             let batch = received.expect("healthy stream").expect("open stream");
             observe(0, &batch);
-            break;
+            // A load record says nothing about the engine's socket.
+            if !is_load_only(&batch) {
+                break;
+            }
         }
     }
     let last = fence();
@@ -273,6 +276,11 @@ pub async fn sync_streams_observing(
         }
     }
     last
+}
+
+/// Whether `batch` is a `load_only` batch (no events, no cursor).
+pub fn is_load_only(batch: &KvEventBatch) -> bool {
+    batch.load.as_ref().is_some_and(|load| load.load_only)
 }
 
 /// A plain HTTP/1.0 GET on loopback: (status code, body).

@@ -1,0 +1,275 @@
+//! The drain's side of load records: which record each outgoing batch
+//! carries, and when a `load_only` batch must go out.
+//!
+//! Invariants: records are stamped as they are encoded, each with the next
+//! `sample` (so on any stream, which delivers what was encoded in order,
+//! samples only go up) and with `age_ms` measured from the poll behind it (a
+//! reading that is not refreshed shows its age growing, never a fresh one).
+//! Event batches carry the routing core; `load_only` batches carry every
+//! field the engine reported. A rank's `load_only` goes out when its core
+//! changed and no event batch carried the change, and otherwise as a
+//! heartbeat, [`FIRST_HEARTBEAT`] after the last change, then backing off
+//! to [`MAX_HEARTBEAT`].
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{Board, Reading};
+use crate::proto::common::EngineLoad;
+
+pub const FIRST_HEARTBEAT: Duration = Duration::from_secs(1);
+pub const MAX_HEARTBEAT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Default)]
+struct RankRecord {
+    reading: Option<Reading>,
+    /// The core changed and no batch carried it yet.
+    unsent_change: bool,
+    heartbeat_every: Duration,
+    next_heartbeat: Option<Instant>,
+}
+
+/// The latest readings, as the drain stamps them.
+#[derive(Debug)]
+pub struct LoadRecords {
+    feed: watch::Receiver<Board>,
+    /// False once the poller is gone: only heartbeats remain to wait for.
+    feed_open: bool,
+    ranks: Vec<RankRecord>,
+    next_sample: u64,
+}
+
+impl LoadRecords {
+    pub fn new(feed: watch::Receiver<Board>) -> Self {
+        Self {
+            feed,
+            feed_open: true,
+            ranks: Vec::new(),
+            next_sample: 1,
+        }
+    }
+
+    /// Returns when the poller published readings or a heartbeat is due;
+    /// then call [`Self::refresh`] and [`Self::due`].
+    pub async fn wake(&mut self) {
+        let deadline = self
+            .ranks
+            .iter()
+            .filter_map(|rank| rank.next_heartbeat)
+            .min();
+        let heartbeat = async move {
+            match deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
+        if !self.feed_open {
+            return heartbeat.await;
+        }
+        tokio::select! {
+            changed = self.feed.changed() => self.feed_open = changed.is_ok(),
+            () = heartbeat => {}
+        }
+    }
+
+    /// Takes the poller's latest readings.
+    pub fn refresh(&mut self, now: Instant) {
+        let board = self.feed.borrow_and_update().clone();
+        if self.ranks.len() < board.len() {
+            self.ranks.resize_with(board.len(), RankRecord::default);
+        }
+        for (record, reading) in self.ranks.iter_mut().zip(board.iter()) {
+            let changed = match (&record.reading, reading) {
+                (None, Some(_)) => true,
+                (Some(old), Some(new)) => !same_core(&old.load, &new.load),
+                (_, None) => false,
+            };
+            record.reading = reading.clone();
+            if record.reading.is_none() {
+                *record = RankRecord::default();
+            } else if changed {
+                record.unsent_change = true;
+                record.heartbeat_every = FIRST_HEARTBEAT;
+                let soon = now + FIRST_HEARTBEAT;
+                record.next_heartbeat = Some(record.next_heartbeat.map_or(soon, |at| at.min(soon)));
+            }
+        }
+    }
+
+    /// The record an event batch of `rank` carries (the routing core), if
+    /// there is a reading for the rank.
+    pub fn for_batch(&mut self, rank: u32, now: Instant) -> Option<EngineLoad> {
+        let record = self.ranks.get_mut(rank as usize)?;
+        let reading = record.reading.as_ref()?;
+        let core = EngineLoad {
+            running_requests: reading.load.running_requests,
+            waiting_requests: reading.load.waiting_requests,
+            waiting_uncached_tokens: reading.load.waiting_uncached_tokens,
+            token_usage: reading.load.token_usage,
+            active_token_usage: reading.load.active_token_usage,
+            gen_throughput: reading.load.gen_throughput,
+            max_running_requests: reading.load.max_running_requests,
+            ..EngineLoad::default()
+        };
+        let polled_at = reading.polled_at;
+        record.unsent_change = false;
+        Some(self.stamp(core, polled_at, now, false))
+    }
+
+    /// The `load_only` records due now, by rank: changes no batch carried,
+    /// and heartbeats.
+    pub fn due(&mut self, now: Instant) -> Vec<(u32, EngineLoad)> {
+        let mut due = Vec::new();
+        for (rank, record) in self.ranks.iter_mut().enumerate() {
+            let Some(reading) = &record.reading else {
+                continue;
+            };
+            if record.unsent_change {
+                record.heartbeat_every = FIRST_HEARTBEAT;
+            } else if record.next_heartbeat.is_some_and(|at| at <= now) {
+                record.heartbeat_every = (record.heartbeat_every * 2).min(MAX_HEARTBEAT);
+            } else {
+                continue;
+            }
+            record.unsent_change = false;
+            record.next_heartbeat = Some(now + record.heartbeat_every);
+            due.push((rank as u32, reading.load.clone(), reading.polled_at));
+        }
+        due.into_iter()
+            .map(|(rank, load, polled_at)| (rank, self.stamp(load, polled_at, now, true)))
+            .collect()
+    }
+
+    fn stamp(
+        &mut self,
+        mut load: EngineLoad,
+        polled_at: Instant,
+        now: Instant,
+        load_only: bool,
+    ) -> EngineLoad {
+        load.age_ms =
+            u32::try_from(now.saturating_duration_since(polled_at).as_millis()).unwrap_or(u32::MAX);
+        load.sample = self.next_sample;
+        self.next_sample += 1;
+        load.load_only = load_only;
+        load
+    }
+}
+
+/// Whether two readings agree on every field a router balances on.
+fn same_core(a: &EngineLoad, b: &EngineLoad) -> bool {
+    a.running_requests == b.running_requests
+        && a.waiting_requests == b.waiting_requests
+        && a.waiting_uncached_tokens == b.waiting_uncached_tokens
+        && a.token_usage == b.token_usage
+        && a.active_token_usage == b.active_token_usage
+        && a.gen_throughput == b.gen_throughput
+        && a.max_running_requests == b.max_running_requests
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn load(running: u32) -> EngineLoad {
+        EngineLoad {
+            running_requests: running,
+            cache_hit_rate: Some(0.5),
+            ..Default::default()
+        }
+    }
+
+    fn board(loads: &[Option<u32>], polled_at: Instant) -> Board {
+        Arc::new(
+            loads
+                .iter()
+                .map(|l| {
+                    l.map(|running| Reading {
+                        load: load(running),
+                        polled_at,
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_change_no_batch_carried_goes_out_once_then_heartbeats_back_off_to_five_seconds() {
+        let t0 = Instant::now();
+        let (tx, rx) = watch::channel(board(&[None], t0));
+        let mut records = LoadRecords::new(rx);
+        records.refresh(t0);
+        assert!(records.due(t0).is_empty(), "no reading, no record");
+        tx.send_replace(board(&[Some(3)], t0));
+        records.refresh(t0);
+        let first = records.due(t0);
+        assert_eq!(first.len(), 1);
+        assert!(first[0].1.load_only);
+        assert_eq!(
+            first[0].1.cache_hit_rate,
+            Some(0.5),
+            "load-only batches carry everything"
+        );
+        assert!(records.due(t0).is_empty(), "sent once");
+        let mut at = t0;
+        let mut gaps = Vec::new();
+        for _ in 0..6 {
+            let next = records.ranks[0].next_heartbeat.unwrap();
+            assert!(records.due(next - Duration::from_millis(1)).is_empty());
+            assert_eq!(records.due(next).len(), 1);
+            gaps.push((next - at).as_secs());
+            at = next;
+        }
+        assert_eq!(gaps, vec![1, 2, 4, 5, 5, 5]);
+    }
+
+    #[test]
+    fn an_event_batch_carries_the_core_with_a_growing_age_and_spares_the_load_only() {
+        let t0 = Instant::now();
+        let (_tx, rx) = watch::channel(board(&[Some(1), Some(2)], t0));
+        let mut records = LoadRecords::new(rx);
+        records.refresh(t0);
+        let later = t0 + Duration::from_millis(250);
+        let carried = records.for_batch(1, later).unwrap();
+        assert_eq!(carried.running_requests, 2);
+        assert_eq!(carried.age_ms, 250);
+        assert!(!carried.load_only);
+        assert_eq!(
+            carried.cache_hit_rate, None,
+            "telemetry rides on load-only batches"
+        );
+        let due = records.due(later);
+        assert_eq!(
+            due.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(),
+            vec![0]
+        );
+        assert!(due[0].1.sample > carried.sample, "samples only go up");
+        assert_eq!(
+            records.for_batch(5, later),
+            None,
+            "a rank kvgate does not serve"
+        );
+    }
+
+    #[test]
+    fn a_fresher_poll_with_the_same_numbers_is_no_change_and_records_stop_when_readings_go() {
+        let t0 = Instant::now();
+        let (tx, rx) = watch::channel(board(&[Some(1)], t0));
+        let mut records = LoadRecords::new(rx);
+        records.refresh(t0);
+        records.due(t0);
+        let t1 = t0 + Duration::from_millis(100);
+        tx.send_replace(board(&[Some(1)], t1));
+        records.refresh(t1);
+        assert!(records.due(t1).is_empty());
+        assert_eq!(records.for_batch(0, t1).unwrap().age_ms, 0);
+        tx.send_replace(board(&[None], t1));
+        records.refresh(t1);
+        assert_eq!(records.for_batch(0, t1), None);
+        assert!(records.due(t1 + MAX_HEARTBEAT).is_empty());
+    }
+}
