@@ -10,13 +10,18 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use crate::cli::ServeArgs;
+use crate::client::{TlsFlags, TlsPaths};
 use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
 use crate::hub::{HistoryLimits, hub};
 use crate::metrics::Metrics;
+use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
+use crate::server::auth::Tokens;
 use crate::server::passthrough::PassThrough;
+use crate::server::reload::{self, Credentials};
+use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
@@ -46,11 +51,17 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         Some(address) => Some(admin::bind(address).await?),
         None => None,
     };
+    let engine_tls = TlsPaths {
+        ca: args.engine_tls_ca.clone(),
+        cert: args.engine_tls_cert.clone(),
+        key: args.engine_tls_key.clone(),
+    };
     let pass_through = args
         .engine_grpc
         .as_deref()
-        .map(|target| PassThrough::new(target, metrics.clone()))
+        .map(|target| PassThrough::new(target, &engine_tls, metrics.clone()))
         .transpose()?;
+    let credentials = server_credentials(&args, &metrics)?;
 
     let (hub_writer, hub_reader) = hub(
         args.live_buffer_batches as usize,
@@ -95,11 +106,21 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
             metrics: metrics.clone(),
             source_ready: ready_rx,
             pass_through,
+            tls: credentials.tls.clone(),
+            tokens: credentials.tokens.clone(),
         },
         async move {
             let _ = server_stop.wait_for(|stopped| *stopped).await;
         },
     ));
+    let mut reload_stop = stop.subscribe();
+    let reload_task = tokio::spawn(reload::on_sighup(
+        credentials,
+        metrics.clone(),
+        async move {
+            let _ = reload_stop.wait_for(|stopped| *stopped).await;
+        },
+    )?);
     let demo_task = demo.map(|demo| {
         let mut demo_stop = stop.subscribe();
         tokio::spawn(demo.run(async move {
@@ -135,6 +156,7 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         if let Some(admin) = admin_task {
             let _ = admin.await;
         }
+        let _ = reload_task.await;
         server_task.await
     })
     .await;
@@ -156,6 +178,38 @@ fn display_address(address: std::net::SocketAddr) -> String {
     }
 }
 
+const UPSTREAM_FLAGS: TlsFlags = TlsFlags {
+    uri: "--upstream-grpc",
+    ca: "--upstream-tls-ca",
+    cert: "--upstream-tls-cert",
+    key: "--upstream-tls-key",
+};
+
+/// TLS on the gRPC port and bearer tokens, read and checked now.
+fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            let files = ServerTlsFiles {
+                cert: FlagFile::new("--tls-cert", cert),
+                key: FlagFile::new("--tls-key", key),
+                client_ca: args
+                    .tls_client_ca
+                    .as_ref()
+                    .map(|ca| FlagFile::new("--tls-client-ca", ca)),
+            };
+            Some(TlsAcceptor::new(files, metrics.clone())?)
+        }
+        // clap makes --tls-cert and --tls-key go together.
+        _ => None,
+    };
+    let tokens = args
+        .auth_token_file
+        .as_ref()
+        .map(|path| Tokens::load(FlagFile::new("--auth-token-file", path)))
+        .transpose()?;
+    Ok(Credentials { tls, tokens })
+}
+
 /// Where events come from, as configured.
 enum SourceConfig {
     Zmq(ZmqSourceConfig),
@@ -166,7 +220,7 @@ impl std::fmt::Display for SourceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Zmq(config) => write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size),
-            Self::Upstream(config) => write!(f, "{} ({})", config.uri, config.service),
+            Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
         }
     }
 }
@@ -198,8 +252,17 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         return Ok((zmq(endpoint, replay), Some(demo)));
     }
     if let Some(uri) = &args.upstream_grpc {
+        let tls = TlsPaths {
+            ca: args.upstream_tls_ca.clone(),
+            cert: args.upstream_tls_cert.clone(),
+            key: args.upstream_tls_key.clone(),
+        };
+        let token = args
+            .upstream_token_file
+            .as_ref()
+            .map(|path| FlagFile::new("--upstream-token-file", path));
         let config = UpstreamConfig {
-            uri: uri.clone(),
+            target: crate::client::Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
             service: args.upstream_service.clone(),
         };
         return Ok((SourceConfig::Upstream(config), None));

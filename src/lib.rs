@@ -8,12 +8,14 @@
 
 pub mod app;
 pub mod cli;
+pub mod client;
 pub mod convert;
 pub mod drain;
 pub mod hub;
 pub mod json;
 pub mod logging;
 pub mod metrics;
+pub mod pem;
 pub mod proto;
 pub mod server;
 pub mod sim;

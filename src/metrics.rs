@@ -46,6 +46,11 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
 /// Every metric kvgate exports. Cloning shares the same underlying values.
 #[derive(Clone)]
 pub struct Metrics {
@@ -89,6 +94,12 @@ pub struct Metrics {
     /// Subscriber streams ended because they fell further behind than kvgate
     /// could refill.
     pub subscribers_lost: Counter,
+    /// TLS handshakes refused on the gRPC port, by reason.
+    pub tls_handshake_failures: Family<ReasonLabel, Counter>,
+    /// Calls refused UNAUTHENTICATED, by reason.
+    pub auth_failures: Family<ReasonLabel, Counter>,
+    /// SIGHUP reloads of certificates and tokens, by result.
+    pub credential_reloads: Family<ResultLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -121,7 +132,25 @@ impl Metrics {
             state_blocks: Family::default(),
             last_sequence: Family::default(),
             history_bytes: Gauge::default(),
+            tls_handshake_failures: Family::default(),
+            auth_failures: Family::default(),
+            credential_reloads: Family::default(),
         };
+        for reason in crate::server::tls::HandshakeFailure::ALL {
+            let _ = metrics.tls_handshake_failures.get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            });
+        }
+        for reason in crate::server::auth::AuthFailure::ALL {
+            let _ = metrics.auth_failures.get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            });
+        }
+        for result in ["ok", "failed"] {
+            let _ = metrics
+                .credential_reloads
+                .get_or_create(&ResultLabel { result });
+        }
         registry.register(
             "engine_messages",
             "Engine messages received per data-parallel rank",
@@ -216,6 +245,21 @@ impl Metrics {
             "upstream_reconnects",
             "Times the upstream gRPC source lost its stream and resumed",
             metrics.upstream_reconnects.clone(),
+        );
+        registry.register(
+            "tls_handshake_failures",
+            "TLS handshakes refused on the gRPC port, by reason",
+            metrics.tls_handshake_failures.clone(),
+        );
+        registry.register(
+            "auth_failures",
+            "Calls refused UNAUTHENTICATED (no or unknown bearer token), by reason",
+            metrics.auth_failures.clone(),
+        );
+        registry.register(
+            "credential_reloads",
+            "Reloads of TLS certificates and bearer tokens on SIGHUP, by result",
+            metrics.credential_reloads.clone(),
         );
         Self {
             registry: Arc::new(registry),

@@ -3,9 +3,13 @@
 //! answered UNIMPLEMENTED when there is no engine server to pass it to).
 
 pub mod admin;
+pub mod auth;
 pub mod codec;
 pub mod passthrough;
+pub mod reload;
 pub mod subscribe;
+pub mod tls;
+pub mod tls_listener;
 
 use std::future::Future;
 
@@ -37,6 +41,10 @@ pub struct ServerParts {
     pub source_ready: watch::Receiver<bool>,
     /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
     pub pass_through: Option<passthrough::PassThrough>,
+    /// TLS on the gRPC port, when configured.
+    pub tls: Option<tls::TlsAcceptor>,
+    /// The bearer tokens every call but health needs, when configured.
+    pub tokens: Option<auth::Tokens>,
 }
 
 /// Builds every route of the server.
@@ -67,6 +75,9 @@ pub fn routes(
     }
     if let Some(pass_through) = parts.pass_through.clone() {
         router = router.fallback_service(pass_through);
+    }
+    if let Some(tokens) = parts.tokens.clone() {
+        router = router.layer(auth::RequireToken::new(tokens, parts.metrics.clone()));
     }
     Ok((router, health))
 }
@@ -100,6 +111,13 @@ pub async fn serve(
             }
         }
     });
+    if let Some(acceptor) = parts.tls {
+        let listener = tls_listener::TlsListener::new(listener, acceptor)?;
+        axum::serve(listener, routes)
+            .with_graceful_shutdown(shutdown)
+            .await?;
+        return Ok(());
+    }
     // Small batches must not wait for Nagle's algorithm.
     let listener = listener.tap_io(|stream| {
         let _ = stream.set_nodelay(true);

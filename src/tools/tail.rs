@@ -5,14 +5,13 @@ use std::io::Write;
 
 use serde_json::{Map, Value};
 
-use super::{connect, subscribe};
+use super::{GatewayArgs, subscribe};
 use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TailArgs {
-    /// The gateway's gRPC address (host:port or http://host:port).
-    #[arg(long, env = "KVGATE_ADDR", default_value = "127.0.0.1:50061")]
-    pub addr: String,
+    #[command(flatten)]
+    pub gateway: GatewayArgs,
     /// Resume after this rank-0 sequence number; 0 starts with a snapshot.
     #[arg(long, default_value_t = 0)]
     pub from: u64,
@@ -28,7 +27,7 @@ pub struct TailArgs {
 }
 
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
-    let channel = connect(&args.addr).await?;
+    let channel = args.gateway.connect().await?;
     let mut stream = subscribe(channel, &args.service, args.from)
         .await
         .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;
