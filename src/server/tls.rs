@@ -65,6 +65,10 @@ pub enum HandshakeFailure {
     UntrustedClientCertificate,
     /// The client did not speak TLS at all (plaintext gRPC, HTTP/1.1).
     NotTls,
+    /// The client ended the handshake with an alert: typically it does not
+    /// trust kvgate's certificate (a CA missing on its side after a
+    /// rotation, a name not in the certificate).
+    ClientAlert,
     /// The handshake did not finish in time.
     Timeout,
     /// Anything else: a protocol error, no common version or ALPN, a client
@@ -73,10 +77,11 @@ pub enum HandshakeFailure {
 }
 
 impl HandshakeFailure {
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::NoClientCertificate,
         Self::UntrustedClientCertificate,
         Self::NotTls,
+        Self::ClientAlert,
         Self::Timeout,
         Self::Other,
     ];
@@ -86,6 +91,7 @@ impl HandshakeFailure {
             Self::NoClientCertificate => "no_client_certificate",
             Self::UntrustedClientCertificate => "untrusted_client_certificate",
             Self::NotTls => "not_tls",
+            Self::ClientAlert => "client_alert",
             Self::Timeout => "timeout",
             Self::Other => "other",
         }
@@ -99,6 +105,7 @@ impl HandshakeFailure {
             Some(rustls::Error::NoCertificatesPresented) => Self::NoClientCertificate,
             Some(rustls::Error::InvalidCertificate(_)) => Self::UntrustedClientCertificate,
             Some(rustls::Error::InvalidMessage(_)) => Self::NotTls,
+            Some(rustls::Error::AlertReceived(_)) => Self::ClientAlert,
             _ => Self::Other,
         }
     }
