@@ -155,7 +155,7 @@ async fn main() {
     let kvgate::cli::Command::Serve(args) = cli.command else {
         unreachable!()
     };
-    tokio::spawn(kvgate::app::serve(args, std::future::pending()));
+    tokio::spawn(kvgate::app::serve(*args, std::future::pending()));
     let through = format!("http://{listen}");
     let deadline = Instant::now() + Duration::from_secs(10);
     let gateway = loop {

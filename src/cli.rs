@@ -34,7 +34,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Drain an engine's KV events and serve them to any number of routers.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print a gateway's event stream.
     Tail(crate::tools::tail::TailArgs),
     /// Summarise a running gateway: health, services, blocks per rank.

@@ -7,7 +7,7 @@ async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     kvgate::logging::init(cli.log_format);
     let result = match cli.command {
-        Command::Serve(args) => kvgate::app::serve(args, shutdown_signal()).await,
+        Command::Serve(args) => kvgate::app::serve(*args, shutdown_signal()).await,
         Command::Tail(args) => kvgate::tools::tail::run(args).await,
         Command::Status(args) => kvgate::tools::status::run(args).await,
         Command::Bench(args) => kvgate::tools::load::run(args).await,
