@@ -114,9 +114,12 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
         },
     ));
     let mut reload_stop = stop.subscribe();
-    let reload_task = tokio::spawn(reload::on_sighup(
+    let check_every = Some(Duration::from_secs(args.credentials_check_seconds))
+        .filter(|period| !period.is_zero());
+    let reload_task = tokio::spawn(reload::reload_task(
         credentials,
         metrics.clone(),
+        check_every,
         async move {
             let _ = reload_stop.wait_for(|stopped| *stopped).await;
         },

@@ -170,6 +170,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_AUTH_TOKEN_FILE", value_name = "PATH")]
     pub auth_token_file: Option<PathBuf>,
 
+    /// Seconds between checks of the certificate and token files for a
+    /// change (reloaded as on SIGHUP); 0 reloads on SIGHUP only.
+    #[arg(long, env = "KVGATE_CREDENTIALS_CHECK_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub credentials_check_seconds: u64,
+
     /// The CA that signed the engine's certificate, for an https:// --engine-grpc.
     #[arg(long, env = "KVGATE_ENGINE_TLS_CA", value_name = "PEM")]
     pub engine_tls_ca: Option<PathBuf>,

@@ -5,7 +5,7 @@
 //! points at, and never quotes the file's contents (a key must not reach a
 //! log). One crypto provider (ring) serves every TLS config kvgate builds.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -105,8 +105,4 @@ pub fn pair(
         (Some(cert), None) => anyhow::bail!("{cert} needs {key_flag} (its private key)"),
         (None, Some(key)) => anyhow::bail!("{key} needs {cert_flag} (its certificate)"),
     }
-}
-
-pub fn path_flag(flag: &'static str, path: Option<&Path>) -> Option<FlagFile> {
-    path.map(|path| FlagFile::new(flag, path))
 }

@@ -208,14 +208,23 @@ async fn metric(admin: SocketAddr, series: &str) -> f64 {
 
 /// Sends SIGHUP and waits until the gateway has counted the reload's result.
 async fn sighup(gateway: &Gateway, result: &str) {
+    reloaded_after(gateway, result, || {
+        let status = Command::new("kill")
+            .args(["-HUP", &gateway.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    })
+    .await;
+}
+
+/// Runs `action`, then waits until the gateway has counted one more reload
+/// with `result`.
+async fn reloaded_after(gateway: &Gateway, result: &str, action: impl FnOnce()) {
     let admin = gateway.admin.expect("started with --metrics-listen");
     let series = format!("kvgate_credential_reloads_total{{result=\"{result}\"}}");
     let before = metric(admin, &series).await;
-    let status = Command::new("kill")
-        .args(["-HUP", &gateway.pid().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    action();
     let deadline = tokio::time::Instant::now() + DEADLINE;
     while metric(admin, &series).await <= before {
         assert!(
@@ -409,7 +418,13 @@ async fn tokens_rotated_by_sighup_take_effect_while_an_open_stream_keeps_flowing
     let mut publisher = publisher().await;
     let gateway = start_gateway(
         &publisher,
-        &["--auth-token-file".into(), tokens.display().to_string()],
+        &[
+            "--auth-token-file".into(),
+            tokens.display().to_string(),
+            // SIGHUP alone.
+            "--credentials-check-seconds".into(),
+            "0".into(),
+        ],
     );
     let old = bearer(&files, "old", "old-token");
     let new = bearer(&files, "new", "new-token");
@@ -437,7 +452,10 @@ async fn tokens_rotated_by_sighup_take_effect_while_an_open_stream_keeps_flowing
 async fn certificates_rotated_by_sighup_serve_new_connections_while_an_open_stream_keeps_flowing() {
     let pki = MtlsFiles::new();
     let mut publisher = publisher().await;
-    let gateway = start_gateway(&publisher, &pki.server_args());
+    let mut args = pki.server_args();
+    // SIGHUP alone.
+    args.extend(["--credentials-check-seconds".into(), "0".into()]);
+    let gateway = start_gateway(&publisher, &args);
     let mut open = pki.router().subscribe(gateway.address).await.unwrap();
     flowing(&mut publisher, &mut open).await;
 
@@ -472,6 +490,61 @@ async fn certificates_rotated_by_sighup_serve_new_connections_while_an_open_stre
         .subscribe(gateway.address)
         .await
         .expect("the certificate in force stays");
+    flowing(&mut publisher, &mut open).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn token_and_certificate_files_changed_on_disk_are_reloaded_without_a_signal() {
+    let pki = MtlsFiles::new();
+    let tokens = token_file(&pki.files, "tokens", &["old-token"]);
+    let mut publisher = publisher().await;
+    let mut args = pki.server_args();
+    args.extend([
+        "--auth-token-file".into(),
+        tokens.display().to_string(),
+        "--credentials-check-seconds".into(),
+        "1".into(),
+    ]);
+    let gateway = start_gateway(&publisher, &args);
+    let router = |token: &str| Client {
+        token_file: Some(pki.files.write(token, &format!("{token}\n"))),
+        ..pki.router()
+    };
+    let mut open = router("old-token")
+        .subscribe(gateway.address)
+        .await
+        .unwrap();
+    flowing(&mut publisher, &mut open).await;
+
+    let new_servers = Authority::new("new server CA");
+    let server = new_servers.server();
+    pki.files.write("server.key", &server.key);
+    pki.files.write("server.pem", &server.cert);
+    token_file(&pki.files, "tokens", &["new-token"]);
+    let rotated = Client {
+        ca: Some(pki.files.write("new-servers-ca.pem", &new_servers.pem())),
+        ..router("new-token")
+    };
+    // A check may catch the files half-written (a key ahead of its
+    // certificate): it refuses them and the next check takes them all.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut admitted = loop {
+        if let Ok(stream) = rotated.subscribe(gateway.address).await {
+            break stream;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the changed files were never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    flowing(&mut publisher, &mut admitted).await;
+    let old_token = Client {
+        token_file: Some(pki.files.path("old-token")),
+        ..rotated
+    };
+    let refused = old_token.subscribe(gateway.address).await;
+    assert_eq!(refused.unwrap_err().code(), Code::Unauthenticated);
     flowing(&mut publisher, &mut open).await;
 }
 

@@ -108,6 +108,11 @@ impl Tokens {
         })
     }
 
+    /// The file the tokens come from.
+    pub fn file(&self) -> &FlagFile {
+        &self.file
+    }
+
     /// Re-reads the file; returns how many tokens are now in force. On
     /// error the tokens in force stay.
     pub fn reload(&self) -> anyhow::Result<usize> {

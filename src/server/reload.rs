@@ -1,21 +1,25 @@
-//! SIGHUP re-reads the server's certificates and the token file, so
-//! rotation needs no restart.
+//! Rotation without a restart: SIGHUP re-reads the server's certificates and
+//! the token file, and so does a change to their contents, checked every
+//! `--credentials-check-seconds` (Kubernetes updates mounted Secrets in
+//! place but sends no signal).
 //!
 //! Invariant: each piece of material is swapped whole or not at all: a
 //! file that is missing, unreadable or wrong is refused with a logged error
 //! and what was in force stays in force. Connections and streams already
 //! open are never touched. A SIGHUP with nothing to reload is logged, never
-//! fatal.
+//! fatal; a change that fails to load is reported once, not every check.
 
 use std::future::Future;
+use std::time::Duration;
 
 use tracing::{error, info};
 
 use super::auth::Tokens;
 use super::tls::TlsAcceptor;
 use crate::metrics::{Metrics, ResultLabel};
+use crate::pem::FlagFile;
 
-/// Everything a SIGHUP re-reads.
+/// Everything a reload re-reads.
 #[derive(Clone, Default)]
 pub struct Credentials {
     pub tls: Option<TlsAcceptor>,
@@ -45,8 +49,8 @@ impl Credentials {
                 }
             }
         }
-        if self.tls.is_none() && self.tokens.is_none() {
-            info!("SIGHUP: no TLS certificates or token file to reload");
+        if self.is_empty() {
+            info!("no TLS certificates or token file to reload");
         }
         metrics
             .credential_reloads
@@ -56,29 +60,77 @@ impl Credentials {
             .inc();
         all_taken
     }
+
+    fn is_empty(&self) -> bool {
+        self.tls.is_none() && self.tokens.is_none()
+    }
+
+    fn files(&self) -> impl Iterator<Item = &FlagFile> {
+        let tls = self.tls.iter().flat_map(TlsAcceptor::files);
+        tls.chain(self.tokens.as_ref().map(Tokens::file))
+    }
+
+    /// A digest of every file's contents (an unreadable file counts as
+    /// empty: its reload then reports why).
+    fn fingerprint(&self) -> Vec<u8> {
+        let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+        for file in self.files() {
+            let contents = std::fs::read(&file.path).unwrap_or_default();
+            context.update(&(contents.len() as u64).to_le_bytes());
+            context.update(&contents);
+        }
+        context.finish().as_ref().to_vec()
+    }
 }
 
 /// Installs the SIGHUP handler now (so a SIGHUP right after start-up no
 /// longer ends the process) and returns the task that reloads on each
-/// signal until `stop` resolves.
+/// signal, and on each change seen every `check_every` (if set), until
+/// `stop` resolves.
 #[cfg(unix)]
-pub fn on_sighup(
+pub fn reload_task(
     credentials: Credentials,
     metrics: Metrics,
+    check_every: Option<Duration>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangups = signal(SignalKind::hangup())?;
     Ok(async move {
         tokio::pin!(stop);
+        let check_every = check_every.filter(|_| !credentials.is_empty());
+        let mut checks = check_every.map(|period| {
+            let mut checks = tokio::time::interval(period);
+            checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            checks
+        });
+        let mut seen = credentials.fingerprint();
         loop {
+            let check = async {
+                match checks.as_mut() {
+                    Some(checks) => {
+                        checks.tick().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = &mut stop => return,
                 received = hangups.recv() => {
                     if received.is_none() {
                         return;
                     }
+                    info!("SIGHUP: reloading certificates and tokens");
+                    seen = credentials.fingerprint();
                     credentials.reload(&metrics);
+                }
+                () = check => {
+                    let now = credentials.fingerprint();
+                    if now != seen {
+                        info!("certificate or token files changed: reloading");
+                        seen = now;
+                        credentials.reload(&metrics);
+                    }
                 }
             }
         }

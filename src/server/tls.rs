@@ -130,6 +130,13 @@ impl TlsAcceptor {
         })
     }
 
+    /// The files the configuration comes from.
+    pub fn files(&self) -> impl Iterator<Item = &FlagFile> {
+        [&self.files.cert, &self.files.key]
+            .into_iter()
+            .chain(self.files.client_ca.as_ref())
+    }
+
     /// Re-reads the files; on error the configuration in force stays.
     pub fn reload(&self) -> anyhow::Result<()> {
         let config = self.files.load()?;
