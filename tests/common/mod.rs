@@ -212,21 +212,12 @@ pub fn fence_in(batch: &KvEventBatch) -> Option<u64> {
     batch.events.iter().find_map(fence_number)
 }
 
-/// Whether `batch` carries fence `n` (fences published back to back may
-/// share a batch).
-pub fn carries_fence(batch: &KvEventBatch, n: u64) -> bool {
-    batch
-        .events
-        .iter()
-        .any(|event| fence_number(event) == Some(n))
-}
-
 /// Reads `stream` up to and including the batch with fence `n`.
 pub async fn skip_past_fence(stream: &mut Streaming<KvEventBatch>, n: u64) -> Vec<KvEventBatch> {
     let mut skipped = Vec::new();
     loop {
         let batch = next_batch(stream).await;
-        let done = carries_fence(&batch, n);
+        let done = fence_in(&batch) == Some(n);
         skipped.push(batch);
         if done {
             return skipped;
@@ -338,7 +329,7 @@ pub async fn follow_to_fence(
     loop {
         let batch = next_batch(stream).await;
         let admission = view.admit(&batch);
-        let done = carries_fence(&batch, n);
+        let done = fence_in(&batch) == Some(n);
         seen.push((batch, admission));
         if done {
             return seen;
