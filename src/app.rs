@@ -133,8 +133,20 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
 
     println!("kvgate: serving gRPC on {address}, events from {source_description}");
     if args.demo {
+        let mut flags = vec![if args.tls_cert.is_some() {
+            "-cacert CA.pem"
+        } else {
+            "-plaintext"
+        }];
+        if args.tls_client_ca.is_some() {
+            flags.push("-cert CLIENT.pem -key CLIENT.key");
+        }
+        if args.auth_token_file.is_some() {
+            flags.push("-H 'authorization: Bearer TOKEN'");
+        }
+        let credentials = flags.join(" ");
         println!(
-            "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
+            "kvgate: watch the demo stream with\n  grpcurl {credentials} -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
             display_address(address)
         );
     }
