@@ -14,6 +14,9 @@ use rustls::crypto::CryptoProvider;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
+/// Largest certificate, key, CA bundle or token file kvgate reads.
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+
 /// A file as the operator gave it: the flag and its path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlagFile {
@@ -29,9 +32,23 @@ impl FlagFile {
         }
     }
 
-    /// The file's bytes; the error names the flag and the file.
+    /// The file's bytes; the error names the flag and the file. A file over
+    /// `MAX_FILE_BYTES` is refused (a flag pointed at the wrong file must
+    /// not fill the memory, now or at a reload).
     pub fn read(&self) -> anyhow::Result<Vec<u8>> {
-        std::fs::read(&self.path).with_context(|| format!("{self}: cannot read"))
+        use std::io::Read as _;
+        let file =
+            std::fs::File::open(&self.path).with_context(|| format!("{self}: cannot read"))?;
+        let mut bytes = Vec::new();
+        file.take(MAX_FILE_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .with_context(|| format!("{self}: cannot read"))?;
+        if bytes.len() as u64 > MAX_FILE_BYTES {
+            anyhow::bail!(
+                "{self}: larger than {MAX_FILE_BYTES} bytes: not a certificate, key or token file"
+            );
+        }
+        Ok(bytes)
     }
 
     /// Every certificate in the file (at least one).

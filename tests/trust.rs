@@ -911,6 +911,9 @@ async fn kvgate_refuses_to_start_on_bad_trust_material_naming_the_flag_and_the_f
     assert_names(&stderr, "--auth-token-file", &empty);
     let stderr = refusal(&["--auth-token-file", &missing_arg]);
     assert_names(&stderr, "--auth-token-file", &missing);
+    let huge = pki.files.write("huge-tokens", &"t".repeat(2 << 20));
+    let stderr = refusal(&["--auth-token-file", &huge.display().to_string()]);
+    assert_names(&stderr, "--auth-token-file", &huge);
 
     let stderr = refusal(&["--engine-grpc", "https://127.0.0.1:1"]);
     assert!(stderr.contains("--engine-tls-ca"), "{stderr}");

@@ -70,12 +70,12 @@ impl Credentials {
         tls.chain(self.tokens.as_ref().map(Tokens::file))
     }
 
-    /// A digest of every file's contents (an unreadable file counts as
-    /// empty: its reload then reports why).
+    /// A digest of every file's contents (an unreadable or oversized file
+    /// counts as empty: its reload then reports why).
     fn fingerprint(&self) -> Vec<u8> {
         let mut context = ring::digest::Context::new(&ring::digest::SHA256);
         for file in self.files() {
-            let contents = std::fs::read(&file.path).unwrap_or_default();
+            let contents = file.read().unwrap_or_default();
             context.update(&(contents.len() as u64).to_le_bytes());
             context.update(&contents);
         }
