@@ -149,7 +149,7 @@ async fn main() {
     let kvgate::cli::Command::Serve(args) = cli.command else {
         unreachable!()
     };
-    let kvgate = kvgate::app::Gateway::start(args).await.unwrap();
+    let kvgate = kvgate::app::Gateway::start(*args).await.unwrap();
     let through = format!("http://{}", kvgate.address());
     tokio::spawn(kvgate.run(std::future::pending()));
     let gateway = channel(&through).await;

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use crate::cli::ServeArgs;
+use crate::client::{TlsFlags, TlsPaths};
 use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::drain::sequence::epoch_seed;
@@ -29,9 +30,13 @@ use crate::load::engine::EngineLoads;
 use crate::load::poller::{self, PollerConfig};
 use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
+use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
 use crate::server::connection::ConnectionLimits;
+use crate::server::auth::Tokens;
 use crate::server::passthrough::PassThrough;
+use crate::server::reload::{self, Credentials};
+use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
@@ -55,6 +60,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 /// announcing its addresses on stdout.
 pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let demo = args.demo;
+    let grpcurl_credentials = grpcurl_credentials(&args);
     let gateway = Gateway::start(args).await?;
     if let Some(admin) = gateway.admin_address() {
         crate::logging::announce(&format!(
@@ -68,11 +74,27 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyho
     ));
     if demo {
         crate::logging::announce(&format!(
-            "kvgate: watch the demo stream with\n  grpcurl -plaintext -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
+            "kvgate: watch the demo stream with\n  grpcurl {grpcurl_credentials} -d '{{}}' {} kvgate.v1.KvGate/SubscribeKvEvents",
             display_address(address)
         ));
     }
     Ok(gateway.run(shutdown).await?)
+}
+
+/// The grpcurl flags a client of this gateway needs.
+fn grpcurl_credentials(args: &ServeArgs) -> String {
+    let mut flags = vec![if args.tls_cert.is_some() {
+        "-cacert CA.pem"
+    } else {
+        "-plaintext"
+    }];
+    if args.tls_client_ca.is_some() {
+        flags.push("-cert CLIENT.pem -key CLIENT.key");
+    }
+    if args.auth_token_file.is_some() {
+        flags.push("-H 'authorization: Bearer TOKEN'");
+    }
+    flags.join(" ")
 }
 
 /// A started gateway: every port bound, every task running.
@@ -176,17 +198,24 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         Some(address) => Some(admin::bind(address).await?),
         None => None,
     };
+    let engine_tls = TlsPaths {
+        ca: args.engine_tls_ca.clone(),
+        cert: args.engine_tls_cert.clone(),
+        key: args.engine_tls_key.clone(),
+    };
     let pass_through = args
         .engine_grpc
         .as_deref()
         .map(|target| {
             PassThrough::new(
                 target,
+                &engine_tls,
                 args.pass_through_max_path_bytes as usize,
                 metrics.clone(),
             )
         })
         .transpose()?;
+    let credentials = server_credentials(&args, &metrics)?;
     let load_engine = pass_through
         .as_ref()
         .filter(|_| args.load_poll_ms > 0)
@@ -253,15 +282,29 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         .transpose()?;
     let parts = ServerParts {
         hub: hub_reader,
-        metrics,
+        metrics: metrics.clone(),
         health: health.clone(),
         pass_through,
         limits: ConnectionLimits::from_args(&args),
+        tls: credentials.tls.clone(),
+        tokens: credentials.tokens.clone(),
         subscribe_limits: server::subscribe::SubscribeLimits {
             subscribers: args.max_subscribers as usize,
             snapshot_encodes: args.max_snapshot_encodes as usize,
         },
     };
+    let check_every = Some(Duration::from_secs(args.credentials_check_seconds))
+        .filter(|period| !period.is_zero());
+    let reloads = reload::reload_task(
+        credentials,
+        metrics.clone(),
+        check_every,
+        supervisor.stopping().cancelled_owned(),
+    )?;
+    supervisor.spawn(TaskName::CredentialReloader, async move {
+        reloads.await;
+        Ok(())
+    });
     let stop = supervisor.stopping();
     supervisor.spawn(
         TaskName::GrpcServer,
@@ -290,6 +333,38 @@ fn display_address(address: std::net::SocketAddr) -> String {
     }
 }
 
+const UPSTREAM_FLAGS: TlsFlags = TlsFlags {
+    uri: "--upstream-grpc",
+    ca: "--upstream-tls-ca",
+    cert: "--upstream-tls-cert",
+    key: "--upstream-tls-key",
+};
+
+/// TLS on the gRPC port and bearer tokens, read and checked now.
+fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            let files = ServerTlsFiles {
+                cert: FlagFile::new("--tls-cert", cert),
+                key: FlagFile::new("--tls-key", key),
+                client_ca: args
+                    .tls_client_ca
+                    .as_ref()
+                    .map(|ca| FlagFile::new("--tls-client-ca", ca)),
+            };
+            Some(TlsAcceptor::new(files, metrics.clone())?)
+        }
+        // clap makes --tls-cert and --tls-key go together.
+        _ => None,
+    };
+    let tokens = args
+        .auth_token_file
+        .as_ref()
+        .map(|path| Tokens::load(FlagFile::new("--auth-token-file", path)))
+        .transpose()?;
+    Ok(Credentials { tls, tokens })
+}
+
 /// Where events come from, as configured.
 enum SourceConfig {
     Zmq(ZmqSourceConfig),
@@ -300,7 +375,7 @@ impl std::fmt::Display for SourceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Zmq(config) => write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size),
-            Self::Upstream(config) => write!(f, "{} ({})", config.uri, config.service),
+            Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
         }
     }
 }
@@ -334,8 +409,17 @@ async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option
         return Ok((zmq(endpoint, replay), Some(demo)));
     }
     if let Some(uri) = &args.upstream_grpc {
+        let tls = TlsPaths {
+            ca: args.upstream_tls_ca.clone(),
+            cert: args.upstream_tls_cert.clone(),
+            key: args.upstream_tls_key.clone(),
+        };
+        let token = args
+            .upstream_token_file
+            .as_ref()
+            .map(|path| FlagFile::new("--upstream-token-file", path));
         let config = UpstreamConfig {
-            uri: uri.clone(),
+            target: crate::client::Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
             service: args.upstream_service.clone(),
         };
         return Ok((SourceConfig::Upstream(config), None));

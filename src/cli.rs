@@ -3,6 +3,7 @@
 //! Values are checked here, so a bad one fails at start naming its flag.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -34,7 +35,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Drain an engine's KV events and serve them to any number of routers.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print a gateway's event stream.
     Tail(crate::tools::tail::TailArgs),
     /// Summarise a running gateway: health, services, blocks per rank.
@@ -191,6 +192,75 @@ pub struct ServeArgs {
     /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.
     #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// Serve gRPC over TLS with this certificate chain (PEM); re-read on
+    /// SIGHUP.
+    #[arg(
+        long,
+        env = "KVGATE_TLS_CERT",
+        value_name = "PEM",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key of --tls-cert (PEM).
+    #[arg(
+        long,
+        env = "KVGATE_TLS_KEY",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+
+    /// Require every client to present a certificate signed by this CA
+    /// (PEM): mutual TLS.
+    #[arg(
+        long,
+        env = "KVGATE_TLS_CLIENT_CA",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Bearer tokens, one a line (# comments): every RPC but health then
+    /// needs `authorization: Bearer <token>`; re-read on SIGHUP.
+    #[arg(long, env = "KVGATE_AUTH_TOKEN_FILE", value_name = "PATH")]
+    pub auth_token_file: Option<PathBuf>,
+
+    /// Seconds between checks of the certificate and token files for a
+    /// change (reloaded as on SIGHUP); 0 reloads on SIGHUP only.
+    #[arg(long, env = "KVGATE_CREDENTIALS_CHECK_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub credentials_check_seconds: u64,
+
+    /// The CA that signed the engine's certificate, for an https:// --engine-grpc.
+    #[arg(long, env = "KVGATE_ENGINE_TLS_CA", value_name = "PEM")]
+    pub engine_tls_ca: Option<PathBuf>,
+
+    /// kvgate's client certificate towards the engine (PEM), if it requires one.
+    #[arg(long, env = "KVGATE_ENGINE_TLS_CERT", value_name = "PEM")]
+    pub engine_tls_cert: Option<PathBuf>,
+
+    /// The private key of --engine-tls-cert (PEM).
+    #[arg(long, env = "KVGATE_ENGINE_TLS_KEY", value_name = "PEM")]
+    pub engine_tls_key: Option<PathBuf>,
+
+    /// The CA that signed the upstream's certificate, for an https:// --upstream-grpc.
+    #[arg(long, env = "KVGATE_UPSTREAM_TLS_CA", value_name = "PEM")]
+    pub upstream_tls_ca: Option<PathBuf>,
+
+    /// kvgate's client certificate towards the upstream (PEM), if it requires one.
+    #[arg(long, env = "KVGATE_UPSTREAM_TLS_CERT", value_name = "PEM")]
+    pub upstream_tls_cert: Option<PathBuf>,
+
+    /// The private key of --upstream-tls-cert (PEM).
+    #[arg(long, env = "KVGATE_UPSTREAM_TLS_KEY", value_name = "PEM")]
+    pub upstream_tls_key: Option<PathBuf>,
+
+    /// A file whose first token kvgate sends to the upstream as
+    /// `authorization: Bearer <token>`.
+    #[arg(long, env = "KVGATE_UPSTREAM_TOKEN_FILE", value_name = "PATH")]
+    pub upstream_token_file: Option<PathBuf>,
 
     /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
     /// real one: live events with no GPU.

@@ -10,6 +10,8 @@
 pub mod app;
 pub mod cli;
 pub mod cli_values;
+pub mod client;
+pub mod connect_error;
 pub mod convert;
 pub mod drain;
 pub mod health;
@@ -19,6 +21,7 @@ pub mod load;
 pub mod logging;
 pub mod metrics;
 mod process_metrics;
+pub mod pem;
 pub mod proto;
 pub mod server;
 pub mod sim;

@@ -18,7 +18,7 @@ fn main() -> std::process::ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => kvgate::app::serve(args, shutdown_signal()).await,
+            Command::Serve(args) => kvgate::app::serve(*args, shutdown_signal()).await,
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,
             Command::Bench(args) => kvgate::tools::load::run(args).await,

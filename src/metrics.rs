@@ -93,6 +93,11 @@ pub const BAD_MESSAGE_REASONS: [&str; 7] = [
     crate::source::upstream::UNDECODABLE,
 ];
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
 /// Every metric kvgate exports. Cloning shares the same underlying values.
 #[derive(Clone)]
 pub struct Metrics {
@@ -163,6 +168,12 @@ pub struct Metrics {
     pub load_poll_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Parts of `GetLoads` answers clamped or dropped, by reason.
     pub load_answer_faults: Family<ReasonLabel, Counter>,
+    /// TLS handshakes refused on the gRPC port, by reason.
+    pub tls_handshake_failures: Family<ReasonLabel, Counter>,
+    /// Calls refused UNAUTHENTICATED, by reason.
+    pub auth_failures: Family<ReasonLabel, Counter>,
+    /// SIGHUP reloads of certificates and tokens, by result.
+    pub credential_reloads: Family<ResultLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -206,6 +217,9 @@ impl Metrics {
             load_only_batches: Counter::default(),
             load_poll_age_seconds: Gauge::default(),
             load_answer_faults: Family::default(),
+            tls_handshake_failures: Family::default(),
+            auth_failures: Family::default(),
+            credential_reloads: Family::default(),
         };
         metrics
             .build_info
@@ -230,6 +244,21 @@ impl Metrics {
             metrics.build_info.clone(),
         );
         registry.register_collector(Box::new(crate::process_metrics::ProcessCollector));
+        for reason in crate::server::tls::HandshakeFailure::ALL {
+            let _ = metrics.tls_handshake_failures.get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            });
+        }
+        for reason in crate::server::auth::AuthFailure::ALL {
+            let _ = metrics.auth_failures.get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            });
+        }
+        for result in ["ok", "failed"] {
+            let _ = metrics
+                .credential_reloads
+                .get_or_create(&ResultLabel { result });
+        }
         registry.register(
             "engine_messages",
             "Engine messages received per data-parallel rank",
@@ -406,6 +435,21 @@ impl Metrics {
                 reason: fault.as_str(),
             });
         }
+        registry.register(
+            "tls_handshake_failures",
+            "TLS handshakes refused on the gRPC port, by reason",
+            metrics.tls_handshake_failures.clone(),
+        );
+        registry.register(
+            "auth_failures",
+            "Calls refused UNAUTHENTICATED (no or unknown bearer token), by reason",
+            metrics.auth_failures.clone(),
+        );
+        registry.register(
+            "credential_reloads",
+            "Reloads of TLS certificates and bearer tokens on SIGHUP, by result",
+            metrics.credential_reloads.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             ..metrics

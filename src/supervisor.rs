@@ -35,6 +35,8 @@ pub enum TaskName {
     DemoEngine,
     /// The engine's `GetLoads` poller.
     LoadPoller,
+    /// Re-reads certificates and tokens on SIGHUP (and when they change).
+    CredentialReloader,
 }
 
 impl fmt::Display for TaskName {
@@ -47,6 +49,7 @@ impl fmt::Display for TaskName {
             Self::AdminServer => f.write_str("admin HTTP server"),
             Self::DemoEngine => f.write_str("demo engine"),
             Self::LoadPoller => f.write_str("load poller"),
+            Self::CredentialReloader => f.write_str("credential reloader"),
         }
     }
 }

@@ -24,7 +24,7 @@ fn serve_args(args: &[&str]) -> ServeArgs {
     let Command::Serve(args) = cli.command else {
         unreachable!("parsed as serve")
     };
-    args
+    *args
 }
 
 /// A gateway following a real engine publisher.

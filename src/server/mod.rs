@@ -5,6 +5,7 @@
 pub mod accept;
 mod activity;
 pub mod admin;
+pub mod auth;
 pub mod codec;
 pub mod connection;
 pub mod fd_limit;
@@ -13,7 +14,9 @@ mod health;
 pub mod passthrough;
 mod preface;
 pub mod request_limit;
+pub mod reload;
 pub mod subscribe;
+pub mod tls;
 
 use std::future::Future;
 
@@ -45,6 +48,10 @@ pub struct ServerParts {
     pub pass_through: Option<passthrough::PassThrough>,
     pub limits: connection::ConnectionLimits,
     pub subscribe_limits: SubscribeLimits,
+    /// TLS on the gRPC port, when configured.
+    pub tls: Option<tls::TlsAcceptor>,
+    /// The bearer tokens every call but health needs, when configured.
+    pub tokens: Option<auth::Tokens>,
 }
 
 /// Builds every route of the server.
@@ -80,6 +87,9 @@ pub fn routes(
     if let Some(pass_through) = parts.pass_through.clone() {
         router = router.fallback_service(pass_through);
     }
+    if let Some(tokens) = parts.tokens.clone() {
+        router = router.layer(auth::RequireToken::new(tokens, parts.metrics.clone()));
+    }
     Ok((router, health))
 }
 
@@ -87,10 +97,13 @@ pub fn routes(
 /// streams to end (closing the hub ends them).
 pub async fn serve(
     listener: TcpListener,
-    parts: ServerParts,
+    mut parts: ServerParts,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    serve_with(listener, accept::Plaintext, parts, shutdown).await
+    match parts.tls.take() {
+        Some(tls) => serve_with(listener, tls, parts, shutdown).await,
+        None => serve_with(listener, accept::Plaintext, parts, shutdown).await,
+    }
 }
 
 /// [`serve`] over whatever `acceptor` makes of each accepted TCP stream.

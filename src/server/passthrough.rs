@@ -19,18 +19,26 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http_body::{Body as HttpBody, Frame};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tonic::Status;
 use tonic::body::Body;
 use tower::Service;
 use tracing::debug;
 
+use crate::client::{Connector, TlsFlags, TlsPaths};
 use crate::metrics::Metrics;
 use crate::server::methods;
 
 /// The HTTP/2 client every call to the engine goes through.
-pub type EngineTransport = Client<HttpConnector, Body>;
+pub type EngineTransport = Client<Connector, Body>;
+
+/// The flags of the engine's address and TLS files.
+pub const ENGINE_FLAGS: TlsFlags = TlsFlags {
+    uri: "--engine-grpc",
+    ca: "--engine-tls-ca",
+    cert: "--engine-tls-cert",
+    key: "--engine-tls-key",
+};
 
 /// Forwards HTTP/2 gRPC requests to the engine.
 #[derive(Clone)]
@@ -48,20 +56,22 @@ pub struct PassThrough {
 
 impl PassThrough {
     /// Connects on first use: kvgate starts even when the engine's server is
-    /// not up yet, and reconnects when it comes back.
-    pub fn new(target: &str, max_path_bytes: usize, metrics: Metrics) -> anyhow::Result<Self> {
+    /// not up yet, and reconnects when it comes back. TLS files are read
+    /// now, so bad ones stop the start.
+    pub fn new(
+        target: &str,
+        tls: &TlsPaths,
+        max_path_bytes: usize,
+        metrics: Metrics,
+    ) -> anyhow::Result<Self> {
         let uri: http::Uri = target
             .parse()
             .map_err(|error| anyhow::anyhow!("--engine-grpc {target}: {error}"))?;
         let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned())
         else {
-            anyhow::bail!("--engine-grpc {target}: expected http://HOST:PORT");
+            anyhow::bail!("--engine-grpc {target}: expected http://HOST:PORT or https://HOST:PORT");
         };
-        if scheme != http::uri::Scheme::HTTP {
-            anyhow::bail!("--engine-grpc {target}: only plaintext http:// is supported");
-        }
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
+        let connector = crate::client::connector(&uri, tls, ENGINE_FLAGS)?;
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
             .build(connector);
@@ -134,7 +144,7 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
                     debug!(%method, %error, "engine gRPC server unreachable");
                     let status = Status::unavailable(format!(
                         "kvgate could not reach the engine's gRPC server at {target} (--engine-grpc): {}",
-                        crate::tools::connect_error::describe(&error)
+                        crate::connect_error::describe(&error)
                     ));
                     metrics.count_pass_through(method, status.code() as i32);
                     return Ok(status.into_http());

@@ -24,10 +24,11 @@ use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
 /// The bad-message reason of an upstream batch kvgate cannot decode.
 pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
 
-/// Where the upstream is and which of its service names to call.
-#[derive(Clone, Debug)]
+/// Where the upstream is, with which credentials, and which of its service
+/// names to call.
+#[derive(Clone)]
 pub struct UpstreamConfig {
-    pub uri: String,
+    pub target: crate::client::Target,
     pub service: String,
 }
 
@@ -133,13 +134,13 @@ pub async fn run(
         match outcome {
             Outcome::DrainGone => return,
             Outcome::Resync(reason) => {
-                info!(upstream = %config.uri, %reason, "resubscribing from 0 for a snapshot");
+                info!(upstream = %config.target.uri(), %reason, "resubscribing from 0 for a snapshot");
                 cursors.forget();
                 backoff = FIRST_BACKOFF;
             }
             Outcome::Retry(reason) => {
                 metrics.upstream_reconnects.inc();
-                warn!(upstream = %config.uri, %reason, ?backoff, "upstream stream lost; resuming");
+                warn!(upstream = %config.target.uri(), %reason, ?backoff, "upstream stream lost; resuming");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     () = stop.cancelled() => return,
@@ -166,12 +167,12 @@ async fn follow(
     metrics: &Metrics,
     ready: &watch::Sender<bool>,
 ) -> Outcome {
-    let channel = match crate::tools::connect("--upstream-grpc", &config.uri).await {
+    let channel = match config.target.connect().await {
         Ok(channel) => channel,
         Err(error) => return Outcome::Retry(error.to_string()),
     };
     let mut stream =
-        match crate::tools::subscribe(channel, &config.service, cursors.resume_from()).await {
+        match crate::client::subscribe(channel, &config.service, cursors.resume_from()).await {
             Ok(stream) => stream,
             Err(status) if matches!(status.code(), Code::OutOfRange | Code::DataLoss) => {
                 return Outcome::Resync(status.to_string());

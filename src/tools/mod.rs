@@ -1,35 +1,70 @@
 //! Command-line clients of a gateway: `kvgate tail`, `kvgate status` and
 //! the load tool `kvgate bench`. They talk gRPC only, like any router would.
 
-pub mod connect_error;
 pub mod load;
 pub mod shell;
 pub mod status;
 pub mod tail;
 
-use tonic::codec::{Codec, Streaming};
-use tonic::transport::Channel;
+use std::path::PathBuf;
 
-use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
+use crate::client::{Authorized, Target, TlsFlags, TlsPaths};
+pub use crate::client::{subscribe, subscribe_requesting, subscribe_with};
+use crate::pem::FlagFile;
 
-/// Connects to `address` (`host:port` or `http://host:port`), which the
-/// user gave as `flag`: an error names that flag and keeps the cause.
-pub async fn connect(flag: &str, address: &str) -> anyhow::Result<Channel> {
-    let uri = if address.contains("://") {
-        address.to_owned()
-    } else {
-        format!("http://{address}")
-    };
-    Channel::from_shared(uri.clone())
-        .map_err(|error| anyhow::anyhow!("{flag} {address}: {error}"))?
+/// Connects to `address` (`host:port` or `http://host:port`) in plaintext,
+/// without a token; the user gave it as `flag`, which an error names.
+pub async fn connect(flag: &'static str, address: &str) -> anyhow::Result<Authorized> {
+    let flags = TlsFlags { uri: flag, ..FLAGS };
+    Target::new(address, &TlsPaths::default(), flags, None)?
         .connect()
         .await
-        .map_err(|error| {
-            anyhow::anyhow!(
-                "{flag} {address}: cannot connect: {}",
-                connect_error::describe(&error)
-            )
-        })
+}
+
+const FLAGS: TlsFlags = TlsFlags {
+    uri: "--addr",
+    ca: "--ca",
+    cert: "--cert",
+    key: "--key",
+};
+
+/// Where the gateway is and the credentials to reach it with.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GatewayArgs {
+    /// The gateway's gRPC address (host:port, http://host:port or
+    /// https://host:port).
+    #[arg(long, env = "KVGATE_ADDR", default_value = "127.0.0.1:50061")]
+    pub addr: String,
+    /// The CA that signed the gateway's certificate: connect over TLS
+    /// (host:port then means https://).
+    #[arg(long, env = "KVGATE_CA", value_name = "PEM")]
+    pub ca: Option<PathBuf>,
+    /// A client certificate, for a gateway that requires one (mTLS).
+    #[arg(long, env = "KVGATE_CERT", value_name = "PEM")]
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key.
+    #[arg(long, env = "KVGATE_KEY", value_name = "PEM")]
+    pub key: Option<PathBuf>,
+    /// A file whose first token is sent as `authorization: Bearer <token>`.
+    #[arg(long, env = "KVGATE_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+}
+
+impl GatewayArgs {
+    pub async fn connect(&self) -> anyhow::Result<Authorized> {
+        let paths = TlsPaths {
+            ca: self.ca.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+        };
+        let token = self
+            .token_file
+            .as_ref()
+            .map(|path| FlagFile::new("--token-file", path));
+        Target::new(&self.addr, &paths, FLAGS, token)?
+            .connect()
+            .await
+    }
 }
 
 /// A gRPC status as grpcurl shows it: the code's canonical name first
@@ -56,55 +91,4 @@ pub fn describe_status(status: &tonic::Status) -> String {
         Code::Unauthenticated => "UNAUTHENTICATED",
     };
     format!("{name}: {}", status.message())
-}
-
-/// Opens `SubscribeKvEvents` on `service` with a stock prost client.
-pub async fn subscribe(
-    channel: Channel,
-    service: &str,
-    start_sequence_number: u64,
-) -> Result<Streaming<KvEventBatch>, tonic::Status> {
-    let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
-    subscribe_with(channel, service, start_sequence_number, codec).await
-}
-
-/// Opens `SubscribeKvEvents` on `service`, reading the batches with `codec`.
-pub async fn subscribe_with<C>(
-    channel: Channel,
-    service: &str,
-    start_sequence_number: u64,
-    codec: C,
-) -> Result<Streaming<C::Decode>, tonic::Status>
-where
-    C: Codec<Encode = SubscribeKvEventsRequest>,
-    C::Decode: Send + Sync + 'static,
-{
-    let request = SubscribeKvEventsRequest {
-        start_sequence_number,
-        load_records_before_first_batch: false,
-    };
-    subscribe_requesting(channel, service, request, codec).await
-}
-
-/// Opens `SubscribeKvEvents` on `service` with `request` as it is.
-pub async fn subscribe_requesting<C>(
-    channel: Channel,
-    service: &str,
-    request: SubscribeKvEventsRequest,
-    codec: C,
-) -> Result<Streaming<C::Decode>, tonic::Status>
-where
-    C: Codec<Encode = SubscribeKvEventsRequest>,
-    C::Decode: Send + Sync + 'static,
-{
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready()
-        .await
-        .map_err(|error| tonic::Status::unavailable(error.to_string()))?;
-    let path = format!("/{service}/SubscribeKvEvents")
-        .parse()
-        .map_err(|_| tonic::Status::invalid_argument(format!("bad service name {service:?}")))?;
-    grpc.server_streaming(tonic::Request::new(request), path, codec)
-        .await
-        .map(tonic::Response::into_inner)
 }

@@ -13,15 +13,14 @@ use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
 use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
-use super::{connect, subscribe};
+use super::{GatewayArgs, subscribe};
 use crate::proto::common::kv_cache_event::Data;
 use crate::server::SUBSCRIBE_SERVICES;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct StatusArgs {
-    /// The gateway's gRPC address (host:port or http://host:port).
-    #[arg(long, env = "KVGATE_ADDR", default_value = "127.0.0.1:50061")]
-    pub addr: String,
+    #[command(flatten)]
+    pub gateway: GatewayArgs,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -44,7 +43,7 @@ pub struct RankStatus {
 }
 
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
-    let status = collect(&args.addr).await?;
+    let status = collect(&args.gateway).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
@@ -53,8 +52,8 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn collect(address: &str) -> anyhow::Result<GatewayStatus> {
-    let channel = connect("--addr", address).await?;
+pub async fn collect(gateway: &GatewayArgs) -> anyhow::Result<GatewayStatus> {
+    let channel = gateway.connect().await?;
     let mut health = BTreeMap::new();
     let mut client = HealthClient::new(channel.clone());
     for service in std::iter::once("").chain(SUBSCRIBE_SERVICES) {
@@ -117,7 +116,7 @@ pub async fn collect(address: &str) -> anyhow::Result<GatewayStatus> {
         }
     }
     Ok(GatewayStatus {
-        address: address.to_owned(),
+        address: gateway.addr.clone(),
         health,
         services,
         ranks,

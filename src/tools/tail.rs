@@ -7,15 +7,14 @@ use std::io::Write;
 
 use serde_json::{Map, Value};
 
-use super::{connect, subscribe_requesting};
+use super::{GatewayArgs, subscribe_requesting};
 use crate::json::{FieldNames, to_json_with};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TailArgs {
-    /// The gateway's gRPC address (host:port or http://host:port).
-    #[arg(long, env = "KVGATE_ADDR", default_value = "127.0.0.1:50061")]
-    pub addr: String,
+    #[command(flatten)]
+    pub gateway: GatewayArgs,
     /// Resume after this rank-0 sequence number; 0 starts with a snapshot.
     #[arg(long, default_value_t = 0)]
     pub from: u64,
@@ -35,7 +34,7 @@ pub struct TailArgs {
 }
 
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
-    let channel = connect("--addr", &args.addr).await?;
+    let channel = args.gateway.connect().await?;
     let request = SubscribeKvEventsRequest {
         start_sequence_number: args.from,
         load_records_before_first_batch: args.load_before_first_batch,
