@@ -32,8 +32,8 @@ use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
-use crate::server::connection::ConnectionLimits;
 use crate::server::auth::Tokens;
+use crate::server::connection::ConnectionLimits;
 use crate::server::passthrough::PassThrough;
 use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
@@ -43,8 +43,8 @@ use crate::source::SourceEvent;
 use crate::source::endpoint::{RankEndpoints, check_rank_ports};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::ZmqSourceConfig;
-use crate::usage::UsageError;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
+use crate::usage::UsageError;
 
 #[cfg(test)]
 mod tests;

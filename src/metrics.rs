@@ -583,7 +583,6 @@ impl Metrics {
     }
 
     pub fn count_pass_through(&self, method: &'static str, code: i32) {
-
         self.pass_through_calls
             .get_or_create(&CallLabels { method, code })
             .inc();

@@ -209,8 +209,7 @@ impl Supervisor {
         let cause = self.lifecycle.send_if_modified(|lifecycle| {
             let cause = match lifecycle {
                 Lifecycle::Failed(earlier) => {
-                    earlier.end == UnexpectedEnd::Returned
-                        && failure.end != UnexpectedEnd::Returned
+                    earlier.end == UnexpectedEnd::Returned && failure.end != UnexpectedEnd::Returned
                 }
                 Lifecycle::Running | Lifecycle::Stopping => true,
             };

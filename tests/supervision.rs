@@ -8,7 +8,6 @@ use std::io::Read;
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc as std_mpsc;
 
-
 /// Runs `kvgate serve <args>` until it exits on its own (bounded by the
 /// deadline, then killed by pid); returns its exit status and stderr.
 fn serve_until_exit(args: &[&str], env: &[(&str, &str)]) -> (ExitStatus, String) {

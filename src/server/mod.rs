@@ -9,12 +9,12 @@ pub mod auth;
 pub mod codec;
 pub mod connection;
 pub mod fd_limit;
-mod methods;
 mod health;
+mod methods;
 pub mod passthrough;
 mod preface;
-pub mod request_limit;
 pub mod reload;
+pub mod request_limit;
 pub mod subscribe;
 pub mod tls;
 
