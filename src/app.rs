@@ -465,8 +465,9 @@ fn spawn_drain(
     if let Some(records) = load_records {
         drain = drain.with_load_records(records);
     }
+    let stop = supervisor.stopping();
     supervisor.spawn(TaskName::Drain, async move {
-        drain.run(events).await;
+        drain.run(events, stop).await;
         Ok(())
     });
 }

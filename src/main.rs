@@ -37,24 +37,24 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut terminate) => {
+/// SIGINT or SIGTERM. The handlers are installed when this is called, not
+/// when the future is first polled: a signal that arrives while the gateway
+/// is still starting (after it announced its address) must stop it cleanly
+/// rather than kill it.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let interrupt = signal(SignalKind::interrupt());
+    let terminate = signal(SignalKind::terminate());
+    async move {
+        match (interrupt, terminate) {
+            (Ok(mut interrupt), Ok(mut terminate)) => {
                 tokio::select! {
-                    _ = interrupt => {}
+                    _ = interrupt.recv() => {}
                     _ = terminate.recv() => {}
                 }
             }
-            Err(_) => {
-                let _ = interrupt.await;
-            }
+            // Without handlers (never on Linux), the default actions apply.
+            _ => std::future::pending().await,
         }
     }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
 }

@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::convert::{Converter, Tally};
@@ -88,11 +89,19 @@ impl Drain {
 
     /// Runs until every source sender is gone, then closes the hub so each
     /// subscriber's stream ends cleanly.
-    pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>) {
+    ///
+    /// Once `stop` is cancelled it ends at once, leaving what is still
+    /// queued: after a restart every subscriber starts over from a snapshot
+    /// of the new incarnation anyway, so publishing a backlog would only
+    /// delay the clean end of every stream (a flooded queue takes seconds).
+    /// Dropping the input also ends the sources, whose next send fails.
+    pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>, stop: CancellationToken) {
         loop {
             // Cuts are taken between cycles, when everything applied to the
             // state has been published.
             tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
                 request = self.hub.next_cut_request() => self.answer(request),
                 () = load_wake(&mut self.records) => self.send_load_records(),
                 first = events.recv() => {

@@ -120,6 +120,12 @@ impl Subscription {
 
     pub async fn next(&mut self) -> Step {
         loop {
+            // Shutting down, a lagging subscriber ends now rather than after
+            // its backlog: it resumes from its cursor either way, and every
+            // stream must end within the shutdown grace.
+            if self.live.is_closed() {
+                return Step::Closed;
+            }
             let position = self.next_position.get();
             if position <= self.published_through {
                 return match self.hub.published(position) {
