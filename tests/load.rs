@@ -361,10 +361,14 @@ async fn one_engine_poll_serves_every_subscriber_the_engine_sees_as_many_calls_w
         with_sixteen <= with_one * 2 + 4,
         "{with_sixteen} calls with 16 subscribers against {with_one} with 1"
     );
-    assert_eq!(
-        metric(&gateway, "kvgate_load_polls_total{outcome=\"ok\"}").await as u64,
-        engine.calls(),
-        "every call is kvgate's one poller's"
+    // kvgate counts a poll once its answer is in, the engine when the call
+    // arrives, and one call at most is in flight: read around the metric.
+    let calls_before = engine.calls();
+    let counted = metric(&gateway, "kvgate_load_polls_total{outcome=\"ok\"}").await as u64;
+    let calls_after = engine.calls();
+    assert!(
+        calls_before <= counted + 1 && counted <= calls_after,
+        "every call is kvgate's one poller's: {counted} counted, the engine saw {calls_before}..{calls_after}"
     );
 }
 
