@@ -183,13 +183,13 @@ fn an_unreachable_upstream_is_reported_under_its_flag_with_its_cause() {
 #[test]
 fn a_tool_that_cannot_reach_the_gateway_names_addr_and_the_cause() {
     let output = Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args(["status", "--addr", "kvgate-test.invalid:50061"])
+        .args(["status", "--addr", "kvgate-test.invalid:5"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(
-        stderr.contains("--addr kvgate-test.invalid:50061") && stderr.contains("no such host"),
+        stderr.contains("--addr kvgate-test.invalid:5") && stderr.contains("no such host"),
         "{stderr}"
     );
 }

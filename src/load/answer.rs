@@ -163,24 +163,31 @@ impl Core {
     }
 }
 
+/// The fields every engine's per-rank load message shares, by the names
+/// all three generated types give them.
+macro_rules! core_of {
+    ($load:expr) => {
+        Core {
+            running: $load.num_running_reqs,
+            waiting: $load.num_waiting_reqs,
+            waiting_uncached_tokens: $load.num_waiting_uncached_tokens,
+            token_usage: $load.token_usage,
+            gen_throughput: $load.gen_throughput,
+            max_running: $load.max_running_requests,
+            cache_hit_rate: $load.cache_hit_rate,
+            used_tokens: $load.num_used_tokens,
+            max_total_tokens: $load.max_total_num_tokens,
+        }
+    };
+}
+
 pub fn from_sglang(answer: sglang::GetLoadsResponse, faults: &mut Faults) -> Vec<RankLoad> {
     let clamp = &mut Clamp(faults);
     answer
         .loads
         .into_iter()
         .map(|l| {
-            let mut load = Core {
-                running: l.num_running_reqs,
-                waiting: l.num_waiting_reqs,
-                waiting_uncached_tokens: l.num_waiting_uncached_tokens,
-                token_usage: l.token_usage,
-                gen_throughput: l.gen_throughput,
-                max_running: l.max_running_requests,
-                cache_hit_rate: l.cache_hit_rate,
-                used_tokens: l.num_used_tokens,
-                max_total_tokens: l.max_total_num_tokens,
-            }
-            .record(clamp);
+            let mut load = core_of!(l).record(clamp);
             load.memory = l.memory.as_ref().map(|m| clamp.memory(m));
             load.queues = l.queues.as_ref().map(|q| clamp.queues(q));
             load.speculative = l.speculative.map(|s| EngineSpeculative {
@@ -217,18 +224,7 @@ pub fn from_vllm(answer: vllm::GetLoadsResponse, faults: &mut Faults) -> Vec<Ran
         .into_iter()
         .map(|l| RankLoad {
             dp_rank: l.dp_rank,
-            load: Core {
-                running: l.num_running_reqs,
-                waiting: l.num_waiting_reqs,
-                waiting_uncached_tokens: l.num_waiting_uncached_tokens,
-                token_usage: l.token_usage,
-                gen_throughput: l.gen_throughput,
-                max_running: l.max_running_requests,
-                cache_hit_rate: l.cache_hit_rate,
-                used_tokens: l.num_used_tokens,
-                max_total_tokens: l.max_total_num_tokens,
-            }
-            .record(clamp),
+            load: core_of!(l).record(clamp),
         })
         .collect()
 }
@@ -239,18 +235,7 @@ pub fn from_tokenspeed(answer: tokenspeed::GetLoadsResponse, faults: &mut Faults
         .loads
         .into_iter()
         .map(|l| {
-            let mut load = Core {
-                running: l.num_running_reqs,
-                waiting: l.num_waiting_reqs,
-                waiting_uncached_tokens: l.num_waiting_uncached_tokens,
-                token_usage: l.token_usage,
-                gen_throughput: l.gen_throughput,
-                max_running: l.max_running_requests,
-                cache_hit_rate: l.cache_hit_rate,
-                used_tokens: l.num_used_tokens,
-                max_total_tokens: l.max_total_num_tokens,
-            }
-            .record(clamp);
+            let mut load = core_of!(l).record(clamp);
             load.active_token_usage = l.active_token_usage.map(|share| clamp.share(share));
             // TokenSpeed's sections have SGLang's shape, field for field.
             load.memory = l.memory.map(|m| {
