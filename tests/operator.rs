@@ -483,17 +483,6 @@ async fn status_summarises_health_services_and_blocks_per_rank() {
 }
 
 /// The value of the sample `name{labels}` in a Prometheus text exposition.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|line| {
-        line.strip_prefix(series)?
-            .trim()
-            .split(' ')
-            .next()?
-            .parse()
-            .ok()
-    })
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     let (gateway, mut publisher) = gateway_holding_two_blocks().await;
@@ -513,11 +502,11 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     let (code, text) = common::http_get(admin, "/metrics").await;
     assert_eq!(code, 200);
     assert!(
-        sample(&text, "kvgate_engine_messages_total{rank=\"0\"}").unwrap() >= 3.0,
+        common::metric_sample(&text, "kvgate_engine_messages_total{rank=\"0\"}").unwrap() >= 3.0,
         "{text}"
     );
     assert_eq!(
-        sample(
+        common::metric_sample(
             &text,
             "kvgate_events_dropped_total{reason=\"unknown_type\"}"
         ),
@@ -525,7 +514,7 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
         "{text}"
     );
     assert_eq!(
-        sample(
+        common::metric_sample(
             &text,
             "kvgate_bad_messages_total{reason=\"bad_sequence_frame\"}"
         ),
@@ -533,16 +522,20 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
         "{text}"
     );
     assert_eq!(
-        sample(&text, "kvgate_state_blocks{rank=\"0\",tier=\"device\"}"),
+        common::metric_sample(&text, "kvgate_state_blocks{rank=\"0\",tier=\"device\"}"),
         Some(2.0),
         "{text}"
     );
-    assert!(sample(&text, "kvgate_batches_out_total").unwrap() >= 2.0);
+    assert!(common::metric_sample(&text, "kvgate_batches_out_total").unwrap() >= 2.0);
     assert!(
-        sample(&text, "kvgate_events_out_total").unwrap() >= 3.0,
+        common::metric_sample(&text, "kvgate_events_out_total").unwrap() >= 3.0,
         "{text}"
     );
-    assert_eq!(sample(&text, "kvgate_subscribers"), Some(1.0), "{text}");
+    assert_eq!(
+        common::metric_sample(&text, "kvgate_subscribers"),
+        Some(1.0),
+        "{text}"
+    );
     let lag = text
         .lines()
         .find(|line| line.starts_with("kvgate_subscriber_lag{subscriber="));
