@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{DEADLINE, Gateway, free_ports, http_get, subscribe, sync_streams};
 use kvgate::sim::{EnginePublisher, PublisherOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -155,18 +153,9 @@ async fn dropped(gateway: &Gateway, socket: &str, reason: &str) -> u64 {
 /// Waits (bounded) until kvgate has counted `expected` drops: the count
 /// follows the close the attacker saw.
 async fn wait_for_dropped(gateway: &Gateway, socket: &str, reason: &str, expected: u64) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    loop {
-        let count = dropped(gateway, socket, reason).await;
-        if count == expected {
-            return;
-        }
-        assert!(
-            count < expected && tokio::time::Instant::now() < deadline,
-            "{count} {socket} peers dropped as {reason}, {expected} expected"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let series =
+        format!("kvgate_zmq_peers_dropped_total{{socket=\"{socket}\",reason=\"{reason}\"}}");
+    common::await_metric(gateway.admin.expect("admin port"), &series, expected as f64).await;
 }
 
 /// Publishes until the subscriber sees the real publisher's events.

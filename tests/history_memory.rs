@@ -24,14 +24,9 @@ const STORES: &str = "kvgate_engine_events_total{rank=\"0\",type=\"stored\"}";
 
 /// Waits (bounded) until kvgate has batched at least `stores` stores.
 async fn wait_for_stores(gateway: &Gateway, stores: u64) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(gateway, STORES).await < stores as f64 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "kvgate did not batch {stores} stores in time"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let admin = gateway.admin.expect("admin port");
+    let wanted = format!(">= {stores}");
+    common::await_metric_where(admin, STORES, &wanted, |now| now >= stores as f64).await;
 }
 
 fn resident_bytes(pid: u32) -> u64 {

@@ -80,15 +80,39 @@ async fn overall_health_watch(channel: Channel) -> tonic::Streaming<HealthCheckR
         .into_inner()
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_drain_that_panics_turns_health_not_serving_and_fails_the_run_naming_it() {
+/// A started gateway whose health reads SERVING, with a publisher feeding
+/// it, a health watch and one subscriber stream open.
+struct Serving {
+    gateway: Gateway,
+    _publisher: EnginePublisher,
+    health_watch: tonic::Streaming<HealthCheckResponse>,
+    stream: tonic::Streaming<crate::proto::common::KvEventBatch>,
+}
+
+async fn serving_with_a_subscriber() -> Serving {
     let (gateway, _publisher) = gateway_with_publisher().await;
     let channel = channel(&gateway).await;
     let mut health_watch = overall_health_watch(channel.clone()).await;
     until_status(&mut health_watch, ServingStatus::Serving).await;
-    let mut stream = crate::tools::subscribe(channel, "kvgate.v1.KvGate", 0)
+    let stream = crate::tools::subscribe(channel, "kvgate.v1.KvGate", 0)
         .await
         .unwrap();
+    Serving {
+        gateway,
+        _publisher,
+        health_watch,
+        stream,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_that_panics_turns_health_not_serving_and_fails_the_run_naming_it() {
+    let Serving {
+        gateway,
+        _publisher,
+        health_watch,
+        mut stream,
+    } = serving_with_a_subscriber().await;
     let supervisor = gateway.supervisor().clone();
     let health = gateway.health();
     let run = tokio::spawn(gateway.run(std::future::pending()));
@@ -128,13 +152,12 @@ async fn a_drain_that_panics_turns_health_not_serving_and_fails_the_run_naming_i
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_gateway_asked_to_stop_ends_every_stream_cleanly_and_reports_no_failure() {
-    let (gateway, _publisher) = gateway_with_publisher().await;
-    let channel = channel(&gateway).await;
-    let mut health_watch = overall_health_watch(channel.clone()).await;
-    until_status(&mut health_watch, ServingStatus::Serving).await;
-    let mut stream = crate::tools::subscribe(channel, "kvgate.v1.KvGate", 0)
-        .await
-        .unwrap();
+    let Serving {
+        gateway,
+        _publisher,
+        health_watch,
+        mut stream,
+    } = serving_with_a_subscriber().await;
     let health = gateway.health();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(gateway.run(async {

@@ -118,22 +118,26 @@ impl ZmqSourceConfig {
             let mut socket = SubSocket::with_options(options);
             socket.subscribe(&config.topic).await?;
             let stop = supervisor.stopping();
+            let address = if config.bind {
+                endpoint.bind_address()
+            } else {
+                endpoint.connect_address()
+            };
+            let rank_task = RankTask::new(
+                rank,
+                address.clone(),
+                topic,
+                replay,
+                events.clone(),
+                metrics.clone(),
+            );
             if config.bind {
-                let address = endpoint.bind_address();
                 let bound = socket
                     .bind(&address)
                     .await
                     .map_err(|e| anyhow::anyhow!("--zmq-bind: cannot bind {address}: {e}"))?;
                 info!(rank, %bound, "listening for the engine publisher");
                 let handshakes = socket.monitor();
-                let rank_task = RankTask::new(
-                    rank,
-                    address.clone(),
-                    topic,
-                    replay,
-                    events.clone(),
-                    metrics.clone(),
-                );
                 let handshake_stop = stop.clone();
                 let handshake_metrics = metrics.clone();
                 supervisor.spawn(TaskName::SourceRank(rank), async move {
@@ -147,15 +151,6 @@ impl ZmqSourceConfig {
                     Ok(())
                 });
             } else {
-                let address = endpoint.connect_address();
-                let rank_task = RankTask::new(
-                    rank,
-                    address.clone(),
-                    topic,
-                    replay,
-                    events.clone(),
-                    metrics.clone(),
-                );
                 let ranks_up = Arc::clone(&ranks_up);
                 let metrics = metrics.clone();
                 info!(rank, "waiting for the engine at {address}");

@@ -362,16 +362,29 @@ pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
 /// Polls the admin port's `/metrics` until `series` reads `value`, failing
 /// the test at the deadline.
 pub async fn await_metric(admin: SocketAddr, series: &str, value: f64) {
+    await_metric_where(admin, series, &format!("= {value}"), |now| now == value).await;
+}
+
+/// Polls the admin port's `/metrics` until `series` satisfies `reached`
+/// (described as `wanted` in the failure), failing the test at the
+/// deadline; returns the value read. `/metrics` has no push, so this is the
+/// tests' one poll loop.
+pub async fn await_metric_where(
+    admin: SocketAddr,
+    series: &str,
+    wanted: &str,
+    reached: impl Fn(f64) -> bool,
+) -> f64 {
     let deadline = tokio::time::Instant::now() + DEADLINE;
     loop {
         let (_, text) = http_get(admin, "/metrics").await;
         let now = metric_sample(&text, series);
-        if now == Some(value) {
-            return;
+        if let Some(value) = now.filter(|&value| reached(value)) {
+            return value;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "{series} is {now:?}, never {value}"
+            "{series} is {now:?}, never {wanted}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
