@@ -234,11 +234,7 @@ async fn metric(admin: SocketAddr, series: &str) -> f64 {
 async fn handshake_failure_counted(gateway: &Gateway, reason: &str) {
     let admin = gateway.admin.expect("started with --metrics-listen");
     let series = format!("kvgate_tls_handshake_failures_total{{reason=\"{reason}\"}}");
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(admin, &series).await < 1.0 {
-        assert!(tokio::time::Instant::now() < deadline, "{series} stays 0");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::await_metric_where(admin, &series, ">= 1", |now| now >= 1.0).await;
 }
 
 /// Sends SIGHUP and waits until the gateway has counted the reload's result.
@@ -260,14 +256,8 @@ async fn reloaded_after(gateway: &Gateway, result: &str, action: impl FnOnce()) 
     let series = format!("kvgate_credential_reloads_total{{result=\"{result}\"}}");
     let before = metric(admin, &series).await;
     action();
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(admin, &series).await <= before {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no reload counted as {result}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let wanted = format!("> {before}");
+    common::await_metric_where(admin, &series, &wanted, |now| now > before).await;
 }
 
 /// The server-side files of an mTLS gateway.
