@@ -18,6 +18,8 @@ COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY src src
 COPY benches benches
+COPY crates crates
+COPY vendor vendor
 RUN cargo build --release --locked --bin kvgate \
  && objcopy --only-keep-debug target/release/kvgate /kvgate.debug \
  && objcopy --strip-debug --add-gnu-debuglink=/kvgate.debug target/release/kvgate /kvgate

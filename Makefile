@@ -6,13 +6,14 @@
 run:
 	cargo run --release -- serve --demo
 
-# Every test: unit, golden fixtures, end to end with the real binary.
+# Every test of every crate: unit, golden fixtures, end to end with the real
+# binary.
 test:
-	cargo test --locked
+	cargo test --workspace --locked
 
 lint:
 	cargo fmt --all -- --check
-	cargo clippy --locked --all-targets -- -D warnings
+	cargo clippy --locked --workspace --all-targets -- -D warnings
 
 # Criterion benchmarks of every hot-path stage (see BENCHMARKS.md).
 bench:
@@ -23,13 +24,14 @@ bench:
 
 # The load sweep of BENCHMARKS.md: a release kvgate under 1, 8, 32 and 64
 # real subscribers, at 20k events/s and at full speed; tables on stdout,
-# JSON and charts in benchmarks/.
+# JSON and charts in benchmarks/. The load tool is its own binary
+# (crates/kvgate-bench), never part of the sidecar.
 load:
-	cargo build --release --locked
+	cargo build --release --locked --bin kvgate --bin kvgate-bench
 	mkdir -p benchmarks
-	target/release/kvgate bench --subscribers 1,8,32,64 --rate 20000 \
+	target/release/kvgate-bench --subscribers 1,8,32,64 --rate 20000 \
 		--json benchmarks/load.json --svg benchmarks/load.svg
-	target/release/kvgate bench --subscribers 1,8,32,64 --rate 0 \
+	target/release/kvgate-bench --subscribers 1,8,32,64 --rate 0 \
 		--json benchmarks/load-max.json --svg benchmarks/load-max.svg
 
 # Every benchmark of BENCHMARKS.md in one command.

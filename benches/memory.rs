@@ -10,10 +10,10 @@ use bytes::Bytes;
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
-use kvgate::hub::state::LiveState;
+use kvgate::state::LiveState;
 use kvgate::hub::{HistoryLimits, hub};
 use kvgate::metrics::Metrics;
-use kvgate::sim::{SteadyState, WorkloadShape};
+use kvgate_sim::{SteadyState, WorkloadShape};
 use kvgate::source::{EngineMessage, SourceEvent};
 
 struct Counting;

@@ -8,11 +8,11 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
-use kvgate::hub::snapshot::encode_snapshot;
-use kvgate::hub::state::LiveState;
+use kvgate::state::snapshot::encode_snapshot;
+use kvgate::state::LiveState;
 use kvgate::hub::{HistoryLimits, hub};
 use kvgate::metrics::Metrics;
-use kvgate::sim::{SimEvent, SteadyState, WorkloadShape};
+use kvgate_sim::{SimEvent, SteadyState, WorkloadShape};
 use kvgate::source::{EngineMessage, SourceEvent};
 
 const LIMITS: BatchLimits = BatchLimits {
@@ -45,7 +45,7 @@ fn steady_payloads(count: usize) -> (Vec<Bytes>, u64) {
                 })
                 .sum::<u64>();
             let mut out = Vec::new();
-            kvgate::sim::encode_batch(1.0, &events, Some(0), &mut out);
+            kvgate_sim::encode_batch(1.0, &events, Some(0), &mut out);
             Bytes::from(out)
         })
         .collect();

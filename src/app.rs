@@ -19,10 +19,10 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use crate::cli::ServeArgs;
-use crate::client::{TlsFlags, TlsPaths};
+use crate::client::TlsPaths;
 use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
-use crate::drain::sequence::epoch_seed;
+use crate::clock::epoch_seed;
 use crate::health::HealthWatch;
 use crate::hub::{HistoryLimits, HubWriter, hub};
 use crate::load::empty_board;
@@ -38,14 +38,11 @@ use crate::server::passthrough::PassThrough;
 use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
-use crate::sim::{DemoConfig, DemoEngine};
 use crate::source::SourceEvent;
-use crate::source::endpoint::{RankEndpoints, check_rank_ports};
-use crate::source::upstream::{self, UpstreamConfig};
-use crate::source::zmq::ZmqSourceConfig;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
-use crate::usage::UsageError;
+use source::{choose_source, start_source};
 
+mod source;
 #[cfg(test)]
 mod tests;
 
@@ -333,13 +330,6 @@ fn display_address(address: std::net::SocketAddr) -> String {
     }
 }
 
-const UPSTREAM_FLAGS: TlsFlags = TlsFlags {
-    uri: "--upstream-grpc",
-    ca: "--upstream-tls-ca",
-    cert: "--upstream-tls-cert",
-    key: "--upstream-tls-key",
-};
-
 /// TLS on the gRPC port and bearer tokens, read and checked now.
 fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
     let tls = match (&args.tls_cert, &args.tls_key) {
@@ -363,90 +353,6 @@ fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Cre
         .map(|path| Tokens::load(FlagFile::new("--auth-token-file", path)))
         .transpose()?;
     Ok(Credentials { tls, tokens })
-}
-
-/// Where events come from, as configured.
-enum SourceConfig {
-    Zmq(ZmqSourceConfig),
-    Upstream(UpstreamConfig),
-}
-
-impl std::fmt::Display for SourceConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Zmq(config) => write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size),
-            Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
-        }
-    }
-}
-
-/// Exactly one of `--zmq-endpoint`, `--demo` (a simulated engine started
-/// here) and `--upstream-grpc`.
-async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
-    let zmq = |endpoint, replay_endpoint| {
-        SourceConfig::Zmq(ZmqSourceConfig {
-            endpoint,
-            replay_endpoint,
-            replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
-            dp_size: args.dp_size,
-            topic: args.zmq_topic.clone(),
-            bind: args.zmq_bind,
-            max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
-        })
-    };
-    if args.demo {
-        // With a replay endpoint, like a well-configured engine: kvgate
-        // primes from it, so the first steps lost to ZMQ's slow joiner are not.
-        let mut config = DemoConfig::new(args.dp_size);
-        config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
-        let demo = DemoEngine::bind(config).await?;
-        let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
-        let replay = demo
-            .endpoints()
-            .first()
-            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok())
-            .map(RankEndpoints::Offset);
-        return Ok((zmq(endpoint, replay), Some(demo)));
-    }
-    if let Some(uri) = &args.upstream_grpc {
-        let tls = TlsPaths {
-            ca: args.upstream_tls_ca.clone(),
-            cert: args.upstream_tls_cert.clone(),
-            key: args.upstream_tls_key.clone(),
-        };
-        let token = args
-            .upstream_token_file
-            .as_ref()
-            .map(|path| FlagFile::new("--upstream-token-file", path));
-        let config = UpstreamConfig {
-            target: crate::client::Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
-            service: args.upstream_service.clone(),
-        };
-        return Ok((SourceConfig::Upstream(config), None));
-    }
-    let endpoint = RankEndpoints::from_flag("--zmq-endpoint", &args.zmq_endpoint, args.dp_size)
-        .map_err(|error| UsageError(error.to_string()))?
-        .ok_or_else(|| {
-            UsageError(
-                "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
-                 --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
-                    .into(),
-            )
-        })?;
-    let replay = RankEndpoints::from_flag(
-        "--zmq-replay-endpoint",
-        &args.zmq_replay_endpoint,
-        args.dp_size,
-    )
-    .map_err(|error| UsageError(error.to_string()))?;
-    if let RankEndpoints::Offset(publisher) = &endpoint {
-        let replay_base = match &replay {
-            Some(RankEndpoints::Offset(base)) => Some(base),
-            _ => None,
-        };
-        check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
-    }
-    Ok((zmq(endpoint, replay), None))
 }
 
 fn spawn_drain(
@@ -486,26 +392,3 @@ fn spawn_admin(
     Ok(address)
 }
 
-/// Starts the configured source's tasks.
-async fn start_source(
-    config: SourceConfig,
-    events: mpsc::Sender<SourceEvent>,
-    metrics: Metrics,
-    ready: watch::Sender<bool>,
-    supervisor: &Supervisor,
-) -> anyhow::Result<()> {
-    match config {
-        SourceConfig::Zmq(config) => {
-            metrics.prepare_ranks(config.dp_size);
-            config.start(events, metrics, ready, supervisor).await
-        }
-        SourceConfig::Upstream(config) => {
-            let stop = supervisor.stopping();
-            supervisor.spawn(TaskName::Upstream, async move {
-                upstream::run(config, events, metrics, ready, stop).await;
-                Ok(())
-            });
-            Ok(())
-        }
-    }
-}

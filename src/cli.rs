@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
 use crate::logging::LogFormat;
-use crate::source::endpoint::TcpEndpoint;
+use kvgate_endpoint::TcpEndpoint;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -40,9 +40,6 @@ pub enum Command {
     Tail(crate::tools::tail::TailArgs),
     /// Summarise a running gateway: health, services, blocks per rank.
     Status(crate::tools::status::StatusArgs),
-    /// Load-test kvgate: a simulated engine, N gRPC subscribers and a kvgate
-    /// child process; reports throughput, latency, CPU and memory.
-    Bench(crate::tools::load::LoadArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(crate::tools::shell::CompletionsArgs),
     /// Print the man page (roff), e.g. `kvgate man | man -l -`.

@@ -22,7 +22,7 @@ use tower::Service;
 
 use crate::pem::{self, FlagFile};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
-use crate::server::auth::read_tokens;
+use crate::token_file::read_tokens;
 
 /// The connector of every outgoing connection: TLS for `https://`.
 pub type Connector = HttpsConnector<HttpConnector>;
@@ -205,6 +205,27 @@ impl Target {
             authorization: self.authorization.clone(),
         })
     }
+}
+
+/// Connects to `address` (`host:port` or `http://host:port`) in plaintext,
+/// without a token; errors call the address `described_as`.
+pub async fn connect_plaintext(
+    described_as: &'static str,
+    address: &str,
+) -> anyhow::Result<Authorized> {
+    if address.starts_with("https://") {
+        anyhow::bail!("{described_as} {address}: only plaintext (http://) is supported here");
+    }
+    // No TLS file can be given, so no TLS flag is ever named.
+    let flags = TlsFlags {
+        uri: described_as,
+        ca: "",
+        cert: "",
+        key: "",
+    };
+    Target::new(address, &TlsPaths::default(), flags, None)?
+        .connect()
+        .await
 }
 
 /// A channel that puts the bearer token, if any, on every call.

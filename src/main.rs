@@ -21,7 +21,6 @@ fn main() -> std::process::ExitCode {
             Command::Serve(args) => kvgate::app::serve(*args, shutdown_signal()).await,
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,
-            Command::Bench(args) => kvgate::tools::load::run(args).await,
             Command::Completions(args) => kvgate::tools::shell::completions(args),
             Command::Man => kvgate::tools::shell::man(),
         }

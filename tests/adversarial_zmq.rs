@@ -8,7 +8,7 @@
 mod common;
 
 use common::{DEADLINE, Gateway, free_ports, http_get, subscribe, sync_streams};
-use kvgate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -7,7 +7,7 @@ mod common;
 use common::router::RouterView;
 use common::{Gateway, free_ports, next_batch, subscribe};
 use kvgate::proto::common::KvEventBatch;
-use kvgate::sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
+use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstream_one() {

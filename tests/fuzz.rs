@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::batcher::{BatchLimits, Batcher, Output};
-use kvgate::hub::batch::ROUTER_MAX_MESSAGE_BYTES;
+use kvgate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use kvgate::proto::common::{KvCacheEvent, KvEventBatch, kv_cache_event::Data};
 use proptest::prelude::*;
 use proptest::sample::Index;

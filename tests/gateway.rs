@@ -9,7 +9,7 @@ use bytes::Bytes;
 use common::{Gateway, fixture, free_ports, next_batch, skip_past_fence, subscribe, sync_streams};
 use kvgate::proto::common::KvEventBatch;
 use kvgate::server::SUBSCRIBE_SERVICES;
-use kvgate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::Value;
 
 async fn bound_publisher() -> EnginePublisher {

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{DEADLINE, Gateway, fence_payload, http_get};
-use kvgate::sim::{EnginePublisher, PublisherOptions, SimEvent, encode_batch};
+use kvgate_sim::{EnginePublisher, PublisherOptions, SimEvent, encode_batch};
 
 /// A metric's value on the gateway's `/metrics` (0 for a labelled series
 /// not counted yet).

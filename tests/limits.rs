@@ -7,7 +7,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::{DEADLINE, Gateway, await_metric, http_get, metric_sample};
-use kvgate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_stream::wrappers::TcpListenerStream;

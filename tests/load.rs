@@ -14,7 +14,7 @@ use common::{DEADLINE, Gateway, is_load_only, next_batch};
 use kvgate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 use kvgate::proto::sglang::grpc::scheduler as sglang;
 use kvgate::proto::vllm::grpc::engine as vllm;
-use kvgate::sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
+use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::codec::Streaming;
@@ -211,7 +211,7 @@ async fn subscribe(gateway: &Gateway, cursor: u64, early: bool) -> Streaming<KvE
         load_records_before_first_batch: early,
     };
     let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
-    kvgate::tools::subscribe_requesting(gateway.channel().await, SERVICE, request, codec)
+    kvgate::client::subscribe_requesting(gateway.channel().await, SERVICE, request, codec)
         .await
         .expect("subscribed")
 }
@@ -587,7 +587,7 @@ async fn ranks_on_two_hosts_with_unrelated_ports_each_reach_the_stream_with_thei
         rank1.endpoint(),
     ]);
     let mut streams = vec![
-        kvgate::tools::subscribe(gateway.channel().await, SERVICE, 0)
+        kvgate::client::subscribe(gateway.channel().await, SERVICE, 0)
             .await
             .unwrap(),
     ];

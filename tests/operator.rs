@@ -7,7 +7,7 @@ use std::process::Command;
 
 use common::{Gateway, subscribe};
 use kvgate::server::SUBSCRIBE_SERVICES;
-use kvgate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use tokio_stream::StreamExt;
 
 async fn gateway_with_publisher() -> (Gateway, EnginePublisher) {
@@ -317,7 +317,7 @@ async fn sigterm_under_load_ends_subscriber_streams_cleanly_and_exits_with_zero(
     let mut stream = streams.pop().unwrap();
     // The engine keeps publishing while kvgate shuts down.
     let load = tokio::spawn(async move {
-        let mut workload = kvgate::sim::SteadyState::new(kvgate::sim::WorkloadShape::default(), 9);
+        let mut workload = kvgate_sim::SteadyState::new(kvgate_sim::WorkloadShape::default(), 9);
         for _ in 0..20_000 {
             if publisher
                 .publish(workload.next_payload(1.0, 0).into())

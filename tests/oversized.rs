@@ -9,7 +9,7 @@ mod common;
 use common::{Gateway, fence_in, fence_payload, http_get, next_batch, subscribe, sync_streams};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
 use kvgate::server::SUBSCRIBE_SERVICES;
-use kvgate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use prost::Message;
 
 /// The fence published after the oversized events.

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{DEADLINE, Gateway};
 use futures::StreamExt;
-use kvgate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};

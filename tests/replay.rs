@@ -10,7 +10,7 @@ use bytes::Bytes;
 use common::router::{Admission, RouterView};
 use common::{Gateway, free_ports, http_get, next_batch, subscribe, sync_streams};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
-use kvgate::sim::{EnginePublisher, PublisherOptions, SimEvent, encode_batch};
+use kvgate_sim::{EnginePublisher, PublisherOptions, SimEvent, encode_batch};
 use tonic::codec::Streaming;
 
 const SERVICE: &str = "kvgate.v1.KvGate";

@@ -7,7 +7,7 @@ mod common;
 use common::router::{Admission, RouterView};
 use common::{Gateway, free_ports, subscribe, sync_streams_observing};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
-use kvgate::sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
+use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
 use tonic::codec::Streaming;
 
 const SERVICE: &str = "vllm.grpc.engine.VllmEngine";

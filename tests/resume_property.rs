@@ -47,15 +47,15 @@ use prost::Message;
 use common::router::{Admission, BlockSet, RouterView};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
-use kvgate::hub::snapshot::encode_snapshot;
-use kvgate::hub::state::MAX_COPIES;
+use kvgate::state::snapshot::encode_snapshot;
+use kvgate::state::MAX_COPIES;
 use kvgate::hub::subscription::{CursorError, Step, Subscription};
 use kvgate::hub::{HistoryLimits, HubReader, hub};
 use kvgate::load::records::LoadRecords;
 use kvgate::load::{Board, Reading};
 use kvgate::metrics::Metrics;
 use kvgate::proto::common::{KvCacheCleared, KvEventBatch, kv_cache_event::Data};
-use kvgate::sim::{SimConfig, SimEngine, SimEvent, encode_batch};
+use kvgate_sim::{SimConfig, SimEngine, SimEvent, encode_batch};
 use kvgate::source::{EngineMessage, SourceEvent};
 
 /// Far above 1024, so neither `seq <= 1` nor `seq + 1024 <= last` can make

@@ -14,7 +14,7 @@ use common::{
     DEADLINE, Gateway, fence_payload, next_batch, skip_past_fence, subscribe, sync_streams,
 };
 use kvgate::proto::common::KvEventBatch;
-use kvgate::sim::{EnginePublisher, PublisherOptions, SteadyState, WorkloadShape};
+use kvgate_sim::{EnginePublisher, PublisherOptions, SteadyState, WorkloadShape};
 use tonic::codec::Streaming;
 
 const SERVICE: &str = "kvgate.v1.KvGate";

@@ -16,7 +16,7 @@ use common::{DEADLINE, Gateway};
 use kvgate::client::{Authorized, Target, TlsFlags, TlsPaths};
 use kvgate::pem::FlagFile;
 use kvgate::proto::common::KvEventBatch;
-use kvgate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair, KeyUsagePurpose,

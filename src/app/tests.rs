@@ -12,7 +12,7 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use super::*;
 use crate::cli::{Cli, Command};
 use crate::health::Health;
-use crate::sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 use crate::supervisor::UnexpectedEnd;
 
 /// Upper bound for anything a test waits on.
@@ -94,7 +94,7 @@ async fn serving_with_a_subscriber() -> Serving {
     let channel = channel(&gateway).await;
     let mut health_watch = overall_health_watch(channel.clone()).await;
     until_status(&mut health_watch, ServingStatus::Serving).await;
-    let stream = crate::tools::subscribe(channel, "kvgate.v1.KvGate", 0)
+    let stream = crate::client::subscribe(channel, "kvgate.v1.KvGate", 0)
         .await
         .unwrap();
     Serving {

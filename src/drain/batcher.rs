@@ -15,8 +15,8 @@
 use prost::Message;
 use prost::encoding;
 
-use crate::hub::batch::{EventLen, MAX_EVENTS_BYTES, OpenBatch};
-use crate::hub::wire::{self, BlockFields};
+use crate::wire::batch::{EventLen, MAX_EVENTS_BYTES, OpenBatch};
+use crate::wire::event::{BLOCKS_FIELD, BlockFields, encode_event};
 use crate::proto::common::{KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
 
 /// Limits of one outgoing batch.
@@ -106,7 +106,7 @@ impl Batcher {
 
     /// Encodes `event` into `self.encoded`; returns its length as an entry.
     fn encode(&mut self, event: &mut KvCacheEvent) -> usize {
-        wire::encode_event(event, &mut self.encoded, &mut self.scratch);
+        encode_event(event, &mut self.encoded, &mut self.scratch);
         EventLen::of_body(self.encoded.len()).entry
     }
 
@@ -179,7 +179,7 @@ fn split(event: KvCacheEvent, max_bytes: usize) -> Split {
             let fixed = wrap(Data::Stored(stored.clone())).encoded_len() + PIECE_SLACK;
             let entry_len = |block: &crate::proto::common::KvBlock| {
                 let body = BlockFields::from(block).encoded_len();
-                encoding::key_len(wire::BLOCKS_FIELD)
+                encoding::key_len(BLOCKS_FIELD)
                     + encoding::encoded_len_varint(body as u64)
                     + body
             };
@@ -508,7 +508,7 @@ mod tests {
         assert_eq!(made.batches.len(), 1, "one event, not a salt per block");
         assert_eq!(made.sent.len(), 1);
         let batch = &decoded(made.batches)[0];
-        assert!(batch.encoded_len() <= crate::hub::batch::ROUTER_MAX_MESSAGE_BYTES);
+        assert!(batch.encoded_len() <= crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES);
     }
 
     #[test]

@@ -20,17 +20,18 @@ pub mod batcher;
 pub mod sequence;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::clock::unix_now;
 use crate::convert::{Converter, Tally};
-use crate::hub::OpenBatch;
-use crate::hub::batch::ROUTER_MAX_MESSAGE_BYTES;
-use crate::hub::state::LiveState;
-use crate::hub::{CutRequest, HubWriter, RankReport, SnapshotCut};
+use crate::hub::{CutRequest, HubWriter, RankReport};
+use crate::state::LiveState;
+use crate::state::snapshot::SnapshotCut;
+use crate::wire::OpenBatch;
+use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use crate::load::records::LoadRecords;
 use crate::metrics::{Metrics, OVERSIZED_EVENT};
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvCacheTier, kv_cache_event::Data};
@@ -357,13 +358,6 @@ fn starts_with_ownerless_clear(events: &[KvCacheEvent]) -> bool {
         events.first().and_then(|event| event.data.as_ref()),
         Some(Data::Cleared(KvCacheCleared { ownership: None }))
     )
-}
-
-pub(crate) fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_secs_f64())
-        .unwrap_or(0.0)
 }
 
 #[cfg(test)]

@@ -2,22 +2,12 @@
 //!
 //! Invariants: each rank's numbers go up by exactly 1 per batch; 0 is never
 //! used (the router reads it as "no cursor"); and a process starts every rank
-//! at (Unix milliseconds at start) × 1000, so its numbers are above anything
+//! at [`crate::clock::epoch_seed`]: (Unix milliseconds at start) × 1000, so its numbers are above anything
 //! an earlier kvgate process could have sent unless that one averaged over
 //! 1000 batches a millisecond on a rank. An old cursor therefore can never
 //! alias a position of the new process.
 
 use std::collections::BTreeMap;
-use std::time::{SystemTime, UNIX_EPOCH};
-
-/// The first number of every rank in this process.
-pub fn epoch_seed() -> u64 {
-    let millis = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_millis() as u64)
-        .unwrap_or(0);
-    millis.saturating_mul(1000).max(1)
-}
 
 #[derive(Debug)]
 pub struct Sequencer {

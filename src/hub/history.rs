@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwapOption;
 
-use super::batch::Batch;
+use crate::wire::Batch;
 
 /// How much history to keep: whichever bound is hit first.
 #[derive(Clone, Copy, Debug)]
@@ -260,7 +260,7 @@ impl HistoryWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::batch::BATCH_OVERHEAD;
+    use crate::wire::batch::BATCH_OVERHEAD;
     use bytes::Bytes;
 
     fn batch(position: u64, rank: u32, sequence: u64, size: usize) -> Arc<Batch> {

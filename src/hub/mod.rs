@@ -1,5 +1,5 @@
-//! The hub between the drain and the subscribers: live broadcast, history
-//! and (through the drain) state snapshots.
+//! The hub between the drain and the subscribers: live broadcast, history,
+//! subscriptions, and the way to ask the drain for a snapshot cut.
 //!
 //! Invariant: the drain is the only writer. It appends each batch to the
 //! history and then announces its position on the live channel, so serving
@@ -11,16 +11,11 @@
 //! subscriber that stalls pins no batch. A subscriber that falls behind
 //! loses channel items, never blocks the drain, and refills by position.
 
-pub mod batch;
-pub mod cow_map;
 pub mod cursors;
 pub mod history;
 pub mod live;
 pub mod load_only;
-pub mod snapshot;
-pub mod state;
 pub mod subscription;
-pub mod wire;
 
 use std::sync::Arc;
 
@@ -29,12 +24,13 @@ use async_broadcast::{InactiveReceiver, Receiver, Sender};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-pub use batch::{Batch, OpenBatch};
+use crate::state::snapshot::SnapshotCut;
+use crate::wire::Batch;
+
 pub use cursors::Cursors;
 pub use history::{History, HistoryLimits, HistoryWriter};
 pub use live::Live;
 pub use load_only::LoadOnly;
-pub use snapshot::SnapshotCut;
 
 /// A subscriber asking the drain for a snapshot cut.
 pub struct CutRequest(oneshot::Sender<SnapshotCut>);

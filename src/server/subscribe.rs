@@ -20,9 +20,9 @@ use tracing::{debug, error, info};
 
 use super::codec::PreEncodedCodec;
 use super::request_limit::LimitedRequest;
-use crate::drain::unix_now;
+use crate::clock::unix_now;
 use crate::hub::HubReader;
-use crate::hub::snapshot::SnapshotEncoder;
+use crate::state::snapshot::SnapshotEncoder;
 use crate::hub::subscription::{Step, Subscription};
 use crate::metrics::Metrics;
 use crate::proto::common::SubscribeKvEventsRequest;

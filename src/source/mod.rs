@@ -6,7 +6,6 @@
 //! says about lost messages and engine restarts.
 
 pub mod continuity;
-pub mod endpoint;
 pub mod peer;
 pub mod replay;
 pub mod upstream;

@@ -296,7 +296,7 @@ mod tests {
     use zeromq::RouterSocket;
 
     use super::*;
-    use crate::sim::{EnginePublisher, PublisherOptions};
+    use kvgate_sim::{EnginePublisher, PublisherOptions};
 
     fn unhex(hex: &Value) -> Bytes {
         let hex = hex.as_str().expect("a hex string");

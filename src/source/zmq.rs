@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
-use super::endpoint::RankEndpoints;
+use kvgate_endpoint::RankEndpoints;
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{ReplayClient, ReplayError, Replayed};
 use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
@@ -493,7 +493,7 @@ mod tests {
     use tokio::time::{Instant, timeout};
 
     use super::*;
-    use crate::sim::{EnginePublisher, PublisherOptions};
+    use kvgate_sim::{EnginePublisher, PublisherOptions};
 
     /// Upper bound on any single wait; the conditions themselves are awaited.
     const WAIT: Duration = Duration::from_secs(10);

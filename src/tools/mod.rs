@@ -1,7 +1,7 @@
-//! Command-line clients of a gateway: `kvgate tail`, `kvgate status` and
-//! the load tool `kvgate bench`. They talk gRPC only, like any router would.
+//! Command-line clients of a gateway, `kvgate tail` and `kvgate status`, and
+//! the shell integration (completions, man page). They talk gRPC only, like
+//! any router would.
 
-pub mod load;
 pub mod shell;
 pub mod status;
 pub mod tail;
@@ -9,17 +9,7 @@ pub mod tail;
 use std::path::PathBuf;
 
 use crate::client::{Authorized, Target, TlsFlags, TlsPaths};
-pub use crate::client::{subscribe, subscribe_requesting, subscribe_with};
 use crate::pem::FlagFile;
-
-/// Connects to `address` (`host:port` or `http://host:port`) in plaintext,
-/// without a token; the user gave it as `flag`, which an error names.
-pub async fn connect(flag: &'static str, address: &str) -> anyhow::Result<Authorized> {
-    let flags = TlsFlags { uri: flag, ..FLAGS };
-    Target::new(address, &TlsPaths::default(), flags, None)?
-        .connect()
-        .await
-}
 
 const FLAGS: TlsFlags = TlsFlags {
     uri: "--addr",

@@ -13,7 +13,8 @@ use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
 use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
-use super::{GatewayArgs, subscribe};
+use super::GatewayArgs;
+use crate::client::subscribe;
 use crate::proto::common::kv_cache_event::Data;
 use crate::server::SUBSCRIBE_SERVICES;
 

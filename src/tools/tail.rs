@@ -7,7 +7,8 @@ use std::io::Write;
 
 use serde_json::{Map, Value};
 
-use super::{GatewayArgs, subscribe_requesting};
+use super::GatewayArgs;
+use crate::client::subscribe_requesting;
 use crate::json::{FieldNames, to_json_with};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 

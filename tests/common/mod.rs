@@ -134,7 +134,7 @@ impl Drop for Gateway {
 
 /// Subscribes through a stock tonic client to `service`'s `SubscribeKvEvents`.
 #[allow(unused_imports)]
-pub use kvgate::tools::subscribe;
+pub use kvgate::client::subscribe;
 
 /// The next batch, failing the test if none comes within the deadline.
 pub async fn next_batch(stream: &mut Streaming<KvEventBatch>) -> KvEventBatch {
@@ -231,7 +231,7 @@ pub async fn skip_past_fence(stream: &mut Streaming<KvEventBatch>, n: u64) -> Ve
 /// to `streams[0]`, then one last fence that every stream reads past. After
 /// this, everything published reaches every stream. Returns that last fence.
 pub async fn sync_streams(
-    publisher: &mut kvgate::sim::EnginePublisher,
+    publisher: &mut kvgate_sim::EnginePublisher,
     rank: u32,
     streams: &mut [Streaming<KvEventBatch>],
 ) -> u64 {
@@ -241,7 +241,7 @@ pub async fn sync_streams(
 /// [`sync_streams`], handing every batch read on the way to `observe` with
 /// its stream's index (a router view must see them all).
 pub async fn sync_streams_observing(
-    publisher: &mut kvgate::sim::EnginePublisher,
+    publisher: &mut kvgate_sim::EnginePublisher,
     rank: u32,
     streams: &mut [Streaming<KvEventBatch>],
     mut observe: impl FnMut(usize, &KvEventBatch),
@@ -310,21 +310,21 @@ pub async fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
 /// Publishes `steps` scheduler steps of `engine` on rank 0, then fence
 /// `fence` to tell where they end.
 pub async fn publish_steps_then_fence(
-    engine: &mut kvgate::sim::SimEngine,
-    publisher: &mut kvgate::sim::EnginePublisher,
+    engine: &mut kvgate_sim::SimEngine,
+    publisher: &mut kvgate_sim::EnginePublisher,
     steps: usize,
     fence: u64,
 ) {
     for _ in 0..steps {
         let mut payload = Vec::new();
-        kvgate::sim::encode_batch(1.0, &engine.step(), Some(0), &mut payload);
+        kvgate_sim::encode_batch(1.0, &engine.step(), Some(0), &mut payload);
         publisher.publish(payload.into()).await.unwrap();
     }
     publisher.publish(fence_payload(fence, 0)).await.unwrap();
 }
 
 /// The simulated engine's live blocks as a router's block set.
-pub fn true_blocks(engine: &kvgate::sim::SimEngine) -> router::BlockSet {
+pub fn true_blocks(engine: &kvgate_sim::SimEngine) -> router::BlockSet {
     engine.live_blocks().map(|hash| (hash as i64, 1)).collect()
 }
 

@@ -11,8 +11,8 @@ use tokio::time::MissedTickBehavior;
 
 use super::subscriber::Delivery;
 use super::worker::Worker;
-use crate::drain::unix_now;
-use crate::sim::{EnginePublisher, PublisherOptions, SteadyState, WorkloadShape, encode_batch};
+use kvgate::clock::unix_now;
+use kvgate_sim::{EnginePublisher, PublisherOptions, SteadyState, WorkloadShape, encode_batch};
 
 /// Gap between payloads while waiting for kvgate's SUB to join.
 const PRIME_EVERY: Duration = Duration::from_millis(10);

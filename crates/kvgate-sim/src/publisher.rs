@@ -16,7 +16,7 @@ use bytes::Bytes;
 use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage, ZmqResult};
 
-use crate::source::endpoint::TcpEndpoint;
+use kvgate_endpoint::TcpEndpoint;
 
 /// The sequence frame that ends a replay.
 const END_SEQ: [u8; 8] = [0xff; 8];

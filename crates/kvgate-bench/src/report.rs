@@ -128,7 +128,7 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "kvgate bench: {}, {} s measured after {} s warm-up, stores of {} blocks x {} tokens",
+            "kvgate-bench: {}, {} s measured after {} s warm-up, stores of {} blocks x {} tokens",
             self.rate_label(),
             config.duration_s,
             config.warmup_s,

@@ -34,9 +34,9 @@ use prost::Message;
 use prost::encoding::{self, WireType};
 use rustc_hash::FxHashSet;
 
-use super::batch::{EventLen, OpenBatch};
-use super::state::{BlockRecord, RankBlocks, StateCut, StoreFields, TIERS};
-use super::wire::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
+use super::{BlockRecord, RankBlocks, StateCut, StoreFields, TIERS};
+use crate::wire::batch::{EventLen, OpenBatch};
+use crate::wire::event::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
 use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data};
 
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
@@ -534,7 +534,7 @@ fn ownerless_clear() -> KvCacheEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::state::{LiveState, stored_event};
+    use crate::state::{LiveState, stored_event};
     use crate::proto::common::{KvCacheTier, KvEventBatch};
 
     fn store(state: &mut LiveState, rank: u32, parent: Option<i64>, hashes: &[i64], tokens: usize) {

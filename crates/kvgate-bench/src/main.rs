@@ -1,4 +1,5 @@
-//! `kvgate bench`: a load run of the real thing on one machine.
+//! `kvgate-bench`: a load run of the real thing on one machine, kept out of
+//! the sidecar binary.
 //!
 //! Per subscriber count: a simulated engine (a real ZMQ PUB, vLLM's msgpack,
 //! a steady mix of 16-token-block stores and one-hash removals) on its own
@@ -31,7 +32,8 @@ use publisher::{Mode, Publisher};
 use report::{Config, KvgateCost, Latency, Report, RunReport, ToolCost};
 use subscriber::{Delivery, Subscribers, Window};
 
-use crate::sim::WorkloadShape;
+use clap::Parser;
+use kvgate_sim::WorkloadShape;
 
 /// kvgate's resident memory is read this long after it starts serving.
 const IDLE_SETTLE: Duration = Duration::from_millis(500);
@@ -44,48 +46,52 @@ const QUIET: Duration = Duration::from_millis(300);
 const DRAIN_STALL: Duration = Duration::from_secs(2);
 const POLL: Duration = Duration::from_millis(10);
 
-#[derive(Debug, Clone, clap::Args)]
-pub struct LoadArgs {
+/// Measures a kvgate binary under N subscribers: throughput, latency, CPU
+/// and memory, as tables, JSON and an SVG chart.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "kvgate-bench", version)]
+struct LoadArgs {
     /// Subscriber counts, one run each (a list is a sweep).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64",
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    pub subscribers: Vec<u32>,
+    subscribers: Vec<u32>,
 
     /// Events per second the simulated engine publishes; 0 publishes as fast
     /// as every subscriber receives (a bounded number of events in flight).
     #[arg(long, default_value_t = 20_000)]
-    pub rate: u64,
+    rate: u64,
 
     /// Seconds measured per run.
     #[arg(long, default_value = "10", value_parser = seconds)]
-    pub duration: Duration,
+    duration: Duration,
 
     /// Seconds of load before measuring (kvgate and the engine's cache reach
     /// their steady state).
     #[arg(long, default_value = "2", value_parser = seconds)]
-    pub warmup: Duration,
+    warmup: Duration,
 
     /// 16-token blocks per stored event; once the engine's cache is full,
     /// each store comes with as many one-block removals.
     #[arg(long, default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub blocks_per_store: u32,
+    blocks_per_store: u32,
 
     /// Write the report as JSON here.
     #[arg(long, value_name = "PATH")]
-    pub json: Option<PathBuf>,
+    json: Option<PathBuf>,
 
     /// Write an SVG chart (throughput and latency against subscribers) here.
     #[arg(long, value_name = "PATH")]
-    pub svg: Option<PathBuf>,
+    svg: Option<PathBuf>,
 
-    /// The kvgate binary to measure (default: this one).
+    /// The kvgate binary to measure (default: the `kvgate` beside this tool,
+    /// as `cargo build --release` leaves them).
     #[arg(long, value_name = "PATH")]
-    pub kvgate: Option<PathBuf>,
+    kvgate: Option<PathBuf>,
 
     /// Extra `kvgate serve` flags, after `--` (e.g. `-- --max-batch-events 256`).
     #[arg(last = true, value_name = "SERVE_ARGS")]
-    pub serve_args: Vec<String>,
+    serve_args: Vec<String>,
 }
 
 fn seconds(text: &str) -> Result<Duration, String> {
@@ -96,11 +102,30 @@ fn seconds(text: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{text:?} is not a number of seconds"))
 }
 
-pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let args = LoadArgs::parse();
+    tokio::runtime::Runtime::new()
+        .context("cannot start the async runtime")?
+        .block_on(run(args))
+}
+
+/// Where `cargo build` puts the gateway: beside this tool.
+fn sibling_kvgate() -> anyhow::Result<PathBuf> {
+    let tool = std::env::current_exe().context("cannot find this tool's own path")?;
+    let kvgate = tool.with_file_name("kvgate");
+    anyhow::ensure!(
+        kvgate.is_file(),
+        "no kvgate binary at {}: build it (cargo build --release) or give --kvgate PATH",
+        kvgate.display()
+    );
+    Ok(kvgate)
+}
+
+async fn run(args: LoadArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.duration.is_zero(), "--duration must be positive");
     let binary = match &args.kvgate {
         Some(path) => path.clone(),
-        None => std::env::current_exe().context("cannot find this kvgate binary")?,
+        None => sibling_kvgate()?,
     };
     let shape = WorkloadShape {
         blocks_per_store: args.blocks_per_store as usize,
@@ -109,12 +134,12 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
     let mut runs = Vec::with_capacity(args.subscribers.len());
     for &subscribers in &args.subscribers {
         let subscribers = subscribers as usize;
-        eprintln!("kvgate bench: {subscribers} subscriber(s)...");
+        eprintln!("kvgate-bench: {subscribers} subscriber(s)...");
         let run = measure(&args, &binary, shape, subscribers)
             .await
             .with_context(|| format!("the run with {subscribers} subscriber(s)"))?;
         eprintln!(
-            "kvgate bench: {subscribers} subscriber(s): {:.0} events/s delivered per subscriber, p99 {:.2} ms",
+            "kvgate-bench: {subscribers} subscriber(s): {:.0} events/s delivered per subscriber, p99 {:.2} ms",
             run.delivered_events_per_s_mean, run.latency_ms.p99
         );
         runs.push(run);

@@ -1,4 +1,6 @@
-//! Where each data-parallel rank's engine publisher is, and which side binds.
+//! The engines' ZMQ endpoint convention, shared by kvgate's sources and the
+//! simulated engine: where each data-parallel rank's publisher is, and which
+//! side binds.
 //!
 //! Engines offset their ports per rank (rank r listens on base port + r) and
 //! bind when given a wildcard host; kvgate then connects to loopback. When the
@@ -69,6 +71,10 @@ impl TcpEndpoint {
         self.port
     }
 
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
     /// True for the hosts engines treat as "bind on every interface".
     pub fn is_wildcard(&self) -> bool {
         matches!(self.host.as_str(), "*" | "0.0.0.0" | "::" | "[::]")
@@ -106,36 +112,6 @@ impl TcpEndpoint {
         };
         format!("tcp://{host}:{}", self.port)
     }
-}
-
-/// Checks that every rank's publisher (and replay) port exists, and that
-/// the publisher and replay port ranges do not overlap: their bases must be
-/// at least `dp_size` apart. The message names the flags to change.
-pub fn check_rank_ports(
-    publisher: &TcpEndpoint,
-    replay: Option<&TcpEndpoint>,
-    dp_size: u32,
-) -> Result<(), String> {
-    let last = dp_size.saturating_sub(1);
-    publisher
-        .for_rank(last)
-        .map_err(|error| format!("--zmq-endpoint with --dp-size {dp_size}: {error}"))?;
-    let Some(replay) = replay else {
-        return Ok(());
-    };
-    replay
-        .for_rank(last)
-        .map_err(|error| format!("--zmq-replay-endpoint with --dp-size {dp_size}: {error}"))?;
-    let distance = u32::from(publisher.port.abs_diff(replay.port));
-    if publisher.host == replay.host && distance < dp_size {
-        return Err(format!(
-            "--zmq-endpoint {publisher} and --zmq-replay-endpoint {replay} overlap with \
-             --dp-size {dp_size} (rank r uses base port + r): keep the bases at least \
-             --dp-size apart, e.g. tcp://*:5557 and tcp://*:{}",
-            5557 + dp_size.max(1)
-        ));
-    }
-    Ok(())
 }
 
 /// Where every rank's publisher (or replay endpoint) is.
@@ -209,23 +185,6 @@ impl fmt::Display for RankEndpoints {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn publisher_and_replay_bases_closer_than_dp_size_are_refused() {
-        let publisher: TcpEndpoint = "tcp://*:5557".parse().unwrap();
-        let close: TcpEndpoint = "tcp://*:5558".parse().unwrap();
-        let apart: TcpEndpoint = "tcp://*:5559".parse().unwrap();
-        assert!(check_rank_ports(&publisher, Some(&close), 1).is_ok());
-        let error = check_rank_ports(&publisher, Some(&close), 2).unwrap_err();
-        assert!(error.contains("at least --dp-size apart"), "{error}");
-        assert!(check_rank_ports(&publisher, Some(&apart), 2).is_ok());
-        let last: TcpEndpoint = "tcp://*:65535".parse().unwrap();
-        let error = check_rank_ports(&last, None, 2).unwrap_err();
-        assert!(
-            error.starts_with("--zmq-endpoint with --dp-size 2"),
-            "{error}"
-        );
-    }
 
     #[test]
     fn rank_r_listens_on_base_port_plus_r() {

@@ -11,14 +11,17 @@
 //! The store-wide fields (tier, medium, LoRA, salt, …) are interned: blocks
 //! of one store share one `Arc`, which keeps a record small.
 
+pub mod cow_map;
+pub mod snapshot;
+
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::sync::Arc;
 
 use triomphe::ThinArc;
 
-use super::cow_map::CowMap;
-use super::wire::BlockFields;
+use crate::wire::event::BlockFields;
+use cow_map::CowMap;
 
 use crate::proto::common::{
     KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, KvCacheTier,

@@ -37,7 +37,7 @@ pub fn render(report: &Report) -> String {
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         svg,
-        r#"<text x="{}" y="24" text-anchor="middle" font-size="15">kvgate bench: {}, {} CPUs ({})</text>"#,
+        r#"<text x="{}" y="24" text-anchor="middle" font-size="15">kvgate-bench: {}, {} CPUs ({})</text>"#,
         WIDTH / 2.0,
         escape(&report.rate_label()),
         report.machine.cpus,

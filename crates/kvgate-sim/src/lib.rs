@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use zeromq::ZmqError;
 
-use crate::source::endpoint::{EndpointError, TcpEndpoint};
+use kvgate_endpoint::{EndpointError, TcpEndpoint};
 
 pub use engine::{ConfigError, SimConfig, SimEngine};
 pub use payload::{SimEvent, encode_batch};
@@ -234,7 +234,7 @@ async fn bind_publishers(config: &DemoConfig) -> Result<Vec<EnginePublisher>, De
 #[cfg(test)]
 fn fixture(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/wire/vllm-0.33.0")
+        .join("../../tests/fixtures/wire/vllm-0.33.0")
         .join(name)
 }
 

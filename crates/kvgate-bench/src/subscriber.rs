@@ -18,9 +18,9 @@ use tonic_prost::ProstEncoder;
 
 use super::histogram::Histogram;
 use super::worker::Worker;
-use crate::drain::unix_now;
-use crate::proto::common::SubscribeKvEventsRequest;
-use crate::tools::{connect, subscribe_with};
+use kvgate::clock::unix_now;
+use kvgate::proto::common::SubscribeKvEventsRequest;
+use kvgate::client::{connect_plaintext, subscribe_with};
 
 const SERVICE: &str = "kvgate.v1.KvGate";
 
@@ -159,7 +159,7 @@ impl Subscribers {
             .spawn(async move {
                 let mut streams = Vec::with_capacity(count);
                 for _ in 0..count {
-                    let channel = connect("the gateway under test at", &address).await?;
+                    let channel = connect_plaintext("the gateway under test at", &address).await?;
                     let stream = subscribe_with(channel, SERVICE, 0, RawBatches)
                         .await
                         .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;
@@ -254,8 +254,8 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::proto::common::kv_cache_event::Data;
-    use crate::proto::common::{
+    use kvgate::proto::common::kv_cache_event::Data;
+    use kvgate::proto::common::{
         KvBlock, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, KvEventBatch, KvSnapshotChunk,
     };
 

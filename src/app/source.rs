@@ -1,0 +1,187 @@
+//! Which event source the flags name: the engine's ZMQ publishers (one per
+//! data-parallel rank), a simulated engine started here (`--demo`), or
+//! another gateway upstream. Flag names live here, not in `source/`.
+
+use std::time::Duration;
+
+use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
+use kvgate_sim::{DemoConfig, DemoEngine};
+use tokio::sync::{mpsc, watch};
+
+use crate::cli::ServeArgs;
+use crate::client::{Target, TlsFlags, TlsPaths};
+use crate::metrics::Metrics;
+use crate::pem::FlagFile;
+use crate::source::SourceEvent;
+use crate::source::upstream::{self, UpstreamConfig};
+use crate::source::zmq::ZmqSourceConfig;
+use crate::supervisor::{Supervisor, TaskName};
+use crate::usage::UsageError;
+
+const UPSTREAM_FLAGS: TlsFlags = TlsFlags {
+    uri: "--upstream-grpc",
+    ca: "--upstream-tls-ca",
+    cert: "--upstream-tls-cert",
+    key: "--upstream-tls-key",
+};
+
+/// Where events come from, as configured.
+pub(super) enum SourceConfig {
+    Zmq(ZmqSourceConfig),
+    Upstream(UpstreamConfig),
+}
+
+impl std::fmt::Display for SourceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Zmq(config) => write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size),
+            Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
+        }
+    }
+}
+
+/// Exactly one of `--zmq-endpoint`, `--demo` (a simulated engine started
+/// here) and `--upstream-grpc`.
+pub(super) async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+    let zmq = |endpoint, replay_endpoint| {
+        SourceConfig::Zmq(ZmqSourceConfig {
+            endpoint,
+            replay_endpoint,
+            replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+            dp_size: args.dp_size,
+            topic: args.zmq_topic.clone(),
+            bind: args.zmq_bind,
+            max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
+        })
+    };
+    if args.demo {
+        // With a replay endpoint, like a well-configured engine: kvgate
+        // primes from it, so the first steps lost to ZMQ's slow joiner are not.
+        let mut config = DemoConfig::new(args.dp_size);
+        config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+        let demo = DemoEngine::bind(config).await?;
+        let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
+        let replay = demo
+            .endpoints()
+            .first()
+            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok())
+            .map(RankEndpoints::Offset);
+        return Ok((zmq(endpoint, replay), Some(demo)));
+    }
+    if let Some(uri) = &args.upstream_grpc {
+        let tls = TlsPaths {
+            ca: args.upstream_tls_ca.clone(),
+            cert: args.upstream_tls_cert.clone(),
+            key: args.upstream_tls_key.clone(),
+        };
+        let token = args
+            .upstream_token_file
+            .as_ref()
+            .map(|path| FlagFile::new("--upstream-token-file", path));
+        let config = UpstreamConfig {
+            target: Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
+            service: args.upstream_service.clone(),
+        };
+        return Ok((SourceConfig::Upstream(config), None));
+    }
+    let endpoint = RankEndpoints::from_flag("--zmq-endpoint", &args.zmq_endpoint, args.dp_size)
+        .map_err(|error| UsageError(error.to_string()))?
+        .ok_or_else(|| {
+            UsageError(
+                "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
+                 --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
+                    .into(),
+            )
+        })?;
+    let replay = RankEndpoints::from_flag(
+        "--zmq-replay-endpoint",
+        &args.zmq_replay_endpoint,
+        args.dp_size,
+    )
+    .map_err(|error| UsageError(error.to_string()))?;
+    if let RankEndpoints::Offset(publisher) = &endpoint {
+        let replay_base = match &replay {
+            Some(RankEndpoints::Offset(base)) => Some(base),
+            _ => None,
+        };
+        check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
+    }
+    Ok((zmq(endpoint, replay), None))
+}
+
+/// Checks that every rank's publisher (and replay) port exists, and that
+/// the publisher and replay port ranges do not overlap: their bases must be
+/// at least `dp_size` apart. The message names the flags to change.
+fn check_rank_ports(
+    publisher: &TcpEndpoint,
+    replay: Option<&TcpEndpoint>,
+    dp_size: u32,
+) -> Result<(), String> {
+    let last = dp_size.saturating_sub(1);
+    publisher
+        .for_rank(last)
+        .map_err(|error| format!("--zmq-endpoint with --dp-size {dp_size}: {error}"))?;
+    let Some(replay) = replay else {
+        return Ok(());
+    };
+    replay
+        .for_rank(last)
+        .map_err(|error| format!("--zmq-replay-endpoint with --dp-size {dp_size}: {error}"))?;
+    let distance = u32::from(publisher.port().abs_diff(replay.port()));
+    if publisher.host() == replay.host() && distance < dp_size {
+        return Err(format!(
+            "--zmq-endpoint {publisher} and --zmq-replay-endpoint {replay} overlap with \
+             --dp-size {dp_size} (rank r uses base port + r): keep the bases at least \
+             --dp-size apart, e.g. tcp://*:5557 and tcp://*:{}",
+            5557 + dp_size.max(1)
+        ));
+    }
+    Ok(())
+}
+
+/// Starts the configured source's tasks.
+pub(super) async fn start_source(
+    config: SourceConfig,
+    events: mpsc::Sender<SourceEvent>,
+    metrics: Metrics,
+    ready: watch::Sender<bool>,
+    supervisor: &Supervisor,
+) -> anyhow::Result<()> {
+    match config {
+        SourceConfig::Zmq(config) => {
+            metrics.prepare_ranks(config.dp_size);
+            config.start(events, metrics, ready, supervisor).await
+        }
+        SourceConfig::Upstream(config) => {
+            let stop = supervisor.stopping();
+            supervisor.spawn(TaskName::Upstream, async move {
+                upstream::run(config, events, metrics, ready, stop).await;
+                Ok(())
+            });
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publisher_and_replay_bases_closer_than_dp_size_are_refused() {
+        let publisher: TcpEndpoint = "tcp://*:5557".parse().unwrap();
+        let close: TcpEndpoint = "tcp://*:5558".parse().unwrap();
+        let apart: TcpEndpoint = "tcp://*:5559".parse().unwrap();
+        assert!(check_rank_ports(&publisher, Some(&close), 1).is_ok());
+        let error = check_rank_ports(&publisher, Some(&close), 2).unwrap_err();
+        assert!(error.contains("at least --dp-size apart"), "{error}");
+        assert!(check_rank_ports(&publisher, Some(&apart), 2).is_ok());
+        let last: TcpEndpoint = "tcp://*:65535".parse().unwrap();
+        let error = check_rank_ports(&last, None, 2).unwrap_err();
+        assert!(
+            error.starts_with("--zmq-endpoint with --dp-size 2"),
+            "{error}"
+        );
+    }
+
+}
