@@ -60,3 +60,26 @@ pub use smg::grpc::common;
 /// Every `.proto` of kvgate as an encoded `FileDescriptorSet`.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/kvgate_descriptor.bin"));
+
+impl common::KvCacheEvent {
+    /// A clear with no owner: every block of the rank is gone, whoever
+    /// stored it (contract section 3). kvgate sends one as a resync: first
+    /// in each rank's snapshot, and before a rank's next events once its
+    /// engine restarted or lost messages it cannot replay.
+    pub fn ownerless_clear() -> Self {
+        Self {
+            event_id: 0,
+            data: Some(common::kv_cache_event::Data::Cleared(
+                common::KvCacheCleared { ownership: None },
+            )),
+        }
+    }
+
+    /// Whether this is a clear with no owner ([`Self::ownerless_clear`]).
+    pub fn is_ownerless_clear(&self) -> bool {
+        matches!(
+            &self.data,
+            Some(common::kv_cache_event::Data::Cleared(cleared)) if cleared.ownership.is_none()
+        )
+    }
+}

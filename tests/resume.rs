@@ -116,6 +116,11 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
         .await
         .expect_err("the cursor left the history");
     assert_eq!(refused.code(), tonic::Code::OutOfRange);
+    assert!(
+        refused.message().contains("history, which resumes from"),
+        "the refusal names the oldest cursor that works: {}",
+        refused.message()
+    );
 
     view.clear_worker();
     let mut stream = subscribe(gateway.channel().await, SERVICE, 0)
@@ -195,4 +200,9 @@ async fn after_kvgate_restarts_an_old_cursor_is_refused_never_silently_aliased()
         .await
         .expect_err("an old cursor means nothing here");
     assert_eq!(refused.code(), tonic::Code::OutOfRange);
+    assert!(
+        refused.message().contains("earlier kvgate process"),
+        "the refusal says the cursor is from before the restart: {}",
+        refused.message()
+    );
 }

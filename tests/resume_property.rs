@@ -317,9 +317,8 @@ impl Gateway {
     }
 
     fn assert_refusal_justified(&self, cursor: u64, refusal: CursorError) {
-        assert_eq!(
-            refusal,
-            CursorError::Behind,
+        assert!(
+            matches!(refusal, CursorError::Behind { oldest } if oldest > cursor),
             "cursor {cursor} came from kvgate, yet it was refused as {refusal:?}"
         );
         if let Some(&position) = self.rank0_positions.get(&cursor) {
@@ -667,13 +666,28 @@ fn a_cursor_older_than_the_history_or_newer_than_anything_sent_is_refused() {
     for block in 1..6 {
         gateway.publish_cycle(0, &[store(&[block], None)]);
     }
-    // Held: FIRST_SEQUENCE + 3 ..= + 5.
+    // Held: FIRST_SEQUENCE + 3 ..= + 5; + 2 was evicted last, so a cursor
+    // naming it resumes with everything after it.
+    let behind = CursorError::Behind {
+        oldest: FIRST_SEQUENCE + 2,
+    };
     for (cursor, expected) in [
-        (FIRST_SEQUENCE - 5, Some(CursorError::Behind)),
-        (FIRST_SEQUENCE + 1, Some(CursorError::Behind)),
+        (
+            FIRST_SEQUENCE - 5,
+            Some(CursorError::OtherIncarnation {
+                first: FIRST_SEQUENCE,
+            }),
+        ),
+        (FIRST_SEQUENCE, Some(behind)),
+        (FIRST_SEQUENCE + 1, Some(behind)),
         (FIRST_SEQUENCE + 2, None),
         (FIRST_SEQUENCE + 5, None),
-        (FIRST_SEQUENCE + 6, Some(CursorError::Ahead)),
+        (
+            FIRST_SEQUENCE + 6,
+            Some(CursorError::Ahead {
+                newest: FIRST_SEQUENCE + 5,
+            }),
+        ),
     ] {
         assert_eq!(refusal(&gateway, cursor), expected, "cursor {cursor}");
     }
@@ -712,8 +726,10 @@ fn a_cursor_whose_own_batch_was_just_evicted_is_resumed_while_everything_after_i
     gateway.publish_cycle(0, &[store(&[4], None)]);
     assert_eq!(
         Subscription::resume(&gateway.hub, cursor).err(),
-        Some(CursorError::Behind),
-        "rank 1's batch after the cursor is gone too"
+        Some(CursorError::Behind {
+            oldest: cursor + 1
+        }),
+        "rank 1's batch after the cursor is gone too; rank 0's next batch is the oldest cursor"
     );
 }
 

@@ -34,7 +34,7 @@ use crate::wire::OpenBatch;
 use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use crate::load::records::LoadRecords;
 use crate::metrics::{Metrics, OVERSIZED_EVENT};
-use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvCacheTier, kv_cache_event::Data};
+use crate::proto::common::{KvCacheEvent, KvCacheTier};
 use crate::source::{EngineMessage, SourceEvent};
 use batcher::{BatchLimits, Batcher, Output};
 use sequence::Sequencer;
@@ -202,8 +202,8 @@ impl Drain {
 
     /// Batches one message's events, after the clear a restarted rank owes.
     fn push_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
-        if self.owe_clear.remove(&rank) && !starts_with_ownerless_clear(&events) {
-            self.push_event(rank, ownerless_clear(), timestamp);
+        if self.owe_clear.remove(&rank) && !events.first().is_some_and(KvCacheEvent::is_ownerless_clear) {
+            self.push_event(rank, KvCacheEvent::ownerless_clear(), timestamp);
         }
         for event in events {
             self.push_event(rank, event, timestamp);
@@ -248,7 +248,7 @@ impl Drain {
     pub fn flush(&mut self) {
         // A restarted rank that sent nothing since still gets its clear now.
         for rank in std::mem::take(&mut self.owe_clear) {
-            self.push_event(rank, ownerless_clear(), unix_now());
+            self.push_event(rank, KvCacheEvent::ownerless_clear(), unix_now());
         }
         let ranks: Vec<u32> = self.batchers.keys().copied().collect();
         for rank in ranks {
@@ -346,25 +346,11 @@ async fn load_wake(records: &mut Option<LoadRecords>) {
     }
 }
 
-fn ownerless_clear() -> KvCacheEvent {
-    KvCacheEvent {
-        event_id: 0,
-        data: Some(Data::Cleared(KvCacheCleared { ownership: None })),
-    }
-}
-
-fn starts_with_ownerless_clear(events: &[KvCacheEvent]) -> bool {
-    matches!(
-        events.first().and_then(|event| event.data.as_ref()),
-        Some(Data::Cleared(KvCacheCleared { ownership: None }))
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::hub::{HistoryLimits, hub};
-    use crate::proto::common::{KvBlock, KvBlocksStored};
+    use crate::proto::common::{KvBlock, KvBlocksStored, kv_cache_event::Data};
 
     fn block(hash: i64, tokens: usize, token: u32) -> KvBlock {
         KvBlock {

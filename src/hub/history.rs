@@ -119,6 +119,13 @@ pub struct History {
     /// Rank 0's newest sequence number, 0 before its first batch (kvgate
     /// never sends 0): tells a cursor that is ahead from one that is behind.
     rank0_newest: AtomicU64,
+    /// Rank 0's first sequence number in this process, 0 before its first
+    /// batch: a cursor below it comes from another kvgate process.
+    rank0_first: AtomicU64,
+    /// Rank 0's newest sequence number evicted, 0 before the first such
+    /// eviction. Rank 0's numbers go up by one a batch, so every rank-0
+    /// batch after it is still held.
+    rank0_evicted_through: AtomicU64,
     /// (position, sequence) of the batch evicted last, if it was rank 0's:
     /// everything after it is still held, so a cursor naming it can still
     /// be resumed (the contract asks for `c+1` onwards, not `c`). A reader
@@ -146,6 +153,23 @@ impl History {
 
     pub fn rank0_newest_sequence(&self) -> Option<u64> {
         Some(self.rank0_newest.load(Ordering::Acquire)).filter(|&sequence| sequence != 0)
+    }
+
+    /// Rank 0's first sequence number in this process.
+    pub fn rank0_first_sequence(&self) -> Option<u64> {
+        Some(self.rank0_first.load(Ordering::Acquire)).filter(|&sequence| sequence != 0)
+    }
+
+    /// The oldest rank-0 cursor a subscriber can resume from now: the batch
+    /// evicted last if it was rank 0's, else the oldest rank-0 batch held.
+    pub fn rank0_oldest_resumable(&self) -> Option<u64> {
+        if let Some(&(_, sequence)) = self.rank0_evicted.load().as_deref() {
+            return Some(sequence);
+        }
+        match self.rank0_evicted_through.load(Ordering::Acquire) {
+            0 => self.rank0_first_sequence(),
+            evicted => Some(evicted + 1),
+        }
     }
 
     /// Where rank 0's batch `sequence` stands, if it is still held.
@@ -193,6 +217,8 @@ impl HistoryWriter {
             oldest: AtomicU64::new(1),
             newest: AtomicU64::new(0),
             rank0_newest: AtomicU64::new(0),
+            rank0_first: AtomicU64::new(0),
+            rank0_evicted_through: AtomicU64::new(0),
             rank0_evicted: ArcSwapOption::empty(),
         };
         Self {
@@ -229,6 +255,9 @@ impl HistoryWriter {
                 self.bytes -= evicted.retained_bytes();
                 if evicted.rank == 0 {
                     history.rank0_positions.left_window(evicted.sequence);
+                    history
+                        .rank0_evicted_through
+                        .store(evicted.sequence, Ordering::Release);
                 }
                 last_evicted = Some(evicted);
             }
@@ -252,6 +281,9 @@ impl HistoryWriter {
             history
                 .rank0_positions
                 .write(sequence, |slot| slot.store(position, Ordering::Release));
+            if history.rank0_first_sequence().is_none() {
+                history.rank0_first.store(sequence, Ordering::Release);
+            }
             history.rank0_newest.store(sequence, Ordering::Release);
         }
     }

@@ -20,26 +20,36 @@ use async_broadcast::{Receiver, RecvError};
 use super::cursors::{Cursor, Cursors};
 use super::{Batch, History, HubReader, Live, LoadOnly};
 
-/// Why a resume cursor cannot be honoured (the call fails with OUT_OF_RANGE).
+/// Why a resume cursor cannot be honoured (the call fails with
+/// OUT_OF_RANGE), with what would have worked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CursorError {
-    /// Some batch after it has left the history, or from an earlier kvgate
-    /// process (whose numbers are all below this one's).
-    Behind,
-    /// Newer than anything rank 0 was sent.
-    Ahead,
-    /// Nothing was sent yet by this kvgate process.
+    /// Some rank-0 batch after it has left the history; `oldest` is the
+    /// oldest cursor that can be resumed now.
+    Behind { oldest: u64 },
+    /// Newer than anything rank 0 was sent; `newest` is rank 0's newest
+    /// sequence number.
+    Ahead { newest: u64 },
+    /// From an earlier kvgate process: this one numbered rank 0 from
+    /// `first`, above anything an earlier process sent.
+    OtherIncarnation { first: u64 },
+    /// Nothing was sent to rank 0 yet by this kvgate process.
     Empty,
 }
 
 impl CursorError {
+    /// The OUT_OF_RANGE message: what is wrong with `cursor`, and what
+    /// would work.
     pub fn describe(self, cursor: u64) -> String {
         match self {
-            Self::Behind => format!(
-                "start_sequence_number {cursor} is older than kvgate's history; resubscribe with 0 for a snapshot"
+            Self::Behind { oldest } => format!(
+                "start_sequence_number {cursor} is older than kvgate's history, which resumes from {oldest} onwards; resubscribe with 0 for a snapshot"
             ),
-            Self::Ahead => format!(
-                "start_sequence_number {cursor} is newer than anything kvgate sent; resubscribe with 0 for a snapshot"
+            Self::Ahead { newest } => format!(
+                "start_sequence_number {cursor} is newer than anything kvgate sent (rank 0's newest is {newest}); resubscribe with 0 for a snapshot"
+            ),
+            Self::OtherIncarnation { first } => format!(
+                "start_sequence_number {cursor} comes from an earlier kvgate process (this one numbers rank 0 from {first}); resubscribe with 0 for a snapshot"
             ),
             Self::Empty => format!(
                 "start_sequence_number {cursor} is unknown: kvgate has sent nothing yet; resubscribe with 0"
@@ -170,9 +180,15 @@ fn locate(history: &History, cursor: u64) -> Result<u64, CursorError> {
     {
         return Ok(position);
     }
-    match newest {
-        Some(newest) if cursor > newest => Err(CursorError::Ahead),
-        Some(_) => Err(CursorError::Behind),
-        None => Err(CursorError::Empty),
+    let (Some(newest), Some(first)) = (newest, history.rank0_first_sequence()) else {
+        return Err(CursorError::Empty);
+    };
+    if cursor > newest {
+        Err(CursorError::Ahead { newest })
+    } else if cursor < first {
+        Err(CursorError::OtherIncarnation { first })
+    } else {
+        let oldest = history.rank0_oldest_resumable().unwrap_or(first);
+        Err(CursorError::Behind { oldest })
     }
 }

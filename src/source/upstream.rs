@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use super::SourceEvent;
 use crate::metrics::Metrics;
-use crate::proto::common::{KvEventBatch, kv_cache_event::Data};
+use crate::proto::common::{KvCacheEvent, KvEventBatch};
 
 /// The bad-message reason of an upstream batch kvgate cannot decode.
 pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
@@ -89,7 +89,7 @@ impl Cursors {
             Some(last) if seq == last + 1 => Verdict::Next,
             Some(last) if seq == last => Verdict::Stale,
             Some(last) if seq < last => {
-                let restart = has_ownerless_clear(batch) || fresh || seq <= 1 || seq + 1024 <= last;
+                let restart = batch.events.iter().any(KvCacheEvent::is_ownerless_clear) || fresh || seq <= 1 || seq + 1024 <= last;
                 if restart {
                     Verdict::Restart
                 } else {
@@ -103,12 +103,6 @@ impl Cursors {
         }
         verdict
     }
-}
-
-fn has_ownerless_clear(batch: &KvEventBatch) -> bool {
-    batch.events.iter().any(
-        |event| matches!(&event.data, Some(Data::Cleared(cleared)) if cleared.ownership.is_none()),
-    )
 }
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -228,7 +222,7 @@ async fn follow(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk};
+    use crate::proto::common::{KvCacheCleared, KvSnapshotChunk, kv_cache_event::Data};
 
     fn batch(rank: i32, seq: u64) -> KvEventBatch {
         KvEventBatch {

@@ -37,7 +37,7 @@ use rustc_hash::FxHashSet;
 use super::{BlockRecord, RankBlocks, StateCut, StoreFields, TIERS};
 use crate::wire::batch::{EventLen, OpenBatch};
 use crate::wire::event::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
-use crate::proto::common::{KvCacheCleared, KvCacheEvent, KvSnapshotChunk, kv_cache_event::Data};
+use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
@@ -200,7 +200,7 @@ struct RankWalk {
 impl RankWalk {
     fn new(rank: u32, timestamp: f64) -> Self {
         let mut chunker = Chunker::new(timestamp);
-        chunker.push_event(&ownerless_clear(), 0);
+        chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
         Self {
             rank,
             tier: 0,
@@ -524,18 +524,11 @@ impl Chunker {
     }
 }
 
-fn ownerless_clear() -> KvCacheEvent {
-    KvCacheEvent {
-        event_id: 0,
-        data: Some(Data::Cleared(KvCacheCleared { ownership: None })),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::common::{KvCacheTier, KvEventBatch, kv_cache_event::Data};
     use crate::state::{LiveState, stored_event};
-    use crate::proto::common::{KvCacheTier, KvEventBatch};
 
     fn store(state: &mut LiveState, rank: u32, parent: Option<i64>, hashes: &[i64], tokens: usize) {
         state.apply(
@@ -594,10 +587,7 @@ mod tests {
         assert_eq!(batch.dp_rank, Some(0));
         let header = batch.snapshot.unwrap();
         assert_eq!((header.index, header.count, header.blocks), (0, 1, 3));
-        assert!(matches!(
-            batch.events[0].data,
-            Some(Data::Cleared(KvCacheCleared { ownership: None }))
-        ));
+        assert!(batch.events[0].is_ownerless_clear());
         assert!(batch.events.iter().all(|event| event.event_id == 0));
         let stores = stored_hashes(batch);
         // Map order decides whether 3 is reached before 1 and 2; either way
