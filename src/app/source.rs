@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use anyhow::Context as _;
+
 use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
 use kvgate_sim::{DemoConfig, DemoEngine};
 use tokio::sync::{mpsc, watch};
@@ -150,7 +152,15 @@ pub(super) async fn start_source(
     match config {
         SourceConfig::Zmq(config) => {
             metrics.prepare_ranks(config.dp_size);
-            config.start(events, metrics, ready, supervisor).await
+            let flags = if config.bind {
+                format!("--zmq-endpoint {} --zmq-bind", config.endpoint)
+            } else {
+                format!("--zmq-endpoint {}", config.endpoint)
+            };
+            config
+                .start(events, metrics, ready, supervisor)
+                .await
+                .with_context(|| flags)
         }
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();

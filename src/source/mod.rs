@@ -12,8 +12,22 @@ pub mod upstream;
 pub mod zmq;
 
 use bytes::Bytes;
+use tokio::sync::mpsc;
 
 use crate::proto::common::KvCacheEvent;
+
+/// The drain dropped its end of the queue: kvgate is stopping, and a source
+/// stops with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrainGone;
+
+/// Hands `event` to the drain, waiting while its queue is full.
+pub(crate) async fn send(
+    events: &mpsc::Sender<SourceEvent>,
+    event: SourceEvent,
+) -> Result<(), DrainGone> {
+    events.send(event).await.map_err(|_| DrainGone)
+}
 
 /// One engine message as the publisher of rank `rank` sent it.
 #[derive(Clone, Debug)]

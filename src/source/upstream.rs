@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tracing::{info, warn};
 
-use super::SourceEvent;
+use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
 use crate::proto::common::{KvCacheEvent, KvEventBatch};
 
@@ -126,7 +126,7 @@ pub async fn run(
         };
         ready.send_replace(false);
         match outcome {
-            Outcome::DrainGone => return,
+            Outcome::DrainGone(DrainGone) => return,
             Outcome::Resync(reason) => {
                 info!(upstream = %config.target.uri(), %reason, "resubscribing from 0 for a snapshot");
                 cursors.forget();
@@ -151,7 +151,7 @@ enum Outcome {
     Retry(String),
     /// The cursor is worthless: start over with a snapshot.
     Resync(String),
-    DrainGone,
+    DrainGone(DrainGone),
 }
 
 async fn follow(
@@ -203,18 +203,15 @@ async fn follow(
             Verdict::Restart => Some(SourceEvent::PublisherRestarted { rank }),
             Verdict::Snapshot { first: true } => Some(SourceEvent::Resync),
         };
-        if let Some(reset) = reset
-            && events.send(reset).await.is_err()
-        {
-            return Outcome::DrainGone;
-        }
         let forwarded = SourceEvent::Events {
             rank,
             timestamp: batch.timestamp,
             events: batch.events,
         };
-        if events.send(forwarded).await.is_err() {
-            return Outcome::DrainGone;
+        for event in reset.into_iter().chain([forwarded]) {
+            if let Err(gone) = send(events, event).await {
+                return Outcome::DrainGone(gone);
+            }
         }
     }
 }

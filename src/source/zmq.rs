@@ -27,13 +27,13 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqMessage};
+use kvgate_endpoint::{EndpointError, RankEndpoints};
+use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqError, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
-use kvgate_endpoint::RankEndpoints;
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{ReplayClient, ReplayError, Replayed};
-use super::{EngineMessage, FrameError, SourceEvent, parse_sequence};
+use super::{DrainGone, EngineMessage, FrameError, SourceEvent, parse_sequence, send};
 use crate::metrics::Metrics;
 use crate::supervisor::{Supervisor, TaskName};
 
@@ -74,6 +74,19 @@ pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), F
     Ok((parse_sequence(&sequence)?, payload))
 }
 
+/// Why the sockets could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("rank {rank}'s publisher: {source}")]
+    PublisherEndpoint { rank: u32, source: EndpointError },
+    #[error("rank {rank}'s replay endpoint: {source}")]
+    ReplayEndpoint { rank: u32, source: EndpointError },
+    #[error("cannot subscribe to the topic: {0}")]
+    Subscribe(ZmqError),
+    #[error("cannot bind {address}: {source}")]
+    Bind { address: String, source: ZmqError },
+}
+
 impl ZmqSourceConfig {
     /// Opens one socket per rank, each served by its own supervised task until
     /// shutdown. Bound sockets are listening when this returns; connecting
@@ -85,7 +98,7 @@ impl ZmqSourceConfig {
         metrics: Metrics,
         ready: watch::Sender<bool>,
         supervisor: &Supervisor,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), StartError> {
         let config = self;
         let ranks_up = Arc::new(RanksUp {
             up: AtomicU32::new(0),
@@ -93,19 +106,15 @@ impl ZmqSourceConfig {
             ready,
         });
         for rank in 0..config.dp_size {
-            let endpoint = config.endpoint.for_rank(rank).map_err(|error| {
-                anyhow::anyhow!("--zmq-endpoint with --dp-size {}: {error}", config.dp_size)
-            })?;
+            let endpoint = config
+                .endpoint
+                .for_rank(rank)
+                .map_err(|source| StartError::PublisherEndpoint { rank, source })?;
             let topic = Bytes::from(config.topic.clone());
             let replay = match &config.replay_endpoint {
                 Some(base) => Some(ReplayClient::new(
                     base.for_rank(rank)
-                        .map_err(|error| {
-                            anyhow::anyhow!(
-                                "--zmq-replay-endpoint with --dp-size {}: {error}",
-                                config.dp_size
-                            )
-                        })?
+                        .map_err(|source| StartError::ReplayEndpoint { rank, source })?
                         .connect_address(),
                     topic.clone(),
                     config.replay_timeout,
@@ -116,7 +125,10 @@ impl ZmqSourceConfig {
             let mut options = socket_options(config.max_message_bytes);
             options.no_connect_timeout();
             let mut socket = SubSocket::with_options(options);
-            socket.subscribe(&config.topic).await?;
+            socket
+                .subscribe(&config.topic)
+                .await
+                .map_err(StartError::Subscribe)?;
             let stop = supervisor.stopping();
             let address = if config.bind {
                 endpoint.bind_address()
@@ -135,7 +147,10 @@ impl ZmqSourceConfig {
                 let bound = socket
                     .bind(&address)
                     .await
-                    .map_err(|e| anyhow::anyhow!("--zmq-bind: cannot bind {address}: {e}"))?;
+                    .map_err(|source| StartError::Bind {
+                        address: address.clone(),
+                        source,
+                    })?;
                 info!(rank, %bound, "listening for the engine publisher");
                 let handshakes = socket.monitor();
                 let handshake_stop = stop.clone();
@@ -301,25 +316,25 @@ impl RankTask {
     async fn run(mut self, mut socket: SubSocket, stop: CancellationToken) {
         // Stopping may cut a replay short: what it would have given is moot.
         tokio::select! {
-            () = self.serve(&mut socket) => {}
+            DrainGone = self.serve(&mut socket) => {}
             () = stop.cancelled() => {}
         }
         socket.close().await;
     }
 
-    /// Returns once the drain is gone. The SUB is not read while a replay
+    /// Runs until the drain is gone. The SUB is not read while a replay
     /// runs: the zeromq crate resubscribes after a reconnect on its own (not
     /// on the next read, as libzmq does) and the publisher queues meanwhile,
     /// so live messages are delayed, not lost.
-    async fn serve(&mut self, socket: &mut SubSocket) {
-        if !self.prime().await {
-            return;
+    async fn serve(&mut self, socket: &mut SubSocket) -> DrainGone {
+        if let Err(gone) = self.prime().await {
+            return gone;
         }
         loop {
             match socket.recv().await {
                 Ok(message) => {
-                    if !self.forward(message).await {
-                        return;
+                    if let Err(gone) = self.forward(message).await {
+                        return gone;
                     }
                 }
                 Err(error) => {
@@ -334,11 +349,10 @@ impl RankTask {
     }
 
     /// Forwards the replay ring's content so the state covers what the
-    /// engine stored before kvgate joined. Returns false once the drain is
-    /// gone.
-    async fn prime(&mut self) -> bool {
+    /// engine stored before kvgate joined.
+    async fn prime(&mut self) -> Result<(), DrainGone> {
         let Some(replay) = &self.replay else {
-            return true;
+            return Ok(());
         };
         let primed = replay.fetch(0..=u64::MAX).await;
         if let Some(error) = &primed.stopped {
@@ -362,14 +376,13 @@ impl RankTask {
         self.send_all(primed.messages).await
     }
 
-    /// Returns false once the drain is gone.
-    async fn forward(&mut self, message: ZmqMessage) -> bool {
+    async fn forward(&mut self, message: ZmqMessage) -> Result<(), DrainGone> {
         let (engine_sequence, payload) = match parse_frames(message, &self.topic) {
             Ok(parts) => parts,
             Err(error) => {
                 self.metrics.count_bad_message(error.as_str());
                 warn_limited(self.rank, error.as_str());
-                return true;
+                return Ok(());
             }
         };
         self.metrics
@@ -382,7 +395,7 @@ impl RankTask {
                     rank = self.rank,
                     engine_sequence, "skipped a live copy of a primed message"
                 );
-                return true;
+                return Ok(());
             }
             Continuity::Follows => None,
             Continuity::First => Some(Hole::Opening {
@@ -396,28 +409,23 @@ impl RankTask {
                 );
                 self.metrics.engine_restarts.inc();
                 let restarted = SourceEvent::PublisherRestarted { rank: self.rank };
-                if self.events.send(restarted).await.is_err() {
-                    return false;
-                }
+                send(&self.events, restarted).await?;
                 // The SUB may have joined the new publisher late.
                 Some(Hole::Opening {
                     next: engine_sequence,
                 })
             }
         };
-        if let Some(hole) = hole
-            && !self.recover(hole).await
-        {
-            return false;
+        if let Some(hole) = hole {
+            self.recover(hole).await?;
         }
         self.send_all([(engine_sequence, payload)]).await
     }
 
     /// Forwards what replay still holds of `hole` and counts the rest.
-    /// Returns false once the drain is gone.
-    async fn recover(&mut self, hole: Hole) -> bool {
+    async fn recover(&mut self, hole: Hole) -> Result<(), DrainGone> {
         let Some(missing) = hole.missing() else {
-            return true;
+            return Ok(());
         };
         let recovered = match &self.replay {
             Some(replay) => {
@@ -459,24 +467,19 @@ impl RankTask {
         }
     }
 
-    /// Returns false once the drain is gone.
-    async fn send_all(&self, messages: impl IntoIterator<Item = (u64, Bytes)>) -> bool {
+    async fn send_all(
+        &self,
+        messages: impl IntoIterator<Item = (u64, Bytes)>,
+    ) -> Result<(), DrainGone> {
         for (engine_sequence, payload) in messages {
             let message = EngineMessage {
                 rank: self.rank,
                 engine_sequence,
                 payload,
             };
-            if self
-                .events
-                .send(SourceEvent::Message(message))
-                .await
-                .is_err()
-            {
-                return false;
-            }
+            send(&self.events, SourceEvent::Message(message)).await?;
         }
-        true
+        Ok(())
     }
 }
 
