@@ -10,11 +10,11 @@ use bytes::Bytes;
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
-use kvgate::state::LiveState;
 use kvgate::hub::{HistoryLimits, hub};
 use kvgate::metrics::Metrics;
-use kvgate_sim::{SteadyState, WorkloadShape};
 use kvgate::source::{EngineMessage, SourceEvent};
+use kvgate::state::LiveState;
+use kvgate_sim::{SteadyState, WorkloadShape};
 
 struct Counting;
 
@@ -76,7 +76,7 @@ fn state_bytes_per_block() -> f64 {
         state.apply(0, event);
     }
     let after = LIVE_BYTES.load(Ordering::Relaxed);
-    let blocks = state.rank(0).map_or(0, |rank| rank.block_count()) as usize;
+    let blocks = state.rank(0).map_or(0, |rank| rank.counts().total()) as usize;
     assert_eq!(blocks, BLOCKS);
     let token_bytes = blocks * BLOCK_SIZE * 4;
     (after - before - token_bytes) as f64 / blocks as f64

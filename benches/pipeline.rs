@@ -8,12 +8,12 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
-use kvgate::state::snapshot::encode_snapshot;
-use kvgate::state::LiveState;
 use kvgate::hub::{HistoryLimits, hub};
 use kvgate::metrics::Metrics;
-use kvgate_sim::{SimEvent, SteadyState, WorkloadShape};
 use kvgate::source::{EngineMessage, SourceEvent};
+use kvgate::state::LiveState;
+use kvgate::state::snapshot::encode_snapshot;
+use kvgate_sim::{SimEvent, SteadyState, WorkloadShape};
 
 const LIMITS: BatchLimits = BatchLimits {
     max_events: 1024,

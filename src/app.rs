@@ -20,9 +20,9 @@ use tracing::{info, warn};
 
 use crate::cli::ServeArgs;
 use crate::client::TlsPaths;
+use crate::clock::epoch_seed;
 use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
-use crate::clock::epoch_seed;
 use crate::health::HealthWatch;
 use crate::hub::{HistoryLimits, HubWriter, hub};
 use crate::load::empty_board;
@@ -391,4 +391,3 @@ fn spawn_admin(
     });
     Ok(address)
 }
-

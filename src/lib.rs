@@ -9,13 +9,13 @@
 
 pub mod app;
 pub mod cli;
-pub mod cli_values;
+pub(crate) mod cli_values;
 pub mod client;
 pub mod clock;
-pub mod connect_error;
+pub(crate) mod connect_error;
 pub mod convert;
 pub mod drain;
-pub mod health;
+pub(crate) mod health;
 pub mod hub;
 pub mod json;
 pub mod load;
@@ -27,8 +27,8 @@ pub mod proto;
 pub mod server;
 pub mod source;
 pub mod state;
-pub mod supervisor;
-pub mod token_file;
+pub(crate) mod supervisor;
+pub(crate) mod token_file;
 pub mod tools;
 pub mod usage;
 pub mod wire;

@@ -13,6 +13,43 @@ use prometheus_client::registry::Registry;
 
 use crate::convert::{DropReason, EventKind, Tally};
 use crate::source::peer::{PeerDropReason, PeerSocket};
+use crate::state::tier::Tier;
+
+/// One rank's engine counters, looked up once: the hot path adds to them
+/// without a label lookup.
+#[derive(Clone, Debug)]
+pub struct RankCounters {
+    /// Engine messages accepted from the rank's socket.
+    pub messages: Counter,
+    /// Forwarded events, in `EventKind::ALL` order.
+    forwarded: [Counter; EventKind::ALL.len()],
+    dropped: Counter,
+    /// Not per rank; only touched when a rule drops an event.
+    dropped_by_reason: Family<ReasonLabel, Counter>,
+}
+
+impl RankCounters {
+    /// Adds one message's conversion counts.
+    pub fn record_tally(&self, tally: &Tally) {
+        for (kind, counter) in EventKind::ALL.into_iter().zip(&self.forwarded) {
+            let forwarded = tally.forwarded(kind);
+            if forwarded > 0 {
+                counter.inc_by(forwarded);
+            }
+        }
+        for reason in DropReason::ALL {
+            let dropped = tally.dropped(reason);
+            if dropped > 0 {
+                self.dropped.inc_by(dropped);
+                self.dropped_by_reason
+                    .get_or_create(&ReasonLabel {
+                        reason: reason.as_str(),
+                    })
+                    .inc_by(dropped);
+            }
+        }
+    }
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RankLabel {
@@ -457,33 +494,19 @@ impl Metrics {
     }
 
     /// Adds one drain cycle's conversion outcome for `rank`.
-    pub fn record_tally(&self, rank: u32, tally: &Tally) {
-        for kind in EventKind::ALL {
-            let forwarded = tally.forwarded(kind);
-            if forwarded > 0 {
-                self.engine_events
-                    .get_or_create(&RankTypeLabels {
-                        rank,
-                        r#type: kind.as_str(),
-                    })
-                    .inc_by(forwarded);
-            }
-        }
-        for reason in DropReason::ALL {
-            let dropped = tally.dropped(reason);
-            if dropped > 0 {
-                self.engine_events
-                    .get_or_create(&RankTypeLabels {
-                        rank,
-                        r#type: "dropped",
-                    })
-                    .inc_by(dropped);
-                self.events_dropped
-                    .get_or_create(&ReasonLabel {
-                        reason: reason.as_str(),
-                    })
-                    .inc_by(dropped);
-            }
+    /// Rank `rank`'s engine counters, resolved once for its whole life.
+    pub fn rank_counters(&self, rank: u32) -> RankCounters {
+        let events = |r#type| {
+            self.engine_events
+                .get_or_create_owned(&RankTypeLabels { rank, r#type })
+        };
+        RankCounters {
+            messages: self
+                .engine_messages
+                .get_or_create_owned(&RankLabel { rank }),
+            forwarded: EventKind::ALL.map(|kind| events(kind.as_str())),
+            dropped: events("dropped"),
+            dropped_by_reason: self.events_dropped.clone(),
         }
     }
 
@@ -517,7 +540,7 @@ impl Metrics {
                     .get_or_create_owned(&RankTypeLabels { rank, r#type });
             }
             self.last_sequence.get_or_create_owned(&RankLabel { rank });
-            for tier in crate::hub::TIER_NAMES {
+            for tier in Tier::REPORTED.map(Tier::label) {
                 self.state_blocks
                     .get_or_create_owned(&RankTierLabels { rank, tier });
             }
@@ -535,18 +558,21 @@ impl Metrics {
             .inc();
     }
 
-    /// Per-rank gauges from the drain's latest report.
-    pub fn record_ranks(&self, reports: &[crate::hub::RankReport]) {
-        for report in reports {
-            let rank = report.rank;
-            self.last_sequence
-                .get_or_create(&RankLabel { rank })
-                .set(report.last_sequence as i64);
-            for (tier, blocks) in crate::hub::TIER_NAMES.into_iter().zip(report.blocks) {
-                self.state_blocks
-                    .get_or_create(&RankTierLabels { rank, tier })
-                    .set(blocks as i64);
-            }
+    /// A rank's gauges: its last sequence number and its live blocks per
+    /// tier label (one of `Tier::REPORTED`'s).
+    pub fn set_rank_figures(
+        &self,
+        rank: u32,
+        last_sequence: u64,
+        blocks: impl IntoIterator<Item = (&'static str, u64)>,
+    ) {
+        self.last_sequence
+            .get_or_create(&RankLabel { rank })
+            .set(i64::try_from(last_sequence).unwrap_or(i64::MAX));
+        for (tier, count) in blocks {
+            self.state_blocks
+                .get_or_create(&RankTierLabels { rank, tier })
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
         }
     }
 

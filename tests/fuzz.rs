@@ -17,8 +17,8 @@ use std::sync::OnceLock;
 
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::batcher::{BatchLimits, Batcher, Output};
-use kvgate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use kvgate::proto::common::{KvCacheEvent, KvEventBatch, kv_cache_event::Data};
+use kvgate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::FileFailurePersistence;

@@ -47,16 +47,16 @@ use prost::Message;
 use common::router::{Admission, BlockSet, RouterView};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
-use kvgate::state::snapshot::encode_snapshot;
-use kvgate::state::MAX_COPIES;
 use kvgate::hub::subscription::{CursorError, Step, Subscription};
 use kvgate::hub::{HistoryLimits, HubReader, hub};
 use kvgate::load::records::LoadRecords;
 use kvgate::load::{Board, Reading};
 use kvgate::metrics::Metrics;
 use kvgate::proto::common::{KvCacheCleared, KvEventBatch, kv_cache_event::Data};
-use kvgate_sim::{SimConfig, SimEngine, SimEvent, encode_batch};
 use kvgate::source::{EngineMessage, SourceEvent};
+use kvgate::state::MAX_COPIES;
+use kvgate::state::snapshot::encode_snapshot;
+use kvgate_sim::{SimConfig, SimEngine, SimEvent, encode_batch};
 
 /// Far above 1024, so neither `seq <= 1` nor `seq + 1024 <= last` can make
 /// a router take a batch for a restart by accident.
@@ -726,9 +726,7 @@ fn a_cursor_whose_own_batch_was_just_evicted_is_resumed_while_everything_after_i
     gateway.publish_cycle(0, &[store(&[4], None)]);
     assert_eq!(
         Subscription::resume(&gateway.hub, cursor).err(),
-        Some(CursorError::Behind {
-            oldest: cursor + 1
-        }),
+        Some(CursorError::Behind { oldest: cursor + 1 }),
         "rank 1's batch after the cursor is gone too; rank 0's next batch is the oldest cursor"
     );
 }

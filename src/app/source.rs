@@ -44,7 +44,9 @@ impl std::fmt::Display for SourceConfig {
 
 /// Exactly one of `--zmq-endpoint`, `--demo` (a simulated engine started
 /// here) and `--upstream-grpc`.
-pub(super) async fn choose_source(args: &ServeArgs) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+pub(super) async fn choose_source(
+    args: &ServeArgs,
+) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
     let zmq = |endpoint, replay_endpoint| {
         SourceConfig::Zmq(ZmqSourceConfig {
             endpoint,
@@ -193,5 +195,4 @@ mod tests {
             "{error}"
         );
     }
-
 }

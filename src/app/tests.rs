@@ -12,8 +12,8 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use super::*;
 use crate::cli::{Cli, Command};
 use crate::health::Health;
-use kvgate_sim::{EnginePublisher, PublisherOptions};
 use crate::supervisor::UnexpectedEnd;
+use kvgate_sim::{EnginePublisher, PublisherOptions};
 
 /// Upper bound for anything a test waits on.
 const DEADLINE: Duration = Duration::from_secs(20);

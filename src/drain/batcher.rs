@@ -15,9 +15,9 @@
 use prost::Message;
 use prost::encoding;
 
+use crate::proto::common::{KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
 use crate::wire::batch::{EventLen, MAX_EVENTS_BYTES, OpenBatch};
 use crate::wire::event::{BLOCKS_FIELD, BlockFields, encode_event};
-use crate::proto::common::{KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
 
 /// Limits of one outgoing batch.
 #[derive(Clone, Copy, Debug)]
@@ -179,9 +179,7 @@ fn split(event: KvCacheEvent, max_bytes: usize) -> Split {
             let fixed = wrap(Data::Stored(stored.clone())).encoded_len() + PIECE_SLACK;
             let entry_len = |block: &crate::proto::common::KvBlock| {
                 let body = BlockFields::from(block).encoded_len();
-                encoding::key_len(BLOCKS_FIELD)
-                    + encoding::encoded_len_varint(body as u64)
-                    + body
+                encoding::key_len(BLOCKS_FIELD) + encoding::encoded_len_varint(body as u64) + body
             };
             let Some(runs) = runs(blocks.iter().map(entry_len), fixed, max_bytes) else {
                 stored.blocks = blocks;

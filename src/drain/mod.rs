@@ -28,14 +28,14 @@ use tracing::warn;
 use crate::clock::unix_now;
 use crate::convert::{Converter, Tally};
 use crate::hub::{CutRequest, HubWriter, RankReport};
+use crate::load::records::LoadRecords;
+use crate::metrics::{Metrics, OVERSIZED_EVENT, RankCounters};
+use crate::proto::common::KvCacheEvent;
+use crate::source::{EngineMessage, SourceEvent};
 use crate::state::LiveState;
 use crate::state::snapshot::SnapshotCut;
 use crate::wire::OpenBatch;
 use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
-use crate::load::records::LoadRecords;
-use crate::metrics::{Metrics, OVERSIZED_EVENT};
-use crate::proto::common::{KvCacheEvent, KvCacheTier};
-use crate::source::{EngineMessage, SourceEvent};
 use batcher::{BatchLimits, Batcher, Output};
 use sequence::Sequencer;
 
@@ -60,6 +60,8 @@ pub struct Drain {
     first_engine_sequence: BTreeMap<u32, u64>,
     hub: HubWriter,
     metrics: Metrics,
+    /// Each rank's counters, resolved at its first message.
+    rank_counters: BTreeMap<u32, RankCounters>,
     /// The engine's load, when kvgate polls it.
     records: Option<LoadRecords>,
 }
@@ -78,6 +80,7 @@ impl Drain {
             first_engine_sequence: BTreeMap::new(),
             hub,
             metrics,
+            rank_counters: BTreeMap::new(),
             records: None,
         }
     }
@@ -177,7 +180,11 @@ impl Drain {
             .or_insert(message.engine_sequence);
         let mut tally = Tally::default();
         let converted = self.converter.convert(rank, &message.payload, &mut tally);
-        self.metrics.record_tally(rank, &tally);
+        let metrics = &self.metrics;
+        self.rank_counters
+            .entry(rank)
+            .or_insert_with(|| metrics.rank_counters(rank))
+            .record_tally(&tally);
         let converted = match converted {
             Ok(converted) => converted,
             Err(error) => {
@@ -202,7 +209,9 @@ impl Drain {
 
     /// Batches one message's events, after the clear a restarted rank owes.
     fn push_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
-        if self.owe_clear.remove(&rank) && !events.first().is_some_and(KvCacheEvent::is_ownerless_clear) {
+        if self.owe_clear.remove(&rank)
+            && !events.first().is_some_and(KvCacheEvent::is_ownerless_clear)
+        {
             self.push_event(rank, KvCacheEvent::ownerless_clear(), timestamp);
         }
         for event in events {
@@ -285,23 +294,23 @@ impl Drain {
         let ranks: BTreeSet<u32> = self.sequencer.ranks().chain(self.state.ranks()).collect();
         let reports: Vec<RankReport> = ranks
             .into_iter()
-            .map(|rank| {
-                let blocks = self.state.rank(rank);
-                let by_tier =
-                    |tier: KvCacheTier| blocks.map_or(0, |b| b.tier_block_count(tier as usize));
-                RankReport {
-                    rank,
-                    last_sequence: self.sequencer.last(rank),
-                    blocks: [
-                        by_tier(KvCacheTier::Device),
-                        by_tier(KvCacheTier::Host),
-                        by_tier(KvCacheTier::Disk),
-                        by_tier(KvCacheTier::External),
-                    ],
-                }
+            .map(|rank| RankReport {
+                rank,
+                last_sequence: self.sequencer.last(rank),
+                blocks: self
+                    .state
+                    .rank(rank)
+                    .map(|blocks| *blocks.counts())
+                    .unwrap_or_default(),
             })
             .collect();
-        self.metrics.record_ranks(&reports);
+        for report in &reports {
+            self.metrics.set_rank_figures(
+                report.rank,
+                report.last_sequence,
+                report.blocks.reported(),
+            );
+        }
         self.metrics
             .history_bytes
             .set(self.hub.history_bytes() as i64);
@@ -351,6 +360,7 @@ mod tests {
     use super::*;
     use crate::hub::{HistoryLimits, hub};
     use crate::proto::common::{KvBlock, KvBlocksStored, kv_cache_event::Data};
+    use crate::state::tier::Tier;
 
     fn block(hash: i64, tokens: usize, token: u32) -> KvBlock {
         KvBlock {
@@ -395,8 +405,10 @@ mod tests {
         });
         drain.flush();
         let cut = drain.cut();
-        let device = KvCacheTier::Device as usize;
-        let mut held: Vec<i64> = cut.state[&0].tier(device).map(|(hash, _)| hash).collect();
+        let mut held: Vec<i64> = cut.state[&0]
+            .tier(Tier::Device)
+            .map(|(hash, _)| hash)
+            .collect();
         held.sort_unstable();
         assert_eq!(held, vec![1, 3]);
         assert!(

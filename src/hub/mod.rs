@@ -25,6 +25,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::state::snapshot::SnapshotCut;
+use crate::state::tier::TierCounts;
 use crate::wire::Batch;
 
 pub use cursors::Cursors;
@@ -42,25 +43,22 @@ impl CutRequest {
     }
 }
 
-/// The names of the tiers, in the order of [`RankReport::blocks`].
-pub const TIER_NAMES: [&str; 4] = ["device", "host", "disk", "external"];
-
 /// One rank as the drain last reported it (for `/status` and metrics).
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct RankReport {
     pub rank: u32,
     pub last_sequence: u64,
-    /// Live blocks (copies counted) per tier, in [`TIER_NAMES`] order;
-    /// `/status` shows them by name.
+    /// Live blocks (copies counted) per tier; `/status` shows the reported
+    /// tiers by name.
     #[serde(serialize_with = "blocks_by_tier_name")]
-    pub blocks: [u64; 4],
+    pub blocks: TierCounts,
 }
 
 fn blocks_by_tier_name<S: serde::Serializer>(
-    blocks: &[u64; 4],
+    blocks: &TierCounts,
     serializer: S,
 ) -> Result<S::Ok, S::Error> {
-    serializer.collect_map(TIER_NAMES.into_iter().zip(blocks))
+    serializer.collect_map(blocks.reported())
 }
 
 /// Snapshot requests that may wait for the drain at once.

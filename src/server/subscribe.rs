@@ -22,10 +22,10 @@ use super::codec::PreEncodedCodec;
 use super::request_limit::LimitedRequest;
 use crate::clock::unix_now;
 use crate::hub::HubReader;
-use crate::state::snapshot::SnapshotEncoder;
 use crate::hub::subscription::{Step, Subscription};
 use crate::metrics::Metrics;
 use crate::proto::common::SubscribeKvEventsRequest;
+use crate::state::snapshot::SnapshotEncoder;
 
 type BatchStream = BoxStream<'static, Result<Bytes, Status>>;
 

@@ -89,7 +89,10 @@ impl Cursors {
             Some(last) if seq == last + 1 => Verdict::Next,
             Some(last) if seq == last => Verdict::Stale,
             Some(last) if seq < last => {
-                let restart = batch.events.iter().any(KvCacheEvent::is_ownerless_clear) || fresh || seq <= 1 || seq + 1024 <= last;
+                let restart = batch.events.iter().any(KvCacheEvent::is_ownerless_clear)
+                    || fresh
+                    || seq <= 1
+                    || seq + 1024 <= last;
                 if restart {
                     Verdict::Restart
                 } else {
@@ -175,6 +178,8 @@ async fn follow(
         };
     cursors.connected();
     ready.send_replace(true);
+    // Each rank's message counter, resolved at its first batch.
+    let mut messages = BTreeMap::new();
     loop {
         let batch = match stream.message().await {
             Ok(Some(batch)) => batch,
@@ -189,13 +194,11 @@ async fn follow(
                 return Outcome::Retry(status.to_string());
             }
         };
-        metrics
-            .engine_messages
-            .get_or_create(&crate::metrics::RankLabel {
-                rank: batch.dp_rank.unwrap_or(0).max(0) as u32,
-            })
-            .inc();
         let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+        messages
+            .entry(rank)
+            .or_insert_with(|| metrics.rank_counters(rank).messages)
+            .inc();
         let reset = match cursors.admit(&batch) {
             Verdict::Stale | Verdict::LoadOnly => continue,
             Verdict::Gap => return Outcome::Retry("a gap in the upstream's numbers".into()),

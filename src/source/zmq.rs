@@ -24,16 +24,18 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvgate_endpoint::{EndpointError, RankEndpoints};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use kvgate_endpoint::{EndpointError, RankEndpoints};
 use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqError, ZmqMessage};
 
 use super::continuity::{Continuity, PublisherCursor};
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{ReplayClient, ReplayError, Replayed};
 use super::{DrainGone, EngineMessage, FrameError, SourceEvent, parse_sequence, send};
+use prometheus_client::metrics::counter::Counter;
+
 use crate::metrics::Metrics;
 use crate::supervisor::{Supervisor, TaskName};
 
@@ -256,6 +258,8 @@ struct RankTask {
     replay: Option<ReplayClient>,
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
+    /// This rank's accepted messages, resolved once.
+    messages: Counter,
     cursor: PublisherCursor,
 }
 
@@ -308,6 +312,7 @@ impl RankTask {
             topic,
             replay,
             events,
+            messages: metrics.rank_counters(rank).messages,
             metrics,
             cursor: PublisherCursor::default(),
         }
@@ -385,10 +390,7 @@ impl RankTask {
                 return Ok(());
             }
         };
-        self.metrics
-            .engine_messages
-            .get_or_create(&crate::metrics::RankLabel { rank: self.rank })
-            .inc();
+        self.messages.inc();
         let hole = match self.cursor.observe(engine_sequence, &payload) {
             Continuity::Echo => {
                 debug!(

@@ -13,6 +13,7 @@
 
 pub mod cow_map;
 pub mod snapshot;
+pub mod tier;
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -22,17 +23,14 @@ use triomphe::ThinArc;
 
 use crate::wire::event::BlockFields;
 use cow_map::CowMap;
+use tier::{PerTier, Tier, TierCounts};
 
 use crate::proto::common::{
-    KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, KvCacheTier,
-    kv_cache_event::Data,
+    KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data,
 };
 
 /// Copies counted per block; more stores of a live hash are still forwarded.
 pub const MAX_COPIES: u8 = 8;
-
-/// Tiers are 0..=4 (`KvCacheTier`); one map each.
-pub const TIERS: usize = 5;
 
 type BlockMap = CowMap<BlockRecord>;
 
@@ -147,50 +145,30 @@ impl BlockRecord {
             extra_keys: self.extra_keys.as_ref().map_or(&[], |keys| &keys.0),
         }
     }
-
-    /// The block as its store carried it.
-    pub fn to_block(&self, hash: i64) -> KvBlock {
-        KvBlock {
-            block_hash: hash,
-            token_ids: self.tokens.slice.to_vec(),
-            block_size: self.block_size,
-            lora_id: self.fields.lora_id,
-            cache_level: self.fields.cache_level,
-            extra_keys: self
-                .extra_keys
-                .as_ref()
-                .map_or_else(Vec::new, |keys| keys.0.clone()),
-        }
-    }
 }
 
 /// The live blocks of one rank, per tier.
 #[derive(Clone, Debug, Default)]
 pub struct RankBlocks {
-    tiers: [BlockMap; TIERS],
+    tiers: PerTier<BlockMap>,
     /// Live copies per tier, kept as blocks come and go (for metrics and
     /// snapshot headers without a walk).
-    copies: [u64; TIERS],
+    copies: TierCounts,
 }
 
 impl RankBlocks {
     /// Live blocks of `tier`.
-    pub fn tier(&self, tier: usize) -> impl Iterator<Item = (i64, &BlockRecord)> {
+    pub fn tier(&self, tier: Tier) -> impl Iterator<Item = (i64, &BlockRecord)> {
         self.tiers[tier].iter()
     }
 
-    pub fn get(&self, tier: usize, hash: i64) -> Option<&BlockRecord> {
+    pub fn get(&self, tier: Tier, hash: i64) -> Option<&BlockRecord> {
         self.tiers[tier].get(hash)
     }
 
-    /// Live blocks, each copy counted.
-    pub fn block_count(&self) -> u64 {
-        self.copies.iter().sum()
-    }
-
-    /// Live blocks of `tier`, each copy counted.
-    pub fn tier_block_count(&self, tier: usize) -> u64 {
-        self.copies[tier]
+    /// Live blocks per tier, each copy counted.
+    pub fn counts(&self) -> &TierCounts {
+        &self.copies
     }
 }
 
@@ -223,7 +201,7 @@ impl LiveState {
         if stored.lora_name.is_some() && stored.cache_salt.is_some() {
             return;
         }
-        let tier = tier_index(stored.tier);
+        let tier = Tier::of_event(stored.tier);
         let parent = stored.parent_block_hash.and_then(|hash| {
             self.ranks
                 .get(&rank)
@@ -268,7 +246,7 @@ impl LiveState {
     }
 
     fn store(&mut self, rank: u32, stored: &KvBlocksStored) {
-        let tier = tier_index(stored.tier);
+        let tier = Tier::of_event(stored.tier);
         let blocks = self.ranks.entry(rank).or_default();
         let map = &mut blocks.tiers[tier];
         let copies = &mut blocks.copies[tier];
@@ -307,7 +285,7 @@ impl LiveState {
         let Some(blocks) = self.ranks.get_mut(&rank) else {
             return;
         };
-        let tier = tier_index(removed.tier);
+        let tier = Tier::of_event(removed.tier);
         let map = &mut blocks.tiers[tier];
         for hash in &removed.block_hashes {
             if let Some(live) = map.get_mut(*hash) {
@@ -319,14 +297,6 @@ impl LiveState {
             }
         }
     }
-}
-
-fn tier_index(tier: Option<i32>) -> usize {
-    let tier = tier.unwrap_or(KvCacheTier::Device as i32);
-    usize::try_from(tier)
-        .ok()
-        .filter(|&t| t < TIERS)
-        .unwrap_or(KvCacheTier::Device as usize)
 }
 
 /// Hands out one shared `Arc` per distinct `StoreFields`, dropping entries no
@@ -359,7 +329,7 @@ impl Interner {
 pub(crate) fn stored_event(
     parent: Option<i64>,
     hashes: &[i64],
-    tier: KvCacheTier,
+    tier: Tier,
     tokens: usize,
 ) -> KvCacheEvent {
     KvCacheEvent {
@@ -367,7 +337,7 @@ pub(crate) fn stored_event(
         data: Some(Data::Stored(KvBlocksStored {
             blocks: hashes
                 .iter()
-                .map(|&block_hash| KvBlock {
+                .map(|&block_hash| crate::proto::common::KvBlock {
                     block_hash,
                     token_ids: vec![3; tokens],
                     block_size: tokens as i32,
@@ -384,13 +354,13 @@ pub(crate) fn stored_event(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::common::KvCacheCleared;
+    use crate::proto::common::{KvBlock, KvCacheCleared};
 
-    fn store(parent: Option<i64>, hashes: &[i64], tier: KvCacheTier) -> KvCacheEvent {
+    fn store(parent: Option<i64>, hashes: &[i64], tier: Tier) -> KvCacheEvent {
         stored_event(parent, hashes, tier, 2)
     }
 
-    fn remove(hashes: &[i64], tier: KvCacheTier) -> KvCacheEvent {
+    fn remove(hashes: &[i64], tier: Tier) -> KvCacheEvent {
         KvCacheEvent {
             event_id: 2,
             data: Some(Data::Removed(KvBlocksRemoved {
@@ -401,10 +371,10 @@ mod tests {
         }
     }
 
-    fn live(state: &LiveState, rank: u32, tier: KvCacheTier) -> Vec<i64> {
+    fn live(state: &LiveState, rank: u32, tier: Tier) -> Vec<i64> {
         let mut hashes: Vec<i64> = state
             .rank(rank)
-            .map(|blocks| blocks.tier(tier as usize).map(|(hash, _)| hash).collect())
+            .map(|blocks| blocks.tier(tier).map(|(hash, _)| hash).collect())
             .unwrap_or_default();
         hashes.sort();
         hashes
@@ -415,7 +385,7 @@ mod tests {
         use crate::proto::common::{KvBlockExtraKey, kv_block_extra_key::Key};
         use prost::Message;
         let mut state = LiveState::default();
-        let mut event = store(None, &[0, -9, i64::MAX], KvCacheTier::Host);
+        let mut event = store(None, &[0, -9, i64::MAX], Tier::Host);
         if let Some(Data::Stored(stored)) = event.data.as_mut() {
             stored.blocks[0].token_ids.clear();
             stored.blocks[1].lora_id = Some(-3);
@@ -428,13 +398,28 @@ mod tests {
         state.apply(0, &mut event);
         let blocks = state.rank(0).unwrap();
         let mut checked = 0;
-        for (hash, record) in blocks.tier(KvCacheTier::Host as usize) {
+        for (hash, record) in blocks.tier(Tier::Host) {
             let mut encoded = Vec::new();
             record.block_fields(hash).encode(&mut encoded);
-            assert_eq!(encoded, record.to_block(hash).encode_to_vec());
+            assert_eq!(encoded, as_stored(record, hash).encode_to_vec());
             checked += 1;
         }
         assert_eq!(checked, 3);
+    }
+
+    /// The block as its store carried it, built by prost's own types.
+    fn as_stored(record: &BlockRecord, hash: i64) -> KvBlock {
+        KvBlock {
+            block_hash: hash,
+            token_ids: record.tokens.slice.to_vec(),
+            block_size: record.block_size,
+            lora_id: record.fields.lora_id,
+            cache_level: record.fields.cache_level,
+            extra_keys: record
+                .extra_keys
+                .as_ref()
+                .map_or_else(Vec::new, |keys| keys.0.clone()),
+        }
     }
 
     #[test]
@@ -445,18 +430,14 @@ mod tests {
     #[test]
     fn stores_and_removals_leave_exactly_the_live_blocks_per_rank_and_tier() {
         let mut state = LiveState::default();
-        state.apply(0, &mut store(None, &[1, 2, 3], KvCacheTier::Device));
-        state.apply(0, &mut store(None, &[1], KvCacheTier::Host));
-        state.apply(1, &mut store(None, &[9], KvCacheTier::Device));
-        state.apply(0, &mut remove(&[2], KvCacheTier::Device));
-        assert_eq!(live(&state, 0, KvCacheTier::Device), vec![1, 3]);
-        assert_eq!(live(&state, 0, KvCacheTier::Host), vec![1]);
-        assert_eq!(live(&state, 1, KvCacheTier::Device), vec![9]);
-        let record = state
-            .rank(0)
-            .unwrap()
-            .get(KvCacheTier::Device as usize, 3)
-            .unwrap();
+        state.apply(0, &mut store(None, &[1, 2, 3], Tier::Device));
+        state.apply(0, &mut store(None, &[1], Tier::Host));
+        state.apply(1, &mut store(None, &[9], Tier::Device));
+        state.apply(0, &mut remove(&[2], Tier::Device));
+        assert_eq!(live(&state, 0, Tier::Device), vec![1, 3]);
+        assert_eq!(live(&state, 0, Tier::Host), vec![1]);
+        assert_eq!(live(&state, 1, Tier::Device), vec![9]);
+        let record = state.rank(0).unwrap().get(Tier::Device, 3).unwrap();
         assert_eq!(
             record.parent(),
             Some(2),
@@ -467,48 +448,51 @@ mod tests {
     #[test]
     fn a_hash_stored_twice_is_two_copies_and_needs_two_removals() {
         let mut state = LiveState::default();
-        state.apply(0, &mut store(None, &[5], KvCacheTier::Device));
-        state.apply(0, &mut store(None, &[5], KvCacheTier::Device));
-        assert_eq!(state.rank(0).unwrap().block_count(), 2);
-        state.apply(0, &mut remove(&[5], KvCacheTier::Device));
-        assert_eq!(live(&state, 0, KvCacheTier::Device), vec![5]);
-        state.apply(0, &mut remove(&[5], KvCacheTier::Device));
-        assert!(live(&state, 0, KvCacheTier::Device).is_empty());
+        state.apply(0, &mut store(None, &[5], Tier::Device));
+        state.apply(0, &mut store(None, &[5], Tier::Device));
+        assert_eq!(state.rank(0).unwrap().counts().total(), 2);
+        state.apply(0, &mut remove(&[5], Tier::Device));
+        assert_eq!(live(&state, 0, Tier::Device), vec![5]);
+        state.apply(0, &mut remove(&[5], Tier::Device));
+        assert!(live(&state, 0, Tier::Device).is_empty());
     }
 
     #[test]
     fn copies_are_counted_up_to_eight() {
         let mut state = LiveState::default();
         for _ in 0..12 {
-            state.apply(0, &mut store(None, &[5], KvCacheTier::Device));
+            state.apply(0, &mut store(None, &[5], Tier::Device));
         }
-        assert_eq!(state.rank(0).unwrap().block_count(), u64::from(MAX_COPIES));
+        assert_eq!(
+            state.rank(0).unwrap().counts().total(),
+            u64::from(MAX_COPIES)
+        );
     }
 
     #[test]
     fn a_clear_forgets_the_rank_and_only_that_rank() {
         let mut state = LiveState::default();
-        state.apply(0, &mut store(None, &[1], KvCacheTier::Device));
-        state.apply(1, &mut store(None, &[2], KvCacheTier::Device));
+        state.apply(0, &mut store(None, &[1], Tier::Device));
+        state.apply(1, &mut store(None, &[2], Tier::Device));
         let mut clear = KvCacheEvent {
             event_id: 3,
             data: Some(Data::Cleared(KvCacheCleared::default())),
         };
         state.apply(0, &mut clear);
-        assert!(live(&state, 0, KvCacheTier::Device).is_empty());
-        assert_eq!(live(&state, 1, KvCacheTier::Device), vec![2]);
+        assert!(live(&state, 0, Tier::Device).is_empty());
+        assert_eq!(live(&state, 1, Tier::Device), vec![2]);
     }
 
     #[test]
     fn a_store_without_lora_or_salt_inherits_them_from_its_parent_on_the_same_tier() {
         let mut state = LiveState::default();
-        let mut root = store(None, &[1], KvCacheTier::Device);
+        let mut root = store(None, &[1], Tier::Device);
         if let Some(Data::Stored(stored)) = root.data.as_mut() {
             stored.lora_name = Some("sql".into());
             stored.cache_salt = Some("tenant-a".into());
         }
         state.apply(0, &mut root);
-        let mut child = store(Some(1), &[2], KvCacheTier::Device);
+        let mut child = store(Some(1), &[2], Tier::Device);
         state.apply(0, &mut child);
         let Some(Data::Stored(child)) = child.data else {
             unreachable!()
@@ -516,7 +500,7 @@ mod tests {
         assert_eq!(child.lora_name.as_deref(), Some("sql"));
         assert_eq!(child.cache_salt.as_deref(), Some("tenant-a"));
 
-        let mut other_tier = store(Some(1), &[3], KvCacheTier::Host);
+        let mut other_tier = store(Some(1), &[3], Tier::Host);
         state.apply(0, &mut other_tier);
         let Some(Data::Stored(other_tier)) = other_tier.data else {
             unreachable!()
@@ -530,17 +514,14 @@ mod tests {
     #[test]
     fn a_cut_stays_as_it_was_while_the_state_moves_on() {
         let mut state = LiveState::default();
-        state.apply(0, &mut store(None, &[1, 2], KvCacheTier::Device));
+        state.apply(0, &mut store(None, &[1, 2], Tier::Device));
         let cut = state.cut();
-        state.apply(0, &mut remove(&[1], KvCacheTier::Device));
-        state.apply(0, &mut store(None, &[7], KvCacheTier::Device));
-        let mut in_cut: Vec<i64> = cut[&0]
-            .tier(KvCacheTier::Device as usize)
-            .map(|(h, _)| h)
-            .collect();
+        state.apply(0, &mut remove(&[1], Tier::Device));
+        state.apply(0, &mut store(None, &[7], Tier::Device));
+        let mut in_cut: Vec<i64> = cut[&0].tier(Tier::Device).map(|(h, _)| h).collect();
         in_cut.sort();
         assert_eq!(in_cut, vec![1, 2]);
-        assert_eq!(live(&state, 0, KvCacheTier::Device), vec![2, 7]);
+        assert_eq!(live(&state, 0, Tier::Device), vec![2, 7]);
     }
 
     #[test]

@@ -34,10 +34,11 @@ use prost::Message;
 use prost::encoding::{self, WireType};
 use rustc_hash::FxHashSet;
 
-use super::{BlockRecord, RankBlocks, StateCut, StoreFields, TIERS};
+use super::tier::Tier;
+use super::{BlockRecord, RankBlocks, StateCut, StoreFields};
+use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 use crate::wire::batch::{EventLen, OpenBatch};
 use crate::wire::event::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
-use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
@@ -191,7 +192,8 @@ impl RawChunks {
 /// One rank's walk: an ownerless clear, then every live block, tier by tier.
 struct RankWalk {
     rank: u32,
-    tier: usize,
+    /// Tiers walked so far, in `Tier::ALL` order.
+    tiers_done: usize,
     tier_walk: TierWalk,
     chunker: Chunker,
     finished: bool,
@@ -203,7 +205,7 @@ impl RankWalk {
         chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
         Self {
             rank,
-            tier: 0,
+            tiers_done: 0,
             tier_walk: TierWalk::default(),
             chunker,
             finished: false,
@@ -213,10 +215,10 @@ impl RankWalk {
     /// Walks on until a chunk is full or the rank is done.
     fn advance(&mut self, blocks: Option<&RankBlocks>) {
         while self.chunker.done.is_empty() {
-            match blocks {
-                Some(blocks) if self.tier < TIERS => {
-                    if !self.tier_walk.step(blocks, self.tier, &mut self.chunker) {
-                        self.tier += 1;
+            match (blocks, Tier::ALL.get(self.tiers_done)) {
+                (Some(blocks), Some(&tier)) => {
+                    if !self.tier_walk.step(blocks, tier, &mut self.chunker) {
+                        self.tiers_done += 1;
                         self.tier_walk = TierWalk::default();
                     }
                 }
@@ -261,7 +263,7 @@ struct TierWalk {
 
 impl TierWalk {
     /// Emits the next block in store order; false once the tier is done.
-    fn step(&mut self, blocks: &RankBlocks, tier: usize, chunker: &mut Chunker) -> bool {
+    fn step(&mut self, blocks: &RankBlocks, tier: Tier, chunker: &mut Chunker) -> bool {
         let Some((order, hash)) = self.next_in_order(blocks, tier) else {
             self.run.finish(blocks, tier, chunker);
             return false;
@@ -297,7 +299,7 @@ impl TierWalk {
         true
     }
 
-    fn next_in_order(&mut self, blocks: &RankBlocks, tier: usize) -> Option<(u64, i64)> {
+    fn next_in_order(&mut self, blocks: &RankBlocks, tier: Tier) -> Option<(u64, i64)> {
         if self.window.is_empty() && !self.exhausted {
             self.refill(blocks, tier);
         }
@@ -305,8 +307,8 @@ impl TierWalk {
     }
 
     /// Takes the next window: the smallest orders above `taken_through`.
-    fn refill(&mut self, blocks: &RankBlocks, tier: usize) {
-        let tier_blocks = usize::try_from(blocks.tier_block_count(tier)).unwrap_or(usize::MAX);
+    fn refill(&mut self, blocks: &RankBlocks, tier: Tier) {
+        let tier_blocks = usize::try_from(blocks.counts()[tier]).unwrap_or(usize::MAX);
         let size = (tier_blocks / WINDOW_SCANS).max(MIN_WINDOW);
         let keep_smallest = |window: &mut Vec<(u64, i64)>| {
             if window.len() > size {
@@ -335,7 +337,7 @@ impl TierWalk {
 }
 
 /// The record of a block the cut holds (the walk only names such blocks).
-fn record(blocks: &RankBlocks, tier: usize, hash: i64) -> &BlockRecord {
+fn record(blocks: &RankBlocks, tier: Tier, hash: i64) -> &BlockRecord {
     blocks
         .get(tier, hash)
         .expect("the walk only names blocks of its cut")
@@ -374,7 +376,7 @@ impl PathWriter {
     }
 
     /// Ends the path: its last store, then its extra copies.
-    fn finish(&mut self, blocks: &RankBlocks, tier: usize, chunker: &mut Chunker) {
+    fn finish(&mut self, blocks: &RankBlocks, tier: Tier, chunker: &mut Chunker) {
         if let Some((_, piece)) = self.store.take() {
             chunker.push_piece(piece);
         }

@@ -18,9 +18,9 @@ use tonic_prost::ProstEncoder;
 
 use super::histogram::Histogram;
 use super::worker::Worker;
+use kvgate::client::{connect_plaintext, subscribe_with};
 use kvgate::clock::unix_now;
 use kvgate::proto::common::SubscribeKvEventsRequest;
-use kvgate::client::{connect_plaintext, subscribe_with};
 
 const SERVICE: &str = "kvgate.v1.KvGate";
 
