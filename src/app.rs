@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use crate::cli::ServeArgs;
-use crate::client::TlsPaths;
+use crate::client::{TlsFlags, TlsPaths};
 use crate::clock::epoch_seed;
 use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
@@ -49,6 +49,14 @@ mod tests;
 /// Engine messages queued between the sockets and the drain. Beyond this the
 /// socket tasks wait, and the engine's own PUB buffer takes over.
 const SOURCE_QUEUE: usize = 4096;
+
+/// The flags of the engine's address and TLS files, for errors.
+const ENGINE_FLAGS: TlsFlags = TlsFlags {
+    uri: "--engine-grpc",
+    ca: "--engine-tls-ca",
+    cert: "--engine-tls-cert",
+    key: "--engine-tls-key",
+};
 
 /// Time allowed for streams to end and tasks to stop after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
@@ -186,13 +194,18 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     let (source_config, demo) = choose_source(&args).await?;
     let source: Arc<str> = source_config.to_string().into();
 
-    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)?;
+    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
+        .with_context(|| format!("--max-connections {}", args.max_connections))?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
     let address = listener.local_addr()?;
     let admin_listener = match args.metrics_listen {
-        Some(address) => Some(admin::bind(address).await?),
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .with_context(|| format!("--metrics-listen {address}: cannot listen"))?,
+        ),
         None => None,
     };
     let engine_tls = TlsPaths {
@@ -207,6 +220,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             PassThrough::new(
                 target,
                 &engine_tls,
+                ENGINE_FLAGS,
                 args.pass_through_max_path_bytes as usize,
                 metrics.clone(),
             )

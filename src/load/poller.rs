@@ -99,9 +99,7 @@ pub async fn run(
         None => Target::Detect,
         Some(Some(service)) => Target::Known(service),
         Some(None) => {
-            info!(
-                "--engine-kind trtllm: TensorRT-LLM's gRPC service has no GetLoads; load records off"
-            );
+            info!("TensorRT-LLM's gRPC service has no GetLoads; load records off");
             return idle_until(stop).await;
         }
     };

@@ -1,7 +1,6 @@
 //! The operator's HTTP port: Prometheus `/metrics`, `/healthz` for probes
 //! and a human-readable `/status`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -124,11 +123,4 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
         },
         ranks: state.hub.rank_reports(),
     })
-}
-
-/// Binds the admin port, naming the flag on failure.
-pub async fn bind(address: SocketAddr) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(address)
-        .await
-        .map_err(|error| anyhow::anyhow!("--metrics-listen {address}: cannot listen: {error}"))
 }

@@ -1,4 +1,4 @@
-//! The open-file limit, checked against `--max-connections` at start.
+//! The open-file limit, checked against the connection limit at start.
 //!
 //! Invariant: once kvgate is serving, the process may hold every allowed
 //! connection and still have file descriptors for everything else (engine
@@ -10,9 +10,21 @@
 /// data-parallel rank (event and replay sockets).
 const RESERVED: u64 = 128;
 
+/// The process may not open enough files for the connection limit.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "needs about {needed} open files ({RESERVED} more for kvgate itself, 2 per rank), \
+     but the limit is {soft} (ulimit -n; hard limit {hard}): lower it or raise the limit"
+)]
+pub struct TooFewFiles {
+    needed: u64,
+    soft: u64,
+    hard: u64,
+}
+
 /// Raises the soft open-file limit as far as needed (up to the hard limit),
-/// or explains which flag asks for more than the system allows.
-pub fn ensure_room_for(max_connections: u32, dp_size: u32) -> anyhow::Result<()> {
+/// or says how far short the system falls.
+pub fn ensure_room_for(max_connections: u32, dp_size: u32) -> Result<(), TooFewFiles> {
     let needed = u64::from(max_connections) + 2 * u64::from(dp_size) + RESERVED;
     let mut limit = libc::rlimit {
         rlim_cur: 0,
@@ -36,11 +48,9 @@ pub fn ensure_room_for(max_connections: u32, dp_size: u32) -> anyhow::Result<()>
             return Ok(());
         }
     }
-    anyhow::bail!(
-        "--max-connections {max_connections} needs about {needed} open files \
-         ({RESERVED} more for kvgate itself, 2 per rank), but the limit is {} \
-         (ulimit -n; hard limit {}): lower --max-connections or raise the limit",
-        limit.rlim_cur,
-        limit.rlim_max
-    )
+    Err(TooFewFiles {
+        needed,
+        soft: limit.rlim_cur,
+        hard: limit.rlim_max,
+    })
 }

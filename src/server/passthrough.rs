@@ -32,14 +32,6 @@ use crate::server::methods;
 /// The HTTP/2 client every call to the engine goes through.
 pub type EngineTransport = Client<Connector, Body>;
 
-/// The flags of the engine's address and TLS files.
-pub const ENGINE_FLAGS: TlsFlags = TlsFlags {
-    uri: "--engine-grpc",
-    ca: "--engine-tls-ca",
-    cert: "--engine-tls-cert",
-    key: "--engine-tls-key",
-};
-
 /// Forwards HTTP/2 gRPC requests to the engine.
 #[derive(Clone)]
 pub struct PassThrough {
@@ -57,21 +49,26 @@ pub struct PassThrough {
 impl PassThrough {
     /// Connects on first use: kvgate starts even when the engine's server is
     /// not up yet, and reconnects when it comes back. TLS files are read
-    /// now, so bad ones stop the start.
+    /// now, so bad ones stop the start; errors name the engine's address
+    /// and TLS files as `flags` says the operator gave them.
     pub fn new(
         target: &str,
         tls: &TlsPaths,
+        flags: TlsFlags,
         max_path_bytes: usize,
         metrics: Metrics,
     ) -> anyhow::Result<Self> {
         let uri: http::Uri = target
             .parse()
-            .map_err(|error| anyhow::anyhow!("--engine-grpc {target}: {error}"))?;
+            .map_err(|error| anyhow::anyhow!("{} {target}: {error}", flags.uri))?;
         let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned())
         else {
-            anyhow::bail!("--engine-grpc {target}: expected http://HOST:PORT or https://HOST:PORT");
+            anyhow::bail!(
+                "{} {target}: expected http://HOST:PORT or https://HOST:PORT",
+                flags.uri
+            );
         };
-        let connector = crate::client::connector(&uri, tls, ENGINE_FLAGS)?;
+        let connector = crate::client::connector(&uri, tls, flags)?;
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
             .build(connector);
