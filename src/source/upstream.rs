@@ -151,10 +151,23 @@ pub async fn run(
 /// Why one subscription ended.
 enum Outcome {
     /// Resume from the cursor after a pause.
-    Retry(String),
+    Retry(Interruption),
     /// The cursor is worthless: start over with a snapshot.
-    Resync(String),
+    Resync(Interruption),
     DrainGone(DrainGone),
+}
+
+/// What broke a subscription to the upstream.
+#[derive(Debug, thiserror::Error)]
+enum Interruption {
+    #[error("{0:#}")]
+    Connect(anyhow::Error),
+    #[error("{0}")]
+    Refused(tonic::Status),
+    #[error("the upstream ended the stream")]
+    Ended,
+    #[error("a gap in the upstream's numbers")]
+    Gap,
 }
 
 async fn follow(
@@ -166,15 +179,15 @@ async fn follow(
 ) -> Outcome {
     let channel = match config.target.connect().await {
         Ok(channel) => channel,
-        Err(error) => return Outcome::Retry(error.to_string()),
+        Err(error) => return Outcome::Retry(Interruption::Connect(error)),
     };
     let mut stream =
         match crate::client::subscribe(channel, &config.service, cursors.resume_from()).await {
             Ok(stream) => stream,
             Err(status) if matches!(status.code(), Code::OutOfRange | Code::DataLoss) => {
-                return Outcome::Resync(status.to_string());
+                return Outcome::Resync(Interruption::Refused(status));
             }
-            Err(status) => return Outcome::Retry(status.to_string()),
+            Err(status) => return Outcome::Retry(Interruption::Refused(status)),
         };
     cursors.connected();
     ready.send_replace(true);
@@ -183,15 +196,15 @@ async fn follow(
     loop {
         let batch = match stream.message().await {
             Ok(Some(batch)) => batch,
-            Ok(None) => return Outcome::Retry("the upstream ended the stream".into()),
+            Ok(None) => return Outcome::Retry(Interruption::Ended),
             Err(status) if status.code() == Code::DataLoss => {
-                return Outcome::Resync(status.to_string());
+                return Outcome::Resync(Interruption::Refused(status));
             }
             Err(status) => {
                 if status.code() == Code::Internal {
                     metrics.count_bad_message(UNDECODABLE);
                 }
-                return Outcome::Retry(status.to_string());
+                return Outcome::Retry(Interruption::Refused(status));
             }
         };
         let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
@@ -201,7 +214,7 @@ async fn follow(
             .inc();
         let reset = match cursors.admit(&batch) {
             Verdict::Stale | Verdict::LoadOnly => continue,
-            Verdict::Gap => return Outcome::Retry("a gap in the upstream's numbers".into()),
+            Verdict::Gap => return Outcome::Retry(Interruption::Gap),
             Verdict::Next | Verdict::Snapshot { first: false } => None,
             Verdict::Restart => Some(SourceEvent::PublisherRestarted { rank }),
             Verdict::Snapshot { first: true } => Some(SourceEvent::Resync),
