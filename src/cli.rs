@@ -108,7 +108,9 @@ pub struct ServeArgs {
 
     /// Largest ZMQ message (all frames) accepted from the engine's publisher
     /// or replay endpoint, e.g. 64MiB; a peer announcing more is disconnected
-    /// before anything is allocated for it.
+    /// before anything is allocated for it. The default is several times the
+    /// largest engine message seen in practice (a few MiB for a batch of
+    /// thousands of events).
     #[arg(long, env = "KVGATE_ZMQ_MAX_MESSAGE_BYTES", default_value = "64MiB", value_name = "SIZE",
           value_parser = byte_size(crate::source::peer::MAX_MESSAGE_BYTES_RANGE))]
     pub zmq_max_message_bytes: u64,

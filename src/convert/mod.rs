@@ -25,7 +25,6 @@ mod tally;
 #[cfg(test)]
 mod tests;
 
-pub use hash::{fold_bytes, fold_int};
 pub use tally::{DropReason, EventKind, Tally};
 
 use crate::proto::common::KvCacheEvent;

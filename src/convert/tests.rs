@@ -3,6 +3,7 @@
 
 use proptest::prelude::*;
 
+use super::hash::fold_bytes;
 use super::*;
 use crate::proto::common::{
     KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality,

@@ -123,11 +123,6 @@ impl Subscription {
         self.next_position.id()
     }
 
-    /// How many announcements the live channel holds for this subscriber.
-    pub fn backlog(&self) -> usize {
-        self.live.len()
-    }
-
     pub async fn next(&mut self) -> Step {
         loop {
             // Shutting down, a lagging subscriber ends now rather than after

@@ -69,20 +69,17 @@ pub enum HandshakeFailure {
     /// trust kvgate's certificate (a CA missing on its side after a
     /// rotation, a name not in the certificate).
     ClientAlert,
-    /// The handshake did not finish in time.
-    Timeout,
     /// Anything else: a protocol error, no common version or ALPN, a client
     /// that went away mid-handshake.
     Other,
 }
 
 impl HandshakeFailure {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 5] = [
         Self::NoClientCertificate,
         Self::UntrustedClientCertificate,
         Self::NotTls,
         Self::ClientAlert,
-        Self::Timeout,
         Self::Other,
     ];
 
@@ -92,7 +89,6 @@ impl HandshakeFailure {
             Self::UntrustedClientCertificate => "untrusted_client_certificate",
             Self::NotTls => "not_tls",
             Self::ClientAlert => "client_alert",
-            Self::Timeout => "timeout",
             Self::Other => "other",
         }
     }
@@ -151,11 +147,6 @@ impl TlsAcceptor {
         acceptor.accept(stream).await.inspect_err(|error| {
             self.refused(HandshakeFailure::of(error), peer, error);
         })
-    }
-
-    /// Counts a handshake its caller gave up waiting for.
-    pub fn timed_out(&self, peer: Option<SocketAddr>) {
-        self.refused(HandshakeFailure::Timeout, peer, &"no handshake in time");
     }
 
     fn refused(

@@ -60,7 +60,8 @@ impl PrimedRun {
 }
 
 impl PublisherCursor {
-    pub fn last(&self) -> Option<u64> {
+    #[cfg(test)]
+    fn last(&self) -> Option<u64> {
         self.last
     }
 

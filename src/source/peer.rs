@@ -14,8 +14,8 @@ use zeromq::{CodecError, SocketOptions, ZmqError};
 
 use crate::metrics::Metrics;
 
-/// Several times the largest engine message seen in practice (a few MiB
-/// for a batch of thousands of events).
+/// `--zmq-max-message-bytes`'s default (64MiB), for the socket tests.
+#[cfg(test)]
 pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 64 << 20;
 
 /// The range `--zmq-max-message-bytes` accepts: room for a real batch at

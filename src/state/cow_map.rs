@@ -21,14 +21,12 @@ type Shard<V> = HashMap<i64, V, FxBuildHasher>;
 pub struct CowMap<V> {
     /// Empty until the first insert: most maps (tiers, ranks) stay empty.
     shards: Box<[Arc<Shard<V>>]>,
-    len: usize,
 }
 
 impl<V> Clone for CowMap<V> {
     fn clone(&self) -> Self {
         Self {
             shards: self.shards.clone(),
-            len: self.len,
         }
     }
 }
@@ -37,7 +35,6 @@ impl<V> Default for CowMap<V> {
     fn default() -> Self {
         Self {
             shards: Box::default(),
-            len: 0,
         }
     }
 }
@@ -49,14 +46,6 @@ fn shard_of(key: i64) -> usize {
 }
 
 impl<V: Clone> CowMap<V> {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     pub fn get(&self, key: i64) -> Option<&V> {
         self.shards.get(shard_of(key))?.get(&key)
     }
@@ -77,12 +66,7 @@ impl<V: Clone> CowMap<V> {
             let empty = Arc::new(Shard::default());
             self.shards = (0..SHARDS).map(|_| Arc::clone(&empty)).collect();
         }
-        if Arc::make_mut(&mut self.shards[shard_of(key)])
-            .insert(key, value)
-            .is_none()
-        {
-            self.len += 1;
-        }
+        Arc::make_mut(&mut self.shards[shard_of(key)]).insert(key, value);
     }
 
     pub fn remove(&mut self, key: i64) -> Option<V> {
@@ -90,9 +74,7 @@ impl<V: Clone> CowMap<V> {
         if !shard.contains_key(&key) {
             return None;
         }
-        let removed = Arc::make_mut(shard).remove(&key);
-        self.len -= usize::from(removed.is_some());
-        removed
+        Arc::make_mut(shard).remove(&key)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (i64, &V)> {
@@ -112,14 +94,14 @@ mod tests {
         for key in -500..500 {
             map.insert(key, key * 2);
         }
-        assert_eq!(map.len(), 1000);
+        assert_eq!(map.iter().count(), 1000);
         assert_eq!(map.get(-7), Some(&-14));
         *map.get_mut(3).unwrap() = 0;
         assert_eq!(map.get(3), Some(&0));
         assert_eq!(map.remove(3), Some(0));
         assert_eq!(map.remove(3), None);
         assert!(map.get_mut(3).is_none());
-        assert_eq!(map.len(), 999);
+        assert_eq!(map.iter().count(), 999);
         let mut keys: Vec<i64> = map.iter().map(|(key, _)| key).collect();
         keys.sort();
         assert_eq!(keys.len(), 999);
@@ -138,12 +120,12 @@ mod tests {
         }
         *map.get_mut(9_999).unwrap() = -1;
         map.insert(20_000, 1);
-        assert_eq!(frozen.len(), 10_000);
+        assert_eq!(frozen.iter().count(), 10_000);
         assert_eq!(frozen.get(0), Some(&0));
         assert_eq!(frozen.get(9_999), Some(&9_999));
         assert_eq!(frozen.get(20_000), None);
         assert_eq!(frozen.iter().count(), 10_000);
-        assert_eq!(map.len(), 5_001);
+        assert_eq!(map.iter().count(), 5_001);
         assert_eq!(map.get(9_999), Some(&-1));
     }
 
