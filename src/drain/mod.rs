@@ -17,7 +17,7 @@
 //! in the history.
 
 pub mod batcher;
-pub mod sequence;
+pub(crate) mod sequence;
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -11,10 +11,10 @@
 //! subscriber that stalls pins no batch. A subscriber that falls behind
 //! loses channel items, never blocks the drain, and refills by position.
 
-pub mod cursors;
-pub mod history;
-pub mod live;
-pub mod load_only;
+pub(crate) mod cursors;
+pub(crate) mod history;
+pub(crate) mod live;
+pub(crate) mod load_only;
 pub mod subscription;
 
 use std::sync::Arc;

@@ -10,9 +10,9 @@
 //! per interval whatever the number of subscribers, and a record is never
 //! made for a rank kvgate does not serve.
 
-pub mod answer;
-pub mod engine;
-pub mod poller;
+pub(crate) mod answer;
+pub(crate) mod engine;
+pub(crate) mod poller;
 pub mod records;
 
 use std::sync::Arc;

@@ -2,21 +2,21 @@
 //! reflection, and every other RPC passed through to the engine (or
 //! answered UNIMPLEMENTED when there is no engine server to pass it to).
 
-pub mod accept;
+pub(crate) mod accept;
 mod activity;
-pub mod admin;
-pub mod auth;
+pub(crate) mod admin;
+pub(crate) mod auth;
 pub mod codec;
-pub mod connection;
-pub mod fd_limit;
+pub(crate) mod connection;
+pub(crate) mod fd_limit;
 mod health;
 mod methods;
-pub mod passthrough;
+pub(crate) mod passthrough;
 mod preface;
-pub mod reload;
-pub mod request_limit;
-pub mod subscribe;
-pub mod tls;
+pub(crate) mod reload;
+pub(crate) mod request_limit;
+pub(crate) mod subscribe;
+pub(crate) mod tls;
 
 use std::future::Future;
 

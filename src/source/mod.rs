@@ -5,11 +5,11 @@
 //! framing, follows each publisher's counter and reports what that counter
 //! says about lost messages and engine restarts.
 
-pub mod continuity;
-pub mod peer;
-pub mod replay;
-pub mod upstream;
-pub mod zmq;
+pub(crate) mod continuity;
+pub(crate) mod peer;
+pub(crate) mod replay;
+pub(crate) mod upstream;
+pub(crate) mod zmq;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;

@@ -11,9 +11,9 @@
 //! The store-wide fields (tier, medium, LoRA, salt, …) are interned: blocks
 //! of one store share one `Arc`, which keeps a record small.
 
-pub mod cow_map;
+pub(crate) mod cow_map;
 pub mod snapshot;
-pub mod tier;
+pub(crate) mod tier;
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;

@@ -6,6 +6,6 @@
 //! subscriber. The drain and the snapshot encoder are the only callers.
 
 pub mod batch;
-pub mod event;
+pub(crate) mod event;
 
 pub use batch::{Batch, OpenBatch};
