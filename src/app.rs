@@ -296,7 +296,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         metrics: metrics.clone(),
         health: health.clone(),
         pass_through,
-        limits: ConnectionLimits::from_args(&args),
+        limits: connection_limits(&args),
         tls: credentials.tls.clone(),
         tokens: credentials.tokens.clone(),
         subscribe_limits: server::subscribe::SubscribeLimits {
@@ -336,6 +336,20 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
 }
 
 /// A wildcard listen address is reached on loopback.
+/// The bounds of every gRPC connection, as the flags set them.
+fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
+    ConnectionLimits {
+        max_connections: args.max_connections,
+        handshake_timeout: Duration::from_millis(args.handshake_timeout_ms),
+        idle_timeout: Duration::from_millis(args.idle_timeout_ms),
+        max_concurrent_streams: args.http2_max_concurrent_streams,
+        max_header_list_bytes: args.http2_max_header_list_bytes,
+        keepalive_interval: Duration::from_millis(args.http2_keepalive_interval_ms),
+        keepalive_timeout: Duration::from_millis(args.http2_keepalive_timeout_ms),
+        max_pending_accept_reset_streams: args.http2_max_pending_accept_reset_streams,
+    }
+}
+
 fn display_address(address: std::net::SocketAddr) -> String {
     if address.ip().is_unspecified() {
         format!("localhost:{}", address.port())

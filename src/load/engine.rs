@@ -10,10 +10,10 @@ use std::time::Duration;
 use tonic::Status;
 
 use super::answer::{self, Faults, RankLoad};
+use crate::client::EngineTransport;
 use crate::proto::sglang::grpc::scheduler as sglang;
 use crate::proto::tokenspeed::grpc::scheduler as tokenspeed;
 use crate::proto::vllm::grpc::engine as vllm;
-use crate::server::passthrough::EngineTransport;
 
 /// The engine behind `--engine-grpc`, as `--engine-kind` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

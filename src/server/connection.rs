@@ -31,7 +31,6 @@ use tracing::{debug, warn};
 use super::accept::Acceptor;
 use super::activity::{Activity, Tracked};
 use super::preface::{NotServed, expect_preface};
-use crate::cli::ServeArgs;
 use crate::metrics::{Metrics, ReasonLabel};
 
 /// Pause after a failed accept (out of file descriptors, most likely), so
@@ -52,19 +51,6 @@ pub struct ConnectionLimits {
 }
 
 impl ConnectionLimits {
-    pub fn from_args(args: &ServeArgs) -> Self {
-        Self {
-            max_connections: args.max_connections,
-            handshake_timeout: Duration::from_millis(args.handshake_timeout_ms),
-            idle_timeout: Duration::from_millis(args.idle_timeout_ms),
-            max_concurrent_streams: args.http2_max_concurrent_streams,
-            max_header_list_bytes: args.http2_max_header_list_bytes,
-            keepalive_interval: Duration::from_millis(args.http2_keepalive_interval_ms),
-            keepalive_timeout: Duration::from_millis(args.http2_keepalive_timeout_ms),
-            max_pending_accept_reset_streams: args.http2_max_pending_accept_reset_streams,
-        }
-    }
-
     fn http2(&self) -> http2::Builder<TokioExecutor> {
         let mut builder = http2::Builder::new(TokioExecutor::new());
         builder

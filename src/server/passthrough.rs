@@ -25,12 +25,9 @@ use tonic::body::Body;
 use tower::Service;
 use tracing::debug;
 
-use crate::client::{Connector, TlsFlags, TlsPaths};
+use crate::client::{EngineTransport, TlsFlags, TlsPaths};
 use crate::metrics::Metrics;
 use crate::server::methods;
-
-/// The HTTP/2 client every call to the engine goes through.
-pub type EngineTransport = Client<Connector, Body>;
 
 /// Forwards HTTP/2 gRPC requests to the engine.
 #[derive(Clone)]
