@@ -119,7 +119,7 @@ fn snapshot_stall() -> (Duration, Duration, Duration) {
         max_events: 1024,
         max_bytes: 1 << 20,
     };
-    let mut drain = Drain::new(limits, 1, writer, Metrics::new());
+    let mut drain = Drain::new(limits, 1, writer, Metrics::default());
     let mut engine_sequence = 0;
     let mut cycle = |drain: &mut Drain| {
         let payload = Bytes::from(workload.next_payload(1.0, 0));

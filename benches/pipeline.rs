@@ -105,7 +105,7 @@ fn ingest(c: &mut Criterion) {
     group.sample_size(20);
     group.bench_function("drain-steady-64-block-stores", |b| {
         let (writer, reader) = hub(1024, history());
-        let mut drain = Drain::new(LIMITS, 1, writer, Metrics::new());
+        let mut drain = Drain::new(LIMITS, 1, writer, Metrics::default());
         let mut engine_sequence = 0;
         b.iter(|| {
             for payload in &payloads {
@@ -162,7 +162,7 @@ fn state_of(blocks: usize) -> (Drain, kvgate::hub::HubReader) {
     };
     let mut workload = SteadyState::new(shape, 3);
     let (writer, reader) = hub(16, history());
-    let mut drain = Drain::new(LIMITS, 1, writer, Metrics::new());
+    let mut drain = Drain::new(LIMITS, 1, writer, Metrics::default());
     for engine_sequence in 0..(blocks / 64) as u64 {
         drain.ingest(SourceEvent::Message(EngineMessage {
             rank: 0,

@@ -42,6 +42,7 @@ use crate::source::SourceEvent;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 use source::{choose_source, start_source};
 
+pub mod metric_labels;
 mod source;
 #[cfg(test)]
 mod tests;
@@ -190,7 +191,7 @@ impl Gateway {
 /// Binds every port, then starts the source, drain, admin and gRPC servers
 /// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
-    let metrics = Metrics::new();
+    let metrics = Metrics::new(metric_labels::closed_labels());
     let (source_config, demo) = choose_source(&args).await?;
     let source: Arc<str> = source_config.to_string().into();
 

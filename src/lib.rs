@@ -22,7 +22,6 @@ pub mod load;
 pub mod logging;
 pub mod metrics;
 pub mod pem;
-mod process_metrics;
 pub mod proto;
 pub mod server;
 pub mod source;

@@ -111,7 +111,7 @@ async fn every_counter_is_exported_from_the_start_at_zero_with_every_closed_labe
         );
         assert!(has(&series), "{series} missing: {exposition}");
     }
-    for reason in kvgate::metrics::BAD_MESSAGE_REASONS {
+    for reason in kvgate::app::metric_labels::closed_labels().bad_messages {
         let series = format!("kvgate_bad_messages_total{{reason=\"{reason}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }

@@ -223,7 +223,7 @@ impl Gateway {
             max_bytes: 1 << 20,
         };
         Self {
-            drain: Drain::new(limits, FIRST_SEQUENCE, writer, Metrics::new()),
+            drain: Drain::new(limits, FIRST_SEQUENCE, writer, Metrics::default()),
             hub: reader,
             engines: Engines::default(),
             rank0_positions: BTreeMap::new(),

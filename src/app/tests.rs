@@ -196,7 +196,7 @@ async fn healthz(health: HealthWatch) -> (http::StatusCode, String) {
         },
     );
     let admin = admin::router(AdminState {
-        metrics: Metrics::new(),
+        metrics: Metrics::default(),
         hub,
         health,
         source: "tcp://127.0.0.1:1".into(),

@@ -17,6 +17,7 @@
 //! in the history.
 
 pub mod batcher;
+mod rank_counters;
 pub(crate) mod sequence;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,7 +30,7 @@ use crate::clock::unix_now;
 use crate::convert::{Converter, Tally};
 use crate::hub::{CutRequest, HubWriter, RankReport};
 use crate::load::records::LoadRecords;
-use crate::metrics::{Metrics, OVERSIZED_EVENT, RankCounters};
+use crate::metrics::Metrics;
 use crate::proto::common::KvCacheEvent;
 use crate::source::{EngineMessage, SourceEvent};
 use crate::state::LiveState;
@@ -37,6 +38,8 @@ use crate::state::snapshot::SnapshotCut;
 use crate::wire::OpenBatch;
 use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use batcher::{BatchLimits, Batcher, Output};
+use rank_counters::RankCounters;
+pub use rank_counters::{DROPPED_EVENTS, OVERSIZED_EVENT};
 use sequence::Sequencer;
 
 /// Upper bound on engine messages folded into one drain cycle, so a flood
@@ -183,8 +186,8 @@ impl Drain {
         let metrics = &self.metrics;
         self.rank_counters
             .entry(rank)
-            .or_insert_with(|| metrics.rank_counters(rank))
-            .record_tally(&tally);
+            .or_insert_with(|| RankCounters::new(metrics, rank))
+            .record(&tally, metrics);
         let converted = match converted {
             Ok(converted) => converted,
             Err(error) => {
@@ -233,7 +236,7 @@ impl Drain {
                 Output::Batch(batch) => ready.push((rank, batch)),
                 Output::Sent(event) => state.record(rank, event),
                 Output::Oversized { event, bytes } => {
-                    metrics.count_oversized_event();
+                    metrics.count_dropped_events(OVERSIZED_EVENT, 1);
                     crate::logging::rate_limited(OVERSIZED_EVENT, || {
                         warn!(
                             rank,
@@ -380,7 +383,7 @@ mod tests {
                 bytes: 64 << 20,
             },
         );
-        let metrics = Metrics::new();
+        let metrics = Metrics::default();
         let limits = BatchLimits {
             max_events: 1024,
             max_bytes: 4096,

@@ -121,7 +121,7 @@ pub async fn run(
         let outcome = answered
             .as_ref()
             .map_or_else(PollOutcome::of, |_| PollOutcome::Ok);
-        metrics.count_load_poll(outcome);
+        metrics.count_load_poll(outcome.as_str());
         match answered {
             Ok(loads) => {
                 failures = 0;
@@ -147,7 +147,7 @@ pub async fn run(
             }
         }
         for fault in faults.iter() {
-            metrics.count_load_fault(fault);
+            metrics.count_load_fault(fault.as_str());
         }
         if !faults.is_empty() {
             crate::logging::rate_limited("load_answer_faults", || {

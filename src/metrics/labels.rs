@@ -1,11 +1,10 @@
 //! The label sets of kvgate's metrics and the closed sets of their values.
 //!
 //! Invariant: every label value comes from a closed set known at build time
-//! (never a client-supplied string), so the series count is bounded.
+//! (never a client-supplied string), so the series count is bounded; the
+//! stages define the sets, the app hands them over as [`ClosedLabels`].
 
 use prometheus_client::encoding::EncodeLabelSet;
-
-use crate::source::peer::{PeerDropReason, PeerSocket};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RankLabel {
@@ -52,19 +51,6 @@ pub struct PeerDropLabels {
     pub reason: &'static str,
 }
 
-impl PeerDropLabels {
-    pub(super) fn new(socket: PeerSocket, reason: PeerDropReason) -> Self {
-        Self {
-            socket: socket.as_str(),
-            reason: reason.as_str(),
-        }
-    }
-}
-
-/// The `events_dropped` reason of an event (or piece of one: a single block)
-/// larger than any message the router accepts.
-pub const OVERSIZED_EVENT: &str = "oversized_event";
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
@@ -74,19 +60,30 @@ pub struct BuildLabels {
 /// The git commit kvgate was built from (`unknown` outside a git checkout).
 pub const GIT_COMMIT: &str = env!("KVGATE_GIT_COMMIT");
 
-/// Every reason an engine message can be counted as bad: a closed set, so
-/// each series exists from the start at 0.
-pub const BAD_MESSAGE_REASONS: [&str; 7] = [
-    crate::source::FrameError::ALL[0].as_str(),
-    crate::source::FrameError::ALL[1].as_str(),
-    crate::source::FrameError::ALL[2].as_str(),
-    crate::source::FrameError::ALL[3].as_str(),
-    crate::convert::PayloadError::REASONS[0],
-    crate::convert::PayloadError::REASONS[1],
-    crate::source::upstream::UNDECODABLE,
-];
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabel {
     pub result: &'static str,
+}
+
+/// Every value of every closed label set, per metric family: each series
+/// is exported at 0 from the start. The app builds it from the stages' own
+/// outcome enums, so metrics need not know them.
+#[derive(Clone, Debug, Default)]
+pub struct ClosedLabels {
+    /// `engine_events{type}`, per rank.
+    pub engine_events: Vec<&'static str>,
+    /// `state_blocks{tier}`, per rank.
+    pub state_block_tiers: Vec<&'static str>,
+    pub events_dropped: Vec<&'static str>,
+    pub bad_messages: Vec<&'static str>,
+    /// `zmq_peers_dropped{socket, reason}`: every socket with every reason.
+    pub zmq_peer_sockets: Vec<&'static str>,
+    pub zmq_peers_dropped: Vec<&'static str>,
+    pub tls_handshake_failures: Vec<&'static str>,
+    pub auth_failures: Vec<&'static str>,
+    pub connections_refused: Vec<&'static str>,
+    pub connections_closed: Vec<&'static str>,
+    pub credential_reloads: Vec<&'static str>,
+    pub load_polls: Vec<&'static str>,
+    pub load_answer_faults: Vec<&'static str>,
 }

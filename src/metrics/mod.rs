@@ -1,9 +1,10 @@
 //! Prometheus metrics, registered once and shared by every task.
 //!
-//! Hot paths never touch a labelled family per event: each rank's counters
-//! are resolved once ([`RankCounters`]), and the drain folds a message's
-//! conversion into plain counts before adding them. Every label value comes
-//! from a closed set ([`labels`]) and is exported at 0 from the start.
+//! Metrics take plain figures and `&'static str` labels: they know no stage
+//! of the pipeline, and every stage may report into them. Hot paths never
+//! look a label up per event: a rank's counters are resolved once and held
+//! by whoever counts. Every label value comes from a closed set the app
+//! hands over at start ([`ClosedLabels`]), exported at 0 from the start.
 
 use std::sync::Arc;
 
@@ -12,15 +13,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Metric, Registry};
 
-use crate::convert::{DropReason, EventKind};
-use crate::source::peer::{PeerDropReason, PeerSocket};
-use crate::state::tier::Tier;
-
 mod labels;
-mod rank;
+mod process;
 
 pub use labels::*;
-pub use rank::RankCounters;
 
 /// Every metric kvgate exports. Cloning shares the same underlying values.
 #[derive(Clone)]
@@ -98,6 +94,8 @@ pub struct Metrics {
     /// SIGHUP reloads of certificates and tokens, by result.
     pub credential_reloads: Family<ResultLabel, Counter>,
     registry: Arc<Registry>,
+    /// Kept for the per-rank series, created once the rank count is known.
+    labels: Arc<ClosedLabels>,
 }
 
 /// Creates a metric and registers it under `kvgate_<name>`.
@@ -112,15 +110,18 @@ impl Registrar {
 }
 
 impl Default for Metrics {
+    /// Metrics without closed label sets (tests and benchmarks): series are
+    /// created as they are first counted.
     fn default() -> Self {
-        Self::new()
+        Self::new(ClosedLabels::default())
     }
 }
 
 impl Metrics {
-    pub fn new() -> Self {
+    /// Registers every metric and exports each series of `labels` at 0.
+    pub fn new(labels: ClosedLabels) -> Self {
         let mut r = Registrar(Registry::with_prefix("kvgate"));
-        r.0.register_collector(Box::new(crate::process_metrics::ProcessCollector));
+        r.0.register_collector(Box::new(process::ProcessCollector));
         let metrics = Self {
             engine_messages: r.metric(
                 "engine_messages",
@@ -234,6 +235,7 @@ impl Metrics {
                 "Reloads of TLS certificates and bearer tokens on SIGHUP, by result",
             ),
             registry: Arc::new(r.0),
+            labels: Arc::new(labels),
         };
         metrics
             .build_info
@@ -249,80 +251,58 @@ impl Metrics {
     /// Creates every series of a closed label set, so each is exported at 0
     /// from the start (a rate over a series that appears late is wrong).
     fn export_closed_label_sets(&self) {
+        let labels = &self.labels;
         let reasons = |family: &Family<ReasonLabel, Counter>, reasons: &[&'static str]| {
             for &reason in reasons {
                 family.get_or_create_owned(&ReasonLabel { reason });
             }
         };
-        reasons(
-            &self.events_dropped,
-            &DropReason::ALL.map(DropReason::as_str),
-        );
-        reasons(&self.events_dropped, &[OVERSIZED_EVENT]);
-        reasons(&self.bad_messages, &BAD_MESSAGE_REASONS);
-        reasons(
-            &self.tls_handshake_failures,
-            &crate::server::tls::HandshakeFailure::ALL.map(|reason| reason.as_str()),
-        );
-        reasons(
-            &self.auth_failures,
-            &crate::server::auth::AuthFailure::ALL.map(|reason| reason.as_str()),
-        );
-        reasons(
-            &self.connections_refused,
-            &crate::server::connection::Refusal::ALL.map(|reason| reason.as_str()),
-        );
-        reasons(
-            &self.connections_closed,
-            &crate::server::connection::Closure::ALL.map(|reason| reason.as_str()),
-        );
-        reasons(
-            &self.load_answer_faults,
-            &crate::load::answer::Fault::ALL.map(|fault| fault.as_str()),
-        );
-        for result in ["ok", "failed"] {
+        reasons(&self.events_dropped, &labels.events_dropped);
+        reasons(&self.bad_messages, &labels.bad_messages);
+        reasons(&self.tls_handshake_failures, &labels.tls_handshake_failures);
+        reasons(&self.auth_failures, &labels.auth_failures);
+        reasons(&self.connections_refused, &labels.connections_refused);
+        reasons(&self.connections_closed, &labels.connections_closed);
+        reasons(&self.load_answer_faults, &labels.load_answer_faults);
+        for &result in &labels.credential_reloads {
             self.credential_reloads
                 .get_or_create_owned(&ResultLabel { result });
         }
-        for socket in PeerSocket::ALL {
-            for reason in PeerDropReason::ALL {
+        for &socket in &labels.zmq_peer_sockets {
+            for &reason in &labels.zmq_peers_dropped {
                 self.zmq_peers_dropped
-                    .get_or_create_owned(&PeerDropLabels::new(socket, reason));
+                    .get_or_create_owned(&PeerDropLabels { socket, reason });
             }
         }
-        for outcome in crate::load::poller::PollOutcome::ALL {
-            self.count_load_poll_by(outcome, 0);
+        for &outcome in &labels.load_polls {
+            self.load_polls
+                .get_or_create_owned(&OutcomeLabel { outcome });
         }
     }
 
-    /// Rank `rank`'s engine counters, resolved once for its whole life.
-    pub fn rank_counters(&self, rank: u32) -> RankCounters {
-        let events = |r#type| {
-            self.engine_events
-                .get_or_create_owned(&RankTypeLabels { rank, r#type })
-        };
-        RankCounters {
-            messages: self
-                .engine_messages
-                .get_or_create_owned(&RankLabel { rank }),
-            forwarded: EventKind::ALL.map(|kind| events(kind.as_str())),
-            dropped: events("dropped"),
-            dropped_by_reason: self.events_dropped.clone(),
-        }
+    /// Rank `rank`'s accepted engine messages, to hold and add to.
+    pub fn rank_messages(&self, rank: u32) -> Counter {
+        self.engine_messages
+            .get_or_create_owned(&RankLabel { rank })
     }
 
-    pub fn count_dropped_peer(&self, socket: PeerSocket, reason: PeerDropReason) {
-        self.zmq_peers_dropped
-            .get_or_create(&PeerDropLabels::new(socket, reason))
-            .inc();
+    /// Rank `rank`'s decoded events of `r#type`, to hold and add to.
+    pub fn rank_events(&self, rank: u32, r#type: &'static str) -> Counter {
+        self.engine_events
+            .get_or_create_owned(&RankTypeLabels { rank, r#type })
     }
 
-    /// An event (or piece) too large for the router was not sent.
-    pub fn count_oversized_event(&self) {
+    /// `count` events dropped for `reason` (a normalization rule, or an
+    /// event too large for the router).
+    pub fn count_dropped_events(&self, reason: &'static str, count: u64) {
         self.events_dropped
-            .get_or_create(&ReasonLabel {
-                reason: OVERSIZED_EVENT,
-            })
+            .get_or_create(&ReasonLabel { reason })
+            .inc_by(count);
+    }
+
+    pub fn count_dropped_peer(&self, socket: &'static str, reason: &'static str) {
+        self.zmq_peers_dropped
+            .get_or_create(&PeerDropLabels { socket, reason })
             .inc();
     }
 
@@ -332,35 +312,26 @@ impl Metrics {
         for rank in 0..dp_size {
             self.engine_messages
                 .get_or_create_owned(&RankLabel { rank });
-            for r#type in EventKind::ALL
-                .map(EventKind::as_str)
-                .into_iter()
-                .chain(["dropped"])
-            {
+            for &r#type in &self.labels.engine_events {
                 self.engine_events
                     .get_or_create_owned(&RankTypeLabels { rank, r#type });
             }
             self.last_sequence.get_or_create_owned(&RankLabel { rank });
-            for tier in Tier::REPORTED.map(Tier::label) {
+            for &tier in &self.labels.state_block_tiers {
                 self.state_blocks
                     .get_or_create_owned(&RankTierLabels { rank, tier });
             }
         }
     }
 
-    /// `reason` is one of [`BAD_MESSAGE_REASONS`].
     pub fn count_bad_message(&self, reason: &'static str) {
-        debug_assert!(
-            BAD_MESSAGE_REASONS.contains(&reason),
-            "{reason} is missing from BAD_MESSAGE_REASONS"
-        );
         self.bad_messages
             .get_or_create(&ReasonLabel { reason })
             .inc();
     }
 
     /// A rank's gauges: its last sequence number and its live blocks per
-    /// tier label (one of `Tier::REPORTED`'s).
+    /// tier label.
     pub fn set_rank_figures(
         &self,
         rank: u32,
@@ -389,23 +360,15 @@ impl Metrics {
         }
     }
 
-    pub fn count_load_poll(&self, outcome: crate::load::poller::PollOutcome) {
-        self.count_load_poll_by(outcome, 1);
-    }
-
-    fn count_load_poll_by(&self, outcome: crate::load::poller::PollOutcome, by: u64) {
+    pub fn count_load_poll(&self, outcome: &'static str) {
         self.load_polls
-            .get_or_create(&OutcomeLabel {
-                outcome: outcome.as_str(),
-            })
-            .inc_by(by);
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
     }
 
-    pub fn count_load_fault(&self, fault: crate::load::answer::Fault) {
+    pub fn count_load_fault(&self, reason: &'static str) {
         self.load_answer_faults
-            .get_or_create(&ReasonLabel {
-                reason: fault.as_str(),
-            })
+            .get_or_create(&ReasonLabel { reason })
             .inc();
     }
 

@@ -17,6 +17,25 @@ use tracing::{error, info};
 use super::auth::Tokens;
 use super::tls::TlsAcceptor;
 use crate::metrics::{Metrics, ResultLabel};
+
+/// Whether a reload took every file it was asked to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReloadResult {
+    Ok,
+    /// At least one file was refused; its old contents stay in force.
+    Failed,
+}
+
+impl ReloadResult {
+    pub const ALL: [Self; 2] = [Self::Ok, Self::Failed];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Failed => "failed",
+        }
+    }
+}
 use crate::pem::FlagFile;
 
 /// Everything a reload re-reads.
@@ -52,10 +71,15 @@ impl Credentials {
         if self.is_empty() {
             info!("no TLS certificates or token file to reload");
         }
+        let result = if all_taken {
+            ReloadResult::Ok
+        } else {
+            ReloadResult::Failed
+        };
         metrics
             .credential_reloads
             .get_or_create(&ResultLabel {
-                result: if all_taken { "ok" } else { "failed" },
+                result: result.as_str(),
             })
             .inc();
         all_taken

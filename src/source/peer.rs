@@ -102,7 +102,7 @@ pub fn record_dropped_peer(
     let Some(reason) = PeerDropReason::of(error) else {
         return false;
     };
-    metrics.count_dropped_peer(socket, reason);
+    metrics.count_dropped_peer(socket.as_str(), reason.as_str());
     let key = match socket {
         PeerSocket::Sub => "zmq_sub_peer_dropped",
         PeerSocket::Replay => "zmq_replay_peer_dropped",
@@ -148,7 +148,7 @@ mod tests {
 
     #[test]
     fn a_dropped_peer_is_counted_under_its_socket_and_reason() {
-        let metrics = Metrics::new();
+        let metrics = Metrics::default();
         let error = ZmqError::Codec(CodecError::MessageTooLarge {
             size: 1 << 40,
             max: 1 << 20,

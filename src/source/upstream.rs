@@ -210,7 +210,7 @@ async fn follow(
         let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
         messages
             .entry(rank)
-            .or_insert_with(|| metrics.rank_counters(rank).messages)
+            .or_insert_with(|| metrics.rank_messages(rank))
             .inc();
         let reset = match cursors.admit(&batch) {
             Verdict::Stale | Verdict::LoadOnly => continue,

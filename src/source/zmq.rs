@@ -312,7 +312,7 @@ impl RankTask {
             topic,
             replay,
             events,
-            messages: metrics.rank_counters(rank).messages,
+            messages: metrics.rank_messages(rank),
             metrics,
             cursor: PublisherCursor::default(),
         }
@@ -465,7 +465,8 @@ impl RankTask {
 
     fn count_replay_drop(&self, stopped: &ReplayError) {
         if let ReplayError::PeerDropped { reason, .. } = stopped {
-            self.metrics.count_dropped_peer(PeerSocket::Replay, *reason);
+            self.metrics
+                .count_dropped_peer(PeerSocket::Replay.as_str(), reason.as_str());
         }
     }
 
@@ -570,7 +571,7 @@ mod tests {
                 socket: Some(socket),
                 events,
                 sender,
-                metrics: Metrics::new(),
+                metrics: Metrics::default(),
                 stop: CancellationToken::new(),
             }
         }
