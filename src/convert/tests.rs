@@ -1,5 +1,7 @@
 //! The converter against contract section 2, one rule per test, on payloads
 //! built here byte by byte (the golden fixtures are in `tests/golden.rs`).
+//! One file over 500 lines on purpose: the rules read in the contract's
+//! order, and the payload builders at the top serve every one of them.
 
 use proptest::prelude::*;
 
