@@ -148,7 +148,11 @@ mod tests {
 
     #[test]
     fn a_dropped_peer_is_counted_under_its_socket_and_reason() {
-        let metrics = Metrics::default();
+        let metrics = Metrics::new(crate::metrics::ClosedLabels {
+            zmq_peer_sockets: PeerSocket::ALL.map(PeerSocket::as_str).into(),
+            zmq_peers_dropped: PeerDropReason::ALL.map(PeerDropReason::as_str).into(),
+            ..Default::default()
+        });
         let error = ZmqError::Codec(CodecError::MessageTooLarge {
             size: 1 << 40,
             max: 1 << 20,
