@@ -148,6 +148,7 @@ impl Gateway {
         &self.source
     }
 
+    /// Whether the gateway is serving, as gRPC health and `/healthz` report it.
     pub fn health(&self) -> HealthWatch {
         self.health.clone()
     }

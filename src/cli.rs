@@ -17,6 +17,7 @@ use kvgate_endpoint::TcpEndpoint;
     version,
     about = "gRPC streaming gateway for LLM KV-cache events"
 )]
+#[allow(missing_docs)] // clap would show a doc comment as help text
 pub struct Cli {
     /// Log format on stderr (filter with RUST_LOG, e.g. RUST_LOG=kvgate=debug).
     #[arg(
@@ -29,10 +30,12 @@ pub struct Cli {
     pub log_format: LogFormat,
 
     #[command(subcommand)]
+    #[allow(missing_docs)] // flattened or a subcommand: clap documents it
     pub command: Command,
 }
 
 #[derive(Debug, Subcommand)]
+#[allow(missing_docs)] // clap would show a doc comment as help text
 pub enum Command {
     /// Drain an engine's KV events and serve them to any number of routers.
     Serve(Box<ServeArgs>),
@@ -47,6 +50,7 @@ pub enum Command {
 }
 
 #[derive(Debug, Clone, Args)]
+#[allow(missing_docs)] // clap would show a doc comment as help text
 pub struct ServeArgs {
     /// gRPC address routers connect to: IP:PORT or HOST:PORT (resolved at
     /// start, e.g. localhost:50061).

@@ -34,9 +34,13 @@ pub type EngineTransport = hyper_util::client::legacy::Client<Connector, Body>;
 /// The flags a client's TLS files come from, for error messages.
 #[derive(Clone, Copy, Debug)]
 pub struct TlsFlags {
+    /// The flag of the address.
     pub uri: &'static str,
+    /// The flag of the CA file.
     pub ca: &'static str,
+    /// The flag of the client certificate.
     pub cert: &'static str,
+    /// The flag of the client certificate's key.
     pub key: &'static str,
 }
 
@@ -47,6 +51,7 @@ pub struct TlsPaths {
     pub ca: Option<PathBuf>,
     /// A client certificate and its key, for servers that require mTLS.
     pub cert: Option<PathBuf>,
+    /// The client certificate's private key.
     pub key: Option<PathBuf>,
 }
 
@@ -187,6 +192,7 @@ impl Target {
         })
     }
 
+    /// The URI connected to.
     pub fn uri(&self) -> &http::Uri {
         &self.uri
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! kvgate: one drain of an engine's KV-cache events, re-served to many routers.
 //!
 //! Data flows left to right through the modules:

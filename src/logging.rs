@@ -10,8 +10,11 @@ use std::time::{Duration, Instant};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+/// How log lines are written on stderr.
 pub enum LogFormat {
+    /// One human-readable line an event.
     Text,
+    /// One JSON object a line.
     Json,
 }
 

@@ -20,11 +20,14 @@ pub const MAX_FILE_BYTES: u64 = 1 << 20;
 /// A file as the operator gave it: the flag and its path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlagFile {
+    /// The flag the operator set.
     pub flag: &'static str,
+    /// The file it names.
     pub path: PathBuf,
 }
 
 impl FlagFile {
+    /// The file at `path`, given with `flag`.
     pub fn new(flag: &'static str, path: impl Into<PathBuf>) -> Self {
         Self {
             flag,

@@ -92,6 +92,7 @@ impl Default for Converter {
 }
 
 impl Converter {
+    /// A converter that knows no rank yet.
     pub fn new() -> Self {
         Converter {
             next_event_id: 1,

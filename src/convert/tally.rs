@@ -30,6 +30,7 @@ pub enum DropReason {
 }
 
 impl DropReason {
+    /// Every reason, in label order.
     pub const ALL: [DropReason; 9] = [
         DropReason::Malformed,
         DropReason::UnknownType,
@@ -65,14 +66,19 @@ impl DropReason {
 /// The kind of a forwarded event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EventKind {
+    /// Blocks stored.
     Stored,
+    /// Blocks removed.
     Removed,
+    /// Every block of a rank (or of an owner) cleared.
     Cleared,
 }
 
 impl EventKind {
+    /// Every kind, in label order.
     pub const ALL: [EventKind; 3] = [EventKind::Stored, EventKind::Removed, EventKind::Cleared];
 
+    /// The `type` label.
     pub fn as_str(self) -> &'static str {
         match self {
             EventKind::Stored => "stored",
@@ -94,22 +100,27 @@ pub struct Tally {
 }
 
 impl Tally {
+    /// Events of `kind` forwarded.
     pub fn forwarded(&self, kind: EventKind) -> u64 {
         self.forwarded[kind.index()]
     }
 
+    /// Events dropped for `reason`.
     pub fn dropped(&self, reason: DropReason) -> u64 {
         self.dropped[reason.index()]
     }
 
+    /// Events forwarded, every kind.
     pub fn total_forwarded(&self) -> u64 {
         self.forwarded.iter().sum()
     }
 
+    /// Events dropped, every reason.
     pub fn total_dropped(&self) -> u64 {
         self.dropped.iter().sum()
     }
 
+    /// Adds `other`'s counts to these.
     pub fn add(&mut self, other: &Tally) {
         for (mine, theirs) in self.forwarded.iter_mut().zip(other.forwarded) {
             *mine += theirs;

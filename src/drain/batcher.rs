@@ -22,7 +22,9 @@ use crate::wire::event::{BLOCKS_FIELD, BlockFields, encode_event};
 /// Limits of one outgoing batch.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLimits {
+    /// Most events a batch holds.
     pub max_events: usize,
+    /// Most encoded bytes a batch holds (an event alone may exceed it, up to the router's limit).
     pub max_bytes: usize,
 }
 
@@ -36,7 +38,9 @@ pub enum Output<'a> {
     /// This event (or piece, a single block) encodes to `bytes`, more than
     /// any message the router accepts: it is not sent.
     Oversized {
+        /// The event, as it goes out.
         event: &'a KvCacheEvent,
+        /// Its encoded size.
         bytes: usize,
     },
 }
@@ -54,6 +58,7 @@ pub struct Batcher {
 }
 
 impl Batcher {
+    /// A batcher with nothing open.
     pub fn new(limits: BatchLimits) -> Self {
         Self {
             max_events: limits.max_events.max(1),

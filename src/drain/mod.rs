@@ -46,6 +46,7 @@ use sequence::Sequencer;
 /// cannot hold finished batches back.
 const MAX_MESSAGES_PER_CYCLE: usize = 256;
 
+/// The one task that numbers, batches and publishes every engine event.
 pub struct Drain {
     converter: Converter,
     sequencer: Sequencer,
@@ -70,6 +71,7 @@ pub struct Drain {
 }
 
 impl Drain {
+    /// A drain numbering every rank from `sequence_seed`, publishing into `hub`.
     pub fn new(limits: BatchLimits, sequence_seed: u64, hub: HubWriter, metrics: Metrics) -> Self {
         Self {
             converter: Converter::new(),

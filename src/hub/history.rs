@@ -23,7 +23,9 @@ use crate::wire::Batch;
 /// How much history to keep: whichever bound is hit first.
 #[derive(Clone, Copy, Debug)]
 pub struct HistoryLimits {
+    /// Most batches held (`--history-batches`).
     pub batches: usize,
+    /// Most encoded bytes held (`--history-bytes`).
     pub bytes: usize,
 }
 
@@ -143,14 +145,17 @@ impl History {
             .filter(|batch| batch.position == position)
     }
 
+    /// Oldest position held; `newest + 1` when empty.
     pub fn oldest(&self) -> u64 {
         self.oldest.load(Ordering::Acquire)
     }
 
+    /// Newest position held, 0 before the first batch.
     pub fn newest(&self) -> u64 {
         self.newest.load(Ordering::Acquire)
     }
 
+    /// Rank 0's newest sequence number, once rank 0 sent a batch.
     pub fn rank0_newest_sequence(&self) -> Option<u64> {
         Some(self.rank0_newest.load(Ordering::Acquire)).filter(|&sequence| sequence != 0)
     }
@@ -208,6 +213,7 @@ pub struct HistoryWriter {
 }
 
 impl HistoryWriter {
+    /// An empty history held to `limits`.
     pub fn new(limits: HistoryLimits) -> Self {
         let capacity = limits.batches.max(1);
         let history = History {
@@ -228,6 +234,7 @@ impl HistoryWriter {
         }
     }
 
+    /// The read side, shared with every subscriber.
     pub fn reader(&self) -> Arc<History> {
         Arc::clone(&self.history)
     }

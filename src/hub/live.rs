@@ -14,8 +14,11 @@ use super::LoadOnly;
 /// One announcement on the live channel, in publication order.
 #[derive(Clone, Debug)]
 pub enum Live {
-    /// The batch at `position` is in the history (until it is evicted).
-    Published { position: u64 },
+    /// A batch is in the history (until it is evicted).
+    Published {
+        /// Where: its place in the emission order.
+        position: u64,
+    },
     /// A load record between two batches: tiny, never in the history (see
     /// [`super::load_only`]).
     LoadOnly(Arc<LoadOnly>),

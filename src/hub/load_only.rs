@@ -13,11 +13,13 @@
 use bytes::Bytes;
 
 #[derive(Debug)]
+/// A `load_only` batch, encoded once for every subscriber that takes it.
 pub struct LoadOnly {
     /// The position of the last batch published before it.
     pub after_position: u64,
     /// Numbered 0: the rank has had no batch yet.
     pub before_first_batch: bool,
+    /// The encoded `KvEventBatch`.
     pub encoded: Bytes,
 }
 

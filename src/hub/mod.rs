@@ -46,7 +46,9 @@ impl CutRequest {
 /// One rank as the drain last reported it (for `/status` and metrics).
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct RankReport {
+    /// The data-parallel rank.
     pub rank: u32,
+    /// The last sequence number sent for it (0 before its first batch).
     pub last_sequence: u64,
     /// Live blocks (copies counted) per tier; `/status` shows the reported
     /// tiers by name.
@@ -191,6 +193,7 @@ impl HubReader {
             .or_else(|| self.live_window.get(position))
     }
 
+    /// Where every open subscription stands.
     pub fn cursors(&self) -> &Arc<Cursors> {
         &self.cursors
     }
@@ -201,6 +204,7 @@ impl HubReader {
         self.cursors.lags(self.history.newest())
     }
 
+    /// The recent batches, by position.
     pub fn history(&self) -> &History {
         &self.history
     }

@@ -24,15 +24,22 @@ use super::{Batch, History, HubReader, Live, LoadOnly};
 /// OUT_OF_RANGE), with what would have worked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CursorError {
-    /// Some rank-0 batch after it has left the history; `oldest` is the
-    /// oldest cursor that can be resumed now.
-    Behind { oldest: u64 },
-    /// Newer than anything rank 0 was sent; `newest` is rank 0's newest
-    /// sequence number.
-    Ahead { newest: u64 },
-    /// From an earlier kvgate process: this one numbered rank 0 from
-    /// `first`, above anything an earlier process sent.
-    OtherIncarnation { first: u64 },
+    /// Some rank-0 batch after it has left the history.
+    Behind {
+        /// The oldest cursor that can be resumed now.
+        oldest: u64,
+    },
+    /// Newer than anything rank 0 was sent.
+    Ahead {
+        /// Rank 0's newest sequence number.
+        newest: u64,
+    },
+    /// From an earlier kvgate process.
+    OtherIncarnation {
+        /// Where this process numbered rank 0 from: above anything an
+        /// earlier process sent.
+        first: u64,
+    },
     /// Nothing was sent to rank 0 yet by this kvgate process.
     Empty,
 }
@@ -61,18 +68,21 @@ impl CursorError {
 /// What the next step of a subscription yields.
 #[derive(Debug)]
 pub enum Step {
+    /// The next batch, in emission order.
     Batch(Arc<Batch>),
     /// A rank's load record with no events (never in the history).
     LoadOnly(Arc<LoadOnly>),
     /// The subscriber fell so far behind that the history no longer holds
     /// `position`: the stream must end with DATA_LOSS.
     Lost {
+        /// The first position the subscriber missed.
         position: u64,
     },
     /// The hub closed (kvgate is shutting down): end the stream cleanly.
     Closed,
 }
 
+/// One subscriber's walk through the batches, by position.
 pub struct Subscription {
     live: Receiver<Live>,
     hub: HubReader,
@@ -123,6 +133,7 @@ impl Subscription {
         self.next_position.id()
     }
 
+    /// The next step of the stream: a batch, a loss, or the end.
     pub async fn next(&mut self) -> Step {
         loop {
             // Shutting down, a lagging subscriber ends now rather than after

@@ -19,7 +19,9 @@ use tokio::time::Instant;
 use super::{Board, Reading};
 use crate::proto::common::EngineLoad;
 
+/// The first heartbeat interval while the engine's load does not change.
 pub const FIRST_HEARTBEAT: Duration = Duration::from_secs(1);
+/// The longest heartbeat interval (it doubles up to this).
 pub const MAX_HEARTBEAT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Default)]
@@ -42,6 +44,7 @@ pub struct LoadRecords {
 }
 
 impl LoadRecords {
+    /// Records fed by the poller's board.
     pub fn new(feed: watch::Receiver<Board>) -> Self {
         Self {
             feed,

@@ -40,7 +40,9 @@ pub struct Metrics {
     /// Batches, events and encoded bytes handed to the hub (each encoded once,
     /// whatever the number of subscribers).
     pub batches_out: Counter,
+    /// Events encoded and published.
     pub events_out: Counter,
+    /// Encoded batch bytes published (once per batch).
     pub bytes_out: Counter,
     /// Subscribers currently streaming.
     pub subscribers: Gauge,
@@ -300,6 +302,7 @@ impl Metrics {
             .inc_by(count);
     }
 
+    /// A ZMQ peer dropped on `socket` for `reason`.
     pub fn count_dropped_peer(&self, socket: &'static str, reason: &'static str) {
         self.zmq_peers_dropped
             .get_or_create(&PeerDropLabels { socket, reason })
@@ -324,6 +327,7 @@ impl Metrics {
         }
     }
 
+    /// An engine message that yielded no events, for `reason`.
     pub fn count_bad_message(&self, reason: &'static str) {
         self.bad_messages
             .get_or_create(&ReasonLabel { reason })
@@ -360,18 +364,21 @@ impl Metrics {
         }
     }
 
+    /// A `GetLoads` poll that ended in `outcome`.
     pub fn count_load_poll(&self, outcome: &'static str) {
         self.load_polls
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
     }
 
+    /// A part of a `GetLoads` answer clamped or dropped for `reason`.
     pub fn count_load_fault(&self, reason: &'static str) {
         self.load_answer_faults
             .get_or_create(&ReasonLabel { reason })
             .inc();
     }
 
+    /// A pass-through call to `method` that ended with gRPC status `code`.
     pub fn count_pass_through(&self, method: &'static str, code: i32) {
         self.pass_through_calls
             .get_or_create(&CallLabels { method, code })

@@ -40,13 +40,17 @@ pub const SUBSCRIBE_SERVICES: [&str; 5] = [
 
 /// What the gRPC server needs from the rest of kvgate.
 pub struct ServerParts {
+    /// Where subscribers read batches from.
     pub hub: HubReader,
+    /// Where the services count what they serve.
     pub metrics: Metrics,
     /// What the health service reports.
     pub health: HealthWatch,
     /// Where RPCs other than `SubscribeKvEvents` go, if anywhere.
     pub pass_through: Option<passthrough::PassThrough>,
+    /// The bounds of every connection.
     pub limits: connection::ConnectionLimits,
+    /// The bounds of subscriber streams.
     pub subscribe_limits: SubscribeLimits,
     /// TLS on the gRPC port, when configured.
     pub tls: Option<tls::TlsAcceptor>,

@@ -32,6 +32,7 @@ pub(crate) async fn send(
 /// One engine message as the publisher of rank `rank` sent it.
 #[derive(Clone, Debug)]
 pub struct EngineMessage {
+    /// The data-parallel rank whose publisher sent it.
     pub rank: u32,
     /// The publisher's own counter (not kvgate's sequence number).
     pub engine_sequence: u64,
@@ -42,16 +43,21 @@ pub struct EngineMessage {
 /// What a source tells the drain, in order per rank.
 #[derive(Clone, Debug)]
 pub enum SourceEvent {
+    /// A message from a publisher, in its order.
     Message(EngineMessage),
     /// The publisher of `rank` started over: everything known about the
     /// rank's cache is void.
     PublisherRestarted {
+        /// The rank whose publisher restarted.
         rank: u32,
     },
     /// Events already in proto form (from an upstream gRPC server).
     Events {
+        /// The rank they belong to.
         rank: u32,
+        /// The upstream batch's timestamp.
         timestamp: f64,
+        /// The events, in order.
         events: Vec<KvCacheEvent>,
     },
     /// The upstream starts over with a snapshot: every rank's cache is void.
@@ -61,14 +67,18 @@ pub enum SourceEvent {
 /// Why an engine message or replay reply was skipped before decoding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameError {
+    /// Not the three frames `[topic, sequence, payload]`.
     WrongFrameCount,
+    /// A sequence frame that is not 8 bytes.
     BadSequenceFrame,
+    /// A topic other than the configured one.
     TopicMismatch,
     /// A replay reply that does not start with the empty delimiter frame.
     MissingDelimiter,
 }
 
 impl FrameError {
+    /// Every reason, in label order.
     pub const ALL: [FrameError; 4] = [
         Self::WrongFrameCount,
         Self::BadSequenceFrame,
@@ -76,6 +86,7 @@ impl FrameError {
         Self::MissingDelimiter,
     ];
 
+    /// The `reason` label.
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::WrongFrameCount => "wrong_frame_count",

@@ -38,18 +38,29 @@ type BlockMap = CowMap<BlockRecord>;
 /// tokens and extra keys).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct StoreFields {
+    /// The wire tier (`KvCacheTier`), as the store carried it.
     pub tier: Option<i32>,
+    /// The engine's storage medium name.
     pub medium: Option<String>,
+    /// The KV-cache group of hybrid models.
     pub group_idx: Option<u32>,
+    /// The attention kind of the group's cache spec.
     pub kv_cache_spec_kind: Option<String>,
+    /// The sliding window of the group's cache spec.
     pub kv_cache_spec_sliding_window: Option<u32>,
+    /// Where the blocks live relative to the engine.
     pub locality: Option<i32>,
+    /// Who owns the blocks (an ownerless clear removes every owner's).
     pub ownership: Option<String>,
+    /// The request session that stored them.
     pub session_id: Option<String>,
+    /// The LoRA adapter's name.
     pub lora_name: Option<String>,
+    /// The cache salt that keeps tenants' prefixes apart.
     pub cache_salt: Option<String>,
     /// Per block in the proto, per store on the engine side.
     pub lora_id: Option<i64>,
+    /// The engine's cache level of the store.
     pub cache_level: Option<i32>,
 }
 
@@ -117,18 +128,22 @@ pub struct BlockRecord {
 struct ExtraKeys(Vec<KvBlockExtraKey>);
 
 impl BlockRecord {
+    /// The block's parent, as its store named it.
     pub fn parent(&self) -> Option<i64> {
         self.has_parent.then_some(self.parent)
     }
 
+    /// The store-wide fields it shares with its store's other blocks.
     pub fn fields(&self) -> &Arc<StoreFields> {
         &self.fields
     }
 
+    /// Its place in the rank's store order (parents before children).
     pub fn order(&self) -> u64 {
         self.order
     }
 
+    /// Physical copies of the block that are live (at most `MAX_COPIES`).
     pub fn copies(&self) -> u8 {
         self.copies
     }
@@ -162,6 +177,7 @@ impl RankBlocks {
         self.tiers[tier].iter()
     }
 
+    /// The live block `hash` of `tier`.
     pub fn get(&self, tier: Tier, hash: i64) -> Option<&BlockRecord> {
         self.tiers[tier].get(hash)
     }
@@ -176,6 +192,7 @@ impl RankBlocks {
 pub type StateCut = BTreeMap<u32, RankBlocks>;
 
 #[derive(Debug, Default)]
+/// Every rank's live blocks; only the drain writes.
 pub struct LiveState {
     ranks: BTreeMap<u32, RankBlocks>,
     interned: Interner,
@@ -232,6 +249,7 @@ impl LiveState {
         self.ranks.remove(&rank);
     }
 
+    /// A consistent view of every rank now; cheap, the maps are shared until written.
     pub fn cut(&self) -> StateCut {
         self.ranks.clone()
     }
@@ -241,6 +259,7 @@ impl LiveState {
         self.ranks.keys().copied()
     }
 
+    /// Rank `rank`'s live blocks, once it stored any.
     pub fn rank(&self, rank: u32) -> Option<&RankBlocks> {
         self.ranks.get(&rank)
     }

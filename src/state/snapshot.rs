@@ -40,12 +40,15 @@ use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 use crate::wire::batch::{EventLen, OpenBatch};
 use crate::wire::event::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
 
+/// Most blocks in one snapshot chunk.
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
+/// About the most encoded bytes in one snapshot chunk.
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
 
 /// Everything a snapshot needs, taken by the drain at one instant.
 #[derive(Clone, Debug)]
 pub struct SnapshotCut {
+    /// Every rank's blocks at the cut.
     pub state: StateCut,
     /// Last sequence number of every rank that has one or has blocks.
     pub last_sequences: BTreeMap<u32, u64>,
@@ -58,8 +61,11 @@ pub struct SnapshotCut {
 /// One encoded chunk.
 #[derive(Debug)]
 pub struct SnapshotChunk {
+    /// The rank the chunk belongs to.
     pub rank: u32,
+    /// The chunk's sequence number in its rank.
     pub sequence: u64,
+    /// The encoded `KvEventBatch`.
     pub encoded: Bytes,
 }
 

@@ -41,6 +41,7 @@ pub struct GatewayArgs {
 }
 
 impl GatewayArgs {
+    /// Connects with the credentials given.
     pub async fn connect(&self) -> anyhow::Result<Authorized> {
         let paths = TlsPaths {
             ca: self.ca.clone(),

@@ -7,6 +7,7 @@ use clap::CommandFactory;
 use crate::cli::Cli;
 
 #[derive(Debug, Clone, clap::Args)]
+#[allow(missing_docs)] // clap would show a doc comment as help text
 pub struct CompletionsArgs {
     /// The shell to complete for.
     #[arg(value_enum)]

@@ -19,8 +19,10 @@ use crate::proto::common::kv_cache_event::Data;
 use crate::server::SUBSCRIBE_SERVICES;
 
 #[derive(Debug, Clone, clap::Args)]
+#[allow(missing_docs)] // clap would show a doc comment as help text
 pub struct StatusArgs {
     #[command(flatten)]
+    #[allow(missing_docs)] // flattened or a subcommand: clap documents it
     pub gateway: GatewayArgs,
     /// Print JSON instead of text.
     #[arg(long)]
@@ -28,21 +30,30 @@ pub struct StatusArgs {
 }
 
 #[derive(Debug, Serialize)]
+/// What `kvgate status` learned of a gateway.
 pub struct GatewayStatus {
+    /// The address asked.
     pub address: String,
     /// Health per service ("" is the server as a whole).
     pub health: BTreeMap<String, String>,
+    /// The gRPC services it serves.
     pub services: Vec<String>,
+    /// What its snapshot said of each rank.
     pub ranks: BTreeMap<i32, RankStatus>,
+    /// Engine messages before kvgate's record that it never saw.
     pub unknown_before: u64,
 }
 
 #[derive(Debug, Default, Serialize)]
+/// One rank, as the snapshot showed it.
 pub struct RankStatus {
+    /// The rank's last sequence number.
     pub last_sequence: u64,
+    /// Live blocks in the snapshot.
     pub blocks: u64,
 }
 
+/// `kvgate status`: collects and prints.
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     let status = collect(&args.gateway).await?;
     if args.json {
@@ -53,6 +64,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Asks the gateway for its health, services and a snapshot.
 pub async fn collect(gateway: &GatewayArgs) -> anyhow::Result<GatewayStatus> {
     let channel = gateway.connect().await?;
     let mut health = BTreeMap::new();
@@ -125,6 +137,7 @@ pub async fn collect(gateway: &GatewayArgs) -> anyhow::Result<GatewayStatus> {
     })
 }
 
+/// The status as `kvgate status` prints it.
 pub fn render(status: &GatewayStatus) -> String {
     let mut out = format!("kvgate at {}\n", status.address);
     out.push_str("health:\n");

@@ -13,8 +13,10 @@ use crate::json::{FieldNames, to_json_with};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 
 #[derive(Debug, Clone, clap::Args)]
+#[allow(missing_docs)] // clap would show a doc comment as help text
 pub struct TailArgs {
     #[command(flatten)]
+    #[allow(missing_docs)] // flattened or a subcommand: clap documents it
     pub gateway: GatewayArgs,
     /// Resume after this rank-0 sequence number; 0 starts with a snapshot.
     #[arg(long, default_value_t = 0)]
@@ -34,6 +36,7 @@ pub struct TailArgs {
     pub limit: Option<u64>,
 }
 
+/// `kvgate tail`: prints the stream until it ends or is interrupted.
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
     let channel = args.gateway.connect().await?;
     let request = SubscribeKvEventsRequest {

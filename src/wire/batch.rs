@@ -19,9 +19,11 @@ pub struct Batch {
     /// Place in kvgate's single emission order across all ranks (from 1).
     /// Subscribers track this, not sequence numbers, to find gaps and seams.
     pub position: u64,
+    /// The data-parallel rank.
     pub rank: u32,
     /// The rank's own sequence number as the router sees it.
     pub sequence: u64,
+    /// Events it holds.
     pub event_count: u32,
     /// The protobuf bytes, sent verbatim to every subscriber.
     pub encoded: Bytes,
@@ -81,10 +83,12 @@ pub const BATCH_OVERHEAD: usize = 256;
 #[derive(Clone, Copy, Debug)]
 pub struct EventLen {
     body: usize,
+    /// Bytes the event adds to a batch's events (its length-delimited entry).
     pub entry: usize,
 }
 
 impl EventLen {
+    /// The entry size of `event`.
     pub fn of(event: &KvCacheEvent) -> Self {
         Self::of_body(event.encoded_len())
     }
@@ -120,6 +124,7 @@ impl Default for OpenBatch {
 }
 
 impl OpenBatch {
+    /// An empty batch stamped `timestamp`.
     pub fn with_timestamp(timestamp: f64) -> Self {
         let mut buffer = Vec::with_capacity(HEADER_ROOM + RANK_ROOM);
         buffer.resize(HEADER_ROOM, 0);
@@ -160,10 +165,12 @@ impl OpenBatch {
         }
     }
 
+    /// Whether no event was added.
     pub fn is_empty(&self) -> bool {
         self.count == 0
     }
 
+    /// Events added.
     pub fn event_count(&self) -> u32 {
         self.count
     }
