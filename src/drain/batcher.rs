@@ -261,7 +261,7 @@ fn runs(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::proto::common::{KvBlock, KvBlocksRemoved, KvBlocksStored, KvEventBatch};
 
@@ -398,7 +398,7 @@ mod tests {
         );
     }
 
-    fn block(hash: i64, tokens: usize, token: u32) -> KvBlock {
+    pub(crate) fn block(hash: i64, tokens: usize, token: u32) -> KvBlock {
         KvBlock {
             block_hash: hash,
             token_ids: vec![token; tokens],

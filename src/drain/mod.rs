@@ -364,17 +364,9 @@ async fn load_wake(records: &mut Option<LoadRecords>) {
 mod tests {
     use super::*;
     use crate::hub::{HistoryLimits, hub};
-    use crate::proto::common::{KvBlock, KvBlocksStored, kv_cache_event::Data};
+    use crate::proto::common::{KvBlocksStored, kv_cache_event::Data};
     use crate::state::tier::Tier;
-
-    fn block(hash: i64, tokens: usize, token: u32) -> KvBlock {
-        KvBlock {
-            block_hash: hash,
-            token_ids: vec![token; tokens],
-            block_size: tokens as i32,
-            ..Default::default()
-        }
-    }
+    use batcher::tests::block;
 
     #[test]
     fn a_block_too_large_for_the_router_is_counted_and_kept_out_of_the_state() {
