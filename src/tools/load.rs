@@ -296,6 +296,7 @@ impl Measured {
             kvgate: KvgateCost {
                 cpu_s: kvgate_cpu,
                 cpu_percent_of_one_core: 100.0 * kvgate_cpu / window_s,
+                cpu_us_per_batch_delivered: 1e6 * kvgate_cpu / (batches as f64).max(1.0),
                 idle_rss_mb: self.idle.rss_mb,
                 peak_rss_mb: self.peak.peak_rss_mb,
             },
