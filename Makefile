@@ -40,6 +40,7 @@ fan-out:
 		--json benchmarks/fan-out.json
 	cargo bench --locked --bench pipeline -- 'ingest/|state/|snapshot-1M|convert/steady|fan-out'
 	cargo bench --locked --bench memory
+	cargo bench --locked --bench zmq_ingest
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:
