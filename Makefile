@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint fuzz bench load benchmarks image
+.PHONY: run test lint fuzz bench load benchmarks image fan-out flamegraphs
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
@@ -33,6 +33,22 @@ load:
 		--json benchmarks/load.json --svg benchmarks/load.svg
 	target/release/kvgate-bench --subscribers 1,8,32,64 --rate 0 \
 		--json benchmarks/load-max.json --svg benchmarks/load-max.svg
+
+# Issue 13's figures: CPU per batch delivered at 1, 8 and 64 subscribers
+# (20k events/s), ingest, snapshot encode and memory (BENCHMARKS.md).
+fan-out:
+	cargo build --release --locked
+	target/release/kvgate bench --subscribers 1,8,64 --rate 20000 \
+		--json benchmarks/fan-out.json
+	cargo bench --locked --bench pipeline -- 'ingest/|state/|snapshot-1M|convert/steady|fan-out'
+	cargo bench --locked --bench memory
+	cargo bench --locked --bench zmq_ingest
+
+# Issue 13's flame graphs (needs perf and `cargo install inferno`).
+flamegraphs:
+	cargo build --release --locked
+	benchmarks/flamegraph.sh target/release/kvgate 8 benchmarks/flame-fan-out-8x20k
+	benchmarks/flamegraph.sh target/release/kvgate 64 benchmarks/flame-fan-out-64x20k
 
 # Every benchmark of BENCHMARKS.md in one command.
 benchmarks: bench load

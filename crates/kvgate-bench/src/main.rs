@@ -321,6 +321,7 @@ impl Measured {
             kvgate: KvgateCost {
                 cpu_s: kvgate_cpu,
                 cpu_percent_of_one_core: 100.0 * kvgate_cpu / window_s,
+                cpu_us_per_batch_delivered: 1e6 * kvgate_cpu / (batches as f64).max(1.0),
                 idle_rss_mb: self.idle.rss_mb,
                 peak_rss_mb: self.peak.peak_rss_mb,
             },
@@ -386,4 +387,47 @@ async fn drain(delivery: &Delivery, before: &[u64], published: u64) -> u64 {
         }
     }
     lacking(&last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reading(at: Instant, kvgate_cpu: f64) -> Reading {
+        Reading {
+            at,
+            published: 0,
+            kvgate_cpu,
+            publisher_cpu: 0.0,
+            subscribers_cpu: 0.0,
+            tool_cpu: 0.0,
+            system: procfs::SystemCpu::default(),
+        }
+    }
+
+    #[test]
+    fn cpu_per_batch_delivered_divides_kvgate_cpu_by_the_batches_of_every_subscriber() {
+        let start = Instant::now();
+        let memory = procfs::Memory {
+            rss_mb: 10.0,
+            peak_rss_mb: 20.0,
+        };
+        let window = |batches| Window {
+            batches,
+            ..Window::default()
+        };
+        let measured = Measured {
+            subscribers: 2,
+            start: reading(start, 1.0),
+            end: reading(start + Duration::from_secs(10), 1.5),
+            idle: memory,
+            peak: memory,
+            missing_events: 0,
+            ended_early: vec![false, false],
+            windows: vec![window(10_000), window(15_000)],
+        };
+        // 0.5 s of kvgate CPU over 25,000 deliveries.
+        let report = measured.report();
+        assert!((report.kvgate.cpu_us_per_batch_delivered - 20.0).abs() < 1e-9);
+    }
 }

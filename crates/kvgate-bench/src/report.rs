@@ -81,6 +81,9 @@ pub struct Latency {
 pub struct KvgateCost {
     pub cpu_s: f64,
     pub cpu_percent_of_one_core: f64,
+    /// kvgate's CPU time over the window divided by the batches delivered,
+    /// summed over subscribers: what one delivery costs, ingest included.
+    pub cpu_us_per_batch_delivered: f64,
     pub idle_rss_mb: f64,
     pub peak_rss_mb: f64,
 }
@@ -142,7 +145,7 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "{:>5} {:>12} {:>22} {:>24} {:>22} {:>18} {:>22} {:>13} {:>8}",
+            "{:>5} {:>12} {:>22} {:>24} {:>32} {:>18} {:>22} {:>13} {:>8}",
             "",
             "published",
             "delivered/s per sub",
@@ -155,7 +158,7 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "{:>5} {:>12} {:>11} {:>10} {:>7} {:>7} {:>8} {:>8} {:>13} {:>8} {:>8} {:>21} {:>13} {:>8}",
+            "{:>5} {:>12} {:>11} {:>10} {:>7} {:>7} {:>8} {:>8} {:>13} {:>9} {:>8} {:>8} {:>21} {:>13} {:>8}",
             "subs",
             "events/s",
             "mean",
@@ -165,6 +168,7 @@ impl Report {
             "max",
             "s",
             "% of a core",
+            "µs/batch",
             "idle",
             "peak",
             "subscribers publisher",
@@ -174,7 +178,7 @@ impl Report {
         for run in &self.runs {
             let _ = writeln!(
                 out,
-                "{:>5} {:>12.0} {:>11.0} {:>10.0} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>13.0} {:>8.1} {:>8.1} {:>11.2} {:>9.2} {:>5.0} {:>7.0} {:>8}",
+                "{:>5} {:>12.0} {:>11.0} {:>10.0} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>13.0} {:>9.1} {:>8.1} {:>8.1} {:>11.2} {:>9.2} {:>5.0} {:>7.0} {:>8}",
                 run.subscribers,
                 run.published_events_per_s,
                 run.delivered_events_per_s_mean,
@@ -184,6 +188,7 @@ impl Report {
                 run.latency_ms.max,
                 run.kvgate.cpu_s,
                 run.kvgate.cpu_percent_of_one_core,
+                run.kvgate.cpu_us_per_batch_delivered,
                 run.kvgate.idle_rss_mb,
                 run.kvgate.peak_rss_mb,
                 run.tool.subscribers_cpu_s,
@@ -367,6 +372,7 @@ pub(super) mod tests {
             kvgate: KvgateCost {
                 cpu_s: 2.0,
                 cpu_percent_of_one_core: 20.0,
+                cpu_us_per_batch_delivered: 20.0,
                 idle_rss_mb: 9.5,
                 peak_rss_mb: 40.0,
             },

@@ -1,0 +1,31 @@
+#!/bin/sh
+# A flame graph of the kvgate process (not the load tool) while
+# `kvgate bench` feeds it SUBSCRIBERS subscribers at 20k events/s: perf
+# samples kvgate's threads for 5 s in the middle of the measured window.
+# Needs perf and inferno (`cargo install inferno`); writes OUT.svg.
+#
+#   benchmarks/flamegraph.sh target/release/kvgate 8 benchmarks/fan-out-8x20k
+set -eu
+kvgate=$(realpath "$1")
+subscribers=$2
+out=$3
+work=$(mktemp -d)
+"$kvgate" bench --subscribers "$subscribers" --rate 20000 --warmup 3 --duration 8 \
+    > "$work/bench.txt" 2>&1 &
+bench=$!
+pid=
+for _ in $(seq 100); do
+    pid=$(pgrep -f -n "^$kvgate serve" || true)
+    [ -n "$pid" ] && break
+    sleep 0.1
+done
+[ -n "$pid" ] || { echo "kvgate did not start" >&2; exit 1; }
+sleep 4
+perf record -F 499 -g --call-graph dwarf,16384 -p "$pid" -o "$work/perf.data" -- sleep 5 \
+    > /dev/null 2>&1
+wait "$bench"
+grep -A2 '^ subs' "$work/bench.txt"
+perf script -i "$work/perf.data" 2> /dev/null | inferno-collapse-perf > "$work/folded"
+inferno-flamegraph --minwidth 0.2 \
+    --title "kvgate, $subscribers subscribers x 20k events/s" < "$work/folded" > "$out.svg"
+rm -rf "$work"
