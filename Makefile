@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint fuzz bench load benchmarks image fan-out flamegraphs
+.PHONY: run test lint fuzz bench load fan-out flamegraphs benchmarks image fan-out flamegraphs
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
@@ -37,8 +37,8 @@ load:
 # Issue 13's figures: CPU per batch delivered at 1, 8 and 64 subscribers
 # (20k events/s), ingest, snapshot encode and memory (BENCHMARKS.md).
 fan-out:
-	cargo build --release --locked
-	target/release/kvgate bench --subscribers 1,8,64 --rate 20000 \
+	cargo build --release --locked --bin kvgate --bin kvgate-bench
+	target/release/kvgate-bench --subscribers 1,8,64 --rate 20000 \
 		--json benchmarks/fan-out.json
 	cargo bench --locked --bench pipeline -- 'ingest/|state/|snapshot-1M|convert/steady|fan-out'
 	cargo bench --locked --bench memory
@@ -46,9 +46,9 @@ fan-out:
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:
-	cargo build --release --locked
-	benchmarks/flamegraph.sh target/release/kvgate 8 benchmarks/flame-fan-out-8x20k
-	benchmarks/flamegraph.sh target/release/kvgate 64 benchmarks/flame-fan-out-64x20k
+	cargo build --release --locked --bin kvgate --bin kvgate-bench
+	benchmarks/flamegraph.sh target/release/kvgate-bench 8 benchmarks/flame-fan-out-8x20k
+	benchmarks/flamegraph.sh target/release/kvgate-bench 64 benchmarks/flame-fan-out-64x20k
 
 # Every benchmark of BENCHMARKS.md in one command.
 benchmarks: bench load

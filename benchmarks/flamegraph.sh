@@ -1,16 +1,19 @@
 #!/bin/sh
 # A flame graph of the kvgate process (not the load tool) while
-# `kvgate bench` feeds it SUBSCRIBERS subscribers at 20k events/s: perf
+# `kvgate-bench` feeds it SUBSCRIBERS subscribers at 20k events/s: perf
 # samples kvgate's threads for 5 s in the middle of the measured window.
 # Needs perf and inferno (`cargo install inferno`); writes OUT.svg.
 #
-#   benchmarks/flamegraph.sh target/release/kvgate 8 benchmarks/fan-out-8x20k
+#   benchmarks/flamegraph.sh target/release/kvgate-bench 8 benchmarks/fan-out-8x20k
+#
+# The kvgate measured is the one beside the load tool.
 set -eu
-kvgate=$(realpath "$1")
+bench_tool=$(realpath "$1")
+kvgate=$(dirname "$bench_tool")/kvgate
 subscribers=$2
 out=$3
 work=$(mktemp -d)
-"$kvgate" bench --subscribers "$subscribers" --rate 20000 --warmup 3 --duration 8 \
+"$bench_tool" --subscribers "$subscribers" --rate 20000 --warmup 3 --duration 8 \
     > "$work/bench.txt" 2>&1 &
 bench=$!
 pid=
