@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint fuzz bench load fan-out flamegraphs benchmarks image fan-out flamegraphs
+.PHONY: run test lint fuzz bench load fan-out flamegraphs benchmarks image
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed).
 run:
