@@ -96,7 +96,7 @@ fn history_bytes_per_entry() -> f64 {
     );
     for sequence in 1..=entries as u64 {
         // Each entry holds its own bytes, as encoded batches do.
-        writer.publish(0, sequence, 1, Bytes::copy_from_slice(&encoded));
+        writer.publish(0, sequence, Bytes::copy_from_slice(&encoded));
     }
     let after = LIVE_BYTES.load(Ordering::Relaxed);
     drop(reader);

@@ -2,6 +2,7 @@
 //! method are in BENCHMARKS.md; run with `make bench`.
 
 use std::hint::black_box;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
@@ -12,7 +13,7 @@ use kvgate::hub::{HistoryLimits, hub};
 use kvgate::metrics::Metrics;
 use kvgate::source::{EngineMessage, SourceEvent};
 use kvgate::state::LiveState;
-use kvgate::state::snapshot::encode_snapshot;
+use kvgate::state::snapshot::SnapshotEncoder;
 use kvgate_sim::{SimEvent, SteadyState, WorkloadShape};
 
 const LIMITS: BatchLimits = BatchLimits {
@@ -181,8 +182,8 @@ fn snapshot(c: &mut Criterion) {
     group.bench_function("cut", |b| b.iter(|| black_box(drain.cut())));
     group.throughput(Throughput::Elements(1 << 20));
     group.bench_function("encode", |b| {
-        let cut = drain.cut();
-        b.iter(|| black_box(encode_snapshot(&cut, 1.0)));
+        let cut = Arc::new(drain.cut());
+        b.iter(|| black_box(SnapshotEncoder::plan(Arc::clone(&cut), 1.0).collect::<Vec<_>>()));
     });
     group.finish();
 }
@@ -198,7 +199,7 @@ fn fan_out(c: &mut Criterion) {
             let receivers: Vec<_> = (0..subscribers).map(|_| reader.subscribe_live()).collect();
             let mut sequence = 1;
             b.iter(|| {
-                writer.publish(0, sequence, 64, encoded.clone());
+                writer.publish(0, sequence, encoded.clone());
                 sequence += 1;
             });
             drop(receivers);
@@ -215,7 +216,7 @@ fn fan_out(c: &mut Criterion) {
         let mut subscription = kvgate::hub::subscription::Subscription::after_cut(&reader, live, 0);
         let mut sequence = 1;
         b.iter(|| {
-            writer.publish(0, sequence, 64, encoded.clone());
+            writer.publish(0, sequence, encoded.clone());
             sequence += 1;
             let step = runtime.block_on(subscription.next());
             black_box(step);

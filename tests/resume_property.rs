@@ -55,7 +55,7 @@ use kvgate::metrics::Metrics;
 use kvgate::proto::common::{KvCacheCleared, KvEventBatch, kv_cache_event::Data};
 use kvgate::source::{EngineMessage, SourceEvent};
 use kvgate::state::MAX_COPIES;
-use kvgate::state::snapshot::encode_snapshot;
+use kvgate::state::snapshot::SnapshotEncoder;
 use kvgate_sim::{SimConfig, SimEngine, SimEvent, encode_batch};
 
 /// Far above 1024, so neither `seq <= 1` nor `seq + 1024 <= last` can make
@@ -304,14 +304,12 @@ impl Gateway {
         }
         let live = self.hub.subscribe_live();
         let cut = self.drain.cut();
-        let stream = Subscription::after_cut(&self.hub, live, cut.position);
+        let position = cut.position;
+        let stream = Subscription::after_cut(&self.hub, live, position);
         Connection {
-            chunks: encode_snapshot(&cut, 1.0)
-                .into_iter()
-                .map(|chunk| chunk.encoded)
-                .collect(),
+            chunks: SnapshotEncoder::plan(std::sync::Arc::new(cut), 1.0).collect(),
             stream,
-            last_position: Some(cut.position),
+            last_position: Some(position),
             last_sample: 0,
         }
     }

@@ -348,7 +348,7 @@ impl Drain {
         self.metrics.batches_out.inc();
         self.metrics.events_out.inc_by(u64::from(event_count));
         self.metrics.bytes_out.inc_by(encoded.len() as u64);
-        self.hub.publish(rank, sequence, event_count, encoded);
+        self.hub.publish(rank, sequence, encoded);
     }
 }
 
@@ -364,9 +364,10 @@ async fn load_wake(records: &mut Option<LoadRecords>) {
 mod tests {
     use super::*;
     use crate::hub::{HistoryLimits, hub};
-    use crate::proto::common::{KvBlocksStored, kv_cache_event::Data};
+    use crate::proto::common::{KvBlocksStored, KvEventBatch, kv_cache_event::Data};
     use crate::state::tier::Tier;
     use batcher::tests::block;
+    use prost::Message;
 
     #[test]
     fn a_block_too_large_for_the_router_is_counted_and_kept_out_of_the_state() {
@@ -416,7 +417,12 @@ mod tests {
         let (oldest, newest) = reader.history().span();
         let sent: usize = (oldest..=newest)
             .filter_map(|position| reader.history().get(position))
-            .map(|batch| batch.event_count as usize)
+            .map(|batch| {
+                KvEventBatch::decode(batch.encoded.clone())
+                    .unwrap()
+                    .events
+                    .len()
+            })
             .sum();
         assert_eq!(sent, 2, "the blocks around it were sent");
     }

@@ -307,7 +307,6 @@ mod tests {
             position,
             rank,
             sequence,
-            event_count: 1,
             encoded: Bytes::from(vec![0u8; size]),
         })
     }

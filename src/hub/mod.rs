@@ -135,13 +135,12 @@ impl HubWriter {
     }
 
     /// Publishes an encoded batch to the history and every subscriber.
-    pub fn publish(&mut self, rank: u32, sequence: u64, event_count: u32, encoded: bytes::Bytes) {
+    pub fn publish(&mut self, rank: u32, sequence: u64, encoded: bytes::Bytes) {
         let position = self.next_position;
         let batch = Arc::new(Batch {
             position,
             rank,
             sequence,
-            event_count,
             encoded,
         });
         self.next_position += 1;

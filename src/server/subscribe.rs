@@ -109,7 +109,7 @@ impl SubscribeService {
         let cut = Arc::new(cut);
         let timestamp = unix_now();
         let chunks = lazily_encoded(
-            move || SnapshotEncoder::plan(cut, timestamp).map(|chunk| chunk.encoded),
+            move || SnapshotEncoder::plan(cut, timestamp),
             self.encode_slots,
         );
         Ok(Response::new(

@@ -58,22 +58,6 @@ pub struct SnapshotCut {
     pub unknown_before: u64,
 }
 
-/// One encoded chunk.
-#[derive(Debug)]
-pub struct SnapshotChunk {
-    /// The rank the chunk belongs to.
-    pub rank: u32,
-    /// The chunk's sequence number in its rank.
-    pub sequence: u64,
-    /// The encoded `KvEventBatch`.
-    pub encoded: Bytes,
-}
-
-/// Encodes the whole snapshot at once; empty when no rank is known.
-pub fn encode_snapshot(cut: &SnapshotCut, timestamp: f64) -> Vec<SnapshotChunk> {
-    SnapshotEncoder::plan(Arc::new(cut.clone()), timestamp).collect()
-}
-
 /// A snapshot's chunks, each encoded when asked for.
 pub struct SnapshotEncoder {
     chunks: RawChunks,
@@ -118,10 +102,11 @@ impl SnapshotEncoder {
 }
 
 impl Iterator for SnapshotEncoder {
-    type Item = SnapshotChunk;
+    /// One encoded `KvEventBatch`.
+    type Item = Bytes;
 
     /// Encodes the next chunk. Blocking work.
-    fn next(&mut self) -> Option<SnapshotChunk> {
+    fn next(&mut self) -> Option<Bytes> {
         let (rank, chunk) = self.chunks.next()?;
         let offset = match self.current {
             Some((current, offset)) if current == rank => offset + 1,
@@ -138,11 +123,7 @@ impl Iterator for SnapshotEncoder {
             unknown_before: cut.unknown_before,
         };
         self.index += 1;
-        Some(SnapshotChunk {
-            rank,
-            sequence,
-            encoded: chunk.encode(rank, sequence, Some(&header)),
-        })
+        Some(chunk.encode(rank, sequence, Some(&header)))
     }
 }
 
@@ -553,13 +534,12 @@ mod tests {
             position: 1,
             unknown_before: 0,
         };
-        decode(&encode_snapshot(&cut, 1.0))
+        decode(&cut)
     }
 
-    fn decode(chunks: &[SnapshotChunk]) -> Vec<KvEventBatch> {
-        chunks
-            .iter()
-            .map(|chunk| KvEventBatch::decode(chunk.encoded.clone()).unwrap())
+    fn decode(cut: &SnapshotCut) -> Vec<KvEventBatch> {
+        SnapshotEncoder::plan(Arc::new(cut.clone()), 1.0)
+            .map(|chunk| KvEventBatch::decode(chunk).unwrap())
             .collect()
     }
 
@@ -588,7 +568,7 @@ mod tests {
             position: 7,
             unknown_before: 0,
         };
-        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let batches = decode(&cut);
         assert_eq!(batches.len(), 1);
         let batch = &batches[0];
         assert_eq!(batch.sequence_number, 500);
@@ -620,7 +600,7 @@ mod tests {
             position: 9,
             unknown_before: 3,
         };
-        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let batches = decode(&cut);
         assert_eq!(batches.len(), 4);
         let rank0: Vec<_> = batches.iter().filter(|b| b.dp_rank == Some(0)).collect();
         assert_eq!(
@@ -708,7 +688,7 @@ mod tests {
             position: 1,
             unknown_before: 0,
         };
-        let batches = decode(&encode_snapshot(&cut, 1.0));
+        let batches = decode(&cut);
         assert_eq!(batches.len(), 2);
         assert_eq!(batches[0].sequence_number, 20);
         assert_eq!(batches[0].events.len(), 1);

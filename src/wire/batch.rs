@@ -23,8 +23,6 @@ pub struct Batch {
     pub rank: u32,
     /// The rank's own sequence number as the router sees it.
     pub sequence: u64,
-    /// Events it holds.
-    pub event_count: u32,
     /// The protobuf bytes, sent verbatim to every subscriber.
     pub encoded: Bytes,
 }
