@@ -27,7 +27,7 @@ bench:
 # JSON and charts in benchmarks/. The load tool is its own binary
 # (crates/kvgate-bench), never part of the sidecar.
 load:
-	cargo build --release --locked --bin kvgate --bin kvgate-bench
+	cargo build --release --locked --workspace --bins
 	mkdir -p benchmarks
 	target/release/kvgate-bench --subscribers 1,8,32,64 --rate 20000 \
 		--json benchmarks/load.json --svg benchmarks/load.svg
@@ -37,7 +37,7 @@ load:
 # Issue 13's figures: CPU per batch delivered at 1, 8 and 64 subscribers
 # (20k events/s), ingest, snapshot encode and memory (BENCHMARKS.md).
 fan-out:
-	cargo build --release --locked --bin kvgate --bin kvgate-bench
+	cargo build --release --locked --workspace --bins
 	target/release/kvgate-bench --subscribers 1,8,64 --rate 20000 \
 		--json benchmarks/fan-out.json
 	cargo bench --locked --bench pipeline -- 'ingest/|state/|snapshot-1M|convert/steady|fan-out'
@@ -46,7 +46,7 @@ fan-out:
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:
-	cargo build --release --locked --bin kvgate --bin kvgate-bench
+	cargo build --release --locked --workspace --bins
 	benchmarks/flamegraph.sh target/release/kvgate-bench 8 benchmarks/flame-fan-out-8x20k
 	benchmarks/flamegraph.sh target/release/kvgate-bench 64 benchmarks/flame-fan-out-64x20k
 
