@@ -2,11 +2,16 @@
 //! kvgate: one drain of an engine's KV-cache events, re-served to many routers.
 //!
 //! Data flows left to right through the modules:
-//! `source` (engine sockets) → `convert` (msgpack → proto) → `drain`
-//! (numbering, batching, encoding once) → `hub` (broadcast, history, state)
-//! → `server` (gRPC services). `load` polls the engine's `GetLoads` once
-//! for every router and hands the drain the records it stamps on batches. `sim` is a simulated engine for the demo,
-//! the tests and the load tool.
+//! [`source`] (engine sockets) → [`convert`] (msgpack → proto) → [`drain`]
+//! (numbering, batching, encoding once with [`wire`]) → [`hub`] (history,
+//! live broadcast, subscriptions) and [`state`] (live blocks, snapshots) →
+//! [`server`] (gRPC services). [`load`] polls the engine's `GetLoads` once for
+//! every router and hands the drain the records it stamps on batches.
+//! [`app`] wires them into a [`app::Gateway`]; [`metrics`], [`client`],
+//! [`clock`] and [`proto`] are the foundation every stage may use.
+//! `docs/architecture.md` has the picture, the task tree and the import
+//! rules. The simulated engine and the load tool are crates of their own
+//! (`crates/kvgate-sim`, `crates/kvgate-bench`).
 
 pub mod app;
 pub mod cli;
