@@ -1,5 +1,5 @@
 //! `kvgate serve` as a [`Gateway`] handle: `start` binds every port and
-//! spawns every long-lived task under one [`Supervisor`], `run` waits for a
+//! spawns every long-lived task under one `Supervisor`, `run` waits for a
 //! shutdown request or a task failure, `shutdown` stops the tasks.
 //!
 //! Invariants: shutdown follows the flow. Stopping the source drops the
@@ -162,7 +162,7 @@ impl Gateway {
         self.shutdown().await
     }
 
-    /// Stops every task, giving streams [`SHUTDOWN_GRACE`] to end; returns
+    /// Stops every task, giving streams `SHUTDOWN_GRACE` to end; returns
     /// the task failure that brought the gateway down, if one did.
     pub async fn shutdown(self) -> Result<(), Arc<TaskFailure>> {
         self.supervisor.stop();

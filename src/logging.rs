@@ -24,7 +24,7 @@ const DEFAULT_FILTER: &str = "info,zeromq=error";
 
 static FORMAT: OnceLock<LogFormat> = OnceLock::new();
 
-/// Installs the global subscriber; `RUST_LOG` overrides [`DEFAULT_FILTER`].
+/// Installs the global subscriber; `RUST_LOG` overrides `DEFAULT_FILTER`.
 /// Colours only when stderr is a terminal.
 pub fn init(format: LogFormat) {
     let _ = FORMAT.set(format);

@@ -20,6 +20,6 @@ pub enum Live {
         position: u64,
     },
     /// A load record between two batches: tiny, never in the history (see
-    /// [`super::load_only`]).
+    /// `hub::load_only`).
     LoadOnly(Arc<LoadOnly>),
 }
