@@ -337,7 +337,6 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     })
 }
 
-/// A wildcard listen address is reached on loopback.
 /// The bounds of every gRPC connection, as the flags set them.
 fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
     ConnectionLimits {
@@ -352,6 +351,7 @@ fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
     }
 }
 
+/// A wildcard listen address is reached on loopback.
 fn display_address(address: std::net::SocketAddr) -> String {
     if address.ip().is_unspecified() {
         format!("localhost:{}", address.port())

@@ -217,27 +217,6 @@ impl Target {
     }
 }
 
-/// Connects to `address` (`host:port` or `http://host:port`) in plaintext,
-/// without a token; errors call the address `described_as`.
-pub async fn connect_plaintext(
-    described_as: &'static str,
-    address: &str,
-) -> anyhow::Result<Authorized> {
-    if address.starts_with("https://") {
-        anyhow::bail!("{described_as} {address}: only plaintext (http://) is supported here");
-    }
-    // No TLS file can be given, so no TLS flag is ever named.
-    let flags = TlsFlags {
-        uri: described_as,
-        ca: "",
-        cert: "",
-        key: "",
-    };
-    Target::new(address, &TlsPaths::default(), flags, None)?
-        .connect()
-        .await
-}
-
 /// A channel that puts the bearer token, if any, on every call.
 #[derive(Clone)]
 pub struct Authorized {

@@ -117,7 +117,9 @@ async fn an_expired_cursor_is_refused_with_out_of_range_and_a_fresh_join_rebuild
         .expect_err("the cursor left the history");
     assert_eq!(refused.code(), tonic::Code::OutOfRange);
     assert!(
-        refused.message().contains("history, which resumes from"),
+        refused
+            .message()
+            .contains("the oldest cursor it can resume is"),
         "the refusal names the oldest cursor that works: {}",
         refused.message()
     );

@@ -316,7 +316,7 @@ impl Gateway {
 
     fn assert_refusal_justified(&self, cursor: u64, refusal: CursorError) {
         assert!(
-            matches!(refusal, CursorError::Behind { oldest } if oldest > cursor),
+            matches!(refusal, CursorError::Behind { oldest } if oldest.is_none_or(|oldest| oldest > cursor)),
             "cursor {cursor} came from kvgate, yet it was refused as {refusal:?}"
         );
         if let Some(&position) = self.rank0_positions.get(&cursor) {
@@ -667,7 +667,7 @@ fn a_cursor_older_than_the_history_or_newer_than_anything_sent_is_refused() {
     // Held: FIRST_SEQUENCE + 3 ..= + 5; + 2 was evicted last, so a cursor
     // naming it resumes with everything after it.
     let behind = CursorError::Behind {
-        oldest: FIRST_SEQUENCE + 2,
+        oldest: Some(FIRST_SEQUENCE + 2),
     };
     for (cursor, expected) in [
         (
@@ -724,7 +724,9 @@ fn a_cursor_whose_own_batch_was_just_evicted_is_resumed_while_everything_after_i
     gateway.publish_cycle(0, &[store(&[4], None)]);
     assert_eq!(
         Subscription::resume(&gateway.hub, cursor).err(),
-        Some(CursorError::Behind { oldest: cursor + 1 }),
+        Some(CursorError::Behind {
+            oldest: Some(cursor + 1)
+        }),
         "rank 1's batch after the cursor is gone too; rank 0's next batch is the oldest cursor"
     );
 }

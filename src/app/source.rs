@@ -16,7 +16,7 @@ use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::source::SourceEvent;
 use crate::source::upstream::{self, UpstreamConfig};
-use crate::source::zmq::ZmqSourceConfig;
+use crate::source::zmq::{StartError, ZmqSourceConfig};
 use crate::supervisor::{Supervisor, TaskName};
 use crate::usage::UsageError;
 
@@ -29,14 +29,19 @@ const UPSTREAM_FLAGS: TlsFlags = TlsFlags {
 
 /// Where events come from, as configured.
 pub(super) enum SourceConfig {
+    /// The engine's publishers, as the `--zmq-*` flags name them.
     Zmq(ZmqSourceConfig),
+    /// The simulated engine started here (`--demo`).
+    Demo(ZmqSourceConfig),
     Upstream(UpstreamConfig),
 }
 
 impl std::fmt::Display for SourceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Zmq(config) => write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size),
+            Self::Zmq(config) | Self::Demo(config) => {
+                write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size)
+            }
             Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
         }
     }
@@ -47,16 +52,14 @@ impl std::fmt::Display for SourceConfig {
 pub(super) async fn choose_source(
     args: &ServeArgs,
 ) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
-    let zmq = |endpoint, replay_endpoint| {
-        SourceConfig::Zmq(ZmqSourceConfig {
-            endpoint,
-            replay_endpoint,
-            replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
-            dp_size: args.dp_size,
-            topic: args.zmq_topic.clone(),
-            bind: args.zmq_bind,
-            max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
-        })
+    let zmq = |endpoint, replay_endpoint| ZmqSourceConfig {
+        endpoint,
+        replay_endpoint,
+        replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+        dp_size: args.dp_size,
+        topic: args.zmq_topic.clone(),
+        bind: args.zmq_bind,
+        max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
     };
     if args.demo {
         // With a replay endpoint, like a well-configured engine: kvgate
@@ -70,7 +73,7 @@ pub(super) async fn choose_source(
             .first()
             .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok())
             .map(RankEndpoints::Offset);
-        return Ok((zmq(endpoint, replay), Some(demo)));
+        return Ok((SourceConfig::Demo(zmq(endpoint, replay)), Some(demo)));
     }
     if let Some(uri) = &args.upstream_grpc {
         let tls = TlsPaths {
@@ -110,7 +113,7 @@ pub(super) async fn choose_source(
         };
         check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
     }
-    Ok((zmq(endpoint, replay), None))
+    Ok((SourceConfig::Zmq(zmq(endpoint, replay)), None))
 }
 
 /// Checks that every rank's publisher (and replay) port exists, and that
@@ -143,6 +146,25 @@ fn check_rank_ports(
     Ok(())
 }
 
+/// The flags behind a ZMQ start failure, as the user set them.
+fn flags_of(config: &ZmqSourceConfig, error: &StartError) -> String {
+    let dp_size = config.dp_size;
+    match error {
+        StartError::PublisherEndpoint { .. } => {
+            format!(
+                "--zmq-endpoint {} with --dp-size {dp_size}",
+                config.endpoint
+            )
+        }
+        StartError::ReplayEndpoint { .. } => match &config.replay_endpoint {
+            Some(replay) => format!("--zmq-replay-endpoint {replay} with --dp-size {dp_size}"),
+            None => "--zmq-replay-endpoint".to_owned(),
+        },
+        StartError::Subscribe(_) => format!("--zmq-topic {:?}", config.topic),
+        StartError::Bind { .. } => format!("--zmq-endpoint {} --zmq-bind", config.endpoint),
+    }
+}
+
 /// Starts the configured source's tasks.
 pub(super) async fn start_source(
     config: SourceConfig,
@@ -154,15 +176,21 @@ pub(super) async fn start_source(
     match config {
         SourceConfig::Zmq(config) => {
             metrics.prepare_ranks(config.dp_size);
-            let flags = if config.bind {
-                format!("--zmq-endpoint {} --zmq-bind", config.endpoint)
-            } else {
-                format!("--zmq-endpoint {}", config.endpoint)
-            };
+            let flags = config.clone();
             config
                 .start(events, metrics, ready, supervisor)
                 .await
-                .with_context(|| flags)
+                .map_err(|error| {
+                    let context = flags_of(&flags, &error);
+                    anyhow::Error::new(error).context(context)
+                })
+        }
+        SourceConfig::Demo(config) => {
+            metrics.prepare_ranks(config.dp_size);
+            config
+                .start(events, metrics, ready, supervisor)
+                .await
+                .context("the demo engine")
         }
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();

@@ -212,3 +212,20 @@ async fn healthz(health: HealthWatch) -> (http::StatusCode, String) {
         .unwrap();
     (code, String::from_utf8(body.to_vec()).unwrap())
 }
+
+#[tokio::test]
+async fn a_zmq_address_kvgate_cannot_bind_fails_the_start_naming_the_flags_and_the_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", taken.local_addr().unwrap().port());
+    let refused = Gateway::start(serve_args(&["--zmq-endpoint", &endpoint, "--zmq-bind"]))
+        .await
+        .err()
+        .expect("the port is taken");
+    let message = format!("{refused:#}");
+    assert!(
+        message.starts_with(&format!(
+            "--zmq-endpoint {endpoint} --zmq-bind: cannot bind"
+        )),
+        "{message}"
+    );
+}

@@ -38,8 +38,12 @@ use crate::state::snapshot::SnapshotCut;
 use crate::wire::OpenBatch;
 use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use batcher::{BatchLimits, Batcher, Output};
+pub use rank_counters::DROPPED_EVENTS;
 use rank_counters::RankCounters;
-pub use rank_counters::{DROPPED_EVENTS, OVERSIZED_EVENT};
+
+/// The `events_dropped` reason of an event (or piece of one: a single block)
+/// larger than any message the router accepts.
+pub const OVERSIZED_EVENT: &str = "oversized_event";
 use sequence::Sequencer;
 
 /// Upper bound on engine messages folded into one drain cycle, so a flood

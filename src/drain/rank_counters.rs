@@ -11,10 +11,6 @@ use crate::metrics::Metrics;
 /// The `engine_events` type of events a normalization rule dropped.
 pub const DROPPED_EVENTS: &str = "dropped";
 
-/// The `events_dropped` reason of an event (or piece of one: a single block)
-/// larger than any message the router accepts.
-pub const OVERSIZED_EVENT: &str = "oversized_event";
-
 #[derive(Clone, Debug)]
 pub(super) struct RankCounters {
     /// Forwarded events, in `EventKind::ALL` order.

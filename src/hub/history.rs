@@ -166,15 +166,26 @@ impl History {
     }
 
     /// The oldest rank-0 cursor a subscriber can resume from now: the batch
-    /// evicted last if it was rank 0's, else the oldest rank-0 batch held.
+    /// evicted last if it was rank 0's, else the oldest rank-0 batch held;
+    /// none when rank 0 has no batch left in the history.
     pub fn rank0_oldest_resumable(&self) -> Option<u64> {
-        if let Some(&(_, sequence)) = self.rank0_evicted.load().as_deref() {
-            return Some(sequence);
-        }
-        match self.rank0_evicted_through.load(Ordering::Acquire) {
-            0 => self.rank0_first_sequence(),
-            evicted => Some(evicted + 1),
-        }
+        // `rank0_evicted_through` is stored during eviction and
+        // `rank0_evicted` after it: read in the other order, a stale
+        // `rank0_evicted` shows as older than `through` and is ignored.
+        let through = self.rank0_evicted_through.load(Ordering::Acquire);
+        let newest = self.rank0_newest_sequence()?;
+        let just_evicted = self
+            .rank0_evicted
+            .load()
+            .as_deref()
+            .map(|&(_, sequence)| sequence)
+            .filter(|&sequence| sequence >= through && through != 0);
+        let oldest = match (just_evicted, through) {
+            (Some(sequence), _) => sequence,
+            (None, 0) => self.rank0_first_sequence()?,
+            (None, through) => through + 1,
+        };
+        (oldest <= newest).then_some(oldest)
     }
 
     /// Where rank 0's batch `sequence` stands, if it is still held.
@@ -341,6 +352,34 @@ mod tests {
         writer.push(batch(4, 0, 4, 1000));
         assert_eq!(history.span(), (4, 4));
         assert_eq!(writer.bytes(), 1000 + BATCH_OVERHEAD);
+    }
+
+    #[test]
+    fn the_oldest_resumable_rank0_cursor_follows_eviction_and_is_none_once_rank0_has_nothing_held()
+    {
+        let mut writer = HistoryWriter::new(HistoryLimits {
+            batches: 2,
+            bytes: usize::MAX,
+        });
+        let history = writer.reader();
+        assert_eq!(history.rank0_oldest_resumable(), None, "nothing sent");
+        writer.push(batch(1, 0, 50, 1));
+        writer.push(batch(2, 0, 51, 1));
+        assert_eq!(history.rank0_oldest_resumable(), Some(50), "all held");
+        writer.push(batch(3, 1, 80, 1));
+        assert_eq!(
+            history.rank0_oldest_resumable(),
+            Some(50),
+            "50 was evicted last: everything after it is held"
+        );
+        writer.push(batch(4, 1, 81, 1));
+        assert_eq!(history.rank0_oldest_resumable(), Some(51));
+        writer.push(batch(5, 1, 82, 1));
+        assert_eq!(
+            history.rank0_oldest_resumable(),
+            None,
+            "rank 0's batches are gone and a rank-1 batch was evicted last"
+        );
     }
 
     #[test]

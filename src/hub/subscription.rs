@@ -26,8 +26,9 @@ use super::{Batch, History, HubReader, Live, LoadOnly};
 pub enum CursorError {
     /// Some rank-0 batch after it has left the history.
     Behind {
-        /// The oldest cursor that can be resumed now.
-        oldest: u64,
+        /// The oldest cursor that can be resumed now; none while rank 0
+        /// has no batch left in the history.
+        oldest: Option<u64>,
     },
     /// Newer than anything rank 0 was sent.
     Ahead {
@@ -49,8 +50,13 @@ impl CursorError {
     /// would work.
     pub fn describe(self, cursor: u64) -> String {
         match self {
-            Self::Behind { oldest } => format!(
-                "start_sequence_number {cursor} is older than kvgate's history, which resumes from {oldest} onwards; resubscribe with 0 for a snapshot"
+            Self::Behind {
+                oldest: Some(oldest),
+            } => format!(
+                "start_sequence_number {cursor} is older than kvgate's history: the oldest cursor it can resume is {oldest}; resubscribe with 0 for a snapshot"
+            ),
+            Self::Behind { oldest: None } => format!(
+                "start_sequence_number {cursor} is older than kvgate's history, which holds no batch of rank 0 to resume from; resubscribe with 0 for a snapshot"
             ),
             Self::Ahead { newest } => format!(
                 "start_sequence_number {cursor} is newer than anything kvgate sent (rank 0's newest is {newest}); resubscribe with 0 for a snapshot"
@@ -194,7 +200,11 @@ fn locate(history: &History, cursor: u64) -> Result<u64, CursorError> {
     } else if cursor < first {
         Err(CursorError::OtherIncarnation { first })
     } else {
-        let oldest = history.rank0_oldest_resumable().unwrap_or(first);
+        // Evicted since the lookup above, the cursor can be its own
+        // "oldest": that names nothing that works.
+        let oldest = history
+            .rank0_oldest_resumable()
+            .filter(|&oldest| oldest > cursor);
         Err(CursorError::Behind { oldest })
     }
 }

@@ -100,6 +100,15 @@ pub struct Metrics {
     labels: Arc<ClosedLabels>,
 }
 
+/// A value counted at run time must be one the app exported at 0 from the
+/// start (metrics built without label sets, in tests, take any).
+fn debug_assert_closed(set: &[&'static str], value: &'static str) {
+    debug_assert!(
+        set.is_empty() || set.contains(&value),
+        "{value:?} is missing from its closed label set in app/metric_labels.rs"
+    );
+}
+
 /// Creates a metric and registers it under `kvgate_<name>`.
 struct Registrar(Registry);
 
@@ -297,6 +306,7 @@ impl Metrics {
     /// `count` events dropped for `reason` (a normalization rule, or an
     /// event too large for the router).
     pub fn count_dropped_events(&self, reason: &'static str, count: u64) {
+        debug_assert_closed(&self.labels.events_dropped, reason);
         self.events_dropped
             .get_or_create(&ReasonLabel { reason })
             .inc_by(count);
@@ -304,6 +314,8 @@ impl Metrics {
 
     /// A ZMQ peer dropped on `socket` for `reason`.
     pub fn count_dropped_peer(&self, socket: &'static str, reason: &'static str) {
+        debug_assert_closed(&self.labels.zmq_peer_sockets, socket);
+        debug_assert_closed(&self.labels.zmq_peers_dropped, reason);
         self.zmq_peers_dropped
             .get_or_create(&PeerDropLabels { socket, reason })
             .inc();
@@ -329,6 +341,7 @@ impl Metrics {
 
     /// An engine message that yielded no events, for `reason`.
     pub fn count_bad_message(&self, reason: &'static str) {
+        debug_assert_closed(&self.labels.bad_messages, reason);
         self.bad_messages
             .get_or_create(&ReasonLabel { reason })
             .inc();
@@ -366,6 +379,7 @@ impl Metrics {
 
     /// A `GetLoads` poll that ended in `outcome`.
     pub fn count_load_poll(&self, outcome: &'static str) {
+        debug_assert_closed(&self.labels.load_polls, outcome);
         self.load_polls
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
@@ -373,6 +387,7 @@ impl Metrics {
 
     /// A part of a `GetLoads` answer clamped or dropped for `reason`.
     pub fn count_load_fault(&self, reason: &'static str) {
+        debug_assert_closed(&self.labels.load_answer_faults, reason);
         self.load_answer_faults
             .get_or_create(&ReasonLabel { reason })
             .inc();

@@ -36,7 +36,8 @@ pub struct PassThrough {
     /// Scheme and authority of the engine's server, put on every request.
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
-    /// Named in errors, so an operator sees which address failed.
+    /// The engine's address and the flag that set it, named in errors so
+    /// an operator sees which address failed.
     target: String,
     /// Longer method paths are refused, never forwarded.
     max_path_bytes: usize,
@@ -73,7 +74,7 @@ impl PassThrough {
             client,
             scheme,
             authority,
-            target: target.to_owned(),
+            target: format!("{target} ({})", flags.uri),
             max_path_bytes,
             metrics,
         })
@@ -137,7 +138,7 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
                 Err(error) => {
                     debug!(%method, %error, "engine gRPC server unreachable");
                     let status = Status::unavailable(format!(
-                        "kvgate could not reach the engine's gRPC server at {target} (--engine-grpc): {}",
+                        "kvgate could not reach the engine's gRPC server at {target}: {}",
                         crate::connect_error::describe(&error)
                     ));
                     metrics.count_pass_through(method, status.code() as i32);

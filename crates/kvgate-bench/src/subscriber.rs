@@ -18,7 +18,7 @@ use tonic_prost::ProstEncoder;
 
 use super::histogram::Histogram;
 use super::worker::Worker;
-use kvgate::client::{connect_plaintext, subscribe_with};
+use kvgate::client::{Authorized, Target, TlsFlags, TlsPaths, subscribe_with};
 use kvgate::clock::unix_now;
 use kvgate::proto::common::SubscribeKvEventsRequest;
 
@@ -247,6 +247,27 @@ async fn receive(
     delivery.ended[index].store(true, Ordering::Relaxed);
     window.error = Some(error);
     window
+}
+
+/// Connects to `address` (`host:port` or `http://host:port`) in plaintext,
+/// without a token; errors call the address `described_as`.
+async fn connect_plaintext(
+    described_as: &'static str,
+    address: &str,
+) -> anyhow::Result<Authorized> {
+    if address.starts_with("https://") {
+        anyhow::bail!("{described_as} {address}: only plaintext (http://) is supported here");
+    }
+    // No TLS file can be given, so no TLS flag is ever named.
+    let flags = TlsFlags {
+        uri: described_as,
+        ca: "",
+        cert: "",
+        key: "",
+    };
+    Target::new(address, &TlsPaths::default(), flags, None)?
+        .connect()
+        .await
 }
 
 #[cfg(test)]
