@@ -330,10 +330,10 @@ async fn sigterm_under_load_ends_subscriber_streams_cleanly_and_exits_with_zero(
         }
     });
     common::next_batch(&mut stream).await;
-    let status = tokio::task::spawn_blocking(move || gateway.terminate())
-        .await
-        .unwrap();
-    assert!(status.success(), "exit status {status}");
+    // The subscriber reads on while kvgate stops, as a router does: a client
+    // that stopped reading could never be handed the end of its stream
+    // (HTTP/2 flow control holds the batches queued before it).
+    let terminated = tokio::task::spawn_blocking(move || gateway.terminate());
     let end = loop {
         match tokio::time::timeout(common::DEADLINE, stream.message())
             .await
@@ -343,6 +343,8 @@ async fn sigterm_under_load_ends_subscriber_streams_cleanly_and_exits_with_zero(
             end => break end,
         }
     };
+    let status = terminated.await.unwrap();
+    assert!(status.success(), "exit status {status}");
     assert!(
         matches!(end, Ok(None)),
         "a clean end of stream, got {end:?}"
