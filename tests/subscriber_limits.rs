@@ -41,21 +41,10 @@ fn rss(gateway: &Gateway) -> u64 {
 /// A vLLM payload removing `hashes` blocks nobody stored: a batch of about
 /// 10 bytes a hash that changes no state, in kvgate or in a router.
 fn removal_payload(hashes: u64, salt: u64) -> Bytes {
-    let mut out = Vec::new();
-    rmp::encode::write_array_len(&mut out, 3).unwrap();
-    rmp::encode::write_f64(&mut out, 1.0).unwrap();
-    rmp::encode::write_array_len(&mut out, 1).unwrap();
-    rmp::encode::write_map_len(&mut out, 2).unwrap();
-    rmp::encode::write_str(&mut out, "type").unwrap();
-    rmp::encode::write_str(&mut out, "BlockRemoved").unwrap();
-    rmp::encode::write_str(&mut out, "block_hashes").unwrap();
-    rmp::encode::write_array_len(&mut out, hashes as u32).unwrap();
-    for hash in 0..hashes {
-        let spread = (hash + salt * hashes + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 1;
-        rmp::encode::write_uint(&mut out, spread).unwrap();
-    }
-    rmp::encode::write_uint(&mut out, 0).unwrap();
-    out.into()
+    let spread: Vec<i64> = (0..hashes)
+        .map(|hash| ((hash + salt * hashes + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 1) as i64)
+        .collect();
+    common::removed_payload(&spread, 0)
 }
 
 /// One `SubscribeKvEvents` call on its own HTTP/2 connection, over the raw

@@ -178,10 +178,10 @@ pub fn fixture(name: &str) -> (Vec<u8>, serde_json::Value) {
 /// First hash of a fence removal ("kvgate" in ASCII): no engine stores it.
 const FENCE_MARKER: i64 = 0x6b76_6761_7465_0000;
 
-/// A vLLM-format payload `[ts, [BlockRemoved{block_hashes: [MARKER, n]}], rank]`:
-/// a marker a test can publish and recognise in every stream. Removing
-/// blocks nobody stored changes no state, in kvgate or in a router.
-pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
+/// A vLLM-format payload `[ts, [BlockRemoved{block_hashes}], rank]`.
+/// Removing blocks nobody stored changes no state, in kvgate or in a
+/// router.
+pub fn removed_payload(block_hashes: &[i64], rank: u32) -> bytes::Bytes {
     let mut out = Vec::new();
     rmp::encode::write_array_len(&mut out, 3).unwrap();
     rmp::encode::write_f64(&mut out, 1.0).unwrap();
@@ -190,11 +190,18 @@ pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
     rmp::encode::write_str(&mut out, "type").unwrap();
     rmp::encode::write_str(&mut out, "BlockRemoved").unwrap();
     rmp::encode::write_str(&mut out, "block_hashes").unwrap();
-    rmp::encode::write_array_len(&mut out, 2).unwrap();
-    rmp::encode::write_sint(&mut out, FENCE_MARKER).unwrap();
-    rmp::encode::write_uint(&mut out, n).unwrap();
+    rmp::encode::write_array_len(&mut out, block_hashes.len() as u32).unwrap();
+    for &hash in block_hashes {
+        rmp::encode::write_sint(&mut out, hash).unwrap();
+    }
     rmp::encode::write_uint(&mut out, u64::from(rank)).unwrap();
     out.into()
+}
+
+/// A removal of `[MARKER, n]`: a marker a test can publish and recognise in
+/// every stream.
+pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
+    removed_payload(&[FENCE_MARKER, n as i64], rank)
 }
 
 /// The fence number of `event`, if it is a fence.
