@@ -5,17 +5,26 @@
 //! plain hash map. A clone shares every shard; the first write to a shared
 //! shard copies that shard alone (about 1/`SHARDS` of the map), so a
 //! snapshot cut never stalls the writer for more than one shard copy, and
-//! with no snapshot outstanding a write is a plain hash-map write.
+//! with no snapshot outstanding a write is a plain hash-map write. Each
+//! entry keeps its key beside its value, so a reader can hold
+//! `&(key, value)` instead of the key and a second lookup.
 
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
+use hashbrown::HashTable;
 use rustc_hash::FxBuildHasher;
+
+use super::prefetch::prefetch;
 
 const SHARD_BITS: u32 = 14;
 const SHARDS: usize = 1 << SHARD_BITS;
+/// How many shards ahead of a scan their headers are fetched.
+const PREFETCH_SHARDS: usize = 4;
 
-type Shard<V> = HashMap<i64, V, FxBuildHasher>;
+/// Entries keep their key beside the value, so a reader can hold one
+/// `&(key, value)` and need no second lookup to find either.
+type Shard<V> = HashTable<(i64, V)>;
 
 #[derive(Debug)]
 pub struct CowMap<V> {
@@ -45,42 +54,82 @@ fn shard_of(key: i64) -> usize {
     ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARD_BITS)) as usize
 }
 
+/// The hash a shard's table files `key` under (independent of `shard_of`).
+fn hash_of(key: i64) -> u64 {
+    FxBuildHasher.hash_one(key)
+}
+
+fn is_key<V>(key: i64) -> impl Fn(&(i64, V)) -> bool {
+    move |entry| entry.0 == key
+}
+
 impl<V: Clone> CowMap<V> {
     pub fn get(&self, key: i64) -> Option<&V> {
-        self.shards.get(shard_of(key))?.get(&key)
+        self.entry(key).map(|(_, value)| value)
+    }
+
+    /// The stored `(key, value)` of `key`.
+    pub fn entry(&self, key: i64) -> Option<&(i64, V)> {
+        self.shards
+            .get(shard_of(key))?
+            .find(hash_of(key), is_key(key))
     }
 
     /// The value of `key` for writing; copies its shard first if a clone
     /// still shares it (and only if `key` is there).
     pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
         let shard = self.shards.get_mut(shard_of(key))?;
-        if !shard.contains_key(&key) {
-            return None;
+        let hash = hash_of(key);
+        if Arc::get_mut(shard).is_none() {
+            // Shared: look before copying, a miss must not copy the shard.
+            shard.find(hash, is_key(key))?;
         }
-        Arc::make_mut(shard).get_mut(&key)
+        Arc::make_mut(shard)
+            .find_mut(hash, is_key(key))
+            .map(|(_, value)| value)
     }
 
+    /// Stores `value` under `key`, replacing any value it had.
     pub fn insert(&mut self, key: i64, value: V) {
         if self.shards.is_empty() {
             // Every shard starts as the same empty map; writes split them off.
             let empty = Arc::new(Shard::default());
             self.shards = (0..SHARDS).map(|_| Arc::clone(&empty)).collect();
         }
-        Arc::make_mut(&mut self.shards[shard_of(key)]).insert(key, value);
+        let shard = Arc::make_mut(&mut self.shards[shard_of(key)]);
+        match shard.entry(hash_of(key), is_key(key), |entry| hash_of(entry.0)) {
+            hashbrown::hash_table::Entry::Occupied(mut held) => held.get_mut().1 = value,
+            hashbrown::hash_table::Entry::Vacant(room) => {
+                room.insert((key, value));
+            }
+        }
     }
 
     pub fn remove(&mut self, key: i64) -> Option<V> {
         let shard = self.shards.get_mut(shard_of(key))?;
-        if !shard.contains_key(&key) {
-            return None;
+        let hash = hash_of(key);
+        if Arc::get_mut(shard).is_none() {
+            shard.find(hash, is_key(key))?;
         }
-        Arc::make_mut(shard).remove(&key)
+        let found = Arc::make_mut(shard).find_entry(hash, is_key(key)).ok()?;
+        Some(found.remove().0.1)
+    }
+
+    /// Every `(key, value)`, in no particular order.
+    pub fn entries(&self) -> impl Iterator<Item = &(i64, V)> {
+        self.shards.iter().enumerate().flat_map(|(index, shard)| {
+            // Each shard is its own allocation, found through its `Arc`:
+            // fetching a later shard's header while this one is read keeps
+            // a scan from waiting at every shard's start.
+            if let Some(ahead) = self.shards.get(index + PREFETCH_SHARDS) {
+                prefetch(Arc::as_ptr(ahead));
+            }
+            shard.iter()
+        })
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (i64, &V)> {
-        self.shards
-            .iter()
-            .flat_map(|shard| shard.iter().map(|(key, value)| (*key, value)))
+        self.entries().map(|(key, value)| (*key, value))
     }
 }
 
@@ -96,6 +145,8 @@ mod tests {
         }
         assert_eq!(map.iter().count(), 1000);
         assert_eq!(map.get(-7), Some(&-14));
+        assert_eq!(map.entry(-7), Some(&(-7, -14)));
+        assert_eq!(map.entries().count(), 1000);
         *map.get_mut(3).unwrap() = 0;
         assert_eq!(map.get(3), Some(&0));
         assert_eq!(map.remove(3), Some(0));
@@ -144,5 +195,22 @@ mod tests {
             .filter(|(now, then)| !Arc::ptr_eq(now, then))
             .count();
         assert_eq!(copied, 1);
+    }
+
+    #[test]
+    fn looking_for_an_absent_key_to_write_copies_nothing() {
+        let mut map = CowMap::default();
+        for key in 0..1_000 {
+            map.insert(key, key);
+        }
+        let frozen = map.clone();
+        assert!(map.get_mut(5_000).is_none());
+        assert!(map.remove(5_000).is_none());
+        assert!(
+            map.shards
+                .iter()
+                .zip(frozen.shards.iter())
+                .all(|(now, then)| Arc::ptr_eq(now, then))
+        );
     }
 }

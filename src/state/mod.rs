@@ -12,6 +12,7 @@
 //! of one store share one `Arc`, which keeps a record small.
 
 pub(crate) mod cow_map;
+mod prefetch;
 pub mod snapshot;
 pub(crate) mod tier;
 
@@ -180,6 +181,17 @@ impl RankBlocks {
     /// The live block `hash` of `tier`.
     pub fn get(&self, tier: Tier, hash: i64) -> Option<&BlockRecord> {
         self.tiers[tier].get(hash)
+    }
+
+    /// Live blocks of `tier` as the map holds them: a walk keeps such a
+    /// reference instead of looking the block up again.
+    pub(crate) fn tier_entries(&self, tier: Tier) -> impl Iterator<Item = &(i64, BlockRecord)> {
+        self.tiers[tier].entries()
+    }
+
+    /// The live block `hash` of `tier`, as the map holds it.
+    pub(crate) fn entry(&self, tier: Tier, hash: i64) -> Option<&(i64, BlockRecord)> {
+        self.tiers[tier].entry(hash)
     }
 
     /// Live blocks per tier, each copy counted.

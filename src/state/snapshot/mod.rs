@@ -24,7 +24,10 @@
 //! eighth of a tier at most, 16 bytes a block), never the whole snapshot. The
 //! chunk count goes in every header, so a first pass finds the chunk
 //! boundaries (encoding each chunk and dropping it) before the first chunk
-//! is handed out.
+//! is handed out. The encoder owns its cut and the walk borrows from it
+//! (`self_cell`), so a block taken into a window is never looked up by hash
+//! again: those lookups, a chain of cache misses each, were most of a
+//! snapshot's time.
 
 mod chunker;
 mod tier_walk;
@@ -81,7 +84,7 @@ impl SnapshotEncoder {
     /// Finds the chunk boundaries of `cut`'s snapshot: a whole encoding
     /// pass, keeping one chunk at a time. Blocking work.
     pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
-        let mut planning = RawChunks::new(Arc::clone(&cut), timestamp);
+        let mut planning = RawChunks::walk(Arc::clone(&cut), timestamp);
         let mut chunks_per_rank = BTreeMap::new();
         let mut count = 0u32;
         while let Some((rank, _)) = planning.next() {
@@ -90,11 +93,11 @@ impl SnapshotEncoder {
         }
         let plan = Plan {
             count,
-            blocks: planning.blocks,
+            blocks: planning.blocks(),
             chunks_per_rank,
         };
         Self {
-            chunks: RawChunks::new(cut, timestamp),
+            chunks: RawChunks::walk(cut, timestamp),
             plan,
             index: 0,
             current: None,
@@ -114,7 +117,7 @@ impl Iterator for SnapshotEncoder {
             _ => 0,
         };
         self.current = Some((rank, offset));
-        let cut = &self.chunks.cut;
+        let cut = self.chunks.cut();
         let rank_chunks = self.plan.chunks_per_rank[&rank];
         let sequence = cut.last_sequences[&rank] + 1 - rank_chunks + offset;
         let header = KvSnapshotChunk {
@@ -128,21 +131,50 @@ impl Iterator for SnapshotEncoder {
     }
 }
 
-/// The snapshot's chunks in order, as filled batches without headers,
-/// walked one chunk at a time.
-struct RawChunks {
-    cut: Arc<SnapshotCut>,
+self_cell::self_cell!(
+    /// The snapshot's chunks in order, as filled batches without headers,
+    /// walked one chunk at a time over the cut it owns.
+    struct RawChunks {
+        owner: Arc<SnapshotCut>,
+        #[covariant]
+        dependent: ChunkWalk,
+    }
+);
+
+impl RawChunks {
+    fn walk(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
+        Self::new(cut, |cut| ChunkWalk::new(cut, timestamp))
+    }
+
+    fn next(&mut self) -> Option<(u32, OpenBatch)> {
+        self.with_dependent_mut(|_, walk| walk.next())
+    }
+
+    fn cut(&self) -> &SnapshotCut {
+        self.borrow_owner()
+    }
+
+    /// Blocks (copies counted) of the ranks walked to the end.
+    fn blocks(&self) -> u64 {
+        self.borrow_dependent().blocks
+    }
+}
+
+/// Where the walk of a cut has got to, borrowing the blocks it has taken
+/// into its windows from the cut.
+struct ChunkWalk<'cut> {
+    cut: &'cut SnapshotCut,
     timestamp: f64,
     /// Ranks in emission order: every other rank, then rank 0.
     ranks: Vec<u32>,
     next_rank: usize,
-    walking: Option<RankWalk>,
+    walking: Option<RankWalk<'cut>>,
     /// Blocks (copies counted) of the ranks walked to the end.
     blocks: u64,
 }
 
-impl RawChunks {
-    fn new(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
+impl<'cut> ChunkWalk<'cut> {
+    fn new(cut: &'cut SnapshotCut, timestamp: f64) -> Self {
         let rank0 = cut.last_sequences.get_key_value(&0);
         let others = cut.last_sequences.range(1..);
         let ranks = others.chain(rank0).map(|(&rank, _)| rank).collect();
@@ -178,16 +210,16 @@ impl RawChunks {
 }
 
 /// One rank's walk: an ownerless clear, then every live block, tier by tier.
-struct RankWalk {
+struct RankWalk<'cut> {
     rank: u32,
     /// Tiers walked so far, in `Tier::ALL` order.
     tiers_done: usize,
-    tier_walk: TierWalk,
+    tier_walk: TierWalk<'cut>,
     chunker: Chunker,
     finished: bool,
 }
 
-impl RankWalk {
+impl<'cut> RankWalk<'cut> {
     fn new(rank: u32, timestamp: f64) -> Self {
         let mut chunker = Chunker::new(timestamp);
         chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
@@ -201,7 +233,7 @@ impl RankWalk {
     }
 
     /// Walks on until a chunk is full or the rank is done.
-    fn advance(&mut self, blocks: Option<&RankBlocks>) {
+    fn advance(&mut self, blocks: Option<&'cut RankBlocks>) {
         while self.chunker.done.is_empty() {
             match (blocks, Tier::ALL.get(self.tiers_done)) {
                 (Some(blocks), Some(&tier)) => {

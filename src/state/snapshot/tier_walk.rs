@@ -3,14 +3,16 @@
 //! Invariant: every live block of the tier is emitted exactly once (each
 //! extra copy as a one-block store of its own), a block never before its
 //! parent, and what is held besides the cut is one window of the next
-//! orders (at most an eighth of the tier, 16 bytes a block), the chain
-//! being written and the blocks emitted ahead of their turn.
+//! blocks (at most an eighth of the tier, 16 bytes a block: its order and a
+//! reference into the cut), the chain being written and the blocks emitted
+//! ahead of their turn.
 
 use std::sync::Arc;
 
 use rustc_hash::FxHashSet;
 
 use super::chunker::{Chunker, StorePiece};
+use crate::state::prefetch::prefetch;
 use crate::state::tier::Tier;
 use crate::state::{BlockRecord, RankBlocks, StoreFields};
 
@@ -18,6 +20,9 @@ use crate::state::{BlockRecord, RankBlocks, StoreFields};
 /// `WINDOW_SCANS` times.
 const MIN_WINDOW: usize = 4096;
 const WINDOW_SCANS: usize = 8;
+
+/// A block as the cut holds it: its hash beside its record.
+type Entry<'cut> = &'cut (i64, BlockRecord);
 
 /// Emits every live block of one tier in store order, parents first.
 ///
@@ -28,10 +33,12 @@ const WINDOW_SCANS: usize = 8;
 /// walk reads the state in order instead of chasing parent links. Store
 /// order is read a window at a time (the smallest orders not taken yet, by
 /// one scan of the tier), so the walk never holds the whole tier's order.
+/// The window keeps a reference to each block it took, so no block is
+/// looked up again by hash.
 #[derive(Default)]
-pub(super) struct TierWalk {
-    /// The next (order, hash) pairs, largest first (taken from the end).
-    window: Vec<(u64, i64)>,
+pub(super) struct TierWalk<'cut> {
+    /// The next blocks with their orders, largest first (taken from the end).
+    window: Vec<(u64, Entry<'cut>)>,
     /// Largest order taken into a window so far.
     taken_through: Option<u64>,
     /// The last window held every block left.
@@ -39,108 +46,129 @@ pub(super) struct TierWalk {
     /// Blocks already emitted ahead of their turn.
     early: FxHashSet<i64>,
     /// The chain being emitted: each block the parent of the next.
-    run: PathWriter,
+    run: PathWriter<'cut>,
     /// The chain's last block so far.
     run_last: Option<i64>,
 }
 
-impl TierWalk {
+/// How far ahead of the walk a window's blocks are fetched into the cache:
+/// the records sit in hash order, so each is a cache miss the walk would
+/// otherwise wait for, one after the other.
+const PREFETCH_RECORDS: usize = 16;
+/// Tokens are fetched later than their record, whose pointer names them.
+const PREFETCH_TOKENS: usize = 8;
+
+impl<'cut> TierWalk<'cut> {
     /// Emits the next block in store order; false once the tier is done.
-    pub(super) fn step(&mut self, blocks: &RankBlocks, tier: Tier, chunker: &mut Chunker) -> bool {
-        let Some((order, hash)) = self.next_in_order(blocks, tier) else {
-            self.run.finish(blocks, tier, chunker);
+    pub(super) fn step(
+        &mut self,
+        blocks: &'cut RankBlocks,
+        tier: Tier,
+        chunker: &mut Chunker,
+    ) -> bool {
+        let Some((order, entry)) = self.next_in_order(blocks, tier) else {
+            self.run.finish(chunker);
             return false;
         };
+        let &(hash, ref record) = entry;
         if self.early.remove(&hash) {
             return true;
         }
-        let record = record(blocks, tier, hash);
         let parent = record.parent();
         let continues = parent.is_some() && parent == self.run_last;
         if !continues {
-            self.run.finish(blocks, tier, chunker);
+            self.run.finish(chunker);
             // Ancestors stored after this block are not out yet.
             let mut ancestors = Vec::new();
             let mut next = parent;
             while let Some(ancestor) = next {
-                match blocks.get(tier, ancestor) {
-                    Some(found) if found.order() > order && self.early.insert(ancestor) => {
-                        ancestors.push((ancestor, found));
-                        next = found.parent();
+                match blocks.entry(tier, ancestor) {
+                    Some(found) if found.1.order() > order && self.early.insert(ancestor) => {
+                        ancestors.push(found);
+                        next = found.1.parent();
                     }
                     _ => break,
                 }
             }
             let mut early_path = PathWriter::default();
-            for &(ancestor, found) in ancestors.iter().rev() {
-                early_path.add(ancestor, found, chunker);
+            for &ancestor in ancestors.iter().rev() {
+                early_path.add(ancestor, chunker);
             }
-            early_path.finish(blocks, tier, chunker);
+            early_path.finish(chunker);
         }
-        self.run.add(hash, record, chunker);
+        self.run.add(entry, chunker);
         self.run_last = Some(hash);
         true
     }
 
-    fn next_in_order(&mut self, blocks: &RankBlocks, tier: Tier) -> Option<(u64, i64)> {
+    fn next_in_order(
+        &mut self,
+        blocks: &'cut RankBlocks,
+        tier: Tier,
+    ) -> Option<(u64, Entry<'cut>)> {
         if self.window.is_empty() && !self.exhausted {
             self.refill(blocks, tier);
         }
-        self.window.pop()
+        let next = self.window.pop()?;
+        let ahead = |distance: usize| {
+            let len = self.window.len();
+            (len >= distance).then(|| self.window[len - distance].1)
+        };
+        if let Some(entry) = ahead(PREFETCH_RECORDS) {
+            prefetch(entry);
+        }
+        if let Some(entry) = ahead(PREFETCH_TOKENS) {
+            prefetch(entry.1.tokens.slice.as_ptr());
+        }
+        Some(next)
     }
 
     /// Takes the next window: the smallest orders above `taken_through`.
-    fn refill(&mut self, blocks: &RankBlocks, tier: Tier) {
+    fn refill(&mut self, blocks: &'cut RankBlocks, tier: Tier) {
         let tier_blocks = usize::try_from(blocks.counts()[tier]).unwrap_or(usize::MAX);
         let size = (tier_blocks / WINDOW_SCANS).max(MIN_WINDOW);
-        let keep_smallest = |window: &mut Vec<(u64, i64)>| {
+        let keep_smallest = |window: &mut Vec<(u64, Entry<'cut>)>| {
             if window.len() > size {
-                window.select_nth_unstable(size - 1);
+                window.select_nth_unstable_by_key(size - 1, |&(order, _)| order);
                 window.truncate(size);
             }
         };
         let mut window = std::mem::take(&mut self.window);
         let after = self.taken_through;
-        for (hash, record) in blocks.tier(tier) {
-            let order = record.order();
+        for entry in blocks.tier_entries(tier) {
+            let order = entry.1.order();
             if after.is_some_and(|after| order <= after) {
                 continue;
             }
-            window.push((order, hash));
+            window.push((order, entry));
             if window.len() == 2 * size {
                 keep_smallest(&mut window);
             }
         }
         keep_smallest(&mut window);
         self.exhausted = window.len() < size;
-        window.sort_unstable_by(|a, b| b.cmp(a));
+        window.sort_unstable_by_key(|&(order, _)| std::cmp::Reverse(order));
         self.taken_through = window.first().map(|&(order, _)| order).or(after);
         self.window = window;
     }
 }
 
-/// The record of a block the cut holds (the walk only names such blocks).
-fn record(blocks: &RankBlocks, tier: Tier, hash: i64) -> &BlockRecord {
-    blocks
-        .get(tier, hash)
-        .expect("the walk only names blocks of its cut")
-}
-
 /// Emits a parent-linked path as stores, block by block as the walk
 /// reaches them: one store per run of equal fields (split wherever a chunk
 /// fills), then each extra copy alone once the path ends. Only the store
-/// being filled and the hashes with extra copies are held, so a chain as
+/// being filled and the blocks with extra copies are held, so a chain as
 /// long as the whole tier costs no more than a short one.
 #[derive(Default)]
-struct PathWriter {
+struct PathWriter<'cut> {
     /// The store being filled and the fields every block of it shares.
     store: Option<(Arc<StoreFields>, StorePiece)>,
     /// Blocks of the path with more than one copy, in path order.
-    copied: Vec<i64>,
+    copied: Vec<Entry<'cut>>,
 }
 
-impl PathWriter {
-    fn add(&mut self, hash: i64, record: &BlockRecord, chunker: &mut Chunker) {
+impl<'cut> PathWriter<'cut> {
+    fn add(&mut self, entry: Entry<'cut>, chunker: &mut Chunker) {
+        let &(hash, ref record) = entry;
         let same_fields =
             matches!(&self.store, Some((fields, _)) if Arc::ptr_eq(fields, record.fields()));
         if !same_fields {
@@ -154,17 +182,16 @@ impl PathWriter {
         let (fields, piece) = self.store.as_mut().expect("a store is open");
         chunker.extend_store(fields, piece, hash, record);
         if record.copies() > 1 {
-            self.copied.push(hash);
+            self.copied.push(entry);
         }
     }
 
     /// Ends the path: its last store, then its extra copies.
-    fn finish(&mut self, blocks: &RankBlocks, tier: Tier, chunker: &mut Chunker) {
+    fn finish(&mut self, chunker: &mut Chunker) {
         if let Some((_, piece)) = self.store.take() {
             chunker.push_piece(piece);
         }
-        for hash in self.copied.drain(..) {
-            let record = record(blocks, tier, hash);
+        for &(hash, ref record) in self.copied.drain(..) {
             for _ in 1..record.copies() {
                 let mut piece = StorePiece::new(record.fields(), record.parent());
                 chunker.extend_store(record.fields(), &mut piece, hash, record);
