@@ -24,7 +24,8 @@
 //! eighth of a tier at most, 16 bytes a block), never the whole snapshot. The
 //! chunk count goes in every header, so a first pass finds the chunk
 //! boundaries (encoding each chunk and dropping it) before the first chunk
-//! is handed out. The encoder owns its cut and the walk borrows from it
+//! is handed out; that pass runs to its end in one call, so it takes the
+//! whole tier's store order in one scan instead of eight. The encoder owns its cut and the walk borrows from it
 //! (`self_cell`), so a block taken into a window is never looked up by hash
 //! again: those lookups, a chain of cache misses each, were most of a
 //! snapshot's time.
@@ -42,7 +43,7 @@ use super::{RankBlocks, StateCut};
 use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 use crate::wire::OpenBatch;
 use chunker::Chunker;
-use tier_walk::TierWalk;
+use tier_walk::{Reach, TierWalk};
 
 /// Most blocks in one snapshot chunk.
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
@@ -84,7 +85,7 @@ impl SnapshotEncoder {
     /// Finds the chunk boundaries of `cut`'s snapshot: a whole encoding
     /// pass, keeping one chunk at a time. Blocking work.
     pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
-        let mut planning = RawChunks::walk(Arc::clone(&cut), timestamp);
+        let mut planning = RawChunks::walk(Arc::clone(&cut), timestamp, Reach::Whole);
         let mut chunks_per_rank = BTreeMap::new();
         let mut count = 0u32;
         while let Some((rank, _)) = planning.next() {
@@ -97,7 +98,7 @@ impl SnapshotEncoder {
             chunks_per_rank,
         };
         Self {
-            chunks: RawChunks::walk(cut, timestamp),
+            chunks: RawChunks::walk(cut, timestamp, Reach::Eighth),
             plan,
             index: 0,
             current: None,
@@ -142,8 +143,8 @@ self_cell::self_cell!(
 );
 
 impl RawChunks {
-    fn walk(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
-        Self::new(cut, |cut| ChunkWalk::new(cut, timestamp))
+    fn walk(cut: Arc<SnapshotCut>, timestamp: f64, reach: Reach) -> Self {
+        Self::new(cut, |cut| ChunkWalk::new(cut, timestamp, reach))
     }
 
     fn next(&mut self) -> Option<(u32, OpenBatch)> {
@@ -165,6 +166,7 @@ impl RawChunks {
 struct ChunkWalk<'cut> {
     cut: &'cut SnapshotCut,
     timestamp: f64,
+    reach: Reach,
     /// Ranks in emission order: every other rank, then rank 0.
     ranks: Vec<u32>,
     next_rank: usize,
@@ -174,13 +176,14 @@ struct ChunkWalk<'cut> {
 }
 
 impl<'cut> ChunkWalk<'cut> {
-    fn new(cut: &'cut SnapshotCut, timestamp: f64) -> Self {
+    fn new(cut: &'cut SnapshotCut, timestamp: f64, reach: Reach) -> Self {
         let rank0 = cut.last_sequences.get_key_value(&0);
         let others = cut.last_sequences.range(1..);
         let ranks = others.chain(rank0).map(|(&rank, _)| rank).collect();
         Self {
             cut,
             timestamp,
+            reach,
             ranks,
             next_rank: 0,
             walking: None,
@@ -193,7 +196,7 @@ impl<'cut> ChunkWalk<'cut> {
             let Some(walking) = &mut self.walking else {
                 let &rank = self.ranks.get(self.next_rank)?;
                 self.next_rank += 1;
-                self.walking = Some(RankWalk::new(rank, self.timestamp));
+                self.walking = Some(RankWalk::new(rank, self.timestamp, self.reach));
                 continue;
             };
             if let Some(chunk) = walking.chunker.done.pop_front() {
@@ -212,6 +215,7 @@ impl<'cut> ChunkWalk<'cut> {
 /// One rank's walk: an ownerless clear, then every live block, tier by tier.
 struct RankWalk<'cut> {
     rank: u32,
+    reach: Reach,
     /// Tiers walked so far, in `Tier::ALL` order.
     tiers_done: usize,
     tier_walk: TierWalk<'cut>,
@@ -220,13 +224,14 @@ struct RankWalk<'cut> {
 }
 
 impl<'cut> RankWalk<'cut> {
-    fn new(rank: u32, timestamp: f64) -> Self {
+    fn new(rank: u32, timestamp: f64, reach: Reach) -> Self {
         let mut chunker = Chunker::new(timestamp);
         chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
         Self {
             rank,
+            reach,
             tiers_done: 0,
-            tier_walk: TierWalk::default(),
+            tier_walk: TierWalk::new(reach),
             chunker,
             finished: false,
         }
@@ -239,7 +244,7 @@ impl<'cut> RankWalk<'cut> {
                 (Some(blocks), Some(&tier)) => {
                     if !self.tier_walk.step(blocks, tier, &mut self.chunker) {
                         self.tiers_done += 1;
-                        self.tier_walk = TierWalk::default();
+                        self.tier_walk = TierWalk::new(self.reach);
                     }
                 }
                 _ => {

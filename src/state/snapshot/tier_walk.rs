@@ -3,9 +3,10 @@
 //! Invariant: every live block of the tier is emitted exactly once (each
 //! extra copy as a one-block store of its own), a block never before its
 //! parent, and what is held besides the cut is one window of the next
-//! blocks (at most an eighth of the tier, 16 bytes a block: its order and a
-//! reference into the cut), the chain being written and the blocks emitted
-//! ahead of their turn.
+//! blocks (16 bytes a block: its order and a reference into the cut; at
+//! most an eighth of the tier for the walk a subscriber reads, the whole
+//! tier for the planning walk, which never waits), the chain being written
+//! and the blocks emitted ahead of their turn.
 
 use std::sync::Arc;
 
@@ -20,6 +21,20 @@ use crate::state::{BlockRecord, RankBlocks, StoreFields};
 /// `WINDOW_SCANS` times.
 const MIN_WINDOW: usize = 4096;
 const WINDOW_SCANS: usize = 8;
+
+/// How much of a tier's store order a walk holds at once.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) enum Reach {
+    /// An eighth of the tier, found by one scan each (eight in all): for
+    /// the walk that hands chunks out as a subscriber reads them, which
+    /// holds its window for as long as the subscriber keeps it waiting.
+    #[default]
+    Eighth,
+    /// The whole tier, found by one scan: for the planning walk, which runs
+    /// to its end within one call under an encode slot (at most
+    /// `--max-snapshot-encodes` at once) and frees it before returning.
+    Whole,
+}
 
 /// A block as the cut holds it: its hash beside its record.
 type Entry<'cut> = &'cut (i64, BlockRecord);
@@ -37,6 +52,7 @@ type Entry<'cut> = &'cut (i64, BlockRecord);
 /// looked up again by hash.
 #[derive(Default)]
 pub(super) struct TierWalk<'cut> {
+    reach: Reach,
     /// The next blocks with their orders, largest first (taken from the end).
     window: Vec<(u64, Entry<'cut>)>,
     /// Largest order taken into a window so far.
@@ -59,6 +75,13 @@ const PREFETCH_RECORDS: usize = 16;
 const PREFETCH_TOKENS: usize = 8;
 
 impl<'cut> TierWalk<'cut> {
+    pub(super) fn new(reach: Reach) -> Self {
+        Self {
+            reach,
+            ..Self::default()
+        }
+    }
+
     /// Emits the next block in store order; false once the tier is done.
     pub(super) fn step(
         &mut self,
@@ -126,7 +149,12 @@ impl<'cut> TierWalk<'cut> {
     /// Takes the next window: the smallest orders above `taken_through`.
     fn refill(&mut self, blocks: &'cut RankBlocks, tier: Tier) {
         let tier_blocks = usize::try_from(blocks.counts()[tier]).unwrap_or(usize::MAX);
-        let size = (tier_blocks / WINDOW_SCANS).max(MIN_WINDOW);
+        let size = match self.reach {
+            Reach::Eighth => (tier_blocks / WINDOW_SCANS).max(MIN_WINDOW),
+            // More than the tier's blocks (copies counted): one scan takes
+            // every block and leaves the walk exhausted.
+            Reach::Whole => tier_blocks.saturating_add(1),
+        };
         let keep_smallest = |window: &mut Vec<(u64, Entry<'cut>)>| {
             if window.len() > size {
                 window.select_nth_unstable_by_key(size - 1, |&(order, _)| order);
@@ -134,6 +162,9 @@ impl<'cut> TierWalk<'cut> {
             }
         };
         let mut window = std::mem::take(&mut self.window);
+        if let Reach::Whole = self.reach {
+            window.reserve_exact(tier_blocks);
+        }
         let after = self.taken_through;
         for entry in blocks.tier_entries(tier) {
             let order = entry.1.order();
@@ -146,6 +177,9 @@ impl<'cut> TierWalk<'cut> {
             }
         }
         keep_smallest(&mut window);
+        // Held until the window is used up, maybe while a subscriber waits:
+        // not the room it took to find it.
+        window.shrink_to_fit();
         self.exhausted = window.len() < size;
         window.sort_unstable_by_key(|&(order, _)| std::cmp::Reverse(order));
         self.taken_through = window.first().map(|&(order, _)| order).or(after);
