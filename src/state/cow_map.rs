@@ -159,12 +159,27 @@ mod tests {
         assert_eq!(keys[0], -500);
     }
 
-    #[test]
-    fn a_clone_keeps_its_contents_while_the_original_changes() {
+    /// A map of each key in `keys` to itself.
+    fn identity_map(keys: std::ops::Range<i64>) -> CowMap<i64> {
         let mut map = CowMap::default();
-        for key in 0..10_000 {
+        for key in keys {
             map.insert(key, key);
         }
+        map
+    }
+
+    /// Shards `now` holds that it no longer shares with `then`.
+    fn shards_copied(now: &CowMap<i64>, then: &CowMap<i64>) -> usize {
+        now.shards
+            .iter()
+            .zip(then.shards.iter())
+            .filter(|(now, then)| !Arc::ptr_eq(now, then))
+            .count()
+    }
+
+    #[test]
+    fn a_clone_keeps_its_contents_while_the_original_changes() {
+        let mut map = identity_map(0..10_000);
         let frozen = map.clone();
         for key in 0..5_000 {
             map.remove(key);
@@ -182,35 +197,18 @@ mod tests {
 
     #[test]
     fn a_write_to_a_shared_map_copies_only_the_shard_it_touches() {
-        let mut map = CowMap::default();
-        for key in 0..100_000 {
-            map.insert(key, key);
-        }
+        let mut map = identity_map(0..100_000);
         let frozen = map.clone();
         map.insert(1_000_000, 0);
-        let copied = map
-            .shards
-            .iter()
-            .zip(frozen.shards.iter())
-            .filter(|(now, then)| !Arc::ptr_eq(now, then))
-            .count();
-        assert_eq!(copied, 1);
+        assert_eq!(shards_copied(&map, &frozen), 1);
     }
 
     #[test]
     fn looking_for_an_absent_key_to_write_copies_nothing() {
-        let mut map = CowMap::default();
-        for key in 0..1_000 {
-            map.insert(key, key);
-        }
+        let mut map = identity_map(0..1_000);
         let frozen = map.clone();
         assert!(map.get_mut(5_000).is_none());
         assert!(map.remove(5_000).is_none());
-        assert!(
-            map.shards
-                .iter()
-                .zip(frozen.shards.iter())
-                .all(|(now, then)| Arc::ptr_eq(now, then))
-        );
+        assert_eq!(shards_copied(&map, &frozen), 0);
     }
 }

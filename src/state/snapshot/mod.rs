@@ -25,10 +25,10 @@
 //! chunk count goes in every header, so a first pass finds the chunk
 //! boundaries (encoding each chunk and dropping it) before the first chunk
 //! is handed out; that pass runs to its end in one call, so it takes the
-//! whole tier's store order in one scan instead of eight. The encoder owns its cut and the walk borrows from it
-//! (`self_cell`), so a block taken into a window is never looked up by hash
-//! again: those lookups, a chain of cache misses each, were most of a
-//! snapshot's time.
+//! whole tier's store order in one scan instead of eight. The encoder owns
+//! its cut and the walk borrows from it (`self_cell`), so a block taken
+//! into a window is never looked up by hash again: those lookups, a chain
+//! of cache misses each, were most of a snapshot's time.
 
 mod chunker;
 mod tier_walk;

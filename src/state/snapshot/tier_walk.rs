@@ -47,9 +47,9 @@ type Entry<'cut> = &'cut (i64, BlockRecord);
 /// block just emitted extends the current chain without any lookup, so the
 /// walk reads the state in order instead of chasing parent links. Store
 /// order is read a window at a time (the smallest orders not taken yet, by
-/// one scan of the tier), so the walk never holds the whole tier's order.
-/// The window keeps a reference to each block it took, so no block is
-/// looked up again by hash.
+/// one scan of the tier), so a walk of `Reach::Eighth` never holds the
+/// whole tier's order. The window keeps a reference to each block it took,
+/// so no block is looked up again by hash.
 #[derive(Default)]
 pub(super) struct TierWalk<'cut> {
     reach: Reach,
