@@ -142,9 +142,10 @@ impl tower::Service<http::Request<Body>> for SubscribeService {
 /// The chunks `start` yields, each encoded on a blocking thread while it
 /// holds one of `slots`; a chunk is encoded only when the client is ready
 /// for it (the stream is polled as the HTTP/2 window allows), and the
-/// permit is released before the chunk waits for its reader. Encoding that
-/// panics ends the stream with INTERNAL: an empty or partial snapshot
-/// followed by live batches would leave a router with a wrong index.
+/// permit is released when the chunk is encoded, before it waits for its
+/// reader. Encoding that panics ends the stream with INTERNAL: an empty or
+/// partial snapshot followed by live batches would leave a router with a
+/// wrong index.
 fn lazily_encoded<Chunks>(
     start: impl FnOnce() -> Chunks + Send + 'static,
     slots: Arc<Semaphore>,
@@ -164,6 +165,10 @@ where
             // The semaphore is never closed.
             let slot = slots.acquire_owned().await.ok()?;
             let encoded = tokio::task::spawn_blocking(move || {
+                // Held by the work, not by the stream: a client that goes
+                // away mid-encode must not free the slot while the
+                // encoding (and what it holds) goes on.
+                let _slot = slot;
                 let mut chunks = match encoding {
                     Encoding::NotStarted(start) => start(),
                     Encoding::Started(chunks) => chunks,
@@ -172,7 +177,6 @@ where
                 chunk.map(|chunk| (chunk, chunks))
             })
             .await;
-            drop(slot);
             match encoded {
                 Ok(Some((chunk, chunks))) => Some((Ok(chunk), Some(Encoding::Started(chunks)))),
                 Ok(None) => None,

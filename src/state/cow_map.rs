@@ -13,6 +13,7 @@ use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
 use rustc_hash::FxBuildHasher;
 
 use super::prefetch::prefetch;
@@ -78,15 +79,21 @@ impl<V: Clone> CowMap<V> {
     /// The value of `key` for writing; copies its shard first if a clone
     /// still shares it (and only if `key` is there).
     pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
-        let shard = self.shards.get_mut(shard_of(key))?;
         let hash = hash_of(key);
-        if Arc::get_mut(shard).is_none() {
-            // Shared: look before copying, a miss must not copy the shard.
-            shard.find(hash, is_key(key))?;
-        }
-        Arc::make_mut(shard)
+        self.shard_holding(key, hash)?
             .find_mut(hash, is_key(key))
             .map(|(_, value)| value)
+    }
+
+    /// The shard holding `key`, for writing, or `None` if no shard does. A
+    /// miss must not copy a shard a clone shares, so a shared shard is
+    /// looked in before it is copied.
+    fn shard_holding(&mut self, key: i64, hash: u64) -> Option<&mut Shard<V>> {
+        let shard = self.shards.get_mut(shard_of(key))?;
+        if Arc::get_mut(shard).is_none() {
+            shard.find(hash, is_key(key))?;
+        }
+        Some(Arc::make_mut(shard))
     }
 
     /// Stores `value` under `key`, replacing any value it had.
@@ -98,21 +105,21 @@ impl<V: Clone> CowMap<V> {
         }
         let shard = Arc::make_mut(&mut self.shards[shard_of(key)]);
         match shard.entry(hash_of(key), is_key(key), |entry| hash_of(entry.0)) {
-            hashbrown::hash_table::Entry::Occupied(mut held) => held.get_mut().1 = value,
-            hashbrown::hash_table::Entry::Vacant(room) => {
-                room.insert((key, value));
+            Entry::Occupied(mut occupied) => occupied.get_mut().1 = value,
+            Entry::Vacant(vacant) => {
+                vacant.insert((key, value));
             }
         }
     }
 
     pub fn remove(&mut self, key: i64) -> Option<V> {
-        let shard = self.shards.get_mut(shard_of(key))?;
         let hash = hash_of(key);
-        if Arc::get_mut(shard).is_none() {
-            shard.find(hash, is_key(key))?;
-        }
-        let found = Arc::make_mut(shard).find_entry(hash, is_key(key)).ok()?;
-        Some(found.remove().0.1)
+        let found = self
+            .shard_holding(key, hash)?
+            .find_entry(hash, is_key(key))
+            .ok()?;
+        let ((_, value), _) = found.remove();
+        Some(value)
     }
 
     /// Every `(key, value)`, in no particular order.

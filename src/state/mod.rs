@@ -178,11 +178,6 @@ impl RankBlocks {
         self.tiers[tier].iter()
     }
 
-    /// The live block `hash` of `tier`.
-    pub fn get(&self, tier: Tier, hash: i64) -> Option<&BlockRecord> {
-        self.tiers[tier].get(hash)
-    }
-
     /// Live blocks of `tier` as the map holds them: a walk keeps such a
     /// reference instead of looking the block up again.
     pub(crate) fn tier_entries(&self, tier: Tier) -> impl Iterator<Item = &(i64, BlockRecord)> {
@@ -468,7 +463,7 @@ mod tests {
         assert_eq!(live(&state, 0, Tier::Device), vec![1, 3]);
         assert_eq!(live(&state, 0, Tier::Host), vec![1]);
         assert_eq!(live(&state, 1, Tier::Device), vec![9]);
-        let record = state.rank(0).unwrap().get(Tier::Device, 3).unwrap();
+        let (_, record) = state.rank(0).unwrap().entry(Tier::Device, 3).unwrap();
         assert_eq!(
             record.parent(),
             Some(2),

@@ -3,7 +3,8 @@
 //! Invariant: a chunk holds at most `MAX_CHUNK_BLOCKS` blocks and about
 //! `MAX_CHUNK_BYTES`; a store too large for one chunk is split, the next
 //! piece naming the last block of the one before as its parent; blocks are
-//! encoded straight from their records, once.
+//! encoded straight from their records, once, and only by a walk whose
+//! chunks are sent.
 
 use std::collections::VecDeque;
 
@@ -16,10 +17,22 @@ use crate::state::{BlockRecord, StoreFields};
 use crate::wire::batch::{EventLen, OpenBatch};
 use crate::wire::event::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
 
+/// What a walk makes of its chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Output {
+    /// Every chunk's bytes: the chunks handed to subscribers.
+    Encoded,
+    /// Only where each chunk ends: the planning pass, which needs the chunk
+    /// count for the headers and would drop the bytes unread.
+    Boundaries,
+}
+
 /// One store event being encoded straight from block records: the store's
 /// own fields first, then its blocks (field order is free in protobuf).
 pub(super) struct StorePiece {
     store: Vec<u8>,
+    /// Bytes of blocks counted but not written (`Output::Boundaries`).
+    unwritten: usize,
     blocks: usize,
     last_hash: Option<i64>,
 }
@@ -30,34 +43,51 @@ impl StorePiece {
         fields.to_store(parent).encode_raw(&mut store);
         Self {
             store,
+            unwritten: 0,
             blocks: 0,
             last_hash: None,
         }
     }
 
-    fn add(&mut self, block: &BlockFields<'_>, block_len: usize) {
-        encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, &mut self.store);
-        encoding::encode_varint(block_len as u64, &mut self.store);
-        block.encode(&mut self.store);
+    fn add(&mut self, block: &BlockFields<'_>, block_len: usize, output: Output) {
+        let len = encoding::key_len(BLOCKS_FIELD)
+            + encoding::encoded_len_varint(block_len as u64)
+            + block_len;
+        match output {
+            Output::Encoded => {
+                encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, &mut self.store);
+                encoding::encode_varint(block_len as u64, &mut self.store);
+                block.encode(&mut self.store);
+            }
+            Output::Boundaries => self.unwritten += len,
+        }
         self.blocks += 1;
         self.last_hash = Some(block.hash);
+    }
+
+    /// The store's encoded length, blocks written or not.
+    fn store_len(&self) -> usize {
+        self.store.len() + self.unwritten
+    }
+
+    /// The `KvCacheEvent` body's length for a store of `store` bytes.
+    fn event_len(store: usize) -> usize {
+        encoding::key_len(STORED_FIELD) + encoding::encoded_len_varint(store as u64) + store
     }
 
     /// The event's length as a batch entry once a block of `block_len` more
     /// is added.
     fn entry_len_with(&self, block_len: usize) -> usize {
-        let store = self.store.len()
+        let store = self.store_len()
             + encoding::key_len(BLOCKS_FIELD)
             + encoding::encoded_len_varint(block_len as u64)
             + block_len;
-        let event =
-            encoding::key_len(STORED_FIELD) + encoding::encoded_len_varint(store as u64) + store;
-        EventLen::of_body(event).entry
+        EventLen::of_body(Self::event_len(store)).entry
     }
 
     /// The `KvCacheEvent` body (`event_id` 0 is the default: not written).
     fn into_event(self) -> Vec<u8> {
-        let mut event = Vec::with_capacity(self.store.len() + 8);
+        let mut event = Vec::with_capacity(Self::event_len(self.store.len()));
         encoding::encode_key(STORED_FIELD, WireType::LengthDelimited, &mut event);
         encoding::encode_varint(self.store.len() as u64, &mut event);
         event.extend_from_slice(&self.store);
@@ -66,44 +96,72 @@ impl StorePiece {
 }
 
 /// Cuts one rank's events into chunks within the block and byte limits.
+///
+/// Where a chunk ends depends only on the lengths counted here, never on
+/// the bytes, so a walk of `Output::Boundaries` ends its chunks exactly
+/// where one of `Output::Encoded` does.
 pub(super) struct Chunker {
+    output: Output,
     timestamp: f64,
+    /// Closed chunks (empty ones for `Output::Boundaries`).
     pub(super) done: VecDeque<OpenBatch>,
     open: OpenBatch,
+    /// Events in the open chunk.
+    open_events: usize,
+    /// Encoded bytes of the open chunk's events.
+    open_len: usize,
     open_blocks: usize,
     pub(super) blocks_total: u64,
 }
 
 impl Chunker {
-    pub(super) fn new(timestamp: f64) -> Self {
+    pub(super) fn new(timestamp: f64, output: Output) -> Self {
         Self {
+            output,
             timestamp,
             done: VecDeque::new(),
             open: OpenBatch::with_timestamp(timestamp),
+            open_events: 0,
+            open_len: 0,
             open_blocks: 0,
             blocks_total: 0,
         }
     }
 
     fn room(&self, blocks: usize, bytes: usize) -> bool {
-        self.open_blocks + blocks <= MAX_CHUNK_BLOCKS
-            && self.open.fits(usize::MAX, MAX_CHUNK_BYTES, bytes)
+        self.open_blocks + blocks <= MAX_CHUNK_BLOCKS && self.open_len + bytes <= MAX_CHUNK_BYTES
     }
 
     fn next_chunk(&mut self) {
+        debug_assert!(
+            self.output == Output::Boundaries || self.open.events_len() == self.open_len,
+            "a chunk's counted length is its encoded length"
+        );
         let full = std::mem::replace(&mut self.open, OpenBatch::with_timestamp(self.timestamp));
         self.done.push_back(full);
+        self.open_events = 0;
+        self.open_len = 0;
         self.open_blocks = 0;
+    }
+
+    /// Counts an event of `len` and `blocks` into the open chunk, after
+    /// closing it if the event does not fit.
+    fn admit(&mut self, len: EventLen, blocks: usize) {
+        if self.open_events > 0 && !self.room(blocks, len.entry) {
+            self.next_chunk();
+        }
+        self.open_events += 1;
+        self.open_len += len.entry;
+        self.open_blocks += blocks;
+        self.blocks_total += blocks as u64;
     }
 
     pub(super) fn push_event(&mut self, event: &KvCacheEvent, blocks: usize) {
         let len = EventLen::of(event);
-        if !self.open.is_empty() && !self.room(blocks, len.entry) {
-            self.next_chunk();
+        self.admit(len, blocks);
+        if self.output == Output::Encoded {
+            self.open.push(event, len, self.timestamp);
         }
-        self.open.push(event, len, self.timestamp);
-        self.open_blocks += blocks;
-        self.blocks_total += blocks as u64;
     }
 
     /// Adds a block to `piece`, a store of blocks with `fields`, each the
@@ -124,29 +182,24 @@ impl Chunker {
             self.push_piece(std::mem::replace(piece, next));
         }
         if piece.blocks == 0
-            && !self.open.is_empty()
+            && self.open_events > 0
             && !self.room(1, piece.entry_len_with(block_len))
         {
             self.next_chunk();
         }
-        piece.add(&block, block_len);
+        piece.add(&block, block_len, self.output);
     }
 
     pub(super) fn push_piece(&mut self, piece: StorePiece) {
-        let blocks = piece.blocks;
-        let event = piece.into_event();
-        let len = EventLen::of_body(event.len());
-        if !self.open.is_empty() && !self.room(blocks, len.entry) {
-            self.next_chunk();
+        let len = EventLen::of_body(StorePiece::event_len(piece.store_len()));
+        self.admit(len, piece.blocks);
+        if self.output == Output::Encoded {
+            self.open.push_encoded(&piece.into_event(), self.timestamp);
         }
-        self.open.push_encoded(&event, self.timestamp);
-        self.open_blocks += blocks;
-        self.blocks_total += blocks as u64;
     }
 
     /// Closes the rank's last chunk.
     pub(super) fn finish(&mut self) {
-        let last = std::mem::replace(&mut self.open, OpenBatch::with_timestamp(self.timestamp));
-        self.done.push_back(last);
+        self.next_chunk();
     }
 }

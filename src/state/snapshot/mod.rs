@@ -23,12 +23,11 @@
 //! chain being walked and a window of the next blocks in store order (an
 //! eighth of a tier at most, 16 bytes a block), never the whole snapshot. The
 //! chunk count goes in every header, so a first pass finds the chunk
-//! boundaries (encoding each chunk and dropping it) before the first chunk
-//! is handed out; that pass runs to its end in one call, so it takes the
-//! whole tier's store order in one scan instead of eight. The encoder owns
-//! its cut and the walk borrows from it (`self_cell`), so a block taken
-//! into a window is never looked up by hash again: those lookups, a chain
-//! of cache misses each, were most of a snapshot's time.
+//! boundaries, counting the blocks' bytes without writing them, before the
+//! first chunk is handed out; that pass runs to its end in one call, so it
+//! takes the whole tier's store order in one scan instead of eight. The encoder owns its cut and the
+//! walk borrows from it (`self_cell`), so a block taken into a window is
+//! never looked up by hash again (each lookup is a chain of cache misses).
 
 mod chunker;
 mod tier_walk;
@@ -42,7 +41,7 @@ use super::tier::Tier;
 use super::{RankBlocks, StateCut};
 use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 use crate::wire::OpenBatch;
-use chunker::Chunker;
+use chunker::{Chunker, Output};
 use tier_walk::{Reach, TierWalk};
 
 /// Most blocks in one snapshot chunk.
@@ -82,10 +81,10 @@ struct Plan {
 }
 
 impl SnapshotEncoder {
-    /// Finds the chunk boundaries of `cut`'s snapshot: a whole encoding
-    /// pass, keeping one chunk at a time. Blocking work.
+    /// Finds the chunk boundaries of `cut`'s snapshot: a whole walk of the
+    /// cut that counts bytes without writing them. Blocking work.
     pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
-        let mut planning = RawChunks::walk(Arc::clone(&cut), timestamp, Reach::Whole);
+        let mut planning = RawChunks::walk(Arc::clone(&cut), timestamp, Pass::Planning);
         let mut chunks_per_rank = BTreeMap::new();
         let mut count = 0u32;
         while let Some((rank, _)) = planning.next() {
@@ -98,7 +97,7 @@ impl SnapshotEncoder {
             chunks_per_rank,
         };
         Self {
-            chunks: RawChunks::walk(cut, timestamp, Reach::Eighth),
+            chunks: RawChunks::walk(cut, timestamp, Pass::Reading),
             plan,
             index: 0,
             current: None,
@@ -112,7 +111,10 @@ impl Iterator for SnapshotEncoder {
 
     /// Encodes the next chunk. Blocking work.
     fn next(&mut self) -> Option<Bytes> {
-        let (rank, chunk) = self.chunks.next()?;
+        let Some((rank, chunk)) = self.chunks.next() else {
+            debug_assert_eq!(self.index, self.plan.count, "the plan counted every chunk");
+            return None;
+        };
         let offset = match self.current {
             Some((current, offset)) if current == rank => offset + 1,
             _ => 0,
@@ -120,6 +122,10 @@ impl Iterator for SnapshotEncoder {
         self.current = Some((rank, offset));
         let cut = self.chunks.cut();
         let rank_chunks = self.plan.chunks_per_rank[&rank];
+        debug_assert!(
+            offset < rank_chunks,
+            "the plan counted rank {rank}'s chunks"
+        );
         let sequence = cut.last_sequences[&rank] + 1 - rank_chunks + offset;
         let header = KvSnapshotChunk {
             index: self.index,
@@ -143,12 +149,12 @@ self_cell::self_cell!(
 );
 
 impl RawChunks {
-    fn walk(cut: Arc<SnapshotCut>, timestamp: f64, reach: Reach) -> Self {
-        Self::new(cut, |cut| ChunkWalk::new(cut, timestamp, reach))
+    fn walk(cut: Arc<SnapshotCut>, timestamp: f64, pass: Pass) -> Self {
+        Self::new(cut, |cut| ChunkWalk::new(cut, timestamp, pass))
     }
 
     fn next(&mut self) -> Option<(u32, OpenBatch)> {
-        self.with_dependent_mut(|_, walk| walk.next())
+        self.with_dependent_mut(|cut, walk| walk.next(cut))
     }
 
     fn cut(&self) -> &SnapshotCut {
@@ -161,12 +167,37 @@ impl RawChunks {
     }
 }
 
+/// Which of a snapshot's two walks of its cut this is.
+#[derive(Clone, Copy, Debug)]
+enum Pass {
+    /// Finds where every chunk ends, for the headers' count: runs to its
+    /// end within one call, under an encode slot.
+    Planning,
+    /// Encodes the chunks one at a time as a subscriber reads them.
+    Reading,
+}
+
+impl Pass {
+    fn reach(self) -> Reach {
+        match self {
+            Pass::Planning => Reach::Whole,
+            Pass::Reading => Reach::Eighth,
+        }
+    }
+
+    fn output(self) -> Output {
+        match self {
+            Pass::Planning => Output::Boundaries,
+            Pass::Reading => Output::Encoded,
+        }
+    }
+}
+
 /// Where the walk of a cut has got to, borrowing the blocks it has taken
 /// into its windows from the cut.
 struct ChunkWalk<'cut> {
-    cut: &'cut SnapshotCut,
     timestamp: f64,
-    reach: Reach,
+    pass: Pass,
     /// Ranks in emission order: every other rank, then rank 0.
     ranks: Vec<u32>,
     next_rank: usize,
@@ -176,14 +207,13 @@ struct ChunkWalk<'cut> {
 }
 
 impl<'cut> ChunkWalk<'cut> {
-    fn new(cut: &'cut SnapshotCut, timestamp: f64, reach: Reach) -> Self {
+    fn new(cut: &'cut SnapshotCut, timestamp: f64, pass: Pass) -> Self {
         let rank0 = cut.last_sequences.get_key_value(&0);
         let others = cut.last_sequences.range(1..);
         let ranks = others.chain(rank0).map(|(&rank, _)| rank).collect();
         Self {
-            cut,
             timestamp,
-            reach,
+            pass,
             ranks,
             next_rank: 0,
             walking: None,
@@ -191,12 +221,12 @@ impl<'cut> ChunkWalk<'cut> {
         }
     }
 
-    fn next(&mut self) -> Option<(u32, OpenBatch)> {
+    fn next(&mut self, cut: &'cut SnapshotCut) -> Option<(u32, OpenBatch)> {
         loop {
             let Some(walking) = &mut self.walking else {
                 let &rank = self.ranks.get(self.next_rank)?;
                 self.next_rank += 1;
-                self.walking = Some(RankWalk::new(rank, self.timestamp, self.reach));
+                self.walking = Some(RankWalk::new(rank, self.timestamp, self.pass));
                 continue;
             };
             if let Some(chunk) = walking.chunker.done.pop_front() {
@@ -207,7 +237,7 @@ impl<'cut> ChunkWalk<'cut> {
                 self.walking = None;
                 continue;
             }
-            walking.advance(self.cut.state.get(&walking.rank));
+            walking.advance(cut.state.get(&walking.rank));
         }
     }
 }
@@ -215,7 +245,6 @@ impl<'cut> ChunkWalk<'cut> {
 /// One rank's walk: an ownerless clear, then every live block, tier by tier.
 struct RankWalk<'cut> {
     rank: u32,
-    reach: Reach,
     /// Tiers walked so far, in `Tier::ALL` order.
     tiers_done: usize,
     tier_walk: TierWalk<'cut>,
@@ -224,14 +253,13 @@ struct RankWalk<'cut> {
 }
 
 impl<'cut> RankWalk<'cut> {
-    fn new(rank: u32, timestamp: f64, reach: Reach) -> Self {
-        let mut chunker = Chunker::new(timestamp);
+    fn new(rank: u32, timestamp: f64, pass: Pass) -> Self {
+        let mut chunker = Chunker::new(timestamp, pass.output());
         chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
         Self {
             rank,
-            reach,
             tiers_done: 0,
-            tier_walk: TierWalk::new(reach),
+            tier_walk: TierWalk::new(pass.reach()),
             chunker,
             finished: false,
         }
@@ -244,7 +272,7 @@ impl<'cut> RankWalk<'cut> {
                 (Some(blocks), Some(&tier)) => {
                     if !self.tier_walk.step(blocks, tier, &mut self.chunker) {
                         self.tiers_done += 1;
-                        self.tier_walk = TierWalk::new(self.reach);
+                        self.tier_walk = TierWalk::new(self.tier_walk.reach);
                     }
                 }
                 _ => {
@@ -423,6 +451,71 @@ mod tests {
         assert_eq!(stores.len(), 3);
         assert!(stores.iter().all(|(_, hashes)| hashes == &vec![7]));
         assert_eq!(batches[0].snapshot.unwrap().blocks, 3);
+    }
+
+    /// Every chunk `reach` and `output` make of rank 0's device tier.
+    fn tier_chunks(state: &LiveState, reach: Reach, output: Output) -> Vec<Bytes> {
+        let blocks = state.rank(0).unwrap();
+        let mut chunker = Chunker::new(1.0, output);
+        let mut walk = TierWalk::new(reach);
+        while walk.step(blocks, KvCacheTier::Device, &mut chunker) {}
+        chunker.finish();
+        chunker
+            .done
+            .into_iter()
+            .map(|chunk| chunk.encode(0, 1, None))
+            .collect()
+    }
+
+    #[test]
+    fn the_planning_walk_ends_its_chunks_exactly_where_the_reading_walk_does() {
+        let mut state = LiveState::default();
+        // 400 chains of 50: several windows of the reading walk.
+        let chains: Vec<i64> = (0..400).map(|chain| chain * 100).collect();
+        for &first in &chains {
+            let hashes: Vec<i64> = (first..first + 50).collect();
+            store(&mut state, 0, None, &hashes, 4);
+        }
+        // Roots evicted and stored again after their chains (their
+        // children pull them out ahead of their turn), across windows; and
+        // extra copies.
+        for &first in chains.iter().step_by(7) {
+            let mut evict = KvCacheEvent {
+                event_id: 1,
+                data: Some(Data::Removed(crate::proto::common::KvBlocksRemoved {
+                    block_hashes: vec![first],
+                    tier: Some(KvCacheTier::Device as i32),
+                    ..Default::default()
+                })),
+            };
+            state.apply(0, &mut evict);
+            store(&mut state, 0, None, &[first], 4);
+        }
+        for &first in chains.iter().step_by(5) {
+            store(&mut state, 0, None, &[first + 10], 4);
+        }
+        let whole = tier_chunks(&state, Reach::Whole, Output::Encoded);
+        let windowed = tier_chunks(&state, Reach::Eighth, Output::Encoded);
+        assert!(whole.len() > 5, "{} chunks", whole.len());
+        assert!(whole == windowed, "the same chunks, byte for byte");
+        let planned = tier_chunks(&state, Reach::Whole, Output::Boundaries);
+        assert_eq!(planned.len(), windowed.len());
+
+        let batches = snapshot_of(&state, &[(0, 100_000)]);
+        assert_eq!(batches.len(), windowed.len());
+        let blocks: usize = batches
+            .iter()
+            .flat_map(stored_hashes)
+            .map(|(_, hashes)| hashes.len())
+            .sum();
+        assert_eq!(blocks, 400 * 50 + 80);
+        for (index, batch) in batches.iter().enumerate() {
+            let header = batch.snapshot.unwrap();
+            assert_eq!(header.index as usize, index);
+            assert_eq!(header.count as usize, batches.len());
+            assert_eq!(header.blocks, blocks as u64);
+        }
+        assert_eq!(batches.last().unwrap().sequence_number, 100_000);
     }
 
     #[test]

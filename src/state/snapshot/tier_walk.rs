@@ -23,12 +23,12 @@ const MIN_WINDOW: usize = 4096;
 const WINDOW_SCANS: usize = 8;
 
 /// How much of a tier's store order a walk holds at once.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub(super) enum Reach {
-    /// An eighth of the tier, found by one scan each (eight in all): for
-    /// the walk that hands chunks out as a subscriber reads them, which
-    /// holds its window for as long as the subscriber keeps it waiting.
-    #[default]
+    /// An eighth of the tier (at least `MIN_WINDOW` blocks), found by one
+    /// scan each: for the walk that hands chunks out as a subscriber reads
+    /// them, which holds its window as long as the subscriber keeps it
+    /// waiting.
     Eighth,
     /// The whole tier, found by one scan: for the planning walk, which runs
     /// to its end within one call under an encode slot (at most
@@ -50,9 +50,8 @@ type Entry<'cut> = &'cut (i64, BlockRecord);
 /// one scan of the tier), so a walk of `Reach::Eighth` never holds the
 /// whole tier's order. The window keeps a reference to each block it took,
 /// so no block is looked up again by hash.
-#[derive(Default)]
 pub(super) struct TierWalk<'cut> {
-    reach: Reach,
+    pub(super) reach: Reach,
     /// The next blocks with their orders, largest first (taken from the end).
     window: Vec<(u64, Entry<'cut>)>,
     /// Largest order taken into a window so far.
@@ -78,7 +77,12 @@ impl<'cut> TierWalk<'cut> {
     pub(super) fn new(reach: Reach) -> Self {
         Self {
             reach,
-            ..Self::default()
+            window: Vec::new(),
+            taken_through: None,
+            exhausted: false,
+            early: FxHashSet::default(),
+            run: PathWriter::default(),
+            run_last: None,
         }
     }
 
@@ -141,7 +145,9 @@ impl<'cut> TierWalk<'cut> {
             prefetch(entry);
         }
         if let Some(entry) = ahead(PREFETCH_TOKENS) {
-            prefetch(entry.1.tokens.slice.as_ptr());
+            // `ptr`, not the slice: the slice's length is read from the
+            // very allocation being fetched.
+            prefetch(entry.1.tokens.ptr());
         }
         Some(next)
     }
@@ -149,22 +155,21 @@ impl<'cut> TierWalk<'cut> {
     /// Takes the next window: the smallest orders above `taken_through`.
     fn refill(&mut self, blocks: &'cut RankBlocks, tier: Tier) {
         let tier_blocks = usize::try_from(blocks.counts()[tier]).unwrap_or(usize::MAX);
-        let size = match self.reach {
-            Reach::Eighth => (tier_blocks / WINDOW_SCANS).max(MIN_WINDOW),
-            // More than the tier's blocks (copies counted): one scan takes
-            // every block and leaves the walk exhausted.
-            Reach::Whole => tier_blocks.saturating_add(1),
+        // The most blocks a window may hold; a whole-tier walk takes every
+        // block in one scan.
+        let limit = match self.reach {
+            Reach::Eighth => Some((tier_blocks / WINDOW_SCANS).max(MIN_WINDOW)),
+            Reach::Whole => None,
         };
         let keep_smallest = |window: &mut Vec<(u64, Entry<'cut>)>| {
-            if window.len() > size {
+            if let Some(size) = limit
+                && window.len() > size
+            {
                 window.select_nth_unstable_by_key(size - 1, |&(order, _)| order);
                 window.truncate(size);
             }
         };
         let mut window = std::mem::take(&mut self.window);
-        if let Reach::Whole = self.reach {
-            window.reserve_exact(tier_blocks);
-        }
         let after = self.taken_through;
         for entry in blocks.tier_entries(tier) {
             let order = entry.1.order();
@@ -172,15 +177,17 @@ impl<'cut> TierWalk<'cut> {
                 continue;
             }
             window.push((order, entry));
-            if window.len() == 2 * size {
+            if limit.is_some_and(|size| window.len() == 2 * size) {
                 keep_smallest(&mut window);
             }
         }
         keep_smallest(&mut window);
-        // Held until the window is used up, maybe while a subscriber waits:
-        // not the room it took to find it.
-        window.shrink_to_fit();
-        self.exhausted = window.len() < size;
+        self.exhausted = limit.is_none_or(|size| window.len() < size);
+        if limit.is_some() {
+            // Held until it is used up, maybe while a subscriber waits: not
+            // the room it took to find it.
+            window.shrink_to_fit();
+        }
         window.sort_unstable_by_key(|&(order, _)| std::cmp::Reverse(order));
         self.taken_through = window.first().map(|&(order, _)| order).or(after);
         self.window = window;
