@@ -142,7 +142,10 @@ impl<'cut> TierWalk<'cut> {
             (len >= distance).then(|| self.window[len - distance].1)
         };
         if let Some(entry) = ahead(PREFETCH_RECORDS) {
-            prefetch(entry);
+            // Entries are 56 bytes, so most straddle two cache lines.
+            let first = std::ptr::from_ref(entry).cast::<u8>();
+            prefetch(first);
+            prefetch(first.wrapping_add(size_of_val(entry) - 1));
         }
         if let Some(entry) = ahead(PREFETCH_TOKENS) {
             // `ptr`, not the slice: the slice's length is read from the
