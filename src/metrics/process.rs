@@ -28,13 +28,12 @@ impl Collector for ProcessCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let sample = ProcessSample::read();
         if let Some(seconds) = sample.cpu_seconds {
-            let metric = ConstCounter::new(seconds);
-            metric.encode(encoder.encode_descriptor(
+            encode_one(
+                &mut encoder,
                 "process_cpu_seconds",
                 "User and system CPU time spent by kvgate, in seconds",
-                None,
-                metric.metric_type(),
-            )?)?;
+                ConstCounter::new(seconds),
+            )?;
         }
         let gauges = [
             (
@@ -55,26 +54,29 @@ impl Collector for ProcessCollector {
         ];
         for (name, help, value) in gauges {
             if let Some(value) = value {
-                let metric = ConstGauge::new(value);
-                metric.encode(encoder.encode_descriptor(
-                    name,
-                    help,
-                    None,
-                    metric.metric_type(),
-                )?)?;
+                encode_one(&mut encoder, name, help, ConstGauge::new(value))?;
             }
         }
         if let Some(seconds) = sample.start_time_seconds {
-            let metric = ConstGauge::new(seconds);
-            metric.encode(encoder.encode_descriptor(
+            encode_one(
+                &mut encoder,
                 "process_start_time_seconds",
                 "Start time of kvgate since the Unix epoch, in seconds",
-                None,
-                metric.metric_type(),
-            )?)?;
+                ConstGauge::new(seconds),
+            )?;
         }
         Ok(())
     }
+}
+
+/// Writes one unlabelled metric with its descriptor.
+fn encode_one(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    metric: impl EncodeMetric,
+) -> Result<(), std::fmt::Error> {
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
 }
 
 #[cfg(target_os = "linux")]
