@@ -51,6 +51,57 @@ pub(crate) struct Reader<'a> {
     pos: usize,
 }
 
+/// How [`Reader::u32_array`] reads a cell from its marker and the 4 bytes
+/// after it, held as one `u64` (marker above them): shift it right by
+/// `shift`, keep `mask`, step `width` bytes.
+#[derive(Clone, Copy)]
+struct U32Cell {
+    shift: u8,
+    mask: u64,
+    width: u8,
+    /// Not an unsigned int that fits a `u32`: the fast path gives up.
+    foreign: bool,
+}
+
+const U32_CELLS: [U32Cell; 256] = {
+    let foreign = U32Cell {
+        shift: 0,
+        mask: 0,
+        width: 1,
+        foreign: true,
+    };
+    let mut cells = [foreign; 256];
+    let mut marker = 0;
+    while marker < 0x80 {
+        cells[marker] = U32Cell {
+            shift: 32,
+            mask: 0x7f,
+            width: 1,
+            foreign: false,
+        };
+        marker += 1;
+    }
+    cells[0xcc] = U32Cell {
+        shift: 24,
+        mask: 0xff,
+        width: 2,
+        foreign: false,
+    };
+    cells[0xcd] = U32Cell {
+        shift: 16,
+        mask: 0xffff,
+        width: 3,
+        foreign: false,
+    };
+    cells[0xce] = U32Cell {
+        shift: 0,
+        mask: 0xffff_ffff,
+        width: 5,
+        foreign: false,
+    };
+    cells
+};
+
 impl<'a> Reader<'a> {
     pub(crate) fn new(buf: &'a [u8]) -> Self {
         Reader { buf, pos: 0 }
@@ -109,23 +160,45 @@ impl<'a> Reader<'a> {
         let Ok(Item::Array(len)) = probe.item() else {
             return None;
         };
+        let count = len as usize;
+        if probe.room_for(len, 1) < count {
+            return None;
+        }
         out.clear();
-        out.reserve(probe.room_for(len, 1));
-        for _ in 0..len {
-            let rest = probe.buf.get(probe.pos..)?;
-            let (value, width) = match *rest.first()? {
-                byte @ 0x00..=0x7f => (u32::from(byte), 1),
-                0xcc => (u32::from(*rest.get(1)?), 2),
-                0xcd => (
-                    u32::from(u16::from_be_bytes(*rest.get(1..3)?.first_chunk()?)),
-                    3,
-                ),
-                0xce => (u32::from_be_bytes(*rest.get(1..5)?.first_chunk()?), 5),
+        out.resize(count, 0);
+        let mut rest = probe.buf.get(probe.pos..)?;
+        // Token widths follow no pattern (a 150k vocabulary is half 16-bit,
+        // half 32-bit), so while a whole 32-bit cell fits, each cell is read
+        // without a branch on its marker: its 4 following bytes are loaded
+        // whatever it is and a table says which of them it owns.
+        let mut foreign = false;
+        let mut read = 0;
+        for slot in out.iter_mut() {
+            let Some(&[marker, ref word @ ..]) = rest.first_chunk::<5>() else {
+                break;
+            };
+            let cell = U32_CELLS[usize::from(marker)];
+            let wide = u64::from(marker) << 32 | u64::from(u32::from_be_bytes(*word));
+            *slot = ((wide >> cell.shift) & cell.mask) as u32;
+            foreign |= cell.foreign;
+            rest = &rest[usize::from(cell.width)..];
+            read += 1;
+        }
+        if foreign {
+            return None;
+        }
+        for slot in &mut out[read..] {
+            let (value, width) = match *rest {
+                [byte @ 0x00..=0x7f, ..] => (u32::from(byte), 1),
+                [0xcc, byte, ..] => (u32::from(byte), 2),
+                [0xcd, high, low, ..] => (u32::from(u16::from_be_bytes([high, low])), 3),
+                [0xce, a, b, c, d, ..] => (u32::from_be_bytes([a, b, c, d]), 5),
                 _ => return None,
             };
-            probe.pos += width;
-            out.push(value);
+            *slot = value;
+            rest = &rest[width..];
         }
+        probe.pos = probe.buf.len() - rest.len();
         *self = probe;
         Some(())
     }
@@ -438,6 +511,44 @@ mod u32_array_tests {
             values
         );
         assert_eq!(reader.remaining(), 0);
+    }
+
+    #[test]
+    fn a_long_token_array_is_read_whole_up_to_the_bytes_after_it() {
+        let values: Vec<u64> = (0..1000u64)
+            .map(|i| [i % 128, 200, 40_000, 3_000_000, u64::from(u32::MAX)][(i % 5) as usize])
+            .collect();
+        let mut bytes = encoded(&values);
+        bytes.extend_from_slice(&[0xc0, 0xce, 0xff, 0xff]);
+        let mut reader = Reader::new(&bytes);
+        let mut out = Vec::new();
+        assert_eq!(reader.u32_array(&mut out), Some(()));
+        assert!(out.iter().map(|&v| u64::from(v)).eq(values.iter().copied()));
+        assert_eq!(reader.remaining(), 4, "the next values are left unread");
+    }
+
+    #[test]
+    fn a_foreign_cell_anywhere_in_a_long_array_sends_it_to_the_general_path() {
+        let plain: Vec<u64> = (0..100).map(|i| i * 1_000).collect();
+        for at in [0, 50, 98, 99] {
+            for foreign in [0xcf, 0xd0, 0xff, 0xc0, 0xa1] {
+                let mut bytes = encoded(&plain);
+                let header = 3;
+                let cell = header
+                    + plain[..at]
+                        .iter()
+                        .map(|&value| encoded(&[value]).len() - 1)
+                        .sum::<usize>();
+                bytes[cell] = foreign;
+                let mut reader = Reader::new(&bytes);
+                assert_eq!(
+                    reader.u32_array(&mut Vec::new()),
+                    None,
+                    "{foreign:#x} at {at}"
+                );
+                assert_eq!(reader.remaining(), bytes.len());
+            }
+        }
     }
 
     #[test]

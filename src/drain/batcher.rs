@@ -54,7 +54,6 @@ pub struct Batcher {
     open: OpenBatch,
     /// The event being added, encoded (reused from event to event).
     encoded: Vec<u8>,
-    scratch: Vec<u8>,
 }
 
 impl Batcher {
@@ -65,7 +64,6 @@ impl Batcher {
             max_bytes: limits.max_bytes.min(MAX_EVENTS_BYTES),
             open: OpenBatch::default(),
             encoded: Vec::new(),
-            scratch: Vec::new(),
         }
     }
 
@@ -97,11 +95,9 @@ impl Batcher {
                 }
             }
         }
-        // An outsized event must not keep its buffers' size for good.
-        for buffer in [&mut self.encoded, &mut self.scratch] {
-            buffer.clear();
-            buffer.shrink_to(self.max_bytes);
-        }
+        // An outsized event must not keep its buffer's size for good.
+        self.encoded.clear();
+        self.encoded.shrink_to(self.max_bytes);
     }
 
     /// Hands over the batch being filled, if it has any event.
@@ -111,7 +107,7 @@ impl Batcher {
 
     /// Encodes `event` into `self.encoded`; returns its length as an entry.
     fn encode(&mut self, event: &mut KvCacheEvent) -> usize {
-        encode_event(event, &mut self.encoded, &mut self.scratch);
+        encode_event(event, &mut self.encoded);
         EventLen::of_body(self.encoded.len()).entry
     }
 
@@ -499,7 +495,6 @@ pub(super) mod tests {
         let huge = store_of(vec![block(1, 1_200_000, 3_000_000)], Some("salt".into()));
         batcher.push(huge, 1.0, &mut |_| {});
         assert!(batcher.encoded.capacity() <= 4096);
-        assert!(batcher.scratch.capacity() <= 4096);
     }
 
     #[test]

@@ -10,11 +10,13 @@
 //! `&(key, value)` instead of the key and a second lookup.
 
 use std::hash::BuildHasher;
-use std::sync::Arc;
 
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
 use rustc_hash::FxBuildHasher;
+// Not std's: its uniqueness check is a compare-and-swap (it must rule out
+// weak references), one per write here; triomphe's is a load.
+use triomphe::Arc;
 
 use super::prefetch::prefetch;
 
@@ -96,8 +98,9 @@ impl<V: Clone> CowMap<V> {
         Some(Arc::make_mut(shard))
     }
 
-    /// Stores `value` under `key`, replacing any value it had.
-    pub fn insert(&mut self, key: i64, value: V) {
+    /// The value of `key` for writing, or, if it has none, `make()` stored
+    /// under it: one probe either way.
+    pub fn find_or_insert_with(&mut self, key: i64, make: impl FnOnce() -> V) -> Found<'_, V> {
         if self.shards.is_empty() {
             // Every shard starts as the same empty map; writes split them off.
             let empty = Arc::new(Shard::default());
@@ -105,9 +108,10 @@ impl<V: Clone> CowMap<V> {
         }
         let shard = Arc::make_mut(&mut self.shards[shard_of(key)]);
         match shard.entry(hash_of(key), is_key(key), |entry| hash_of(entry.0)) {
-            Entry::Occupied(mut occupied) => occupied.get_mut().1 = value,
+            Entry::Occupied(occupied) => Found::Existing(&mut occupied.into_mut().1),
             Entry::Vacant(vacant) => {
-                vacant.insert((key, value));
+                vacant.insert((key, make()));
+                Found::Inserted
             }
         }
     }
@@ -129,7 +133,7 @@ impl<V: Clone> CowMap<V> {
             // fetching a later shard's header while this one is read keeps
             // a scan from waiting at every shard's start.
             if let Some(ahead) = self.shards.get(index + PREFETCH_SHARDS) {
-                prefetch(Arc::as_ptr(ahead));
+                prefetch::<Shard<V>>(&**ahead);
             }
             shard.iter()
         })
@@ -140,6 +144,14 @@ impl<V: Clone> CowMap<V> {
     }
 }
 
+/// What [`CowMap::find_or_insert_with`] did.
+pub enum Found<'a, V> {
+    /// `key` had a value, here for writing.
+    Existing(&'a mut V),
+    /// `key` had none and now has the one made.
+    Inserted,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,9 +160,13 @@ mod tests {
     fn it_behaves_as_a_map() {
         let mut map = CowMap::default();
         for key in -500..500 {
-            map.insert(key, key * 2);
+            map.find_or_insert_with(key, || key * 2);
         }
         assert_eq!(map.iter().count(), 1000);
+        assert!(matches!(
+            map.find_or_insert_with(-7, || unreachable!()),
+            Found::Existing(-14)
+        ));
         assert_eq!(map.get(-7), Some(&-14));
         assert_eq!(map.entry(-7), Some(&(-7, -14)));
         assert_eq!(map.entries().count(), 1000);
@@ -170,7 +186,7 @@ mod tests {
     fn identity_map(keys: std::ops::Range<i64>) -> CowMap<i64> {
         let mut map = CowMap::default();
         for key in keys {
-            map.insert(key, key);
+            map.find_or_insert_with(key, || key);
         }
         map
     }
@@ -192,7 +208,7 @@ mod tests {
             map.remove(key);
         }
         *map.get_mut(9_999).unwrap() = -1;
-        map.insert(20_000, 1);
+        map.find_or_insert_with(20_000, || 1);
         assert_eq!(frozen.iter().count(), 10_000);
         assert_eq!(frozen.get(0), Some(&0));
         assert_eq!(frozen.get(9_999), Some(&9_999));
@@ -206,7 +222,7 @@ mod tests {
     fn a_write_to_a_shared_map_copies_only_the_shard_it_touches() {
         let mut map = identity_map(0..100_000);
         let frozen = map.clone();
-        map.insert(1_000_000, 0);
+        map.find_or_insert_with(1_000_000, || 0);
         assert_eq!(shards_copied(&map, &frozen), 1);
     }
 

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use triomphe::ThinArc;
 
 use crate::wire::event::BlockFields;
-use cow_map::CowMap;
+use cow_map::{CowMap, Found};
 use tier::{PerTier, Tier, TierCounts};
 
 use crate::proto::common::{
@@ -280,27 +280,25 @@ impl LiveState {
         let mut parent = stored.parent_block_hash;
         for block in &stored.blocks {
             let hash = block.block_hash;
-            if let Some(live) = map.get_mut(hash) {
-                if live.copies < MAX_COPIES {
+            let order = self.next_order;
+            let found = map.find_or_insert_with(hash, || BlockRecord {
+                parent: parent.unwrap_or_default(),
+                has_parent: parent.is_some(),
+                tokens: ThinArc::from_header_and_iter((), block.token_ids.iter().copied()),
+                extra_keys: (!block.extra_keys.is_empty())
+                    .then(|| Box::new(ExtraKeys(block.extra_keys.clone()))),
+                fields: Arc::clone(&fields),
+                order,
+                block_size: block.block_size,
+                copies: 1,
+            });
+            match found {
+                Found::Inserted => *copies += 1,
+                Found::Existing(live) if live.copies < MAX_COPIES => {
                     live.copies += 1;
                     *copies += 1;
                 }
-            } else {
-                *copies += 1;
-                map.insert(
-                    hash,
-                    BlockRecord {
-                        parent: parent.unwrap_or_default(),
-                        has_parent: parent.is_some(),
-                        tokens: ThinArc::from_header_and_iter((), block.token_ids.iter().copied()),
-                        extra_keys: (!block.extra_keys.is_empty())
-                            .then(|| Box::new(ExtraKeys(block.extra_keys.clone()))),
-                        fields: Arc::clone(&fields),
-                        order: self.next_order,
-                        block_size: block.block_size,
-                        copies: 1,
-                    },
-                );
+                Found::Existing(_) => {}
             }
             self.next_order += 1;
             parent = Some(hash);

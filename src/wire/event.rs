@@ -64,37 +64,36 @@ impl BlockFields<'_> {
     /// Writes the `KvBlock` body (prost's field order, so byte-identical).
     pub fn encode(&self, buf: &mut Vec<u8>) {
         if self.hash != 0 {
-            encoding::int64::encode(1, &self.hash, buf);
+            put_varint_field(1, self.hash as u64, buf);
         }
         if !self.tokens.is_empty() {
-            encoding::encode_key(2, WireType::LengthDelimited, buf);
-            encoding::encode_varint(packed_len(self.tokens) as u64, buf);
-            encode_packed(self.tokens, buf);
+            // 16 tokens, the usual block, take at most 80 bytes.
+            write_delimited(2, 1, buf, |buf| encode_packed(self.tokens, buf));
         }
+        // An `int32` is written sign-extended to 64 bits, as prost does.
         if self.block_size != 0 {
-            encoding::int32::encode(3, &self.block_size, buf);
+            put_varint_field(3, i64::from(self.block_size) as u64, buf);
         }
-        if let Some(lora_id) = &self.lora_id {
-            encoding::int64::encode(4, lora_id, buf);
+        if let Some(lora_id) = self.lora_id {
+            put_varint_field(4, lora_id as u64, buf);
         }
-        if let Some(cache_level) = &self.cache_level {
-            encoding::int32::encode(5, cache_level, buf);
+        if let Some(cache_level) = self.cache_level {
+            put_varint_field(5, i64::from(cache_level) as u64, buf);
         }
         encoding::message::encode_repeated(6, self.extra_keys, buf);
     }
 
     /// Writes the block as one `blocks` entry of a `KvBlocksStored`.
     pub fn encode_entry(&self, buf: &mut Vec<u8>) {
-        encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, buf);
-        encoding::encode_varint(self.encoded_len() as u64, buf);
-        self.encode(buf);
+        // A 16-token block takes under 128 bytes unless its tokens are large.
+        write_delimited(BLOCKS_FIELD, 1, buf, |buf| self.encode(buf));
     }
 }
 
 /// Writes the body of `event` into `out` (cleared first). The blocks of a
 /// store are set aside while prost writes the store's other fields, so the
 /// event is borrowed mutably but left as it was.
-pub fn encode_event(event: &mut KvCacheEvent, out: &mut Vec<u8>, scratch: &mut Vec<u8>) {
+pub fn encode_event(event: &mut KvCacheEvent, out: &mut Vec<u8>) {
     out.clear();
     if event.event_id != 0 {
         encoding::uint64::encode(EVENT_ID_FIELD, &event.event_id, out);
@@ -102,56 +101,112 @@ pub fn encode_event(event: &mut KvCacheEvent, out: &mut Vec<u8>, scratch: &mut V
     match event.data.as_mut() {
         Some(Data::Stored(stored)) if !stored.blocks.is_empty() => {
             let blocks = std::mem::take(&mut stored.blocks);
-            scratch.clear();
-            stored.encode_raw(scratch);
-            for block in &blocks {
-                BlockFields::from(block).encode_entry(scratch);
-            }
+            let guess = encoding::encoded_len_varint((blocks.len() * TYPICAL_ENTRY_BYTES) as u64);
+            write_delimited(STORED_FIELD, guess, out, |out| {
+                stored.encode_raw(out);
+                for block in &blocks {
+                    BlockFields::from(block).encode_entry(out);
+                }
+            });
             stored.blocks = blocks;
-            encoding::encode_key(STORED_FIELD, WireType::LengthDelimited, out);
-            encoding::encode_varint(scratch.len() as u64, out);
-            out.extend_from_slice(scratch);
         }
         Some(data) => data.encode(out),
         None => {}
     }
 }
 
-/// Bytes of `tokens` as packed varints.
-fn packed_len(tokens: &[u32]) -> usize {
-    tokens
-        .iter()
-        // 1 byte per started 7 bits, as `encoded_len_varint` counts.
-        .map(|&token| ((31 - (token | 1).leading_zeros()) * 9 + 73) as usize / 64)
-        .sum()
+/// About what one 16-token block's entry takes, to guess a store's length
+/// width before writing it.
+const TYPICAL_ENTRY_BYTES: usize = 64;
+
+/// Writes field `field`, length-delimited, with the body `write` appends:
+/// room for the length is left at `width_guess` bytes and the body is moved
+/// only if its length needs another width, so no body is measured before it
+/// is written. The length is a minimal varint, as prost writes it.
+fn write_delimited(
+    field: u32,
+    width_guess: usize,
+    buf: &mut Vec<u8>,
+    write: impl FnOnce(&mut Vec<u8>),
+) {
+    buf.push(one_byte_key(field, WireType::LengthDelimited));
+    let at = buf.len();
+    buf.resize(at + width_guess, 0);
+    write(buf);
+    let body = buf.len() - at - width_guess;
+    let width = encoding::encoded_len_varint(body as u64);
+    if width != width_guess {
+        buf.resize(buf.len().max(at + width + body), 0);
+        buf.copy_within(at + width_guess..at + width_guess + body, at + width);
+        buf.truncate(at + width + body);
+    }
+    let mut length = body as u64;
+    for byte in &mut buf[at..at + width] {
+        *byte = length as u8 | 0x80;
+        length >>= 7;
+    }
+    buf[at + width - 1] &= 0x7f;
 }
 
-/// Writes `tokens` as packed varints, each in one store.
-fn encode_packed(tokens: &[u32], buf: &mut Vec<u8>) {
-    buf.reserve(tokens.len() * 5);
-    for &token in tokens {
-        let low = token as u8;
-        match token {
-            0..0x80 => buf.push(low),
-            0x80..0x4000 => buf.extend_from_slice(&[low | 0x80, (token >> 7) as u8]),
-            0x4000..0x20_0000 => {
-                buf.extend_from_slice(&[low | 0x80, (token >> 7) as u8 | 0x80, (token >> 14) as u8])
-            }
-            0x20_0000..0x1000_0000 => buf.extend_from_slice(&[
-                low | 0x80,
-                (token >> 7) as u8 | 0x80,
-                (token >> 14) as u8 | 0x80,
-                (token >> 21) as u8,
-            ]),
-            _ => buf.extend_from_slice(&[
-                low | 0x80,
-                (token >> 7) as u8 | 0x80,
-                (token >> 14) as u8 | 0x80,
-                (token >> 21) as u8 | 0x80,
-                (token >> 28) as u8,
-            ]),
-        }
+/// Writes a varint field of a `KvBlock`. Not prost's writer: that one goes through `BufMut` a byte at a
+/// time, and each hash is 9 or 10 bytes.
+fn put_varint_field(field: u32, value: u64, buf: &mut Vec<u8>) {
+    buf.reserve(11);
+    buf.push(one_byte_key(field, WireType::Varint));
+    put_varint(value, buf);
+}
+
+/// The key of a field numbered below 16, the one byte prost writes for it.
+fn one_byte_key(field: u32, wire_type: WireType) -> u8 {
+    debug_assert!(field < 16);
+    (field << 3 | wire_type as u32) as u8
+}
+
+fn put_varint(mut value: u64, buf: &mut Vec<u8>) {
+    while value >= 0x80 {
+        buf.push(value as u8 | 0x80);
+        value >>= 7;
     }
+    buf.push(value as u8);
+}
+
+/// Bytes of `tokens` as packed varints.
+fn packed_len(tokens: &[u32]) -> usize {
+    tokens.iter().map(|&token| varint_of(token).1).sum()
+}
+
+/// Writes `tokens` as packed varints. Token widths follow no pattern, so
+/// each varint is built without a branch on its width and stored as 8 bytes
+/// into a staging array, where the next one overwrites what it did not use;
+/// the array goes into `buf` once per 16 tokens.
+fn encode_packed(tokens: &[u32], buf: &mut Vec<u8>) {
+    const TOKENS_STAGED: usize = 16;
+    for chunk in tokens.chunks(TOKENS_STAGED) {
+        let mut staged = [0u8; TOKENS_STAGED * 5 + 8];
+        let mut len = 0;
+        for &token in chunk {
+            let (varint, width) = varint_of(token);
+            staged[len..len + 8].copy_from_slice(&varint.to_le_bytes());
+            len += width;
+        }
+        buf.extend_from_slice(&staged[..len]);
+    }
+}
+
+/// `token` as a varint in the low bytes of a little-endian `u64`, and its
+/// width in bytes (1 to 5).
+fn varint_of(token: u32) -> (u64, usize) {
+    let value = u64::from(token);
+    let spread = (value & 0x7f)
+        | (value & 0x3f80) << 1
+        | (value & 0x1f_c000) << 2
+        | (value & 0xfe0_0000) << 3
+        | (value & 0xf000_0000) << 4;
+    // 1 byte per started 7 bits, as `encoded_len_varint` counts.
+    let width = ((31 - (token | 1).leading_zeros()) * 9 + 73) as usize / 64;
+    // Every byte but the last has its continuation bit.
+    let continuation = 0x80_8080_8080 & ((1u64 << (8 * (width - 1))) - 1);
+    (spread | continuation, width)
 }
 
 #[cfg(test)]
@@ -176,8 +231,8 @@ mod tests {
 
     fn roundtrip(mut event: KvCacheEvent) {
         let original = event.clone();
-        let (mut out, mut scratch) = (Vec::new(), Vec::new());
-        encode_event(&mut event, &mut out, &mut scratch);
+        let mut out = Vec::new();
+        encode_event(&mut event, &mut out);
         assert_eq!(event, original, "the event is left as it was");
         assert_eq!(KvCacheEvent::decode(out.as_slice()).unwrap(), original);
         assert_eq!(out.len(), original.encoded_len(), "same size as prost's");
@@ -203,6 +258,46 @@ mod tests {
         let mut encoded = Vec::new();
         BlockFields::from(&empty).encode(&mut encoded);
         assert!(encoded.is_empty());
+    }
+
+    #[test]
+    fn every_token_width_packs_as_prost_packs_it() {
+        let mut tokens: Vec<u32> = EDGE_TOKENS.to_vec();
+        tokens.extend((0..32).map(|bit| 1u32 << bit));
+        tokens.extend((0..32).map(|bit| u32::MAX >> bit));
+        for tokens in [&[][..], &tokens[..1], &tokens[..16], &tokens[..17], &tokens] {
+            let mut expected = Vec::new();
+            encoding::uint32::encode_packed(1, tokens, &mut expected);
+            let mut packed = Vec::new();
+            encode_packed(tokens, &mut packed);
+            assert_eq!(packed.len(), packed_len(tokens));
+            let mut field = Vec::new();
+            if !tokens.is_empty() {
+                encoding::encode_key(1, WireType::LengthDelimited, &mut field);
+                encoding::encode_varint(packed.len() as u64, &mut field);
+            }
+            field.extend_from_slice(&packed);
+            assert!(field == expected, "{} tokens", tokens.len());
+        }
+    }
+
+    #[test]
+    fn a_delimited_field_is_written_as_prost_writes_it_whatever_width_was_guessed() {
+        for body_len in [0, 1, 127, 128, 16_383, 16_384, 2_097_152] {
+            let body = vec![7u8; body_len];
+            let mut expected = vec![9];
+            encoding::bytes::encode(5, &body, &mut expected);
+            for width_guess in 1..=4 {
+                let mut written = vec![9];
+                write_delimited(5, width_guess, &mut written, |buf| {
+                    buf.extend_from_slice(&body)
+                });
+                assert!(
+                    written == expected,
+                    "{body_len} bytes, guessed {width_guess}"
+                );
+            }
+        }
     }
 
     #[test]
