@@ -15,12 +15,14 @@
 //! never send any, so they cost nothing to tolerate.
 //!
 //! Files: `msgpack.rs` reads bytes, `event.rs` reads one event, `normalize.rs`
-//! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts.
+//! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts,
+//! `spare_tokens.rs` keeps sent blocks' token buffers for the next stores.
 
 mod event;
 mod hash;
 mod msgpack;
 mod normalize;
+mod spare_tokens;
 mod tally;
 #[cfg(test)]
 mod tests;
@@ -129,6 +131,12 @@ impl Converter {
     /// restarts: the new one may serve another model).
     pub fn forget_rank(&mut self, rank: u32) {
         self.normalizer.forget_rank(rank);
+    }
+
+    /// Takes back the token buffers of an event the caller is done with, so
+    /// the next stores fill them instead of allocating.
+    pub fn recycle(&mut self, event: &mut KvCacheEvent) {
+        self.normalizer.spare_tokens.give_back(event);
     }
 
     /// Reads the envelope `[ts, events, dp_rank, ...]` and its events in one

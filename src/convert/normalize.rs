@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 
 use super::event::{Event, Placement, Removed, Stored};
+use super::spare_tokens::SpareTokens;
 use super::tally::{DropReason, EventKind};
 use crate::proto::common::{
     KvBlock, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality, KvCacheTier,
@@ -81,6 +82,8 @@ pub(crate) struct Normalizer {
     journal: Vec<((u32, u32), Option<bool>)>,
     /// Reused to find repeated hashes without allocating per store.
     sorted: Vec<i64>,
+    /// Token buffers of sent blocks, for the next stores' blocks.
+    pub(crate) spare_tokens: SpareTokens,
 }
 
 impl Normalizer {
@@ -215,12 +218,13 @@ impl Normalizer {
         }
 
         let level = cache_level(tier);
+        let spare_tokens = &mut self.spare_tokens;
         let blocks: Vec<KvBlock> = hashes
             .iter()
             .zip(tokens.chunks_exact(block_len))
             .map(|(&block_hash, token_ids)| KvBlock {
                 block_hash,
-                token_ids: token_ids.to_vec(),
+                token_ids: spare_tokens.filled(token_ids),
                 block_size,
                 lora_id,
                 cache_level: level,

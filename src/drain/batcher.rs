@@ -33,8 +33,8 @@ pub struct BatchLimits {
 pub enum Output<'a> {
     /// A batch is complete: full, or an oversized event alone.
     Batch(OpenBatch),
-    /// This event (or piece) is in a batch.
-    Sent(&'a KvCacheEvent),
+    /// This event (or piece) is in a batch; the batcher is done with it.
+    Sent(&'a mut KvCacheEvent),
     /// This event (or piece, a single block) encodes to `bytes`, more than
     /// any message the router accepts: it is not sent.
     Oversized {
@@ -78,19 +78,19 @@ impl Batcher {
         let entry = self.encode(&mut event);
         if entry <= self.max_bytes {
             self.append(entry, timestamp, out);
-            out(Output::Sent(&event));
+            out(Output::Sent(&mut event));
             return;
         }
         match split(event, self.max_bytes) {
-            Split::Whole(event) => self.place_oversized(&event, entry, timestamp, out),
+            Split::Whole(mut event) => self.place_oversized(&mut event, entry, timestamp, out),
             Split::Pieces(pieces) => {
                 for mut piece in pieces {
                     let entry = self.encode(&mut piece);
                     if entry <= self.max_bytes {
                         self.append(entry, timestamp, out);
-                        out(Output::Sent(&piece));
+                        out(Output::Sent(&mut piece));
                     } else {
-                        self.place_oversized(&piece, entry, timestamp, out);
+                        self.place_oversized(&mut piece, entry, timestamp, out);
                     }
                 }
             }
@@ -125,7 +125,7 @@ impl Batcher {
     /// reported as oversized.
     fn place_oversized(
         &mut self,
-        event: &KvCacheEvent,
+        event: &mut KvCacheEvent,
         entry: usize,
         timestamp: f64,
         out: &mut impl FnMut(Output<'_>),

@@ -234,13 +234,21 @@ impl Drain {
     fn push_event(&mut self, rank: u32, mut event: KvCacheEvent, timestamp: f64) {
         self.state.complete(rank, &mut event);
         let limits = self.limits;
-        let (ready, state, metrics) = (&mut self.ready, &mut self.state, &self.metrics);
+        let (ready, state, converter, metrics) = (
+            &mut self.ready,
+            &mut self.state,
+            &mut self.converter,
+            &self.metrics,
+        );
         self.batchers
             .entry(rank)
             .or_insert_with(|| Batcher::new(limits))
             .push(event, timestamp, &mut |output| match output {
                 Output::Batch(batch) => ready.push((rank, batch)),
-                Output::Sent(event) => state.record(rank, event),
+                Output::Sent(event) => {
+                    state.record(rank, event);
+                    converter.recycle(event);
+                }
                 Output::Oversized { event, bytes } => {
                     metrics.count_dropped_events(OVERSIZED_EVENT, 1);
                     crate::logging::rate_limited(OVERSIZED_EVENT, || {
@@ -429,5 +437,60 @@ mod tests {
             })
             .sum();
         assert_eq!(sent, 2, "the blocks around it were sent");
+    }
+
+    #[test]
+    fn the_state_keeps_every_sent_block_s_tokens_while_their_buffers_serve_later_stores() {
+        use kvgate_sim::{SteadyState, WorkloadShape};
+        let (writer, reader) = hub(
+            64,
+            HistoryLimits {
+                batches: 100,
+                bytes: 64 << 20,
+            },
+        );
+        let mut drain = Drain::new(
+            BatchLimits {
+                max_events: 1024,
+                max_bytes: 1 << 20,
+            },
+            1,
+            writer,
+            Metrics::default(),
+        );
+        let shape = WorkloadShape {
+            blocks_per_store: 8,
+            block_size: 4,
+            live_blocks: 1 << 20,
+        };
+        let mut workload = SteadyState::new(shape, 5);
+        for engine_sequence in 0..20 {
+            drain.ingest(SourceEvent::Message(EngineMessage {
+                rank: 0,
+                engine_sequence,
+                payload: workload.next_payload(1.0, 0).into(),
+            }));
+            drain.flush();
+        }
+        let (oldest, newest) = reader.history().span();
+        let mut sent = std::collections::HashMap::new();
+        for position in oldest..=newest {
+            let batch = reader.history().get(position).unwrap();
+            for event in KvEventBatch::decode(batch.encoded.clone()).unwrap().events {
+                if let Some(Data::Stored(stored)) = event.data {
+                    for block in stored.blocks {
+                        sent.insert(block.block_hash, block.token_ids);
+                    }
+                }
+            }
+        }
+        assert_eq!(sent.len(), 160);
+        let cut = drain.cut();
+        let mut held = 0;
+        for (hash, record) in cut.state[&0].tier(Tier::Device) {
+            assert_eq!(record.block_fields(hash).tokens, sent[&hash].as_slice());
+            held += 1;
+        }
+        assert_eq!(held, 160);
     }
 }
