@@ -2,7 +2,10 @@
 //!
 //! Invariants: no read goes past the slice (every failure is an [`Error`],
 //! never a panic); nothing is allocated, so a header claiming 2^32 elements
-//! costs nothing until the elements are actually read; and skipping a value
+//! costs nothing until the elements are actually read (the one buffer
+//! filled, the caller's token buffer in [`Reader::u32_array`], grows to at
+//! most one `u32` per byte left, and only for an array that claims no
+//! more elements than that); and skipping a value
 //! keeps only a count of values still owed, not a stack, so it runs in
 //! constant memory whatever the nesting depth and fails as soon as the count
 //! exceeds the bytes left (every value takes at least one byte).
@@ -549,6 +552,20 @@ mod u32_array_tests {
                 assert_eq!(reader.remaining(), bytes.len());
             }
         }
+    }
+
+    #[test]
+    fn a_foreign_cell_in_the_last_bytes_of_a_long_array_sends_it_to_the_general_path() {
+        let mut values = vec![1_000u64; 100];
+        values.extend([1, 2, 3, 4]);
+        let mut bytes = encoded(&values);
+        // The last 4 one-byte cells are read by the tail loop: 1, 2, then
+        // an `int8` (valid msgpack, not a token cell) holding the last byte.
+        let at = bytes.len() - 2;
+        bytes[at] = 0xd0;
+        let mut reader = Reader::new(&bytes);
+        assert_eq!(reader.u32_array(&mut Vec::new()), None);
+        assert_eq!(reader.remaining(), bytes.len());
     }
 
     #[test]

@@ -72,7 +72,8 @@ fn non_empty(s: Option<&str>) -> Option<&str> {
 /// without bound. Groups beyond it are judged by their own events' kinds only.
 pub(crate) const MAX_REMEMBERED_GROUPS: usize = 1024;
 
-/// Cross-event memory: which cache groups of each rank are main attention.
+/// Cross-event memory: which cache groups of each rank are main attention,
+/// and the token buffers of sent blocks that new blocks refill.
 #[derive(Debug, Default)]
 pub(crate) struct Normalizer {
     /// `(rank, group_idx)` → whether that group is main attention.

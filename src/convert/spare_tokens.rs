@@ -42,7 +42,8 @@ impl SpareTokens {
             if self.buffers.len() == MAX_SPARE_BUFFERS {
                 return;
             }
-            if block.token_ids.capacity() <= MAX_SPARE_TOKENS {
+            // An empty buffer would take a slot and save no allocation.
+            if (1..=MAX_SPARE_TOKENS).contains(&block.token_ids.capacity()) {
                 self.buffers.push(std::mem::take(&mut block.token_ids));
             }
         }
@@ -85,6 +86,7 @@ mod tests {
     fn no_more_buffers_and_no_larger_ones_than_the_bounds_are_kept() {
         let mut spare = SpareTokens::default();
         spare.give_back(&mut store(3, MAX_SPARE_TOKENS + 1));
+        spare.give_back(&mut store(3, 0));
         assert!(spare.buffers.is_empty());
         for _ in 0..3 {
             spare.give_back(&mut store(MAX_SPARE_BUFFERS / 2, 16));

@@ -1,8 +1,8 @@
 //! A hash map from block hash to record whose clone costs a few
 //! microseconds however large it is.
 //!
-//! Invariant: the map is split into `SHARDS` shards, each an `Arc` of a
-//! plain hash map. A clone shares every shard; the first write to a shared
+//! Invariant: the map is split into `SHARDS` shards, each a
+//! `triomphe::Arc` of a plain hash map. A clone shares every shard; the first write to a shared
 //! shard copies that shard alone (about 1/`SHARDS` of the map), so a
 //! snapshot cut never stalls the writer for more than one shard copy, and
 //! with no snapshot outstanding a write is a plain hash-map write. Each

@@ -67,8 +67,8 @@ impl BlockFields<'_> {
             put_varint_field(1, self.hash as u64, buf);
         }
         if !self.tokens.is_empty() {
-            // 16 tokens, the usual block, take at most 80 bytes.
-            write_delimited(2, 1, buf, |buf| encode_packed(self.tokens, buf));
+            let width_guess = length_width_guess(self.tokens.len());
+            write_delimited(2, width_guess, buf, |buf| encode_packed(self.tokens, buf));
         }
         // An `int32` is written sign-extended to 64 bits, as prost does.
         if self.block_size != 0 {
@@ -85,8 +85,9 @@ impl BlockFields<'_> {
 
     /// Writes the block as one `blocks` entry of a `KvBlocksStored`.
     pub fn encode_entry(&self, buf: &mut Vec<u8>) {
-        // A 16-token block takes under 128 bytes unless its tokens are large.
-        write_delimited(BLOCKS_FIELD, 1, buf, |buf| self.encode(buf));
+        // The hash and the other fields take about as much as 5 tokens.
+        let width_guess = length_width_guess(self.tokens.len() + 5);
+        write_delimited(BLOCKS_FIELD, width_guess, buf, |buf| self.encode(buf));
     }
 }
 
@@ -113,6 +114,13 @@ pub fn encode_event(event: &mut KvCacheEvent, out: &mut Vec<u8>) {
         Some(data) => data.encode(out),
         None => {}
     }
+}
+
+/// The width of the length of `tokens` packed tokens, taking 3 bytes a
+/// token (a vocabulary of up to 2M ids; smaller ids only make the body
+/// shorter, and a wrong guess only moves it).
+fn length_width_guess(tokens: usize) -> usize {
+    encoding::encoded_len_varint(tokens as u64 * 3)
 }
 
 /// About what one 16-token block's entry takes, to guess a store's length
@@ -148,8 +156,9 @@ fn write_delimited(
     buf[at + width - 1] &= 0x7f;
 }
 
-/// Writes a varint field of a `KvBlock`. Not prost's writer: that one goes through `BufMut` a byte at a
-/// time, and each hash is 9 or 10 bytes.
+/// Writes a varint field of a `KvBlock` straight into the `Vec`. Not
+/// prost's writer: that one goes through `BufMut`, a `memcpy` call per byte,
+/// and each hash is 9 or 10 bytes.
 fn put_varint_field(field: u32, value: u64, buf: &mut Vec<u8>) {
     buf.reserve(11);
     buf.push(one_byte_key(field, WireType::Varint));
@@ -158,7 +167,7 @@ fn put_varint_field(field: u32, value: u64, buf: &mut Vec<u8>) {
 
 /// The key of a field numbered below 16, the one byte prost writes for it.
 fn one_byte_key(field: u32, wire_type: WireType) -> u8 {
-    debug_assert!(field < 16);
+    assert!(field < 16, "field {field} needs a longer key");
     (field << 3 | wire_type as u32) as u8
 }
 
@@ -243,9 +252,9 @@ mod tests {
         let block = KvBlock {
             block_hash: -7,
             token_ids: EDGE_TOKENS.to_vec(),
-            block_size: 11,
+            block_size: -11,
             lora_id: Some(-1),
-            cache_level: Some(2),
+            cache_level: Some(-2),
             extra_keys: vec![KvBlockExtraKey {
                 key: Some(Key::Text("img".into())),
             }],
