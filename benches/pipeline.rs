@@ -28,15 +28,16 @@ fn history() -> HistoryLimits {
     }
 }
 
-/// Payloads of 64 stored 16-token blocks (plus the evictions that keep the
-/// engine at 64k live blocks), with how many blocks each carries.
-fn steady_payloads(count: usize) -> (Vec<Bytes>, u64) {
+/// The sim's steady workload as payloads, with how many blocks (stored or
+/// removed) each carries: 64 stored 16-token blocks each, and from the
+/// 1,025th on, the evictions (one-block removals) that keep the engine at
+/// 64k live blocks.
+fn workload_payloads(count: usize) -> Vec<(Bytes, u64)> {
     let mut workload = SteadyState::new(WorkloadShape::default(), 7);
-    let mut blocks = 0;
-    let payloads = (0..count)
+    (0..count)
         .map(|_| {
             let events = workload.next_events();
-            blocks += events
+            let blocks = events
                 .iter()
                 .map(|event| match event {
                     SimEvent::Stored { hashes, .. } | SimEvent::Removed { hashes } => {
@@ -47,10 +48,21 @@ fn steady_payloads(count: usize) -> (Vec<Bytes>, u64) {
                 .sum::<u64>();
             let mut out = Vec::new();
             kvgate_sim::encode_batch(1.0, &events, Some(0), &mut out);
-            Bytes::from(out)
+            (Bytes::from(out), blocks)
         })
-        .collect();
-    (payloads, blocks)
+        .collect()
+}
+
+/// The first `count` payloads of the workload (no evictions yet), and
+/// their blocks.
+fn steady_payloads(count: usize) -> (Vec<Bytes>, u64) {
+    assert!(count <= 1024, "payloads past the 1,024th carry evictions");
+    let payloads = workload_payloads(count);
+    let blocks = payloads.iter().map(|(_, blocks)| blocks).sum();
+    (
+        payloads.into_iter().map(|(payload, _)| payload).collect(),
+        blocks,
+    )
 }
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -97,6 +109,19 @@ fn convert(c: &mut Criterion) {
     group.finish();
 }
 
+/// Ingests `payloads` as rank 0's, one drain cycle each.
+fn ingest_all(drain: &mut Drain, payloads: &[Bytes], engine_sequence: &mut u64) {
+    for payload in payloads {
+        drain.ingest(SourceEvent::Message(EngineMessage {
+            rank: 0,
+            engine_sequence: *engine_sequence,
+            payload: payload.clone(),
+        }));
+        *engine_sequence += 1;
+        drain.flush();
+    }
+}
+
 /// The whole drain: convert, apply to the live state, batch, encode once,
 /// append to the history, broadcast.
 fn ingest(c: &mut Criterion) {
@@ -104,22 +129,43 @@ fn ingest(c: &mut Criterion) {
     let mut group = c.benchmark_group("ingest");
     group.throughput(Throughput::Elements(blocks));
     group.sample_size(20);
+    // The same 1,024 payloads again and again: after the first pass every
+    // store finds its blocks live, and nothing is removed.
     group.bench_function("drain-steady-64-block-stores", |b| {
         let (writer, reader) = hub(1024, history());
         let mut drain = Drain::new(LIMITS, 1, writer, Metrics::default());
         let mut engine_sequence = 0;
-        b.iter(|| {
-            for payload in &payloads {
-                drain.ingest(SourceEvent::Message(EngineMessage {
-                    rank: 0,
-                    engine_sequence,
-                    payload: payload.clone(),
-                }));
-                engine_sequence += 1;
-                drain.flush();
-            }
-        });
+        b.iter(|| ingest_all(&mut drain, &payloads, &mut engine_sequence));
         drop(reader);
+    });
+    // A serving engine's steady state: each payload evicts the oldest
+    // 64-block chain (64 one-block removals) and stores a new one, so every
+    // stored block is a new record and every removed one is dropped. Each
+    // sample starts from an engine filled by the payloads before (untimed).
+    let workload = workload_payloads(2048);
+    let (filling, evicting) = workload.split_at(1024);
+    let filling: Vec<Bytes> = filling.iter().map(|(payload, _)| payload.clone()).collect();
+    let evicting_blocks = evicting.iter().map(|(_, blocks)| blocks).sum();
+    let evicting: Vec<Bytes> = evicting
+        .iter()
+        .map(|(payload, _)| payload.clone())
+        .collect();
+    group.throughput(Throughput::Elements(evicting_blocks));
+    group.bench_function("drain-evicting-64-block-stores", |b| {
+        b.iter_batched(
+            || {
+                let (writer, reader) = hub(1024, history());
+                let mut drain = Drain::new(LIMITS, 1, writer, Metrics::default());
+                let mut engine_sequence = 0;
+                ingest_all(&mut drain, &filling, &mut engine_sequence);
+                (drain, reader, engine_sequence)
+            },
+            |(mut drain, reader, mut engine_sequence)| {
+                ingest_all(&mut drain, &evicting, &mut engine_sequence);
+                (drain, reader)
+            },
+            BatchSize::PerIteration,
+        );
     });
     group.finish();
 }
