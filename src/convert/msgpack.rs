@@ -66,6 +66,16 @@ struct U32Cell {
     foreign: bool,
 }
 
+/// A cell of an unsigned int that fits a `u32`.
+const fn token_cell(shift: u8, mask: u64, width: u8) -> U32Cell {
+    U32Cell {
+        shift,
+        mask,
+        width,
+        foreign: false,
+    }
+}
+
 const U32_CELLS: [U32Cell; 256] = {
     let foreign = U32Cell {
         shift: 0,
@@ -76,32 +86,12 @@ const U32_CELLS: [U32Cell; 256] = {
     let mut cells = [foreign; 256];
     let mut marker = 0;
     while marker < 0x80 {
-        cells[marker] = U32Cell {
-            shift: 32,
-            mask: 0x7f,
-            width: 1,
-            foreign: false,
-        };
+        cells[marker] = token_cell(32, 0x7f, 1);
         marker += 1;
     }
-    cells[0xcc] = U32Cell {
-        shift: 24,
-        mask: 0xff,
-        width: 2,
-        foreign: false,
-    };
-    cells[0xcd] = U32Cell {
-        shift: 16,
-        mask: 0xffff,
-        width: 3,
-        foreign: false,
-    };
-    cells[0xce] = U32Cell {
-        shift: 0,
-        mask: 0xffff_ffff,
-        width: 5,
-        foreign: false,
-    };
+    cells[0xcc] = token_cell(24, 0xff, 2);
+    cells[0xcd] = token_cell(16, 0xffff, 3);
+    cells[0xce] = token_cell(0, 0xffff_ffff, 5);
     cells
 };
 

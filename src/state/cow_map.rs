@@ -2,11 +2,11 @@
 //! microseconds however large it is.
 //!
 //! Invariant: the map is split into `SHARDS` shards, each a
-//! `triomphe::Arc` of a plain hash map. A clone shares every shard; the first write to a shared
-//! shard copies that shard alone (about 1/`SHARDS` of the map), so a
-//! snapshot cut never stalls the writer for more than one shard copy, and
-//! with no snapshot outstanding a write is a plain hash-map write. Each
-//! entry keeps its key beside its value, so a reader can hold
+//! `triomphe::Arc` of a plain hash map. A clone shares every shard; the
+//! first write to a shared shard copies that shard alone (about 1/`SHARDS`
+//! of the map), so a snapshot cut never stalls the writer for more than one
+//! shard copy, and with no snapshot outstanding a write is a plain hash-map
+//! write. Each entry keeps its key beside its value, so a reader can hold
 //! `&(key, value)` instead of the key and a second lookup.
 
 use std::hash::BuildHasher;

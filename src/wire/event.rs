@@ -67,7 +67,7 @@ impl BlockFields<'_> {
             put_varint_field(1, self.hash as u64, buf);
         }
         if !self.tokens.is_empty() {
-            let width_guess = length_width_guess(self.tokens.len());
+            let width_guess = length_width_guess(self.tokens.len() * GUESSED_TOKEN_BYTES);
             write_delimited(2, width_guess, buf, |buf| encode_packed(self.tokens, buf));
         }
         // An `int32` is written sign-extended to 64 bits, as prost does.
@@ -86,7 +86,7 @@ impl BlockFields<'_> {
     /// Writes the block as one `blocks` entry of a `KvBlocksStored`.
     pub fn encode_entry(&self, buf: &mut Vec<u8>) {
         // The hash and the other fields take about as much as 5 tokens.
-        let width_guess = length_width_guess(self.tokens.len() + 5);
+        let width_guess = length_width_guess((self.tokens.len() + 5) * GUESSED_TOKEN_BYTES);
         write_delimited(BLOCKS_FIELD, width_guess, buf, |buf| self.encode(buf));
     }
 }
@@ -102,8 +102,8 @@ pub fn encode_event(event: &mut KvCacheEvent, out: &mut Vec<u8>) {
     match event.data.as_mut() {
         Some(Data::Stored(stored)) if !stored.blocks.is_empty() => {
             let blocks = std::mem::take(&mut stored.blocks);
-            let guess = encoding::encoded_len_varint((blocks.len() * TYPICAL_ENTRY_BYTES) as u64);
-            write_delimited(STORED_FIELD, guess, out, |out| {
+            let width_guess = length_width_guess(blocks.len() * TYPICAL_ENTRY_BYTES);
+            write_delimited(STORED_FIELD, width_guess, out, |out| {
                 stored.encode_raw(out);
                 for block in &blocks {
                     BlockFields::from(block).encode_entry(out);
@@ -116,15 +116,17 @@ pub fn encode_event(event: &mut KvCacheEvent, out: &mut Vec<u8>) {
     }
 }
 
-/// The width of the length of `tokens` packed tokens, taking 3 bytes a
-/// token (a vocabulary of up to 2M ids; smaller ids only make the body
-/// shorter, and a wrong guess only moves it).
-fn length_width_guess(tokens: usize) -> usize {
-    encoding::encoded_len_varint(tokens as u64 * 3)
+/// The width [`write_delimited`] leaves for the length of a body guessed at
+/// `bytes`: a wrong guess costs only a move of the body.
+fn length_width_guess(bytes: usize) -> usize {
+    encoding::encoded_len_varint(bytes as u64)
 }
 
-/// About what one 16-token block's entry takes, to guess a store's length
-/// width before writing it.
+/// What a packed token is guessed to take: 3 bytes, a vocabulary of up to
+/// 2M ids (smaller ids only make the body shorter).
+const GUESSED_TOKEN_BYTES: usize = 3;
+
+/// About what one 16-token block's entry takes, to guess a store's length.
 const TYPICAL_ENTRY_BYTES: usize = 64;
 
 /// Writes field `field`, length-delimited, with the body `write` appends:
