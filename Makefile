@@ -21,6 +21,7 @@ bench:
 	cargo bench --bench memory
 	cargo bench --bench passthrough
 	cargo bench --bench zmq_ingest
+	cargo bench --bench loopback_write
 
 # The load sweep of BENCHMARKS.md: a release kvgate under 1, 8, 32 and 64
 # real subscribers, at 20k events/s and at full speed; tables on stdout,
@@ -43,6 +44,7 @@ fan-out:
 	cargo bench --locked --bench pipeline -- 'ingest/|state/|snapshot-1M|convert/steady|fan-out'
 	cargo bench --locked --bench memory
 	cargo bench --locked --bench zmq_ingest
+	cargo bench --locked --bench loopback_write
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:
