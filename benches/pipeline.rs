@@ -226,6 +226,11 @@ fn snapshot(c: &mut Criterion) {
     let mut group = c.benchmark_group("snapshot-1M-blocks");
     group.sample_size(10);
     group.bench_function("cut", |b| b.iter(|| black_box(drain.cut())));
+    // How long a subscriber waits for the snapshot's first bytes.
+    group.bench_function("first-chunk", |b| {
+        let cut = Arc::new(drain.cut());
+        b.iter(|| black_box(SnapshotEncoder::plan(Arc::clone(&cut), 1.0).next()));
+    });
     group.throughput(Throughput::Elements(1 << 20));
     group.bench_function("encode", |b| {
         let cut = Arc::new(drain.cut());
