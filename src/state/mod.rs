@@ -24,6 +24,7 @@ use triomphe::ThinArc;
 
 use crate::wire::event::BlockFields;
 use cow_map::{CowMap, Found};
+use snapshot::lone_block_entry_len;
 use tier::{PerTier, Tier, TierCounts};
 
 use crate::proto::common::{
@@ -170,6 +171,10 @@ pub struct RankBlocks {
     /// Live copies per tier, kept as blocks come and go (for metrics and
     /// snapshot headers without a walk).
     copies: TierCounts,
+    /// The most bytes any block stored on this rank takes in a snapshot as
+    /// a one-block store of its own, never lowered while the rank lives: a
+    /// bound that lets a snapshot count its chunks instead of walking.
+    widest_lone_entry: usize,
 }
 
 impl RankBlocks {
@@ -192,6 +197,12 @@ impl RankBlocks {
     /// Live blocks per tier, each copy counted.
     pub fn counts(&self) -> &TierCounts {
         &self.copies
+    }
+
+    /// At least as many bytes as any live block takes in a snapshot as a
+    /// one-block store of its own.
+    pub(crate) fn widest_lone_entry(&self) -> usize {
+        self.widest_lone_entry
     }
 }
 
@@ -276,7 +287,10 @@ impl LiveState {
         let blocks = self.ranks.entry(rank).or_default();
         let map = &mut blocks.tiers[tier];
         let copies = &mut blocks.copies[tier];
-        let fields = self.interned.intern(StoreFields::of(stored));
+        let (fields, fields_len) = self.interned.intern(StoreFields::of(stored));
+        blocks.widest_lone_entry = blocks
+            .widest_lone_entry
+            .max(widest_lone_entry(stored, fields_len));
         let mut parent = stored.parent_block_hash;
         for block in &stored.blocks {
             let hash = block.block_hash;
@@ -323,28 +337,47 @@ impl LiveState {
     }
 }
 
+/// At least as many bytes as any block of `stored`, whose fields take
+/// `fields_len`, takes in a snapshot as a one-block store of its own.
+fn widest_lone_entry(stored: &KvBlocksStored, fields_len: usize) -> usize {
+    let (most_tokens, most_extra_keys_len) =
+        stored.blocks.iter().fold((0, 0), |(tokens, extra), block| {
+            let block_extra = if block.extra_keys.is_empty() {
+                0
+            } else {
+                BlockFields::extra_keys_len(&block.extra_keys)
+            };
+            (tokens.max(block.token_ids.len()), extra.max(block_extra))
+        });
+    let widest_block = BlockFields::max_encoded_len(most_tokens, most_extra_keys_len);
+    lone_block_entry_len(fields_len, widest_block)
+}
+
 /// Hands out one shared `Arc` per distinct `StoreFields`, dropping entries no
 /// block uses any more once the table has doubled since the last sweep (so
 /// per-request values such as session ids cannot grow it without bound).
 #[derive(Debug, Default)]
 struct Interner {
-    table: HashMap<Arc<StoreFields>, ()>,
+    /// Each store's fields with their encoded length as a store with the
+    /// widest parent, worked out once per distinct fields.
+    table: HashMap<Arc<StoreFields>, usize>,
     sweep_at: usize,
 }
 
 impl Interner {
-    fn intern(&mut self, fields: StoreFields) -> Arc<StoreFields> {
-        if let Some((shared, ())) = self.table.get_key_value(&fields) {
-            return Arc::clone(shared);
+    /// The shared fields and their encoded length (widest parent).
+    fn intern(&mut self, fields: StoreFields) -> (Arc<StoreFields>, usize) {
+        if let Some((shared, &len)) = self.table.get_key_value(&fields) {
+            return (Arc::clone(shared), len);
         }
         if self.table.len() >= self.sweep_at {
-            self.table
-                .retain(|shared, ()| Arc::strong_count(shared) > 1);
+            self.table.retain(|shared, _| Arc::strong_count(shared) > 1);
             self.sweep_at = (self.table.len() * 2).max(64);
         }
+        let len = prost::Message::encoded_len(&fields.to_store(Some(i64::MIN)));
         let shared = Arc::new(fields);
-        self.table.insert(Arc::clone(&shared), ());
-        shared
+        self.table.insert(Arc::clone(&shared), len);
+        (shared, len)
     }
 }
 
@@ -553,7 +586,7 @@ mod tests {
         let mut interner = Interner::default();
         let mut kept = Vec::new();
         for session in 0..1000 {
-            let shared = interner.intern(StoreFields {
+            let (shared, _) = interner.intern(StoreFields {
                 session_id: Some(format!("s{session}")),
                 ..StoreFields::default()
             });
@@ -566,7 +599,7 @@ mod tests {
             "table holds {}",
             interner.table.len()
         );
-        let again = interner.intern(StoreFields {
+        let (again, _) = interner.intern(StoreFields {
             session_id: Some("s100".into()),
             ..StoreFields::default()
         });

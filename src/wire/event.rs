@@ -58,7 +58,30 @@ impl BlockFields<'_> {
         if let Some(cache_level) = &self.cache_level {
             len += encoding::int32::encoded_len(5, cache_level);
         }
-        len + encoding::message::encoded_len_repeated(6, self.extra_keys)
+        len + Self::extra_keys_len(self.extra_keys)
+    }
+
+    /// The most [`Self::encoded_len`] can be for a block of `tokens` tokens
+    /// whose extra keys take `extra_keys_len` bytes: every field present,
+    /// every varint at its widest.
+    pub fn max_encoded_len(tokens: usize, extra_keys_len: usize) -> usize {
+        const WIDEST_VARINT: usize = 10;
+        const WIDEST_TOKEN: usize = 5;
+        let scalar = |field| encoding::key_len(field) + WIDEST_VARINT;
+        let packed = WIDEST_TOKEN * tokens;
+        scalar(1)
+            + encoding::key_len(2)
+            + encoding::encoded_len_varint(packed as u64)
+            + packed
+            + scalar(3)
+            + scalar(4)
+            + scalar(5)
+            + extra_keys_len
+    }
+
+    /// What `extra_keys` add to a block's encoded length.
+    pub fn extra_keys_len(extra_keys: &[KvBlockExtraKey]) -> usize {
+        encoding::message::encoded_len_repeated(6, extra_keys)
     }
 
     /// Writes the `KvBlock` body (prost's field order, so byte-identical).
@@ -269,6 +292,37 @@ mod tests {
         let mut encoded = Vec::new();
         BlockFields::from(&empty).encode(&mut encoded);
         assert!(encoded.is_empty());
+    }
+
+    #[test]
+    fn a_block_s_widest_encoding_is_its_length_bound() {
+        let extra_keys = vec![KvBlockExtraKey {
+            key: Some(Key::Text("img".into())),
+        }];
+        for tokens in [0, 1, 16, 25, 26, 1000] {
+            let widest = KvBlock {
+                block_hash: -1,
+                token_ids: vec![u32::MAX; tokens],
+                block_size: -1,
+                lora_id: Some(-1),
+                cache_level: Some(-1),
+                extra_keys: extra_keys.clone(),
+            };
+            let bound =
+                BlockFields::max_encoded_len(tokens, BlockFields::extra_keys_len(&extra_keys));
+            // Exact but for an empty token list, which is not written.
+            assert!(widest.encoded_len() <= bound, "{tokens} tokens");
+            assert!(
+                tokens == 0 || widest.encoded_len() == bound,
+                "{tokens} tokens"
+            );
+            let narrow = KvBlock {
+                block_hash: 1,
+                token_ids: vec![1; tokens],
+                ..KvBlock::default()
+            };
+            assert!(BlockFields::from(&narrow).encoded_len() < bound);
+        }
     }
 
     #[test]

@@ -221,11 +221,25 @@ pub fn fence_in(batch: &KvEventBatch) -> Option<u64> {
     batch.events.iter().find_map(fence_number)
 }
 
+/// The next batch of a read up to fence `n`, failing the test once
+/// `deadline` passes: a stream that carries load records is never quiet
+/// long enough for [`next_batch`]'s own deadline.
+async fn next_batch_toward_fence(
+    stream: &mut Streaming<KvEventBatch>,
+    n: u64,
+    deadline: tokio::time::Instant,
+) -> KvEventBatch {
+    tokio::time::timeout_at(deadline, next_batch(stream))
+        .await
+        .unwrap_or_else(|_| panic!("fence {n} before the deadline"))
+}
+
 /// Reads `stream` up to and including the batch with fence `n`.
 pub async fn skip_past_fence(stream: &mut Streaming<KvEventBatch>, n: u64) -> Vec<KvEventBatch> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
     let mut skipped = Vec::new();
     loop {
-        let batch = next_batch(stream).await;
+        let batch = next_batch_toward_fence(stream, n, deadline).await;
         let done = fence_in(&batch) == Some(n);
         skipped.push(batch);
         if done {
@@ -342,9 +356,10 @@ pub async fn follow_to_fence(
     view: &mut router::RouterView,
     n: u64,
 ) -> Vec<(KvEventBatch, router::Admission)> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
     let mut seen = Vec::new();
     loop {
-        let batch = next_batch(stream).await;
+        let batch = next_batch_toward_fence(stream, n, deadline).await;
         let admission = view.admit(&batch);
         let done = fence_in(&batch) == Some(n);
         seen.push((batch, admission));

@@ -27,6 +27,29 @@ pub(super) enum Output {
     Boundaries,
 }
 
+/// The most bytes a block takes in a chunk as a one-block store of its
+/// own: its store's fields, with the widest parent, take `fields_len`, and
+/// the block at most `block_len`. A block inside a longer store takes less.
+pub(crate) fn lone_block_entry_len(fields_len: usize, block_len: usize) -> usize {
+    let store = fields_len
+        + encoding::key_len(BLOCKS_FIELD)
+        + encoding::encoded_len_varint(block_len as u64)
+        + block_len;
+    EventLen::of_body(StorePiece::event_len(store)).entry
+}
+
+/// Whether chunks whose blocks each take at most `lone_entry_len` (a
+/// [`lone_block_entry_len`]) end by block count alone: a chunk of
+/// `MAX_CHUNK_BLOCKS` such blocks after the rank's clear stays within
+/// `MAX_CHUNK_BYTES`.
+pub(super) fn blocks_alone_end_chunks(lone_entry_len: usize) -> bool {
+    let clear = EventLen::of(&KvCacheEvent::ownerless_clear()).entry;
+    MAX_CHUNK_BLOCKS
+        .checked_mul(lone_entry_len)
+        .and_then(|blocks| blocks.checked_add(clear))
+        .is_some_and(|chunk| chunk <= MAX_CHUNK_BYTES)
+}
+
 /// One store event being encoded straight from block records: the store's
 /// own fields first, then its blocks (field order is free in protobuf).
 pub(super) struct StorePiece {

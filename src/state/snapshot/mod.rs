@@ -22,12 +22,16 @@
 //! the state: what it holds besides the cut is one chunk being filled, the
 //! chain being walked and a window of the next blocks in store order (an
 //! eighth of a tier at most, 16 bytes a block), never the whole snapshot. The
-//! chunk count goes in every header, so a first pass finds the chunk
-//! boundaries, counting the blocks' bytes without writing them, before the
-//! first chunk is handed out; that pass runs to its end in one call, so it
-//! takes the whole tier's store order in one scan instead of eight. The encoder owns its cut and the
-//! walk borrows from it (`self_cell`), so a block taken into a window is
-//! never looked up by hash again (each lookup is a chain of cache misses).
+//! chunk count goes in every header. When no chunk can fill by bytes before
+//! it holds `MAX_CHUNK_BLOCKS` blocks (the state keeps a bound on the bytes
+//! of any block it stored), every chunk but a rank's last is full, so the
+//! count follows from the block counts. Otherwise a first pass finds the
+//! chunk boundaries, counting the blocks' bytes without writing them, before
+//! the first chunk is handed out; that pass runs to its end in one call, so
+//! it takes the whole tier's store order in one scan instead of eight. The
+//! encoder owns its cut and the walk borrows from it (`self_cell`), so a
+//! block taken into a window is never looked up by hash again (each lookup
+//! is a chain of cache misses).
 
 mod chunker;
 mod tier_walk;
@@ -41,7 +45,8 @@ use super::tier::Tier;
 use super::{RankBlocks, StateCut};
 use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 use crate::wire::OpenBatch;
-use chunker::{Chunker, Output};
+pub(crate) use chunker::lone_block_entry_len;
+use chunker::{Chunker, Output, blocks_alone_end_chunks};
 use tier_walk::{Reach, TierWalk};
 
 /// Most blocks in one snapshot chunk.
@@ -74,28 +79,65 @@ pub struct SnapshotEncoder {
 }
 
 /// What every header needs before the first chunk goes out.
+#[derive(Debug, PartialEq, Eq)]
 struct Plan {
     count: u32,
     blocks: u64,
     chunks_per_rank: BTreeMap<u32, u64>,
 }
 
-impl SnapshotEncoder {
-    /// Finds the chunk boundaries of `cut`'s snapshot: a whole walk of the
-    /// cut that counts bytes without writing them. Blocking work.
-    pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
-        let mut planning = RawChunks::walk(Arc::clone(&cut), timestamp, Pass::Planning);
+impl Plan {
+    /// The plan from the cut's block counts, when every chunk ends by its
+    /// block count: each rank's chunks are then full but for its last.
+    /// `None` when some rank stored blocks wide enough to fill a chunk by
+    /// bytes first.
+    fn counted(cut: &SnapshotCut) -> Option<Self> {
+        let mut plan = Plan {
+            count: 0,
+            blocks: 0,
+            chunks_per_rank: BTreeMap::new(),
+        };
+        for &rank in cut.last_sequences.keys() {
+            let blocks = match cut.state.get(&rank) {
+                Some(blocks) if !blocks_alone_end_chunks(blocks.widest_lone_entry()) => {
+                    return None;
+                }
+                Some(blocks) => blocks.counts().total(),
+                None => 0,
+            };
+            // The first chunk holds the rank's clear even with no blocks.
+            let chunks = blocks.div_ceil(MAX_CHUNK_BLOCKS as u64).max(1);
+            plan.chunks_per_rank.insert(rank, chunks);
+            plan.count += u32::try_from(chunks).ok()?;
+            plan.blocks += blocks;
+        }
+        Some(plan)
+    }
+
+    /// The plan from a whole walk of the cut that counts bytes without
+    /// writing them.
+    fn walked(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
+        let mut planning = RawChunks::walk(cut, timestamp, Pass::Planning);
         let mut chunks_per_rank = BTreeMap::new();
         let mut count = 0u32;
         while let Some((rank, _)) = planning.next() {
             *chunks_per_rank.entry(rank).or_insert(0) += 1;
             count += 1;
         }
-        let plan = Plan {
+        Plan {
             count,
             blocks: planning.blocks(),
             chunks_per_rank,
-        };
+        }
+    }
+}
+
+impl SnapshotEncoder {
+    /// Finds the chunk boundaries of `cut`'s snapshot: from its block
+    /// counts when no chunk can fill by bytes first (at once), otherwise by
+    /// a whole walk of the cut. Blocking work.
+    pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
+        let plan = Plan::counted(&cut).unwrap_or_else(|| Plan::walked(Arc::clone(&cut), timestamp));
         Self {
             chunks: RawChunks::walk(cut, timestamp, Pass::Reading),
             plan,
@@ -516,6 +558,82 @@ mod tests {
             assert_eq!(header.blocks, blocks as u64);
         }
         assert_eq!(batches.last().unwrap().sequence_number, 100_000);
+    }
+
+    /// `state` with extra copies, parents stored again after their
+    /// children, a second tier and other fields beside its chains.
+    fn mixed_state(state: &mut LiveState, rank: u32, blocks: i64, tokens: usize) {
+        let hashes: Vec<i64> = (1..=blocks).collect();
+        store(state, rank, None, &hashes, tokens);
+        let mut evict = KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Removed(crate::proto::common::KvBlocksRemoved {
+                block_hashes: vec![1],
+                tier: Some(KvCacheTier::Device as i32),
+                ..Default::default()
+            })),
+        };
+        state.apply(rank, &mut evict);
+        store(state, rank, None, &[1], tokens);
+        store(state, rank, None, &[2, 3], tokens);
+        let mut host = stored_event(None, &[-5, -6], KvCacheTier::Host, tokens);
+        if let Some(Data::Stored(stored)) = host.data.as_mut() {
+            stored.lora_name = Some("adapter".into());
+            stored.cache_salt = Some("tenant".into());
+        }
+        state.apply(rank, &mut host);
+    }
+
+    fn cut_of(state: &LiveState, ranks: &[u32]) -> Arc<SnapshotCut> {
+        Arc::new(SnapshotCut {
+            state: state.cut(),
+            last_sequences: ranks.iter().map(|&rank| (rank, 100_000)).collect(),
+            position: 1,
+            unknown_before: 0,
+        })
+    }
+
+    #[test]
+    fn a_plan_counted_from_blocks_is_the_plan_a_walk_finds() {
+        // 2043, 2044, 2045 and 4090 blocks before the copies and the host
+        // tier's 2 add 5: one short of a full chunk, full, one over, two.
+        let mut state = LiveState::default();
+        for (rank, blocks) in [(0, 2043), (1, 2044), (2, 2045), (3, 4090)] {
+            mixed_state(&mut state, rank, blocks, 16);
+        }
+        let cut = cut_of(&state, &[0, 1, 2, 3, 4]);
+        let counted = Plan::counted(&cut).expect("16-token blocks end chunks by count");
+        assert_eq!(counted, Plan::walked(Arc::clone(&cut), 1.0));
+        assert_eq!(
+            counted.chunks_per_rank,
+            BTreeMap::from([(0, 1), (1, 1), (2, 2), (3, 2), (4, 1)])
+        );
+        assert_eq!(decode(&cut).len(), 7);
+    }
+
+    #[test]
+    fn a_plan_is_counted_only_when_no_chunk_can_fill_by_bytes_first() {
+        for tokens in [16, 64, 80, 81, 90, 128, 4096] {
+            let mut state = LiveState::default();
+            mixed_state(&mut state, 0, 2100, tokens);
+            let cut = cut_of(&state, &[0]);
+            let walked = Plan::walked(Arc::clone(&cut), 1.0);
+            // 2048 lone blocks of ~86 tokens at 5 bytes a token fill 1 MiB.
+            match Plan::counted(&cut) {
+                Some(counted) => {
+                    assert!(tokens < 128, "{tokens}-token blocks can fill by bytes");
+                    assert_eq!(counted, walked, "{tokens} tokens");
+                }
+                None => assert!(tokens > 64, "{tokens}-token blocks are counted"),
+            }
+        }
+        let mut state = LiveState::default();
+        let mut long_fields = stored_event(None, &[1, 2], KvCacheTier::Device, 16);
+        if let Some(Data::Stored(stored)) = long_fields.data.as_mut() {
+            stored.session_id = Some("s".repeat(600));
+        }
+        state.apply(0, &mut long_fields);
+        assert_eq!(Plan::counted(&cut_of(&state, &[0])), None);
     }
 
     #[test]
