@@ -341,6 +341,19 @@ mod tests {
         );
     }
 
+    /// Evicts device block `hash` of `rank`.
+    fn evict(state: &mut LiveState, rank: u32, hash: i64) {
+        let mut removed = KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Removed(crate::proto::common::KvBlocksRemoved {
+                block_hashes: vec![hash],
+                tier: Some(KvCacheTier::Device as i32),
+                ..Default::default()
+            })),
+        };
+        state.apply(rank, &mut removed);
+    }
+
     /// The snapshot of `state` with these last sequence numbers.
     fn snapshot_of(state: &LiveState, last_sequences: &[(u32, u64)]) -> Vec<KvEventBatch> {
         let cut = SnapshotCut {
@@ -464,15 +477,7 @@ mod tests {
         let mut state = LiveState::default();
         store(&mut state, 0, None, &[1], 2);
         store(&mut state, 0, Some(1), &[2], 2);
-        let mut evict = KvCacheEvent {
-            event_id: 1,
-            data: Some(Data::Removed(crate::proto::common::KvBlocksRemoved {
-                block_hashes: vec![1],
-                tier: Some(KvCacheTier::Device as i32),
-                ..Default::default()
-            })),
-        };
-        state.apply(0, &mut evict);
+        evict(&mut state, 0, 1);
         store(&mut state, 0, None, &[1], 2);
         let batches = snapshot_of(&state, &[(0, 10)]);
         let flat: Vec<i64> = stored_hashes(&batches[0])
@@ -522,15 +527,7 @@ mod tests {
         // children pull them out ahead of their turn), across windows; and
         // extra copies.
         for &first in chains.iter().step_by(7) {
-            let mut evict = KvCacheEvent {
-                event_id: 1,
-                data: Some(Data::Removed(crate::proto::common::KvBlocksRemoved {
-                    block_hashes: vec![first],
-                    tier: Some(KvCacheTier::Device as i32),
-                    ..Default::default()
-                })),
-            };
-            state.apply(0, &mut evict);
+            evict(&mut state, 0, first);
             store(&mut state, 0, None, &[first], 4);
         }
         for &first in chains.iter().step_by(5) {
@@ -565,15 +562,7 @@ mod tests {
     fn mixed_state(state: &mut LiveState, rank: u32, blocks: i64, tokens: usize) {
         let hashes: Vec<i64> = (1..=blocks).collect();
         store(state, rank, None, &hashes, tokens);
-        let mut evict = KvCacheEvent {
-            event_id: 1,
-            data: Some(Data::Removed(crate::proto::common::KvBlocksRemoved {
-                block_hashes: vec![1],
-                tier: Some(KvCacheTier::Device as i32),
-                ..Default::default()
-            })),
-        };
-        state.apply(rank, &mut evict);
+        evict(state, rank, 1);
         store(state, rank, None, &[1], tokens);
         store(state, rank, None, &[2, 3], tokens);
         let mut host = stored_event(None, &[-5, -6], KvCacheTier::Host, tokens);
