@@ -342,11 +342,7 @@ impl LiveState {
 fn widest_lone_entry(stored: &KvBlocksStored, fields_len: usize) -> usize {
     let (most_tokens, most_extra_keys_len) =
         stored.blocks.iter().fold((0, 0), |(tokens, extra), block| {
-            let block_extra = if block.extra_keys.is_empty() {
-                0
-            } else {
-                BlockFields::extra_keys_len(&block.extra_keys)
-            };
+            let block_extra = BlockFields::extra_keys_len(&block.extra_keys);
             (tokens.max(block.token_ids.len()), extra.max(block_extra))
         });
     let widest_block = BlockFields::max_encoded_len(most_tokens, most_extra_keys_len);

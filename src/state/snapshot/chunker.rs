@@ -1,10 +1,11 @@
 //! Cutting one rank's snapshot events into chunks.
 //!
 //! Invariant: a chunk holds at most `MAX_CHUNK_BLOCKS` blocks and about
-//! `MAX_CHUNK_BYTES`; a store too large for one chunk is split, the next
-//! piece naming the last block of the one before as its parent; blocks are
-//! encoded straight from their records, once, and only by a walk whose
-//! chunks are sent.
+//! `MAX_CHUNK_BYTES`, and closes at exactly `MAX_CHUNK_BLOCKS` unless its
+//! bytes would overflow first (`Plan::counted` relies on it); a store too
+//! large for one chunk is split, the next piece naming the last block of
+//! the one before as its parent; blocks are encoded straight from their
+//! records, once, and only by a walk whose chunks are sent.
 
 use std::collections::VecDeque;
 
@@ -29,7 +30,10 @@ pub(super) enum Output {
 
 /// The most bytes a block takes in a chunk as a one-block store of its
 /// own: its store's fields, with the widest parent, take `fields_len`, and
-/// the block at most `block_len`. A block inside a longer store takes less.
+/// the block at most `block_len`. A block inside a longer store takes less:
+/// it shares the store's fields (at least 11 bytes with a parent) and the
+/// event's 4 framing bytes, while the longer store's length varints grow
+/// by at most 4 bytes in all.
 pub(crate) fn lone_block_entry_len(fields_len: usize, block_len: usize) -> usize {
     let store = fields_len
         + encoding::key_len(BLOCKS_FIELD)

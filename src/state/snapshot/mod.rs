@@ -108,7 +108,7 @@ impl Plan {
             // The first chunk holds the rank's clear even with no blocks.
             let chunks = blocks.div_ceil(MAX_CHUNK_BLOCKS as u64).max(1);
             plan.chunks_per_rank.insert(rank, chunks);
-            plan.count += u32::try_from(chunks).ok()?;
+            plan.count = plan.count.checked_add(u32::try_from(chunks).ok()?)?;
             plan.blocks += blocks;
         }
         Some(plan)
@@ -152,9 +152,14 @@ impl Iterator for SnapshotEncoder {
     type Item = Bytes;
 
     /// Encodes the next chunk. Blocking work.
+    ///
+    /// Panics if the walk makes more or fewer chunks than the plan counted:
+    /// headers and sequence numbers built on a wrong count would overlap the
+    /// live stream, while a panic ends the stream with INTERNAL and the
+    /// router asks for a new snapshot.
     fn next(&mut self) -> Option<Bytes> {
         let Some((rank, chunk)) = self.chunks.next() else {
-            debug_assert_eq!(self.index, self.plan.count, "the plan counted every chunk");
+            assert_eq!(self.index, self.plan.count, "the plan counted every chunk");
             return None;
         };
         let offset = match self.current {
@@ -164,7 +169,7 @@ impl Iterator for SnapshotEncoder {
         self.current = Some((rank, offset));
         let cut = self.chunks.cut();
         let rank_chunks = self.plan.chunks_per_rank[&rank];
-        debug_assert!(
+        assert!(
             offset < rank_chunks,
             "the plan counted rank {rank}'s chunks"
         );
@@ -584,8 +589,9 @@ mod tests {
 
     #[test]
     fn a_plan_counted_from_blocks_is_the_plan_a_walk_finds() {
-        // 2043, 2044, 2045 and 4090 blocks before the copies and the host
-        // tier's 2 add 5: one short of a full chunk, full, one over, two.
+        // 2043, 2044, 2045 and 4090 blocks, to which `mixed_state` adds 4
+        // (a block evicted and stored again, 2 stored again as copies, 2 on
+        // the host tier): one short of a full chunk, full, one over, two.
         let mut state = LiveState::default();
         for (rank, blocks) in [(0, 2043), (1, 2044), (2, 2045), (3, 4090)] {
             mixed_state(&mut state, rank, blocks, 16);
@@ -613,7 +619,7 @@ mod tests {
                     assert!(tokens < 128, "{tokens}-token blocks can fill by bytes");
                     assert_eq!(counted, walked, "{tokens} tokens");
                 }
-                None => assert!(tokens > 64, "{tokens}-token blocks are counted"),
+                None => assert!(tokens > 64, "{tokens}-token blocks should be counted"),
             }
         }
         let mut state = LiveState::default();
@@ -622,6 +628,89 @@ mod tests {
             stored.session_id = Some("s".repeat(600));
         }
         state.apply(0, &mut long_fields);
+        assert_eq!(Plan::counted(&cut_of(&state, &[0])), None);
+    }
+
+    /// `blocks` blocks of `tokens` tokens with every field at its widest,
+    /// chained, each a store of its own (alternating sessions keep
+    /// neighbours from sharing a store).
+    fn widest_lone_blocks(blocks: i64, tokens: usize) -> LiveState {
+        use crate::proto::common::kv_block_extra_key::Key;
+        use crate::proto::common::{KvBlock, KvBlockExtraKey, KvBlocksStored};
+        let mut state = LiveState::default();
+        let text = |letter: &str| Some(letter.repeat(8));
+        for index in 0..blocks {
+            let hash = -(index + 1);
+            let mut stored = KvCacheEvent {
+                event_id: 1,
+                data: Some(Data::Stored(KvBlocksStored {
+                    blocks: vec![KvBlock {
+                        block_hash: hash,
+                        token_ids: vec![u32::MAX; tokens],
+                        block_size: -1,
+                        lora_id: Some(-1),
+                        cache_level: Some(-1),
+                        extra_keys: vec![KvBlockExtraKey {
+                            key: Some(Key::Text("img".into())),
+                        }],
+                    }],
+                    parent_block_hash: (index > 0).then_some(hash + 1),
+                    tier: Some(KvCacheTier::Device as i32),
+                    medium: text("m"),
+                    group_idx: Some(u32::MAX),
+                    kv_cache_spec_kind: text("k"),
+                    kv_cache_spec_sliding_window: Some(u32::MAX),
+                    locality: Some(i32::MIN),
+                    ownership: text("o"),
+                    session_id: text(if index % 2 == 0 { "a" } else { "b" }),
+                    lora_name: text("l"),
+                    cache_salt: text("c"),
+                })),
+            };
+            state.apply(0, &mut stored);
+        }
+        state
+    }
+
+    /// Blocks in each chunk of `batches`.
+    fn blocks_per_chunk(batches: &[KvEventBatch]) -> Vec<usize> {
+        batches
+            .iter()
+            .map(|batch| stored_hashes(batch).iter().map(|(_, h)| h.len()).sum())
+            .collect()
+    }
+
+    #[test]
+    fn the_widest_blocks_a_counted_plan_accepts_fill_a_chunk_to_its_byte_limit() {
+        let counted_at = |tokens| Plan::counted(&cut_of(&widest_lone_blocks(1, tokens), &[0]));
+        let widest = (1..512)
+            .take_while(|&tokens| counted_at(tokens).is_some())
+            .last()
+            .expect("narrow blocks are counted");
+
+        let cut = cut_of(&widest_lone_blocks(2049, widest), &[0]);
+        let counted = Plan::counted(&cut).expect("counted at its widest");
+        assert_eq!(counted, Plan::walked(Arc::clone(&cut), 1.0));
+        let batches = decode(&cut);
+        assert_eq!(blocks_per_chunk(&batches), vec![2048, 1]);
+        // Tight: the bound leaves less than 1% of a chunk unused.
+        assert!(
+            batches[0].encoded_len() > MAX_CHUNK_BYTES / 100 * 99,
+            "{} bytes",
+            batches[0].encoded_len()
+        );
+
+        // One token more and bytes end the first chunk early: the walk plans.
+        let cut = cut_of(&widest_lone_blocks(2049, widest + 1), &[0]);
+        assert_eq!(Plan::counted(&cut), None);
+        assert!(blocks_per_chunk(&decode(&cut))[0] < MAX_CHUNK_BLOCKS);
+    }
+
+    #[test]
+    fn one_wide_block_ever_stored_on_a_rank_keeps_its_plans_walked() {
+        let mut state = widest_lone_blocks(1, 4096);
+        evict(&mut state, 0, -1);
+        store(&mut state, 0, None, &[1, 2, 3], 16);
         assert_eq!(Plan::counted(&cut_of(&state, &[0])), None);
     }
 
