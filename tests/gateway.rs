@@ -231,7 +231,6 @@ async fn with_two_ranks_each_rank_keeps_its_own_numbering_and_events() {
             );
         }
         last[rank] = Some(batch.sequence_number);
-        let fence = common::fence_in(&batch);
         for event in &batch.events {
             use kvgate::proto::common::kv_cache_event::Data;
             match (&event.data, rank) {
@@ -242,8 +241,8 @@ async fn with_two_ranks_each_rank_keeps_its_own_numbering_and_events() {
                 other => panic!("event on the wrong rank: {other:?}"),
             }
         }
-        seen[0] |= fence == Some(1 << 40);
-        seen[1] |= fence == Some(1 << 41);
+        seen[0] |= common::carries_fence(&batch, 1 << 40);
+        seen[1] |= common::carries_fence(&batch, 1 << 41);
     }
     assert_eq!(per_rank_events, [5, 15]);
 }

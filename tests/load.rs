@@ -394,7 +394,7 @@ async fn kv_batches_carry_the_latest_record_and_a_load_only_batch_repeats_the_ra
         .await
         .unwrap();
     let carried = read_until(stream, &mut sample, |batch| {
-        common::fence_in(batch) == Some(fence + 1000)
+        common::carries_fence(batch, fence + 1000)
     })
     .await;
     let record = carried

@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::{Gateway, fence_in, fence_payload, http_get, next_batch, subscribe, sync_streams};
+use common::{
+    Gateway, carries_fence, fence_payload, http_get, next_batch, subscribe, sync_streams,
+};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
 use kvgate::server::SUBSCRIBE_SERVICES;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
@@ -106,7 +108,7 @@ async fn publish_through_gateway(
                 }
             }
         }
-        if fence_in(&batch) == Some(AFTER) {
+        if carries_fence(&batch, AFTER) {
             break;
         }
     }

@@ -216,9 +216,19 @@ pub fn fence_number(event: &kvgate::proto::common::KvCacheEvent) -> Option<u64> 
     }
 }
 
-/// The fence number a batch carries, if any.
+/// The first fence number a batch carries, if any.
 pub fn fence_in(batch: &KvEventBatch) -> Option<u64> {
     batch.events.iter().find_map(fence_number)
+}
+
+/// Whether `batch` carries fence `n`. Fences published close together can
+/// share a batch, so the first one is not enough.
+pub fn carries_fence(batch: &KvEventBatch, n: u64) -> bool {
+    batch
+        .events
+        .iter()
+        .filter_map(fence_number)
+        .any(|fence| fence == n)
 }
 
 /// The next batch of a read up to fence `n`, failing the test once
@@ -240,7 +250,7 @@ pub async fn skip_past_fence(stream: &mut Streaming<KvEventBatch>, n: u64) -> Ve
     let mut skipped = Vec::new();
     loop {
         let batch = next_batch_toward_fence(stream, n, deadline).await;
-        let done = fence_in(&batch) == Some(n);
+        let done = carries_fence(&batch, n);
         skipped.push(batch);
         if done {
             return skipped;
@@ -361,7 +371,7 @@ pub async fn follow_to_fence(
     loop {
         let batch = next_batch_toward_fence(stream, n, deadline).await;
         let admission = view.admit(&batch);
-        let done = fence_in(&batch) == Some(n);
+        let done = carries_fence(&batch, n);
         seen.push((batch, admission));
         if done {
             return seen;
