@@ -85,6 +85,30 @@ impl StoreFields {
         }
     }
 
+    /// At least the encoded length of [`Self::to_store`] with any parent,
+    /// measured without building it: every number at its widest. A store's
+    /// fields are all numbered below 16, so each key takes one byte.
+    fn store_len_bound(&self) -> usize {
+        // Key and varint: the parent is an int64; tier and locality are
+        // enums, written as int32 (10 bytes when negative); the group and
+        // the sliding window are uint32.
+        const WIDEST_SIGNED: usize = 1 + 10;
+        const WIDEST_UNSIGNED: usize = 1 + 5;
+        let text = |value: &Option<String>| {
+            value.as_ref().map_or(0, |text| {
+                1 + prost::encoding::encoded_len_varint(text.len() as u64) + text.len()
+            })
+        };
+        3 * WIDEST_SIGNED
+            + 2 * WIDEST_UNSIGNED
+            + text(&self.medium)
+            + text(&self.kv_cache_spec_kind)
+            + text(&self.ownership)
+            + text(&self.session_id)
+            + text(&self.lora_name)
+            + text(&self.cache_salt)
+    }
+
     /// A store event with these fields and no blocks yet.
     pub fn to_store(&self, parent_block_hash: Option<i64>) -> KvBlocksStored {
         KvBlocksStored {
@@ -354,14 +378,14 @@ fn widest_lone_entry(stored: &KvBlocksStored, fields_len: usize) -> usize {
 /// per-request values such as session ids cannot grow it without bound).
 #[derive(Debug, Default)]
 struct Interner {
-    /// Each store's fields with their encoded length as a store with the
-    /// widest parent, worked out once per distinct fields.
+    /// Each store's fields with a bound on their encoded length as a store
+    /// (`StoreFields::store_len_bound`), worked out once per distinct fields.
     table: HashMap<Arc<StoreFields>, usize>,
     sweep_at: usize,
 }
 
 impl Interner {
-    /// The shared fields and their encoded length (widest parent).
+    /// The shared fields and a bound on their encoded length as a store.
     fn intern(&mut self, fields: StoreFields) -> (Arc<StoreFields>, usize) {
         if let Some((shared, &len)) = self.table.get_key_value(&fields) {
             return (Arc::clone(shared), len);
@@ -370,7 +394,7 @@ impl Interner {
             self.table.retain(|shared, _| Arc::strong_count(shared) > 1);
             self.sweep_at = (self.table.len() * 2).max(64);
         }
-        let len = prost::Message::encoded_len(&fields.to_store(Some(i64::MIN)));
+        let len = fields.store_len_bound();
         let shared = Arc::new(fields);
         self.table.insert(Arc::clone(&shared), len);
         (shared, len)
@@ -431,6 +455,36 @@ mod tests {
             .unwrap_or_default();
         hashes.sort();
         hashes
+    }
+
+    #[test]
+    fn a_store_s_length_bound_holds_for_any_parent_and_is_exact_at_the_widest() {
+        use prost::Message;
+        let text = |length: usize| Some("x".repeat(length));
+        let widest = StoreFields {
+            tier: Some(i32::MIN),
+            medium: text(3),
+            group_idx: Some(u32::MAX),
+            kv_cache_spec_kind: text(200),
+            kv_cache_spec_sliding_window: Some(u32::MAX),
+            locality: Some(i32::MIN),
+            ownership: text(0),
+            session_id: text(127),
+            lora_name: text(128),
+            cache_salt: text(20_000),
+            lora_id: Some(-1),
+            cache_level: Some(-1),
+        };
+        let bound = widest.store_len_bound();
+        assert_eq!(widest.to_store(Some(i64::MIN)).encoded_len(), bound);
+        for fields in [
+            StoreFields::default(),
+            StoreFields::of(&KvBlocksStored::default()),
+        ] {
+            for parent in [None, Some(0), Some(1), Some(-1)] {
+                assert!(fields.to_store(parent).encoded_len() <= fields.store_len_bound());
+            }
+        }
     }
 
     #[test]

@@ -655,7 +655,9 @@ mod tests {
                         }],
                     }],
                     parent_block_hash: (index > 0).then_some(hash + 1),
-                    tier: Some(KvCacheTier::Device as i32),
+                    // Unknown, so kept as the device's tier, and written
+                    // back as it came: at its widest.
+                    tier: Some(i32::MIN),
                     medium: text("m"),
                     group_idx: Some(u32::MAX),
                     kv_cache_spec_kind: text("k"),
