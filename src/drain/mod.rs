@@ -216,13 +216,15 @@ impl Drain {
         self.push_events(rank, converted.events, converted.timestamp);
     }
 
-    /// Batches one message's events, after the clear a restarted rank owes.
+    /// Batches one message's events, after the clear a restarted rank owes,
+    /// with the state's lookups for all of them fetched first.
     fn push_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
         if self.owe_clear.remove(&rank)
             && !events.first().is_some_and(KvCacheEvent::is_ownerless_clear)
         {
             self.push_event(rank, KvCacheEvent::ownerless_clear(), timestamp);
         }
+        self.state.prefetch(rank, &events);
         for event in events {
             self.push_event(rank, event, timestamp);
         }

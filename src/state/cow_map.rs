@@ -78,6 +78,14 @@ impl<V: Clone> CowMap<V> {
             .find(hash_of(key), is_key(key))
     }
 
+    /// Asks the CPU to fetch the header of the shard `key` falls in, so a
+    /// lookup that follows does not wait for it.
+    pub fn prefetch_shard(&self, key: i64) {
+        if let Some(shard) = self.shards.get(shard_of(key)) {
+            prefetch::<Shard<V>>(&**shard);
+        }
+    }
+
     /// The value of `key` for writing; copies its shard first if a clone
     /// still shares it (and only if `key` is there).
     pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
