@@ -377,15 +377,15 @@ pub(crate) struct Stored<'a, 's> {
 }
 
 #[derive(Debug)]
-pub(crate) struct Removed<'a> {
+pub(crate) struct Removed<'a, 's> {
     pub placement: Placement<'a>,
-    pub hashes: Vec<i64>,
+    pub hashes: &'s [i64],
 }
 
 #[derive(Debug)]
 pub(crate) enum Event<'a, 's> {
     Stored(Stored<'a, 's>),
-    Removed(Removed<'a>),
+    Removed(Removed<'a, 's>),
     Cleared { ownership: Option<&'a str> },
 }
 
@@ -419,7 +419,7 @@ pub(crate) fn read<'a, 's>(
             }),
             Type::Removed => Event::Removed(Removed {
                 placement: Placement::read(&fields)?,
-                hashes: hashes.require(&scratch.hashes)?.to_vec(),
+                hashes: hashes.require(&scratch.hashes)?,
             }),
             Type::Cleared => Event::Cleared {
                 ownership: fields.str(Field::Ownership)?,

@@ -16,13 +16,14 @@
 //!
 //! Files: `msgpack.rs` reads bytes, `event.rs` reads one event, `normalize.rs`
 //! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts,
-//! `spare_tokens.rs` keeps sent blocks' token buffers for the next stores.
+//! `spare_buffers.rs` keeps sent events' token and hash buffers for the next
+//! events.
 
 mod event;
 mod hash;
 mod msgpack;
 mod normalize;
-mod spare_tokens;
+mod spare_buffers;
 mod tally;
 #[cfg(test)]
 mod tests;
@@ -136,7 +137,7 @@ impl Converter {
     /// Takes back the token buffers of an event the caller is done with, so
     /// the next stores fill them instead of allocating.
     pub fn recycle(&mut self, event: &mut KvCacheEvent) {
-        self.normalizer.spare_tokens.give_back(event);
+        self.normalizer.spare_buffers.give_back(event);
     }
 
     /// Reads the envelope `[ts, events, dp_rank, ...]` and its events in one

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use super::event::{Event, Placement, Removed, Stored};
-use super::spare_tokens::SpareTokens;
+use super::spare_buffers::SpareBuffers;
 use super::tally::{DropReason, EventKind};
 use crate::proto::common::{
     KvBlock, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality, KvCacheTier,
@@ -83,8 +83,8 @@ pub(crate) struct Normalizer {
     journal: Vec<((u32, u32), Option<bool>)>,
     /// Reused to find repeated hashes without allocating per store.
     sorted: Vec<i64>,
-    /// Token buffers of sent blocks, for the next stores' blocks.
-    pub(crate) spare_tokens: SpareTokens,
+    /// Token and hash buffers of sent events, for the next events.
+    pub(crate) spare_buffers: SpareBuffers,
 }
 
 impl Normalizer {
@@ -120,7 +120,7 @@ impl Normalizer {
             }
             Event::Removed(removed) => {
                 let tier = self.admit(rank, &removed.placement)?;
-                Ok((EventKind::Removed, removed_data(removed, tier)))
+                Ok((EventKind::Removed, self.removed_data(removed, tier)))
             }
             Event::Cleared { ownership } => {
                 if ownership.is_some_and(is_kvcr) {
@@ -219,13 +219,13 @@ impl Normalizer {
         }
 
         let level = cache_level(tier);
-        let spare_tokens = &mut self.spare_tokens;
+        let spare_buffers = &mut self.spare_buffers;
         let blocks: Vec<KvBlock> = hashes
             .iter()
             .zip(tokens.chunks_exact(block_len))
             .map(|(&block_hash, token_ids)| KvBlock {
                 block_hash,
-                token_ids: spare_tokens.filled(token_ids),
+                token_ids: spare_buffers.tokens(token_ids),
                 block_size,
                 lora_id,
                 cache_level: level,
@@ -234,23 +234,37 @@ impl Normalizer {
             .collect();
         let lora_name = non_empty(lora_name);
         let cache_salt = match non_empty(cache_salt) {
-            Some(salt) => Some(salt.to_owned()),
+            Some(salt) => spare_buffers.text(Some(salt)),
             None => salt_from_extra_keys(&blocks, lora_name),
         };
         Ok(Data::Stored(KvBlocksStored {
             blocks,
             parent_block_hash: parent,
             tier: Some(tier.into()),
-            medium: placement.medium.map(str::to_owned),
+            medium: spare_buffers.text(placement.medium),
             group_idx: placement.group_idx,
-            kv_cache_spec_kind: placement.spec_kind.map(str::to_owned),
+            kv_cache_spec_kind: spare_buffers.text(placement.spec_kind),
             kv_cache_spec_sliding_window: sliding_window,
             locality: Some(KvCacheLocality::Local.into()),
-            ownership: placement.ownership.map(str::to_owned),
-            session_id: session_id.map(str::to_owned),
-            lora_name: lora_name.map(str::to_owned),
+            ownership: spare_buffers.text(placement.ownership),
+            session_id: spare_buffers.text(session_id),
+            lora_name: spare_buffers.text(lora_name),
             cache_salt,
         }))
+    }
+
+    fn removed_data(&mut self, removed: Removed<'_, '_>, tier: KvCacheTier) -> Data {
+        let Removed { placement, hashes } = removed;
+        let spare_buffers = &mut self.spare_buffers;
+        Data::Removed(KvBlocksRemoved {
+            block_hashes: spare_buffers.hashes(hashes),
+            cache_level: cache_level(tier),
+            tier: Some(tier.into()),
+            medium: spare_buffers.text(placement.medium),
+            group_idx: placement.group_idx,
+            locality: Some(KvCacheLocality::Local.into()),
+            ownership: spare_buffers.text(placement.ownership),
+        })
     }
 }
 
@@ -267,17 +281,4 @@ fn salt_from_extra_keys(blocks: &[KvBlock], lora_name: Option<&str>) -> Option<S
             }
             _ => None,
         })
-}
-
-fn removed_data(removed: Removed<'_>, tier: KvCacheTier) -> Data {
-    let Removed { placement, hashes } = removed;
-    Data::Removed(KvBlocksRemoved {
-        block_hashes: hashes,
-        cache_level: cache_level(tier),
-        tier: Some(tier.into()),
-        medium: placement.medium.map(str::to_owned),
-        group_idx: placement.group_idx,
-        locality: Some(KvCacheLocality::Local.into()),
-        ownership: placement.ownership.map(str::to_owned),
-    })
 }
