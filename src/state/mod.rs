@@ -14,6 +14,7 @@
 pub(crate) mod cow_map;
 mod prefetch;
 pub mod snapshot;
+mod spare_tokens;
 pub(crate) mod tier;
 
 use std::collections::{BTreeMap, HashMap};
@@ -25,6 +26,7 @@ use triomphe::ThinArc;
 use crate::wire::event::BlockFields;
 use cow_map::{CowMap, Found};
 use snapshot::lone_block_entry_len;
+use spare_tokens::SpareTokens;
 use tier::{PerTier, Tier, TierCounts};
 
 use crate::proto::common::{
@@ -238,6 +240,8 @@ pub type StateCut = BTreeMap<u32, RankBlocks>;
 pub struct LiveState {
     ranks: BTreeMap<u32, RankBlocks>,
     interned: Interner,
+    /// Removed records' token buffers, for the next new records.
+    spare_tokens: SpareTokens,
     /// The `order` the next new block gets.
     next_order: u64,
 }
@@ -339,6 +343,7 @@ impl LiveState {
         blocks.widest_lone_entry = blocks
             .widest_lone_entry
             .max(widest_lone_entry(stored, fields_len));
+        let spare_tokens = &mut self.spare_tokens;
         let mut parent = stored.parent_block_hash;
         for block in &stored.blocks {
             let hash = block.block_hash;
@@ -346,7 +351,7 @@ impl LiveState {
             let found = map.find_or_insert_with(hash, || BlockRecord {
                 parent: parent.unwrap_or_default(),
                 has_parent: parent.is_some(),
-                tokens: ThinArc::from_header_and_iter((), block.token_ids.iter().copied()),
+                tokens: spare_tokens.filled(&block.token_ids),
                 extra_keys: (!block.extra_keys.is_empty())
                     .then(|| Box::new(ExtraKeys(block.extra_keys.clone()))),
                 fields: Arc::clone(&fields),
@@ -377,8 +382,10 @@ impl LiveState {
             if let Some(live) = map.get_mut(*hash) {
                 live.copies -= 1;
                 blocks.copies[tier] -= 1;
-                if live.copies == 0 {
-                    map.remove(*hash);
+                if live.copies == 0
+                    && let Some(record) = map.remove(*hash)
+                {
+                    self.spare_tokens.keep(record.tokens);
                 }
             }
         }
