@@ -693,6 +693,40 @@ mod tests {
     }
 
     #[test]
+    fn a_removed_block_s_tokens_serve_the_next_new_block_but_never_while_a_cut_holds_them() {
+        let stored_with = |hash: i64, token: u32| {
+            let mut event = store(None, &[hash], Tier::Device);
+            if let Some(Data::Stored(stored)) = event.data.as_mut() {
+                stored.blocks[0].token_ids = vec![token; 2];
+            }
+            event
+        };
+        let record =
+            |blocks: &RankBlocks, hash| blocks.entry(Tier::Device, hash).unwrap().1.clone();
+        let mut state = LiveState::default();
+        state.apply(0, &mut stored_with(1, 10));
+        let cut = state.cut();
+        state.apply(0, &mut remove(&[1], Tier::Device));
+        state.apply(0, &mut stored_with(2, 20));
+        assert_eq!(
+            record(&cut[&0], 1).tokens.slice,
+            [10, 10],
+            "the cut keeps its tokens"
+        );
+        let buffer_of_2 = record(state.rank(0).unwrap(), 2).tokens.ptr();
+        state.apply(0, &mut remove(&[2], Tier::Device));
+        state.apply(0, &mut stored_with(3, 30));
+        let record_3 = record(state.rank(0).unwrap(), 3);
+        assert_eq!(record_3.tokens.slice, [30, 30]);
+        assert_eq!(
+            record_3.tokens.ptr(),
+            buffer_of_2,
+            "block 2's buffer, refilled"
+        );
+        assert_eq!(record(&cut[&0], 1).tokens.slice, [10, 10]);
+    }
+
+    #[test]
     fn unused_store_fields_are_released() {
         let mut interner = Interner::default();
         let mut kept = Vec::new();
