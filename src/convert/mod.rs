@@ -16,8 +16,8 @@
 //!
 //! Files: `msgpack.rs` reads bytes, `event.rs` reads one event, `normalize.rs`
 //! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts,
-//! `spare_buffers.rs` keeps sent events' token and hash buffers for the next
-//! events.
+//! `spare_buffers.rs` keeps sent events' token, hash and text buffers for the
+//! next events.
 
 mod event;
 mod hash;
@@ -134,8 +134,8 @@ impl Converter {
         self.normalizer.forget_rank(rank);
     }
 
-    /// Takes back the token buffers of an event the caller is done with, so
-    /// the next stores fill them instead of allocating.
+    /// Takes back the token, hash and text buffers of an event the caller
+    /// is done with, so the next events fill them instead of allocating.
     pub fn recycle(&mut self, event: &mut KvCacheEvent) {
         self.normalizer.spare_buffers.give_back(event);
     }

@@ -441,8 +441,45 @@ mod tests {
         assert_eq!(sent, 2, "the blocks around it were sent");
     }
 
+    /// The live blocks, with their tokens, that the batches in the history
+    /// leave when replayed in order; every removal names a live block of
+    /// the engine's medium.
+    fn replayed(reader: &crate::hub::HubReader) -> BTreeMap<i64, Vec<u32>> {
+        let (oldest, newest) = reader.history().span();
+        let mut live = BTreeMap::new();
+        for position in oldest..=newest {
+            let batch = reader.history().get(position).unwrap();
+            for event in KvEventBatch::decode(batch.encoded.clone()).unwrap().events {
+                match event.data {
+                    Some(Data::Stored(stored)) => {
+                        assert_eq!(stored.medium.as_deref(), Some("GPU"));
+                        for block in stored.blocks {
+                            live.insert(block.block_hash, block.token_ids);
+                        }
+                    }
+                    Some(Data::Removed(removed)) => {
+                        assert_eq!(removed.medium.as_deref(), Some("GPU"));
+                        for hash in removed.block_hashes {
+                            assert!(live.remove(&hash).is_some(), "{hash} was not live");
+                        }
+                    }
+                    other => panic!("unexpected event {other:?}"),
+                }
+            }
+        }
+        live
+    }
+
+    fn held(cut: &SnapshotCut) -> BTreeMap<i64, Vec<u32>> {
+        cut.state[&0]
+            .tier(Tier::Device)
+            .map(|(hash, record)| (hash, record.block_fields(hash).tokens.to_vec()))
+            .collect()
+    }
+
     #[test]
-    fn the_state_keeps_every_sent_block_s_tokens_while_their_buffers_serve_later_stores() {
+    fn the_state_and_a_cut_taken_midway_hold_exactly_the_sent_blocks_while_buffers_serve_later_events()
+     {
         use kvgate_sim::{SteadyState, WorkloadShape};
         let (writer, reader) = hub(
             64,
@@ -460,39 +497,39 @@ mod tests {
             writer,
             Metrics::default(),
         );
+        // An engine that evicts from its 5th payload on: every later one
+        // stores 8 new blocks and removes 8, one removal event each.
         let shape = WorkloadShape {
             blocks_per_store: 8,
             block_size: 4,
-            live_blocks: 1 << 20,
+            live_blocks: 32,
         };
         let mut workload = SteadyState::new(shape, 5);
-        for engine_sequence in 0..20 {
+        let mut ingest = |drain: &mut Drain, engine_sequence| {
             drain.ingest(SourceEvent::Message(EngineMessage {
                 rank: 0,
                 engine_sequence,
                 payload: workload.next_payload(1.0, 0).into(),
             }));
             drain.flush();
+        };
+        for engine_sequence in 0..10 {
+            ingest(&mut drain, engine_sequence);
         }
-        let (oldest, newest) = reader.history().span();
-        let mut sent = std::collections::HashMap::new();
-        for position in oldest..=newest {
-            let batch = reader.history().get(position).unwrap();
-            for event in KvEventBatch::decode(batch.encoded.clone()).unwrap().events {
-                if let Some(Data::Stored(stored)) = event.data {
-                    for block in stored.blocks {
-                        sent.insert(block.block_hash, block.token_ids);
-                    }
-                }
-            }
+        let midway = drain.cut();
+        let live_midway = replayed(&reader);
+        for engine_sequence in 10..40 {
+            ingest(&mut drain, engine_sequence);
         }
-        assert_eq!(sent.len(), 160);
-        let cut = drain.cut();
-        let mut held = 0;
-        for (hash, record) in cut.state[&0].tier(Tier::Device) {
-            assert_eq!(record.block_fields(hash).tokens, sent[&hash].as_slice());
-            held += 1;
-        }
-        assert_eq!(held, 160);
+        let live_at_end = replayed(&reader);
+        assert_eq!(live_midway.len(), 32);
+        assert_eq!(live_at_end.len(), 32);
+        assert!(
+            live_midway
+                .keys()
+                .all(|hash| !live_at_end.contains_key(hash))
+        );
+        assert_eq!(held(&midway), live_midway, "the cut as it was");
+        assert_eq!(held(&drain.cut()), live_at_end);
     }
 }

@@ -287,8 +287,9 @@ impl LiveState {
     /// and applying events one by one waits for each chain in turn. Two
     /// read-only passes over the payload's blocks first put many chains in
     /// flight at once: one fetches every shard's header, the next looks
-    /// every block up (and fetches the tokens a removal frees) while the
-    /// CPU overlaps the misses of neighbouring lookups. A full engine's
+    /// every block up (and fetches the tokens of each block found, which a
+    /// removal frees) while the CPU overlaps the misses of neighbouring
+    /// lookups. A full engine's
     /// steady state (stores of new blocks, evictions) ingests about 30%
     /// faster, a replay of live blocks no slower (BENCHMARKS.md). A hint
     /// only: nothing is written, so no shard a cut shares is copied.
@@ -713,9 +714,16 @@ mod tests {
             [10, 10],
             "the cut keeps its tokens"
         );
+        assert_eq!(
+            state.spare_tokens.len(),
+            0,
+            "block 1's buffer stays the cut's"
+        );
         let buffer_of_2 = record(state.rank(0).unwrap(), 2).tokens.ptr();
         state.apply(0, &mut remove(&[2], Tier::Device));
+        assert_eq!(state.spare_tokens.len(), 1);
         state.apply(0, &mut stored_with(3, 30));
+        assert_eq!(state.spare_tokens.len(), 0);
         let record_3 = record(state.rank(0).unwrap(), 3);
         assert_eq!(record_3.tokens.slice, [30, 30]);
         assert_eq!(

@@ -1,18 +1,22 @@
 //! Token buffers of removed records, refilled for the next new records.
 //!
-//! Invariant: at most [`MAX_SPARE_TOKENS`] buffers are kept, each one no
-//! cut shares (its count is one: a record copied into a cut's shard keeps
-//! its tokens shared, and such a buffer is dropped as before), and a spare
-//! is refilled only by tokens of its own length, so a record never sees
+//! Invariant: at most [`MAX_SPARE_BUFFERS`] buffers of at most
+//! [`MAX_SPARE_TOKENS`] tokens are kept (1.1 MiB at most), each one no cut
+//! shares (its count is one: a record copied into a cut's shard keeps its
+//! tokens shared, and such a buffer is dropped as before), and a spare is
+//! refilled only by tokens of its own length, so a record never sees
 //! another's tokens. In a full engine's steady state every store is a new
 //! record and every eviction drops one: a buffer passed from the one to the
-//! other saves an allocation and a free per block.
+//! other saves an allocation and a free per block. One engine's blocks
+//! share a length; where lengths alternate (groups of different block
+//! sizes), a spare of the other length is freed as before.
 
 use triomphe::{Arc, ThinArc};
 
-/// About 16 payloads of 64 evictions, the drain's usual cycle; at 16
-/// tokens a block, 80 KiB.
-const MAX_SPARE_TOKENS: usize = 1024;
+/// About 16 payloads of 64 evictions, the drain's usual cycle.
+const MAX_SPARE_BUFFERS: usize = 1024;
+/// The largest block size engines use (256 tokens).
+const MAX_SPARE_TOKENS: usize = 256;
 
 #[derive(Debug, Default)]
 pub(crate) struct SpareTokens {
@@ -37,12 +41,20 @@ impl SpareTokens {
         ThinArc::from_header_and_iter((), tokens.iter().copied())
     }
 
-    /// Keeps `buffer` if no cut shares it and fewer than the bound are kept.
+    /// Keeps `buffer` if no cut shares it and it is within the bounds.
     pub(crate) fn keep(&mut self, mut buffer: ThinArc<(), u32>) {
-        let unique = buffer.with_arc_mut(|arc| Arc::get_mut(arc).is_some());
-        if unique && self.buffers.len() < MAX_SPARE_TOKENS {
+        if self.buffers.len() < MAX_SPARE_BUFFERS
+            && (1..=MAX_SPARE_TOKENS).contains(&buffer.slice.len())
+            && buffer.with_arc_mut(|arc| Arc::get_mut(arc).is_some())
+        {
             self.buffers.push(buffer);
         }
+    }
+
+    /// Buffers kept.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.buffers.len()
     }
 }
 
@@ -85,11 +97,14 @@ mod tests {
     }
 
     #[test]
-    fn no_more_than_the_bound_are_kept() {
+    fn no_more_buffers_and_no_longer_ones_than_the_bounds_are_kept() {
         let mut spare = SpareTokens::default();
-        for _ in 0..MAX_SPARE_TOKENS + 3 {
+        spare.keep(buffer(&[7; MAX_SPARE_TOKENS + 1]));
+        spare.keep(buffer(&[]));
+        assert!(spare.buffers.is_empty());
+        for _ in 0..MAX_SPARE_BUFFERS + 3 {
             spare.keep(buffer(&[1]));
         }
-        assert_eq!(spare.buffers.len(), MAX_SPARE_TOKENS);
+        assert_eq!(spare.buffers.len(), MAX_SPARE_BUFFERS);
     }
 }
