@@ -2,7 +2,7 @@
 //!
 //! Invariant: a chunk holds at most `MAX_CHUNK_BLOCKS` blocks and about
 //! `MAX_CHUNK_BYTES`, and closes at exactly `MAX_CHUNK_BLOCKS` unless its
-//! bytes would overflow first (`Plan::counted` relies on it); a store too
+//! bytes would overflow first (`Plan::of` relies on it); a store too
 //! large for one chunk is split, the next piece naming the last block of
 //! the one before as its parent; blocks are encoded straight from their
 //! records, once, and only by a walk whose chunks are sent.

@@ -22,13 +22,14 @@
 //! the state: what it holds besides the cut is one chunk being filled, the
 //! chain being walked and a window of the next blocks in store order (an
 //! eighth of a tier at most, 16 bytes a block), never the whole snapshot. The
-//! chunk count goes in every header. When no chunk can fill by bytes before
-//! it holds `MAX_CHUNK_BLOCKS` blocks (the state keeps a bound on the bytes
-//! of any block it stored), every chunk but a rank's last is full, so the
-//! count follows from the block counts. Otherwise a first pass finds the
-//! chunk boundaries, counting the blocks' bytes without writing them, before
-//! the first chunk is handed out; that pass runs to its end in one call, so
-//! it takes the whole tier's store order in one scan instead of eight. The
+//! chunk count goes in every header. For a rank none of whose chunks can
+//! fill by bytes before it holds `MAX_CHUNK_BLOCKS` blocks (the state keeps
+//! a bound on the bytes of any block a rank stored), every chunk but the
+//! rank's last is full, so its count follows from its block count. The
+//! other ranks' chunk boundaries are found by a first pass over those ranks
+//! alone, counting the blocks' bytes without writing them, before the first
+//! chunk is handed out; that pass runs to its end in one call, so it takes
+//! the whole tier's store order in one scan instead of eight. The
 //! encoder owns its cut and the walk borrows from it (`self_cell`), so a
 //! block taken into a window is never looked up by hash again (each lookup
 //! is a chain of cache misses).
@@ -87,37 +88,34 @@ struct Plan {
 }
 
 impl Plan {
-    /// The plan from the cut's block counts, when every chunk ends by its
-    /// block count: each rank's chunks are then full but for its last.
-    /// `None` when some rank stored blocks wide enough to fill a chunk by
-    /// bytes first.
-    fn counted(cut: &SnapshotCut) -> Option<Self> {
-        let mut plan = Plan {
-            count: 0,
-            blocks: 0,
-            chunks_per_rank: BTreeMap::new(),
-        };
+    /// The plan of `cut`'s snapshot. A rank none of whose blocks can fill a
+    /// chunk by bytes first has chunks that are full but for its last, so
+    /// they are counted from its blocks; the other ranks' chunks are found
+    /// by a walk of those ranks alone. Blocking work when some rank walks.
+    fn of(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
+        let walk = ranks_to_walk(&cut);
+        let mut plan = Plan::walked(Arc::clone(&cut), timestamp, walk);
         for &rank in cut.last_sequences.keys() {
-            let blocks = match cut.state.get(&rank) {
-                Some(blocks) if !blocks_alone_end_chunks(blocks.widest_lone_entry()) => {
-                    return None;
-                }
-                Some(blocks) => blocks.counts().total(),
-                None => 0,
-            };
+            if plan.chunks_per_rank.contains_key(&rank) {
+                continue;
+            }
+            let blocks = cut
+                .state
+                .get(&rank)
+                .map_or(0, |blocks| blocks.counts().total());
             // The first chunk holds the rank's clear even with no blocks.
             let chunks = blocks.div_ceil(MAX_CHUNK_BLOCKS as u64).max(1);
             plan.chunks_per_rank.insert(rank, chunks);
-            plan.count = plan.count.checked_add(u32::try_from(chunks).ok()?)?;
+            plan.count += u32::try_from(chunks).expect("fewer than 2^32 chunks");
             plan.blocks += blocks;
         }
-        Some(plan)
+        plan
     }
 
-    /// The plan from a whole walk of the cut that counts bytes without
-    /// writing them.
-    fn walked(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
-        let mut planning = RawChunks::walk(cut, timestamp, Pass::Planning);
+    /// The plan of `ranks` alone, from a walk of them that counts bytes
+    /// without writing them.
+    fn walked(cut: Arc<SnapshotCut>, timestamp: f64, ranks: Vec<u32>) -> Self {
+        let mut planning = RawChunks::walk(cut, timestamp, Pass::Planning, ranks);
         let mut chunks_per_rank = BTreeMap::new();
         let mut count = 0u32;
         while let Some((rank, _)) = planning.next() {
@@ -132,14 +130,38 @@ impl Plan {
     }
 }
 
+/// The ranks of `cut` whose chunks a plan must walk to find: some block
+/// they stored can fill a chunk by bytes before it holds
+/// `MAX_CHUNK_BLOCKS` blocks.
+fn ranks_to_walk(cut: &SnapshotCut) -> Vec<u32> {
+    cut.last_sequences
+        .keys()
+        .copied()
+        .filter(|rank| {
+            cut.state
+                .get(rank)
+                .is_some_and(|blocks| !blocks_alone_end_chunks(blocks.widest_lone_entry()))
+        })
+        .collect()
+}
+
+/// The order a snapshot sends `cut`'s ranks in: every other rank, then
+/// rank 0.
+fn emission_order(cut: &SnapshotCut) -> Vec<u32> {
+    let rank0 = cut.last_sequences.get_key_value(&0);
+    let others = cut.last_sequences.range(1..);
+    others.chain(rank0).map(|(&rank, _)| rank).collect()
+}
+
 impl SnapshotEncoder {
-    /// Finds the chunk boundaries of `cut`'s snapshot: from its block
-    /// counts when no chunk can fill by bytes first (at once), otherwise by
-    /// a whole walk of the cut. Blocking work.
+    /// Finds the chunk boundaries of `cut`'s snapshot: from each rank's
+    /// block counts when none of its chunks can fill by bytes first (at
+    /// once), otherwise by a walk of that rank. Blocking work.
     pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
-        let plan = Plan::counted(&cut).unwrap_or_else(|| Plan::walked(Arc::clone(&cut), timestamp));
+        let plan = Plan::of(Arc::clone(&cut), timestamp);
+        let ranks = emission_order(&cut);
         Self {
-            chunks: RawChunks::walk(cut, timestamp, Pass::Reading),
+            chunks: RawChunks::walk(cut, timestamp, Pass::Reading, ranks),
             plan,
             index: 0,
             current: None,
@@ -196,8 +218,9 @@ self_cell::self_cell!(
 );
 
 impl RawChunks {
-    fn walk(cut: Arc<SnapshotCut>, timestamp: f64, pass: Pass) -> Self {
-        Self::new(cut, |cut| ChunkWalk::new(cut, timestamp, pass))
+    /// Walks `ranks` of `cut`, in that order.
+    fn walk(cut: Arc<SnapshotCut>, timestamp: f64, pass: Pass, ranks: Vec<u32>) -> Self {
+        Self::new(cut, |_| ChunkWalk::new(ranks, timestamp, pass))
     }
 
     fn next(&mut self) -> Option<(u32, OpenBatch)> {
@@ -245,7 +268,7 @@ impl Pass {
 struct ChunkWalk<'cut> {
     timestamp: f64,
     pass: Pass,
-    /// Ranks in emission order: every other rank, then rank 0.
+    /// The ranks to walk, in order.
     ranks: Vec<u32>,
     next_rank: usize,
     walking: Option<RankWalk<'cut>>,
@@ -254,10 +277,7 @@ struct ChunkWalk<'cut> {
 }
 
 impl<'cut> ChunkWalk<'cut> {
-    fn new(cut: &'cut SnapshotCut, timestamp: f64, pass: Pass) -> Self {
-        let rank0 = cut.last_sequences.get_key_value(&0);
-        let others = cut.last_sequences.range(1..);
-        let ranks = others.chain(rank0).map(|(&rank, _)| rank).collect();
+    fn new(ranks: Vec<u32>, timestamp: f64, pass: Pass) -> Self {
         Self {
             timestamp,
             pass,
@@ -578,6 +598,12 @@ mod tests {
         state.apply(rank, &mut host);
     }
 
+    /// The plan a walk of every rank of `cut` finds.
+    fn walked_whole(cut: &Arc<SnapshotCut>) -> Plan {
+        let ranks = cut.last_sequences.keys().copied().collect();
+        Plan::walked(Arc::clone(cut), 1.0, ranks)
+    }
+
     fn cut_of(state: &LiveState, ranks: &[u32]) -> Arc<SnapshotCut> {
         Arc::new(SnapshotCut {
             state: state.cut(),
@@ -597,8 +623,12 @@ mod tests {
             mixed_state(&mut state, rank, blocks, 16);
         }
         let cut = cut_of(&state, &[0, 1, 2, 3, 4]);
-        let counted = Plan::counted(&cut).expect("16-token blocks end chunks by count");
-        assert_eq!(counted, Plan::walked(Arc::clone(&cut), 1.0));
+        assert!(
+            ranks_to_walk(&cut).is_empty(),
+            "16-token blocks end chunks by count"
+        );
+        let counted = Plan::of(Arc::clone(&cut), 1.0);
+        assert_eq!(counted, walked_whole(&cut));
         assert_eq!(
             counted.chunks_per_rank,
             BTreeMap::from([(0, 1), (1, 1), (2, 2), (3, 2), (4, 1)])
@@ -612,15 +642,17 @@ mod tests {
             let mut state = LiveState::default();
             mixed_state(&mut state, 0, 2100, tokens);
             let cut = cut_of(&state, &[0]);
-            let walked = Plan::walked(Arc::clone(&cut), 1.0);
             // 2048 lone blocks of ~86 tokens at 5 bytes a token fill 1 MiB.
-            match Plan::counted(&cut) {
-                Some(counted) => {
-                    assert!(tokens < 128, "{tokens}-token blocks can fill by bytes");
-                    assert_eq!(counted, walked, "{tokens} tokens");
-                }
-                None => assert!(tokens > 64, "{tokens}-token blocks should be counted"),
+            if ranks_to_walk(&cut).is_empty() {
+                assert!(tokens < 128, "{tokens}-token blocks can fill by bytes");
+            } else {
+                assert!(tokens > 64, "{tokens}-token blocks should be counted");
             }
+            assert_eq!(
+                Plan::of(Arc::clone(&cut), 1.0),
+                walked_whole(&cut),
+                "{tokens} tokens"
+            );
         }
         let mut state = LiveState::default();
         let mut long_fields = stored_event(None, &[1, 2], KvCacheTier::Device, 16);
@@ -628,7 +660,7 @@ mod tests {
             stored.session_id = Some("s".repeat(600));
         }
         state.apply(0, &mut long_fields);
-        assert_eq!(Plan::counted(&cut_of(&state, &[0])), None);
+        assert_eq!(ranks_to_walk(&cut_of(&state, &[0])), [0]);
     }
 
     /// `blocks` blocks of `tokens` tokens with every field at its widest,
@@ -684,15 +716,16 @@ mod tests {
 
     #[test]
     fn the_widest_blocks_a_counted_plan_accepts_fill_a_chunk_to_its_byte_limit() {
-        let counted_at = |tokens| Plan::counted(&cut_of(&widest_lone_blocks(1, tokens), &[0]));
+        let counted_at =
+            |tokens| ranks_to_walk(&cut_of(&widest_lone_blocks(1, tokens), &[0])).is_empty();
         let widest = (1..512)
-            .take_while(|&tokens| counted_at(tokens).is_some())
+            .take_while(|&tokens| counted_at(tokens))
             .last()
             .expect("narrow blocks are counted");
 
         let cut = cut_of(&widest_lone_blocks(2049, widest), &[0]);
-        let counted = Plan::counted(&cut).expect("counted at its widest");
-        assert_eq!(counted, Plan::walked(Arc::clone(&cut), 1.0));
+        assert!(ranks_to_walk(&cut).is_empty(), "counted at its widest");
+        assert_eq!(Plan::of(Arc::clone(&cut), 1.0), walked_whole(&cut));
         let batches = decode(&cut);
         assert_eq!(blocks_per_chunk(&batches), vec![2048, 1]);
         // Tight: the bound leaves less than 1% of a chunk unused.
@@ -704,7 +737,7 @@ mod tests {
 
         // One token more and bytes end the first chunk early: the walk plans.
         let cut = cut_of(&widest_lone_blocks(2049, widest + 1), &[0]);
-        assert_eq!(Plan::counted(&cut), None);
+        assert_eq!(ranks_to_walk(&cut), [0]);
         assert!(blocks_per_chunk(&decode(&cut))[0] < MAX_CHUNK_BLOCKS);
     }
 
@@ -713,7 +746,26 @@ mod tests {
         let mut state = widest_lone_blocks(1, 4096);
         evict(&mut state, 0, -1);
         store(&mut state, 0, None, &[1, 2, 3], 16);
-        assert_eq!(Plan::counted(&cut_of(&state, &[0])), None);
+        assert_eq!(ranks_to_walk(&cut_of(&state, &[0])), [0]);
+    }
+
+    #[test]
+    fn a_plan_walks_only_the_ranks_whose_blocks_can_fill_a_chunk_by_bytes() {
+        // Rank 0: 1000-token blocks, about a thousand to a chunk, so bytes
+        // end its chunks; rank 1: 2 chunks of 16-token blocks, counted;
+        // rank 2: only its clear.
+        let mut state = LiveState::default();
+        let wide: Vec<i64> = (1..=2100).collect();
+        store(&mut state, 0, None, &wide, 1000);
+        mixed_state(&mut state, 1, 2100, 16);
+        let cut = cut_of(&state, &[0, 1, 2]);
+        assert_eq!(ranks_to_walk(&cut), [0]);
+        let plan = Plan::of(Arc::clone(&cut), 1.0);
+        assert_eq!(plan, walked_whole(&cut));
+        assert_eq!(plan.chunks_per_rank[&1], 2);
+        assert_eq!(plan.chunks_per_rank[&0], 3, "bytes end rank 0's chunks");
+        assert_eq!(plan.chunks_per_rank[&2], 1);
+        assert_eq!(decode(&cut).len() as u32, plan.count);
     }
 
     #[test]
