@@ -289,10 +289,10 @@ impl LiveState {
     /// flight at once: one fetches every shard's header, the next looks
     /// every block up (and fetches the tokens of each block found, which a
     /// removal frees) while the CPU overlaps the misses of neighbouring
-    /// lookups. A full engine's
-    /// steady state (stores of new blocks, evictions) ingests about 30%
-    /// faster, a replay of live blocks no slower (BENCHMARKS.md). A hint
-    /// only: nothing is written, so no shard a cut shares is copied.
+    /// lookups. A full engine's steady state (stores of new blocks,
+    /// evictions) ingests about 30% faster, a replay of live blocks no
+    /// slower (BENCHMARKS.md). A hint only: nothing is written, so no shard
+    /// a cut shares is copied.
     pub fn prefetch(&self, rank: u32, events: &[KvCacheEvent]) {
         let Some(blocks) = self.ranks.get(&rank) else {
             return;
