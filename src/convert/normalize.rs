@@ -83,7 +83,7 @@ pub(crate) struct Normalizer {
     journal: Vec<((u32, u32), Option<bool>)>,
     /// Reused to find repeated hashes without allocating per store.
     sorted: Vec<i64>,
-    /// Token and hash buffers of sent events, for the next events.
+    /// Token, hash and text buffers of sent events, for the next events.
     pub(crate) spare_buffers: SpareBuffers,
 }
 
