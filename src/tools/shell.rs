@@ -2,10 +2,6 @@
 //! roff man page generated from the command-line definition itself, so they
 //! never disagree with `--help`.
 
-use clap::CommandFactory;
-
-use crate::cli::Cli;
-
 #[derive(Debug, Clone, clap::Args)]
 #[allow(missing_docs)] // clap would show a doc comment as help text
 pub struct CompletionsArgs {
@@ -14,16 +10,16 @@ pub struct CompletionsArgs {
     pub shell: clap_complete::Shell,
 }
 
-/// Writes the completion script for `args.shell` to stdout.
-pub fn completions(args: CompletionsArgs) -> anyhow::Result<()> {
-    let mut command = Cli::command();
+/// Writes the completion script of `command` (the whole command line,
+/// given by the caller so this module need not know it) for `args.shell`
+/// to stdout.
+pub fn completions(args: CompletionsArgs, mut command: clap::Command) -> anyhow::Result<()> {
     clap_complete::generate(args.shell, &mut command, "kvgate", &mut std::io::stdout());
     Ok(())
 }
 
-/// Writes the man page of kvgate and every subcommand (roff) to stdout.
-pub fn man() -> anyhow::Result<()> {
-    let command = Cli::command();
+/// Writes the man page of `command` and every subcommand (roff) to stdout.
+pub fn man(command: clap::Command) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     clap_mangen::Man::new(command.clone()).render(&mut out)?;
     for sub in command.get_subcommands() {
