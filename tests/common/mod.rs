@@ -49,9 +49,19 @@ impl Gateway {
                 std::env::var("KVGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("kvgate binary starts");
+        // Through the test's own stderr, which the test harness captures
+        // (a spawned thread inherits the capture) and shows only when the
+        // test fails: the warnings a test provokes on purpose stay quiet.
+        let stderr = child.stderr.take().expect("piped stderr");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("kvgate: {line}");
+            }
+        });
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std_mpsc::channel();
         std::thread::spawn(move || {
