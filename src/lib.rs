@@ -36,4 +36,5 @@ pub(crate) mod supervisor;
 pub(crate) mod token_file;
 pub mod tools;
 pub mod usage;
+pub mod usage_error;
 pub mod wire;

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod pki;
 pub mod router;
 
 use std::io::{BufRead, BufReader};
@@ -38,12 +39,22 @@ impl Gateway {
     /// Starts `kvgate serve --listen <listen> <args>` and waits until it
     /// reports its address.
     pub fn start_listening(listen: &str, args: &[&str]) -> Self {
+        Self::spawn(listen, args, &[])
+    }
+
+    /// Starts `kvgate serve --listen 127.0.0.1:0 <args>` with `env` set.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn("127.0.0.1:0", args, env)
+    }
+
+    fn spawn(listen: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
             .arg("serve")
             // The banner this harness reads is on stdout in text format.
             .args(["--log-format", "text"])
             .args(["--listen", listen])
             .args(args)
+            .envs(env.iter().copied())
             .env(
                 "RUST_LOG",
                 std::env::var("KVGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
