@@ -15,7 +15,7 @@
 
 pub mod app;
 pub mod cli;
-pub(crate) mod cli_values;
+pub mod cli_values;
 pub mod client;
 pub mod clock;
 pub(crate) mod connect_error;
