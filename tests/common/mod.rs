@@ -442,3 +442,24 @@ pub async fn await_metric_where(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Runs an external checker (`promtool`, `kubernetes-validate`) in `dir`;
+/// `None` when it is not installed and this is not CI, where a missing
+/// checker fails the test (`.ci/run` installs each one; `install` says how).
+pub fn external_tool(
+    tool: &str,
+    args: &[&str],
+    dir: &std::path::Path,
+    install: &str,
+) -> Option<std::process::Output> {
+    match Command::new(tool).args(args).current_dir(dir).output() {
+        Ok(output) => Some(output),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            let in_ci = std::env::var("CI").is_ok_and(|ci| ci == "true" || ci == "1");
+            assert!(!in_ci, "{tool} is missing in CI: {install} (.ci/run does)");
+            eprintln!("SKIPPED: {tool} not found on PATH ({install}); not checked");
+            None
+        }
+        Err(error) => panic!("{tool} did not run: {error}"),
+    }
+}
