@@ -7,7 +7,6 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::{Gateway, subscribe};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
