@@ -48,8 +48,9 @@ pub enum Command {
     Status(crate::tools::status::StatusArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(crate::tools::shell::CompletionsArgs),
-    /// Print the man page (roff), e.g. `kvgate man | man -l -`.
-    Man,
+    /// Print a man page (roff), e.g. `kvgate man serve | man -l -`, or write
+    /// every page with --dir.
+    Man(crate::tools::shell::ManArgs),
 }
 
 #[derive(Debug, Clone, Args)]

@@ -23,7 +23,7 @@ fn main() -> std::process::ExitCode {
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,
             Command::Completions(args) => kvgate::tools::shell::completions(args, Cli::command()),
-            Command::Man => kvgate::tools::shell::man(Cli::command()),
+            Command::Man(args) => kvgate::tools::shell::man(args, Cli::command()),
         }
     });
     // Dropping the runtime would wait for a task stuck in a loop forever.

@@ -106,16 +106,86 @@ fn completions_and_the_man_page_cover_every_subcommand_and_flag() {
         }
     }
     let man = kvgate(&["man"]);
-    assert!(
-        man.starts_with(".ie") || man.contains(".TH kvgate 1"),
-        "{man}"
+    assert!(man.contains(".TH kvgate 1"), "{man}");
+    assert_eq!(
+        man.matches(".TH ").count(),
+        1,
+        "one page, not several joined"
     );
+    let serve = kvgate(&["man", "serve"]);
     for section in [
         ".TH kvgate-serve 1",
-        ".TH kvgate-tail 1",
         "zmq\\-replay\\-endpoint",
+        "KVGATE_ZMQ_REPLAY_ENDPOINT",
     ] {
-        assert!(man.contains(section), "man page lacks {section}");
+        assert!(serve.contains(section), "kvgate-serve(1) lacks {section}");
+    }
+    assert!(kvgate(&["man", "tail"]).contains(".TH kvgate-tail 1"));
+}
+
+#[test]
+fn every_man_page_has_environment_and_exit_status_and_sees_only_pages_written() {
+    let dir = std::env::temp_dir().join(format!("kvgate-man-{}", std::process::id()));
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["man", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let mut written: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    written.sort();
+    let pages: Vec<(String, String)> = written
+        .iter()
+        .map(|name| {
+            (
+                name.clone(),
+                std::fs::read_to_string(dir.join(name)).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(
+        written,
+        [
+            "kvgate-completions.1",
+            "kvgate-man.1",
+            "kvgate-serve.1",
+            "kvgate-status.1",
+            "kvgate-tail.1",
+            "kvgate.1"
+        ]
+    );
+    for (name, page) in &pages {
+        for section in [
+            ".SH ENVIRONMENT",
+            ".SH \"EXIT STATUS\"",
+            "KVGATE_LOG_FORMAT",
+            "RUST_LOG",
+        ] {
+            assert!(page.contains(section), "{name} lacks {section}");
+        }
+        // Every page another page refers to, as `name(1)`, was written.
+        for (at, _) in page.match_indices("(1)") {
+            let before = &page[..at];
+            let start = before
+                .rfind(|c: char| c.is_whitespace() || c == '>')
+                .map_or(0, |i| i + 1);
+            let referred = before[start..]
+                .replace("\\fB", "")
+                .replace("\\fR", "")
+                .replace("\\-", "-");
+            assert!(
+                written.contains(&format!("{referred}.1")),
+                "{name} refers to {referred}(1), which kvgate man --dir does not write"
+            );
+        }
+    }
+    let kvgate_1 = &pages.iter().find(|(name, _)| name == "kvgate.1").unwrap().1;
+    for variable in ["KVGATE_LISTEN", "KVGATE_ADDR", "KVGATE_DEMO"] {
+        assert!(kvgate_1.contains(variable), "kvgate(1) lacks {variable}");
     }
 }
 
