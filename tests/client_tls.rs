@@ -9,10 +9,9 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
+use common::Gateway;
 use common::pki::{Authority, Files};
-use common::{DEADLINE, Gateway};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use tokio_stream::StreamExt;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
@@ -22,21 +21,13 @@ use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
 /// Runs `kvgate ARGS` to its end (killed by pid past the deadline).
 fn kvgate(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+    let child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("kvgate runs");
-    let deadline = Instant::now() + DEADLINE;
-    while child.try_wait().expect("wait for kvgate").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("kvgate {args:?} did not end in time");
-        }
-        std::thread::park_timeout(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("kvgate's output")
+    common::output_within_deadline(child)
 }
 
 /// The one line a failed command printed on stderr.

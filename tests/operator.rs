@@ -612,19 +612,6 @@ async fn metrics_listen_takes_a_host_name_booleans_take_1_and_sizes_take_any_cas
     assert_eq!(code, 200);
 }
 
-/// Runs `kvgate ARGS` with its output piped, killed by pid past the deadline.
-fn run_bounded(mut child: std::process::Child) -> std::process::Output {
-    let deadline = std::time::Instant::now() + common::DEADLINE;
-    while child.try_wait().expect("wait for kvgate").is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("kvgate did not end in time");
-        }
-        std::thread::park_timeout(std::time::Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("kvgate's output")
-}
-
 #[test]
 fn tail_whose_reader_goes_away_ends_quietly_with_exit_code_0() {
     use std::io::BufRead;
@@ -642,7 +629,7 @@ fn tail_whose_reader_goes_away_ends_quietly_with_exit_code_0() {
         .read_line(&mut first)
         .unwrap();
     assert!(first.starts_with("seq "), "{first}");
-    let output = run_bounded(child);
+    let output = common::output_within_deadline(child);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(0), "{stderr}");
     assert!(stderr.is_empty(), "{stderr}");

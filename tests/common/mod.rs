@@ -463,3 +463,17 @@ pub fn external_tool(
         Err(error) => panic!("{tool} did not run: {error}"),
     }
 }
+
+/// Waits for `child` (its output piped) to end and returns its output; past
+/// the deadline it is killed by its pid and the test fails.
+pub fn output_within_deadline(mut child: Child) -> std::process::Output {
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while child.try_wait().expect("wait for the child").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the child process did not end in time");
+        }
+        std::thread::park_timeout(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("the child's output")
+}
