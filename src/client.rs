@@ -4,10 +4,9 @@
 //!
 //! Invariant: credentials are read and checked when the target is built
 //! (at start), so a bad flag fails naming it before anything connects (a
-//! [`UsageError`]); an
-//! `https://` target always verifies the server against the CA it was given
-//! (there is no "insecure" mode), and a TLS flag on a plaintext target is
-//! refused rather than ignored. A connection or call that fails is
+//! [`UsageError`]); an `https://` target always verifies the server against
+//! the CA it was given (there is no "insecure" mode), and a TLS flag on a
+//! plaintext target is refused rather than ignored. A connection or call that fails is
 //! explained in one line naming the cause and the flag to change.
 
 use std::path::PathBuf;
@@ -240,7 +239,7 @@ impl Target {
         let host = self.uri.host().unwrap_or_default();
         match (crate::connect_error::cause(error), tls) {
             (Cause::Refused, _) => format!(
-                "connection refused: nothing listens there (is the gateway running, and is {} right?)",
+                "connection refused: nothing listens there (is the server running, and is {} right?)",
                 flags.uri
             ),
             // TLS 1.3 finishes the client's handshake before the server has
