@@ -260,7 +260,11 @@ pub fn describe_status(status: &tonic::Status) -> String {
     };
     // One line, whatever a peer put in its message.
     let message = message.split_whitespace().collect::<Vec<_>>().join(" ");
-    format!("{name}: {message}")
+    if message.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{name}: {message}")
+    }
 }
 
 #[cfg(test)]
@@ -300,6 +304,8 @@ mod tests {
     fn a_status_from_the_server_shows_its_code_name_and_message_on_one_line() {
         let status = tonic::Status::out_of_range("cursor 42\nis older");
         assert_eq!(describe_status(&status), "OUT_OF_RANGE: cursor 42 is older");
+        let bare = tonic::Status::unimplemented("");
+        assert_eq!(describe_status(&bare), "UNIMPLEMENTED");
     }
 
     #[test]

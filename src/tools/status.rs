@@ -168,7 +168,10 @@ async fn read_snapshot(
 pub fn render(status: &GatewayStatus) -> String {
     let mut out = format!("kvgate at {}\n", status.address);
     out.push_str("health:\n");
-    for (service, verdict) in &status.health {
+    // The gateway as a whole first, then each service.
+    let mut health: Vec<(&String, &String)> = status.health.iter().collect();
+    health.sort_by_key(|(service, _)| service.as_str() != SERVER_HEALTH);
+    for (service, verdict) in health {
         out.push_str(&format!("  {service:<48} {verdict}\n"));
     }
     out.push_str(&format!("services: {}\n", status.services.join(", ")));
