@@ -117,7 +117,10 @@ impl Drain {
                 biased;
                 () = stop.cancelled() => break,
                 request = self.hub.next_cut_request() => self.answer(request),
-                () = load_wake(&mut self.records) => self.send_load_records(),
+                () = load_wake(&mut self.records) => {
+                    self.send_load_records();
+                    self.report();
+                }
                 first = events.recv() => {
                     let Some(first) = first else { break };
                     self.ingest(first);
