@@ -189,7 +189,7 @@ pub struct ServeArgs {
     pub load_poll_timeout_ms: u64,
 
     /// The engine's load publisher for rank 0 (SGLang's
-    /// --load-publish-endpoint, e.g. tcp://127.0.0.1:5559); rank r is at
+    /// --load-publish-endpoint, e.g. tcp://127.0.0.1:5558); rank r is at
     /// port + r, or give it once per rank like --zmq-endpoint. Each pushed
     /// stat reaches the stream at once; GetLoads is polled only for ranks
     /// whose pushes go silent.

@@ -777,7 +777,11 @@ async fn a_pushed_stat_reaches_every_subscribers_stream_in_the_next_drain_cycle_
     let (first, sample) = &mut streams[0];
     sync_load(&mut load, 0, first, sample).await;
     // The stat exactly as SGLang 0.5.23's publisher sent it.
-    let (golden, _) = common::fixture("sglang-0.5.23-load/load-stat");
+    let golden = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/load/sglang-0.5.23/load-stat.msgpack"
+    ))
+    .unwrap();
     load.publish(golden.into()).await.unwrap();
     for (stream, sample) in &mut streams {
         let pushed = read_until(stream, sample, |batch| running(batch) == Some(3)).await;
@@ -972,8 +976,16 @@ async fn malformed_load_messages_are_counted_by_reason_and_every_stream_goes_on(
     let good = bytes::Bytes::from(good);
     let bad_frames = [
         vec![topic.clone(), seq.clone()],
-        vec![topic.clone(), bytes::Bytes::from_static(b"seq"), good.clone()],
-        vec![bytes::Bytes::from_static(b"loadavg"), seq.clone(), good.clone()],
+        vec![
+            topic.clone(),
+            bytes::Bytes::from_static(b"seq"),
+            good.clone(),
+        ],
+        vec![
+            bytes::Bytes::from_static(b"loadavg"),
+            seq.clone(),
+            good.clone(),
+        ],
     ];
     for frames in bad_frames {
         load.send_frames(frames).await.unwrap();
@@ -1059,7 +1071,12 @@ async fn the_demo_engine_pushes_its_load_in_sglangs_format_and_kvgate_streams_it
 #[test]
 fn load_push_and_heartbeat_flags_out_of_range_fail_at_start_naming_the_flag() {
     let stderr = refused_start(
-        &["--zmq-endpoint", "tcp://127.0.0.1:5001", "--load-heartbeat-ms", "50"],
+        &[
+            "--zmq-endpoint",
+            "tcp://127.0.0.1:5001",
+            "--load-heartbeat-ms",
+            "50",
+        ],
         &[],
     );
     assert!(stderr.contains("--load-heartbeat-ms"), "{stderr}");

@@ -137,12 +137,9 @@ pub(super) fn choose_load_push(
         let endpoint = rank0.and_then(|rank0| rank0.load_endpoint?.parse().ok());
         return Ok(endpoint.map(RankEndpoints::Offset).map(config));
     }
-    let endpoint = RankEndpoints::from_flag(
-        "--zmq-load-endpoint",
-        &args.zmq_load_endpoint,
-        args.dp_size,
-    )
-    .map_err(|error| UsageError(error.to_string()))?;
+    let endpoint =
+        RankEndpoints::from_flag("--zmq-load-endpoint", &args.zmq_load_endpoint, args.dp_size)
+            .map_err(|error| UsageError(error.to_string()))?;
     if let Some(RankEndpoints::Offset(base)) = &endpoint {
         base.for_rank(args.dp_size.saturating_sub(1))
             .map_err(|error| {

@@ -17,9 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 use tracing::{info, warn};
 
+use super::BoardWriter;
 use super::answer::{self, Faults};
 use super::engine::{EngineKind, EngineLoads, LoadService};
-use super::BoardWriter;
 use crate::metrics::Metrics;
 
 /// Longest pause between two polls of an engine that keeps failing.

@@ -60,15 +60,20 @@ impl PushConfig {
             peer: "the engine load publisher",
         };
         sockets
-            .open(metrics, supervisor, || {}, |rank, endpoint| {
-                Ok(PushReceiver {
-                    rank,
-                    endpoint,
-                    board: board.clone(),
-                    metrics: metrics.clone(),
-                    last_sequence: None,
-                })
-            })
+            .open(
+                metrics,
+                supervisor,
+                || {},
+                |rank, endpoint| {
+                    Ok(PushReceiver {
+                        rank,
+                        endpoint,
+                        board: board.clone(),
+                        metrics: metrics.clone(),
+                        last_sequence: None,
+                    })
+                },
+            )
             .await
     }
 }
@@ -112,7 +117,11 @@ impl PushReceiver {
             self.metrics.count_load_push_fault(fault.as_str());
             let rank = self.rank;
             crate::logging::rate_limited(fault.as_str(), || {
-                warn!(rank, reason = fault.as_str(), "engine load message repaired or skipped");
+                warn!(
+                    rank,
+                    reason = fault.as_str(),
+                    "engine load message repaired or skipped"
+                );
             });
         }
     }
@@ -122,8 +131,8 @@ impl PushReceiver {
         message: ZmqMessage,
         faults: &mut Vec<PushFault>,
     ) -> Result<crate::proto::common::EngineLoad, PushFault> {
-        let (sequence, payload): (u64, Bytes) =
-            parse_frames(message, LOAD_TOPIC.as_bytes()).map_err(|error| match error {
+        let (sequence, payload): (u64, Bytes) = parse_frames(message, LOAD_TOPIC.as_bytes())
+            .map_err(|error| match error {
                 FrameError::BadSequenceFrame => PushFault::BadSequenceFrame,
                 FrameError::TopicMismatch => PushFault::TopicMismatch,
                 FrameError::WrongFrameCount | FrameError::MissingDelimiter => {

@@ -147,8 +147,7 @@ impl LoadRecords {
         }
         due.into_iter()
             .map(|(rank, reading)| {
-                let record =
-                    self.stamp(reading.load, reading.taken_at, reading.source, now, true);
+                let record = self.stamp(reading.load, reading.taken_at, reading.source, now, true);
                 (rank, record)
             })
             .collect()

@@ -87,8 +87,7 @@ pub struct Stat {
 pub fn decode(payload: &[u8], faults: &mut Vec<PushFault>) -> Result<Stat, PushFault> {
     let mut rd = payload;
     let len = rmp::decode::read_array_len(&mut rd).map_err(|_| PushFault::NotLoadStat)?;
-    let (tag, rest) =
-        rmp::decode::read_str_from_slice(rd).map_err(|_| PushFault::NotLoadStat)?;
+    let (tag, rest) = rmp::decode::read_str_from_slice(rd).map_err(|_| PushFault::NotLoadStat)?;
     rd = rest;
     if tag != TAG || len < 5 {
         return Err(PushFault::NotLoadStat);
@@ -171,7 +170,7 @@ mod tests {
 
     fn fixture(name: &str) -> Vec<u8> {
         let path = format!(
-            "{}/tests/fixtures/wire/sglang-0.5.23-load/{name}.msgpack",
+            "{}/tests/fixtures/load/sglang-0.5.23/{name}.msgpack",
             env!("CARGO_MANIFEST_DIR")
         );
         std::fs::read(path).unwrap()
@@ -213,8 +212,11 @@ mod tests {
     #[test]
     fn the_six_position_prefix_leaves_the_later_fields_unset_and_appended_ones_are_ignored() {
         let mut faults = Vec::new();
-        let prefix = decode(&stat(&[Some(1), Some(0), Some(10), Some(0), None]), &mut faults)
-            .unwrap();
+        let prefix = decode(
+            &stat(&[Some(1), Some(0), Some(10), Some(0), None]),
+            &mut faults,
+        )
+        .unwrap();
         assert_eq!(prefix.load.waiting_uncached_tokens, None);
         assert_eq!(prefix.load.max_running_requests, 0);
         assert_eq!(prefix.load.max_total_num_tokens, None, "0 means unknown");

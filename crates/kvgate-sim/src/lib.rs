@@ -142,7 +142,12 @@ impl DemoEngine {
                 let publishers = bind_publishers_retrying(&load).await?;
                 publishers
                     .into_iter()
-                    .map(|publisher| Some(DemoLoad { publisher, last: None }))
+                    .map(|publisher| {
+                        Some(DemoLoad {
+                            publisher,
+                            last: None,
+                        })
+                    })
                     .collect()
             }
             None => Vec::new(),

@@ -84,7 +84,7 @@ mod tests {
         let mut out = Vec::new();
         stat.encode(&mut out);
         let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/wire/sglang-0.5.23-load/load-stat.msgpack");
+            .join("../../tests/fixtures/load/sglang-0.5.23/load-stat.msgpack");
         let fixture = std::fs::read(fixture).unwrap();
         assert_eq!(out, fixture);
     }
