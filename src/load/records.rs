@@ -141,8 +141,17 @@ impl LoadRecords {
             if !record.unsent_change && record.next_heartbeat.is_none_or(|at| at > now) {
                 continue;
             }
+            // A heartbeat keeps its cadence however late the drain woke for
+            // it: late wakes must not stretch every later gap past the
+            // router's load monitor interval.
+            let next = match record.next_heartbeat {
+                Some(at) if !record.unsent_change && now < at + self.heartbeat => {
+                    at + self.heartbeat
+                }
+                _ => now + self.heartbeat,
+            };
             record.unsent_change = false;
-            record.next_heartbeat = Some(now + self.heartbeat);
+            record.next_heartbeat = Some(next);
             due.push((rank as u32, reading.clone()));
         }
         due.into_iter()
@@ -248,6 +257,31 @@ mod tests {
             at = next;
         }
         assert_eq!(gaps, vec![1; 6]);
+    }
+
+    #[test]
+    fn a_late_heartbeat_does_not_delay_the_ones_after_it() {
+        let t0 = Instant::now();
+        let (_tx, rx) = watch::channel(board(&[Some(1)], t0));
+        let mut records = LoadRecords::new(rx, HEARTBEAT);
+        records.refresh(t0);
+        records.due(t0);
+        let late = Duration::from_millis(30);
+        assert_eq!(records.due(t0 + HEARTBEAT + late).len(), 1);
+        assert!(
+            records
+                .due(t0 + HEARTBEAT * 2 - Duration::from_millis(1))
+                .is_empty()
+        );
+        assert_eq!(records.due(t0 + HEARTBEAT * 2).len(), 1, "on its cadence");
+        // Woken later than a whole interval: the cadence starts again.
+        assert_eq!(records.due(t0 + HEARTBEAT * 5).len(), 1);
+        assert!(
+            records
+                .due(t0 + HEARTBEAT * 6 - Duration::from_millis(1))
+                .is_empty()
+        );
+        assert_eq!(records.due(t0 + HEARTBEAT * 6).len(), 1);
     }
 
     #[test]
