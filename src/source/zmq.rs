@@ -1,5 +1,10 @@
 //! ZMQ SUB sockets, one per data-parallel rank.
 //!
+//! [`RankSockets`] opens them (rank r at port + r or one endpoint per rank,
+//! bind or connect, the size limit, peers that break the rules counted) for
+//! the engine's KV-event publishers here and for its load publishers
+//! (`load::push`), each read by its own [`RankSocketTask`].
+//!
 //! Each rank has its own task that keeps its socket polled (an idle SUB would
 //! miss a restarted publisher's first messages), validates the
 //! `[topic, sequence, payload]` framing and forwards messages in arrival
