@@ -57,7 +57,7 @@ impl PushConfig {
             bind: self.bind,
             max_message_bytes: self.max_message_bytes,
             task_name: TaskName::LoadPush,
-            peer: "the engine load publisher",
+            peer: "the engine's load publisher",
         };
         sockets
             .open(

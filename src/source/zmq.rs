@@ -120,7 +120,7 @@ impl ZmqSourceConfig {
             bind: config.bind,
             max_message_bytes: config.max_message_bytes,
             task_name: TaskName::SourceRank,
-            peer: "the engine publisher",
+            peer: "the engine",
         };
         let up = move || ranks_up.one_more();
         sockets
