@@ -23,6 +23,7 @@ bench:
 	cargo bench --bench passthrough
 	cargo bench --bench zmq_ingest
 	cargo bench --bench loopback_write
+	cargo bench --bench load_push
 
 # The load sweep of BENCHMARKS.md: a release kvgate under 1, 8, 32 and 64
 # real subscribers, at 20k events/s and at full speed; tables on stdout,

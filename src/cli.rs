@@ -179,8 +179,9 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
 
-    /// How often to poll the engine's GetLoads (with --engine-grpc) and push
-    /// its load to every subscriber on the stream; 0 turns load records off.
+    /// How often to poll the engine's GetLoads (with --engine-grpc) for
+    /// every rank whose load is not pushed (--zmq-load-endpoint), to put it
+    /// on every subscriber's stream; 0 turns polling off.
     #[arg(long, env = "KVGATE_LOAD_POLL_MS", default_value_t = 100,
           value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub load_poll_ms: u64,
@@ -190,6 +191,34 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_LOAD_POLL_TIMEOUT_MS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     pub load_poll_timeout_ms: u64,
+
+    /// The engine's load publisher for rank 0 (SGLang's
+    /// --load-publish-endpoint, e.g. tcp://127.0.0.1:5558); rank r is at
+    /// port + r, or give it once per rank like --zmq-endpoint. Each pushed
+    /// stat reaches the stream at once; GetLoads is polled only for ranks
+    /// whose pushes go silent.
+    #[arg(
+        long,
+        env = "KVGATE_ZMQ_LOAD_ENDPOINT",
+        value_name = "URI",
+        value_delimiter = ',',
+        conflicts_with_all = ["demo", "upstream_grpc"]
+    )]
+    pub zmq_load_endpoint: Vec<TcpEndpoint>,
+
+    /// Milliseconds a rank's load push may be silent before kvgate polls
+    /// that rank's GetLoads instead (with --engine-grpc), until pushes
+    /// return. The engine re-sends an unchanged stat every second.
+    #[arg(long, env = "KVGATE_LOAD_PUSH_STALE_MS", default_value_t = 3000,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub load_push_stale_ms: u64,
+
+    /// Milliseconds between two load_only batches repeating a rank's
+    /// unchanged record; keep it at or below the router's
+    /// --load-monitor-interval, or the router polls the engine itself.
+    #[arg(long, env = "KVGATE_LOAD_HEARTBEAT_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(100..=60_000))]
+    pub load_heartbeat_ms: u64,
 
     /// Which engine serves --engine-grpc, for GetLoads (detected by trying
     /// each engine's service when not given; trtllm has no GetLoads).

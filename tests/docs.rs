@@ -31,10 +31,12 @@ fn the_license_file_is_the_apache_2_0_text_cargo_toml_names() {
     assert!(license.contains("END OF TERMS AND CONDITIONS"));
 }
 
-/// Every `tcp://*:PORT` the text gives for publishers and for replay.
-fn example_ports(text: &str) -> (Vec<u32>, Vec<u32>) {
+/// Every `tcp://*:PORT` the text gives for publishers, for replay and for
+/// load publishers.
+fn example_ports(text: &str) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let mut publishers = Vec::new();
     let mut replays = Vec::new();
+    let mut loads = Vec::new();
     for line in text.lines() {
         let mut rest = line;
         while let Some(at) = rest.find("tcp://*:") {
@@ -46,6 +48,8 @@ fn example_ports(text: &str) -> (Vec<u32>, Vec<u32>) {
             if let Ok(port) = digits.parse() {
                 if before.contains("replay") || before.to_ascii_uppercase().contains("REPLAY") {
                     replays.push(port);
+                } else if before.contains("load") {
+                    loads.push(port);
                 } else {
                     publishers.push(port);
                 }
@@ -53,7 +57,7 @@ fn example_ports(text: &str) -> (Vec<u32>, Vec<u32>) {
             rest = &rest[at + 8..];
         }
     }
-    (publishers, replays)
+    (publishers, replays, loads)
 }
 
 #[test]
@@ -78,13 +82,17 @@ fn replay_port_examples_agree_everywhere_and_state_the_spacing_rule() {
                 || text.contains("at least `--dp-size` apart"),
             "{name} does not state the rule"
         );
-        let (publishers, replays) = example_ports(&text);
+        let (publishers, replays, loads) = example_ports(&text);
         assert!(!replays.is_empty(), "{name} has no replay example");
         for port in publishers {
             assert_eq!(port, 5557, "{name}: publisher base");
         }
         for port in replays {
             assert_eq!(port, 5567, "{name}: replay base");
+        }
+        // SGLang's `--load-publish-endpoint auto` with one rank: KV base + 1.
+        for port in loads {
+            assert_eq!(port, 5558, "{name}: load publisher base");
         }
     }
 }

@@ -114,6 +114,15 @@ async fn every_counter_is_exported_from_the_start_at_zero_with_every_closed_labe
         let series = format!("kvgate_bad_messages_total{{reason=\"{reason}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }
+    let labels = kvgate::app::metric_labels::closed_labels();
+    for reason in labels.load_push_faults {
+        let series = format!("kvgate_load_push_faults_total{{reason=\"{reason}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
+    for source in labels.load_record_sources {
+        let series = format!("kvgate_load_records_sent_total{{source=\"{source}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
     for rank in 0..2 {
         let series = format!("kvgate_engine_messages_total{{rank=\"{rank}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
