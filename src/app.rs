@@ -34,12 +34,13 @@ use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
 use crate::server::auth::Tokens;
 use crate::server::connection::ConnectionLimits;
-use crate::server::passthrough::PassThrough;
+use crate::server::passthrough::{PassThrough, PassThroughLimits};
 use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::source::SourceEvent;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
+use crate::usage::UsageError;
 use source::{choose_source, start_source};
 
 pub mod metric_labels;
@@ -189,6 +190,24 @@ impl Gateway {
     }
 }
 
+/// The pass-through's limits; checked even without `--engine-grpc`, so a
+/// combination that cannot work fails before the flag is first used.
+fn pass_through_limits(args: &ServeArgs) -> anyhow::Result<PassThroughLimits> {
+    let limits = PassThroughLimits {
+        max_path_bytes: args.pass_through_max_path_bytes as usize,
+        max_streams: args.pass_through_max_streams,
+        stream_window: u32::try_from(args.pass_through_stream_window_bytes)
+            .expect("the flag's range fits a u32"),
+    };
+    limits.connection_window().map_err(|error| {
+        UsageError(format!(
+            "--pass-through-max-streams {} with --pass-through-stream-window-bytes {}: {error}",
+            args.pass_through_max_streams, args.pass_through_stream_window_bytes
+        ))
+    })?;
+    Ok(limits)
+}
+
 /// Binds every port, then starts the source, drain, admin and gRPC servers
 /// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
@@ -215,6 +234,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         cert: args.engine_tls_cert.clone(),
         key: args.engine_tls_key.clone(),
     };
+    let pass_through_limits = pass_through_limits(&args)?;
     let pass_through = args
         .engine_grpc
         .as_deref()
@@ -223,7 +243,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 target,
                 &engine_tls,
                 ENGINE_FLAGS,
-                args.pass_through_max_path_bytes as usize,
+                pass_through_limits,
                 metrics.clone(),
             )
         })

@@ -12,6 +12,7 @@ use crate::server::reload::ReloadResult;
 use crate::server::tls::HandshakeFailure;
 use crate::source::FrameError;
 use crate::source::peer::{PeerDropReason, PeerSocket};
+use crate::source::replay::FetchBound;
 use crate::source::upstream::UNDECODABLE;
 use crate::state::tier::Tier;
 
@@ -44,5 +45,6 @@ pub fn closed_labels() -> ClosedLabels {
         credential_reloads: ReloadResult::ALL.map(ReloadResult::as_str).into(),
         load_polls: PollOutcome::ALL.map(PollOutcome::as_str).into(),
         load_answer_faults: Fault::ALL.map(Fault::as_str).into(),
+        replay_bounds: FetchBound::ALL.map(FetchBound::as_str).into(),
     }
 }

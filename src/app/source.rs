@@ -15,6 +15,7 @@ use crate::client::{Target, TlsFlags, TlsPaths};
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::source::SourceEvent;
+use crate::source::replay::{self, FetchBounds};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
 use crate::supervisor::{Supervisor, TaskName};
@@ -52,10 +53,12 @@ impl std::fmt::Display for SourceConfig {
 pub(super) async fn choose_source(
     args: &ServeArgs,
 ) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+    let replay_bounds = replay_bounds(args)?;
     let zmq = |endpoint, replay_endpoint| ZmqSourceConfig {
         endpoint,
         replay_endpoint,
         replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+        replay_bounds,
         dp_size: args.dp_size,
         topic: args.zmq_topic.clone(),
         bind: args.zmq_bind,
@@ -114,6 +117,27 @@ pub(super) async fn choose_source(
         check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
     }
     Ok((SourceConfig::Zmq(zmq(endpoint, replay)), None))
+}
+
+/// What one replay fetch may cost. Its bytes go through the history, so
+/// they stay within `--history-bytes`.
+fn replay_bounds(args: &ServeArgs) -> Result<FetchBounds, UsageError> {
+    let bytes = match args.zmq_replay_max_bytes {
+        Some(bytes) if bytes > args.history_bytes => {
+            return Err(UsageError(format!(
+                "--zmq-replay-max-bytes {bytes} is more than --history-bytes {}: \
+                 a fetch must fit the history",
+                args.history_bytes
+            )));
+        }
+        Some(bytes) => bytes,
+        None => replay::DEFAULT_MAX_BYTES.min(args.history_bytes),
+    };
+    Ok(FetchBounds {
+        messages: args.zmq_replay_max_messages,
+        bytes,
+        time: Duration::from_millis(args.zmq_replay_fetch_timeout_ms),
+    })
 }
 
 /// Checks that every rank's publisher (and replay) port exists, and that

@@ -55,6 +55,13 @@ pub struct OutcomeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// A series per bound of a replay fetch.
+pub struct BoundLabel {
+    /// The bound (`messages`, `bytes`, `time`), from its closed set.
+    pub bound: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 /// A series per reason.
 pub struct ReasonLabel {
     /// The reason, from its closed set.
@@ -120,4 +127,6 @@ pub struct ClosedLabels {
     pub load_polls: Vec<&'static str>,
     /// `load_answer_faults{reason}`.
     pub load_answer_faults: Vec<&'static str>,
+    /// `replay_fetches_bounded{bound}`.
+    pub replay_bounds: Vec<&'static str>,
 }

@@ -9,6 +9,7 @@
 //! plus `r` (replay likewise), the layout kvgate's source expects; a base port
 //! of 0 picks rank 0's port and the others follow it.
 
+pub mod endless_replay;
 pub mod engine;
 pub mod payload;
 pub mod publisher;
@@ -21,6 +22,7 @@ use zeromq::ZmqError;
 
 use kvgate_endpoint::{EndpointError, TcpEndpoint};
 
+pub use endless_replay::EndlessReplay;
 pub use engine::{ConfigError, SimConfig, SimEngine};
 pub use payload::{SimEvent, encode_batch};
 pub use publisher::{EnginePublisher, PublisherOptions};
