@@ -421,3 +421,22 @@ pub async fn await_metric_where(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The peak resident memory (`VmHWM`) of the live process `pid`, in KiB:
+/// a burst between two samples counts too.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the process runs");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("{name} in /proc/{pid}/status"))
+    };
+    assert!(!field("State:").starts_with('Z'), "the process died");
+    field("VmHWM:")
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .expect("VmHWM in kB")
+}
