@@ -10,8 +10,8 @@ mod common;
 use bytes::Bytes;
 use common::router::RouterView;
 use common::{
-    Gateway, await_metric, await_metric_where, fence_payload, follow_to_fence,
-    http_get, metric_sample, peak_rss_kib, subscribe, sync_streams_observing,
+    Gateway, await_metric, await_metric_where, fence_payload, follow_to_fence, http_get,
+    metric_sample, peak_rss_kib, subscribe, sync_streams_observing,
 };
 use kvgate_sim::{EndlessReplay, EnginePublisher, PublisherOptions};
 
@@ -76,16 +76,26 @@ async fn priming_from_a_replay_endpoint_that_never_ends_stops_at_its_byte_bound_
     await_metric(admin, &bounded("bytes"), 1.0).await;
     assert_small(&gateway);
     let recovered = await_metric_where(admin, RECOVERED, "> 0", |now| now > 0.0).await;
-    assert!(recovered < PER_REQUEST as f64, "{recovered} messages primed");
+    assert!(
+        recovered < PER_REQUEST as f64,
+        "{recovered} messages primed"
+    );
 
-    let mut streams = vec![subscribe(gateway.channel().await, SERVICE, 0).await.unwrap()];
+    let mut streams = vec![
+        subscribe(gateway.channel().await, SERVICE, 0)
+            .await
+            .unwrap(),
+    ];
     let mut view = RouterView::new();
     let fence = sync_streams_observing(&mut publisher, 0, &mut streams, |_, batch| {
         view.admit(batch);
     })
     .await;
     for n in 1..=3 {
-        publisher.publish(fence_payload(fence + n, 0)).await.unwrap();
+        publisher
+            .publish(fence_payload(fence + n, 0))
+            .await
+            .unwrap();
     }
     follow_to_fence(&mut streams[0], &mut view, fence + 3).await;
     assert!(view.gaps.is_empty(), "{:?}", view.gaps);
@@ -134,7 +144,11 @@ async fn a_gap_filled_from_a_replay_endpoint_that_never_ends_is_cut_at_a_bound_w
         "127.0.0.1:0",
     ]);
     let admin = gateway.admin.expect("admin port");
-    let mut streams = vec![subscribe(gateway.channel().await, SERVICE, 0).await.unwrap()];
+    let mut streams = vec![
+        subscribe(gateway.channel().await, SERVICE, 0)
+            .await
+            .unwrap(),
+    ];
     let mut view = RouterView::new();
     // Priming ends at each rank's first live message.
     sync_streams_observing(&mut rank0, 0, &mut streams, |_, batch| {
@@ -146,9 +160,12 @@ async fn a_gap_filled_from_a_replay_endpoint_that_never_ends_is_cut_at_a_bound_w
     })
     .await;
     let bounded_before = fetches_bounded(&gateway).await;
-    assert_eq!(bounded_before, 0.0, "priming ended at the first live message");
-    let recovered_before = metric_sample(&http_get(admin, "/metrics").await.1, RECOVERED)
-        .expect("exported");
+    assert_eq!(
+        bounded_before, 0.0,
+        "priming ended at the first live message"
+    );
+    let recovered_before =
+        metric_sample(&http_get(admin, "/metrics").await.1, RECOVERED).expect("exported");
 
     // A billion numbers rank 0's publisher never sent: the endless endpoint
     // would fill them forever.

@@ -115,6 +115,10 @@ async fn every_counter_is_exported_from_the_start_at_zero_with_every_closed_labe
         let series = format!("kvgate_bad_messages_total{{reason=\"{reason}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }
+    for bound in kvgate::app::metric_labels::closed_labels().replay_bounds {
+        let series = format!("kvgate_replay_fetches_bounded_total{{bound=\"{bound}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
     for rank in 0..2 {
         let series = format!("kvgate_engine_messages_total{{rank=\"{rank}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");

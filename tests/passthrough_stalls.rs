@@ -99,7 +99,9 @@ impl TestEngine {
             let codec =
                 tonic_prost::ProstCodec::<vllm::GetLoadsResponse, vllm::GetLoadsRequest>::default();
             Ok::<_, std::convert::Infallible>(
-                tonic::server::Grpc::new(codec).unary(handler, request).await,
+                tonic::server::Grpc::new(codec)
+                    .unary(handler, request)
+                    .await,
             )
         });
         let router = axum::Router::new()

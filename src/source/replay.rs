@@ -856,9 +856,14 @@ mod tests {
 
     #[tokio::test]
     async fn an_endpoint_that_answers_forever_is_cut_at_the_fetchs_bounds() {
-        let endless = EndlessReplay::bind("tcp://127.0.0.1:0", Bytes::new(), 1000, Bytes::from(vec![7; 16]))
-            .await
-            .unwrap();
+        let endless = EndlessReplay::bind(
+            "tcp://127.0.0.1:0",
+            Bytes::new(),
+            1000,
+            Bytes::from(vec![7; 16]),
+        )
+        .await
+        .unwrap();
         let address = endless.endpoint();
         let bounds = FetchBounds {
             messages: 2500,
