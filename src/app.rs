@@ -213,6 +213,7 @@ fn pass_through_limits(args: &ServeArgs) -> anyhow::Result<PassThroughLimits> {
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new(metric_labels::closed_labels());
     let (source_config, demo) = choose_source(&args).await?;
+    let pass_through_limits = pass_through_limits(&args)?;
     let source: Arc<str> = source_config.to_string().into();
 
     server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
@@ -234,7 +235,6 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         cert: args.engine_tls_cert.clone(),
         key: args.engine_tls_key.clone(),
     };
-    let pass_through_limits = pass_through_limits(&args)?;
     let pass_through = args
         .engine_grpc
         .as_deref()
