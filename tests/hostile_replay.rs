@@ -10,8 +10,9 @@ mod common;
 use bytes::Bytes;
 use common::router::RouterView;
 use common::{
-    Gateway, await_metric, await_metric_where, fence_payload, follow_to_fence, http_get,
-    metric_sample, peak_rss_kib, subscribe, sync_streams_observing,
+    Gateway, await_metric, await_metric_where, fence_payload, follow_to_fence,
+    gateway_on_a_publisher, http_get, metric_sample, peak_rss_kib, subscribe,
+    sync_streams_observing,
 };
 use kvgate_sim::{EndlessReplay, EnginePublisher, PublisherOptions};
 
@@ -38,7 +39,8 @@ fn bounded(bound: &str) -> String {
 
 async fn fetches_bounded(gateway: &Gateway) -> f64 {
     let (_, text) = http_get(gateway.admin.expect("admin port"), "/metrics").await;
-    ["messages", "bytes", "time"]
+    kvgate::app::metric_labels::closed_labels()
+        .replay_bounds
         .iter()
         .map(|bound| metric_sample(&text, &bounded(bound)).expect("exported at 0"))
         .sum()
@@ -49,27 +51,14 @@ fn assert_small(gateway: &Gateway) {
     assert!(peak < RSS_BOUND_KIB, "kvgate peaked at {peak} KiB");
 }
 
-async fn publisher() -> EnginePublisher {
-    EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn priming_from_a_replay_endpoint_that_never_ends_stops_at_its_byte_bound_and_live_events_flow()
  {
     let endless = EndlessReplay::bind("tcp://127.0.0.1:0", Bytes::new(), PER_REQUEST, junk(90_000))
         .await
         .unwrap();
-    let mut publisher = publisher().await;
-    let gateway = Gateway::start(&[
-        "--zmq-endpoint",
-        publisher.endpoint(),
-        "--zmq-replay-endpoint",
-        endless.endpoint(),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
+    let (gateway, mut publisher) =
+        gateway_on_a_publisher(&["--zmq-replay-endpoint", endless.endpoint()]).await;
     let admin = gateway.admin.expect("admin port");
     // Nothing is published yet: only the fetch's byte bound (64 MiB by
     // default, ~745 of these messages) can end priming.
@@ -112,7 +101,9 @@ async fn a_gap_filled_from_a_replay_endpoint_that_never_ends_is_cut_at_a_bound_w
         replay_endpoint: Some("tcp://127.0.0.1:0".into()),
         ..PublisherOptions::default()
     };
-    let mut rank0 = publisher().await;
+    let mut rank0 = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
     let mut rank1 = EnginePublisher::bind("tcp://127.0.0.1:0", &replaying)
         .await
         .unwrap();

@@ -13,9 +13,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use common::{DEADLINE, Gateway, await_metric_where, http_get, metric_sample};
+use common::{
+    DEADLINE, Gateway, await_metric_where, gateway_on_a_publisher, http_get, metric_sample,
+};
 use kvgate::proto::vllm::grpc::engine as vllm;
-use kvgate_sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::EnginePublisher;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
@@ -122,23 +124,16 @@ impl TestEngine {
 }
 
 async fn gateway_in_front_of(engine: &TestEngine, extra: &[&str]) -> (Gateway, EnginePublisher) {
-    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
-        .await
-        .unwrap();
     let mut args = vec![
-        "--zmq-endpoint",
-        publisher.endpoint(),
         "--engine-grpc",
         &engine.url,
         "--engine-kind",
         "vllm",
         "--load-poll-ms",
         "50",
-        "--metrics-listen",
-        "127.0.0.1:0",
     ];
     args.extend_from_slice(extra);
-    (Gateway::start(&args), publisher)
+    gateway_on_a_publisher(&args).await
 }
 
 /// One `Generate` stream on a connection of its own whose window is zero:

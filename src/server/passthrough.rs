@@ -22,9 +22,8 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::task::{Context, Poll};
-
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -42,7 +41,7 @@ use crate::metrics::Metrics;
 use crate::server::methods;
 
 /// HTTP/2's largest flow-control window (RFC 9113, section 6.9.1).
-pub const MAX_WINDOW: u64 = (1 << 31) - 1;
+const MAX_WINDOW: u64 = (1 << 31) - 1;
 
 /// How much forwarding may hold.
 #[derive(Clone, Copy, Debug)]
