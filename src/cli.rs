@@ -352,8 +352,9 @@ pub struct ServeArgs {
     pub pass_through_max_streams: u32,
 
     /// Response bytes one passed-through call holds from the engine while
-    /// its client does not read, e.g. 256KiB (its HTTP/2 receive window).
+    /// its client does not read, e.g. 1MiB (its HTTP/2 receive window;
+    /// smaller ones can slow big streamed messages to a crawl).
     #[arg(long, env = "KVGATE_PASS_THROUGH_STREAM_WINDOW_BYTES", default_value = "256KiB",
-          value_name = "SIZE", value_parser = byte_size(16_384..=(16 << 20)))]
+          value_name = "SIZE", value_parser = byte_size((256 << 10)..=(16 << 20)))]
     pub pass_through_stream_window_bytes: u64,
 }
