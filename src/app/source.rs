@@ -247,4 +247,33 @@ mod tests {
             "{error}"
         );
     }
+
+    fn serve_args(flags: &[&str]) -> ServeArgs {
+        let mut command = vec!["kvgate", "serve", "--zmq-endpoint", "tcp://*:5557"];
+        command.extend_from_slice(flags);
+        match <crate::cli::Cli as clap::Parser>::parse_from(command).command {
+            crate::cli::Command::Serve(args) => *args,
+            _ => unreachable!("a serve command"),
+        }
+    }
+
+    #[test]
+    fn the_replay_byte_bound_defaults_to_64_mib_or_the_history_if_smaller_and_never_exceeds_it() {
+        let bytes = |flags: &[&str]| replay_bounds(&serve_args(flags)).map(|bounds| bounds.bytes);
+        assert_eq!(bytes(&[]).unwrap(), replay::DEFAULT_MAX_BYTES);
+        assert_eq!(bytes(&["--history-bytes", "16MiB"]).unwrap(), 16 << 20);
+        assert_eq!(
+            bytes(&["--history-bytes", "16MiB", "--zmq-replay-max-bytes", "8MiB"]).unwrap(),
+            8 << 20
+        );
+        let error = bytes(&[
+            "--history-bytes",
+            "16MiB",
+            "--zmq-replay-max-bytes",
+            "32MiB",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("--history-bytes"), "{error}");
+    }
 }
