@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{Gateway, subscribe};
-use kvgate_sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::EnginePublisher;
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -69,17 +69,7 @@ fn families_of_type<'a>(exposition: &'a str, kind: &str) -> Vec<&'a str> {
 /// A gateway with its admin port, fed by a publisher that has published
 /// nothing yet.
 async fn idle_gateway(extra: &[&str]) -> (Gateway, EnginePublisher, String) {
-    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
-        .await
-        .unwrap();
-    let mut args = vec![
-        "--zmq-endpoint",
-        publisher.endpoint(),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ];
-    args.extend_from_slice(extra);
-    let gateway = Gateway::start(&args);
+    let (gateway, publisher) = common::gateway_on_a_publisher(extra).await;
     let (code, exposition) = common::http_get(gateway.admin.expect("admin port"), "/metrics").await;
     assert_eq!(code, 200);
     (gateway, publisher, exposition)
