@@ -212,24 +212,9 @@ fn pass_through_limits(args: &ServeArgs) -> anyhow::Result<PassThroughLimits> {
 /// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new(metric_labels::closed_labels());
-    let (source_config, demo) = choose_source(&args).await?;
+    // Every flag and every file a flag names is checked before anything
+    // binds or starts (the demo engine included): a bad one fails alone.
     let pass_through_limits = pass_through_limits(&args)?;
-    let source: Arc<str> = source_config.to_string().into();
-
-    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
-        .with_context(|| format!("--max-connections {}", args.max_connections))?;
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
-    let address = listener.local_addr()?;
-    let admin_listener = match args.metrics_listen {
-        Some(address) => Some(
-            TcpListener::bind(address)
-                .await
-                .with_context(|| format!("--metrics-listen {address}: cannot listen"))?,
-        ),
-        None => None,
-    };
     let engine_tls = TlsPaths {
         ca: args.engine_tls_ca.clone(),
         cert: args.engine_tls_cert.clone(),
@@ -249,6 +234,23 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         })
         .transpose()?;
     let credentials = server_credentials(&args, &metrics)?;
+    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
+        .with_context(|| format!("--max-connections {}", args.max_connections))?;
+    let (source_config, demo) = choose_source(&args).await?;
+    let source: Arc<str> = source_config.to_string().into();
+
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
+    let address = listener.local_addr()?;
+    let admin_listener = match args.metrics_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .with_context(|| format!("--metrics-listen {address}: cannot listen"))?,
+        ),
+        None => None,
+    };
     let load_engine = pass_through
         .as_ref()
         .filter(|_| args.load_poll_ms > 0)
@@ -380,8 +382,13 @@ fn display_address(address: std::net::SocketAddr) -> String {
     }
 }
 
-/// TLS on the gRPC port and bearer tokens, read and checked now.
+/// TLS on the gRPC port and bearer tokens, read and checked now: a file
+/// that will not do is a usage error naming its flag.
 fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
+    read_server_credentials(args, metrics).map_err(|error| UsageError::from_error(&error).into())
+}
+
+fn read_server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
             let files = ServerTlsFiles {

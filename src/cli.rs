@@ -1,10 +1,13 @@
 //! Command line: every flag of `kvgate serve` can also come from a
 //! `KVGATE_…` environment variable (handy in a Kubernetes sidecar manifest).
 //! Values are checked here, so a bad one fails at start naming its flag.
+//! A boolean flag's variable takes what Kubernetes users write: `1`/`0`,
+//! `true`/`false`, `yes`/`no`, `on`/`off` (any case).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand};
 
 use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
@@ -45,8 +48,9 @@ pub enum Command {
     Status(crate::tools::status::StatusArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(crate::tools::shell::CompletionsArgs),
-    /// Print the man page (roff), e.g. `kvgate man | man -l -`.
-    Man,
+    /// Print a man page (roff), e.g. `kvgate man serve | man -l -`, or write
+    /// every page with --dir.
+    Man(crate::tools::shell::ManArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -145,7 +149,7 @@ pub struct ServeArgs {
 
     /// Bind the endpoint and let the engine connect (when the engine was given
     /// a concrete host rather than a wildcard, it connects out).
-    #[arg(long, env = "KVGATE_ZMQ_BIND")]
+    #[arg(long, env = "KVGATE_ZMQ_BIND", value_parser = BoolishValueParser::new())]
     pub zmq_bind: bool,
 
     /// Most events in one outgoing batch.
@@ -212,8 +216,10 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_ENGINE_KIND", value_enum, value_name = "KIND")]
     pub engine_kind: Option<crate::load::engine::EngineKind>,
 
-    /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.
-    #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR")]
+    /// Where to serve Prometheus /metrics, /healthz and /status over HTTP:
+    /// IP:PORT or HOST:PORT, as --listen.
+    #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR",
+          value_parser = parse_listen_address)]
     pub metrics_listen: Option<SocketAddr>,
 
     /// Serve gRPC over TLS with this certificate chain (PEM); re-read on
@@ -245,8 +251,9 @@ pub struct ServeArgs {
     )]
     pub tls_client_ca: Option<PathBuf>,
 
-    /// Bearer tokens, one a line (# comments): every RPC but health then
-    /// needs `authorization: Bearer <token>`; re-read on SIGHUP.
+    /// Bearer tokens, one a line (# comments): every RPC but health and
+    /// reflection then needs `authorization: Bearer <token>`; re-read on
+    /// SIGHUP.
     #[arg(long, env = "KVGATE_AUTH_TOKEN_FILE", value_name = "PATH")]
     pub auth_token_file: Option<PathBuf>,
 
@@ -287,7 +294,7 @@ pub struct ServeArgs {
 
     /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
     /// real one: live events with no GPU.
-    #[arg(long, env = "KVGATE_DEMO")]
+    #[arg(long, env = "KVGATE_DEMO", value_parser = BoolishValueParser::new())]
     pub demo: bool,
 
     /// Most connections open on the gRPC port; one more is accepted and
@@ -357,4 +364,53 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_PASS_THROUGH_STREAM_WINDOW_BYTES", default_value = "256KiB",
           value_name = "SIZE", value_parser = byte_size((256 << 10)..=(16 << 20)))]
     pub pass_through_stream_window_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    /// Every argument of every subcommand.
+    fn arguments(command: &clap::Command) -> Vec<clap::Arg> {
+        let mut found: Vec<clap::Arg> = command.get_arguments().cloned().collect();
+        for sub in command.get_subcommands() {
+            found.extend(arguments(sub));
+        }
+        found
+    }
+
+    #[test]
+    fn every_boolean_flag_with_a_variable_takes_one_zero_yes_no_on_off() {
+        let command = Cli::command();
+        let flags: Vec<clap::Arg> = arguments(&command)
+            .into_iter()
+            .filter(|arg| {
+                matches!(arg.get_action(), clap::ArgAction::SetTrue) && arg.get_env().is_some()
+            })
+            .collect();
+        assert!(flags.len() >= 2, "--demo and --zmq-bind at least");
+        for arg in flags {
+            for (text, expected) in [
+                ("1", true),
+                ("yes", true),
+                ("On", true),
+                ("TRUE", true),
+                ("0", false),
+                ("no", false),
+                ("off", false),
+                ("false", false),
+            ] {
+                // A default goes through the same value parser as the
+                // variable's value, without touching the environment.
+                let id = arg.get_id().as_str();
+                let parsed = clap::Command::new("kvgate")
+                    .arg(arg.clone().env(None::<&str>).default_value(text))
+                    .try_get_matches_from(["kvgate"])
+                    .unwrap_or_else(|error| panic!("--{id} refuses {text}: {error}"));
+                assert_eq!(parsed.get_flag(id), expected, "--{id} {text}");
+            }
+        }
+    }
 }

@@ -7,7 +7,6 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::{Gateway, subscribe};
 use kvgate_sim::EnginePublisher;
@@ -222,26 +221,12 @@ async fn every_metric_the_dashboard_and_alert_rules_name_is_exported_by_a_runnin
 /// Runs `promtool ARGS` in `deploy/prometheus`; `None` when promtool is not
 /// installed and this is not CI (where a missing promtool fails the test).
 fn promtool(args: &[&str]) -> Option<std::process::Output> {
-    match Command::new("promtool")
-        .args(args)
-        .current_dir(deploy("prometheus"))
-        .output()
-    {
-        Ok(output) => Some(output),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            let in_ci = std::env::var("CI").is_ok_and(|ci| ci == "true" || ci == "1");
-            assert!(
-                !in_ci,
-                "promtool is missing in CI: install Debian's prometheus package (.ci/run does)"
-            );
-            eprintln!(
-                "SKIPPED: promtool not found on PATH (apt-get install prometheus); \
-                 the alert rules were not checked"
-            );
-            None
-        }
-        Err(error) => panic!("promtool did not run: {error}"),
-    }
+    common::external_tool(
+        "promtool",
+        args,
+        &deploy("prometheus"),
+        "apt-get install prometheus",
+    )
 }
 
 #[test]

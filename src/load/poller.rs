@@ -135,6 +135,7 @@ pub async fn run(
                 board.send_replace(std::sync::Arc::new(readings.clone()));
             }
             Err(status) if outcome == PollOutcome::Unimplemented => {
+                let status = crate::connect_error::describe_status(&status);
                 warn!(%status, "the engine serves no GetLoads; load records off (routers poll the engine themselves)");
                 board.send_replace(empty_board(config.ranks));
                 return idle_until(stop).await;
@@ -142,6 +143,7 @@ pub async fn run(
             Err(status) => {
                 failures = failures.saturating_add(1);
                 crate::logging::rate_limited("load_poll_failed", || {
+                    let status = crate::connect_error::describe_status(&status);
                     warn!(%status, failures, "GetLoads failed; records age until it answers again");
                 });
             }

@@ -249,7 +249,7 @@ impl Metrics {
             ),
             credential_reloads: r.metric(
                 "credential_reloads",
-                "Reloads of TLS certificates and bearer tokens on SIGHUP, by result",
+                "Reloads of TLS certificates and bearer tokens (on SIGHUP or when --credentials-check-seconds finds a file changed), by result",
             ),
             registry: Arc::new(r.0),
             labels: Arc::new(labels),
