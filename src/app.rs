@@ -35,7 +35,7 @@ use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
 use crate::server::auth::Tokens;
 use crate::server::connection::ConnectionLimits;
-use crate::server::passthrough::PassThrough;
+use crate::server::passthrough::{PassThrough, PassThroughLimits};
 use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
@@ -191,12 +191,31 @@ impl Gateway {
     }
 }
 
+/// The pass-through's limits; checked even without `--engine-grpc`, so a
+/// combination that cannot work fails before the flag is first used.
+fn pass_through_limits(args: &ServeArgs) -> anyhow::Result<PassThroughLimits> {
+    let limits = PassThroughLimits {
+        max_path_bytes: args.pass_through_max_path_bytes as usize,
+        max_streams: args.pass_through_max_streams,
+        stream_window: u32::try_from(args.pass_through_stream_window_bytes)
+            .expect("the flag's range fits a u32"),
+    };
+    limits.connection_window().map_err(|error| {
+        UsageError(format!(
+            "--pass-through-max-streams {} with --pass-through-stream-window-bytes {}: {error}",
+            args.pass_through_max_streams, args.pass_through_stream_window_bytes
+        ))
+    })?;
+    Ok(limits)
+}
+
 /// Binds every port, then starts the source, drain, admin and gRPC servers
 /// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new(metric_labels::closed_labels());
     // Every flag and every file a flag names is checked before anything
     // binds or starts (the demo engine included): a bad one fails alone.
+    let pass_through_limits = pass_through_limits(&args)?;
     let engine_tls = TlsPaths {
         ca: args.engine_tls_ca.clone(),
         cert: args.engine_tls_cert.clone(),
@@ -210,7 +229,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 target,
                 &engine_tls,
                 ENGINE_FLAGS,
-                args.pass_through_max_path_bytes as usize,
+                pass_through_limits,
                 metrics.clone(),
             )
         })

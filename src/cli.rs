@@ -114,6 +114,26 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub zmq_replay_timeout_ms: u64,
 
+    /// Most milliseconds one replay fetch (priming, or filling one gap) may
+    /// take in all, over every request it needs; the rank's live messages
+    /// wait meanwhile.
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_FETCH_TIMEOUT_MS",
+          default_value_t = crate::source::replay::DEFAULT_FETCH_TIMEOUT.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub zmq_replay_fetch_timeout_ms: u64,
+
+    /// Most messages one replay fetch forwards; the rest counts as lost.
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_MAX_MESSAGES",
+          default_value_t = crate::source::replay::DEFAULT_MAX_MESSAGES,
+          value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub zmq_replay_max_messages: u64,
+
+    /// Most payload bytes one replay fetch forwards, e.g. 64MiB; at most
+    /// --history-bytes (the default is the smaller of 64MiB and that).
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_MAX_BYTES", value_name = "SIZE",
+          value_parser = byte_size(4096..=(64 << 30)))]
+    pub zmq_replay_max_bytes: Option<u64>,
+
     /// Largest ZMQ message (all frames) accepted from the engine's publisher
     /// or replay endpoint, e.g. 64MiB; a peer announcing more is disconnected
     /// before anything is allocated for it. The default is several times the
@@ -358,6 +378,21 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_PASS_THROUGH_MAX_PATH_BYTES", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(64..=16_384))]
     pub pass_through_max_path_bytes: u32,
+
+    /// Most calls passed through to the engine at once; one more gets
+    /// RESOURCE_EXHAUSTED. Times --pass-through-stream-window-bytes, it is
+    /// the engine connection's window and the most that unread responses
+    /// hold (at most 2 GiB - 1).
+    #[arg(long, env = "KVGATE_PASS_THROUGH_MAX_STREAMS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub pass_through_max_streams: u32,
+
+    /// Response bytes one passed-through call holds from the engine while
+    /// its client does not read, e.g. 1MiB (its HTTP/2 receive window;
+    /// smaller ones can slow big streamed messages to a crawl).
+    #[arg(long, env = "KVGATE_PASS_THROUGH_STREAM_WINDOW_BYTES", default_value = "256KiB",
+          value_name = "SIZE", value_parser = byte_size((256 << 10)..=(16 << 20)))]
+    pub pass_through_stream_window_bytes: u64,
 }
 
 #[cfg(test)]

@@ -30,8 +30,8 @@ use crate::usage_error::UsageError;
 /// The connector of every outgoing connection: TLS for `https://`.
 pub type Connector = HttpsConnector<HttpConnector>;
 
-/// The HTTP/2 client of every call to the engine (pass-through and
-/// `GetLoads` polls share its connection).
+/// An HTTP/2 client of calls to the engine (forwarded calls and kvgate's
+/// own `GetLoads` polls each have one, on connections of their own).
 pub type EngineTransport = hyper_util::client::legacy::Client<Connector, Body>;
 
 /// The flags a client's TLS files come from, for error messages.

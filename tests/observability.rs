@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use common::{Gateway, subscribe};
-use kvgate_sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::EnginePublisher;
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -68,17 +68,7 @@ fn families_of_type<'a>(exposition: &'a str, kind: &str) -> Vec<&'a str> {
 /// A gateway with its admin port, fed by a publisher that has published
 /// nothing yet.
 async fn idle_gateway(extra: &[&str]) -> (Gateway, EnginePublisher, String) {
-    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
-        .await
-        .unwrap();
-    let mut args = vec![
-        "--zmq-endpoint",
-        publisher.endpoint(),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ];
-    args.extend_from_slice(extra);
-    let gateway = Gateway::start(&args);
+    let (gateway, publisher) = common::gateway_on_a_publisher(extra).await;
     let (code, exposition) = common::http_get(gateway.admin.expect("admin port"), "/metrics").await;
     assert_eq!(code, 200);
     (gateway, publisher, exposition)
@@ -121,6 +111,10 @@ async fn every_counter_is_exported_from_the_start_at_zero_with_every_closed_labe
     }
     for source in labels.load_record_sources {
         let series = format!("kvgate_load_records_sent_total{{source=\"{source}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
+    for bound in kvgate::app::metric_labels::closed_labels().replay_bounds {
+        let series = format!("kvgate_replay_fetches_bounded_total{{bound=\"{bound}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }
     for rank in 0..2 {

@@ -170,6 +170,41 @@ fn serve_without_an_event_source_refuses_to_start_and_says_what_to_give() {
 }
 
 #[test]
+fn replay_and_pass_through_bounds_that_cannot_hold_fail_at_start_naming_their_flags() {
+    let publisher = ["--zmq-endpoint", "tcp://*:5557"];
+    let message = serve_fails(&[&publisher[..], &["--zmq-replay-max-bytes", "512MiB"]].concat());
+    assert!(message.contains("--zmq-replay-max-bytes"), "{message}");
+    assert!(message.contains("--history-bytes"), "{message}");
+    let message = serve_fails(
+        &[
+            &publisher[..],
+            &[
+                "--pass-through-max-streams",
+                "4096",
+                "--pass-through-stream-window-bytes",
+                "1MiB",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(message.contains("--pass-through-max-streams"), "{message}");
+    assert!(
+        message.contains("--pass-through-stream-window-bytes"),
+        "{message}"
+    );
+    let message = serve_fails(&[&publisher[..], &["--zmq-replay-fetch-timeout-ms", "0"]].concat());
+    assert!(
+        message.contains("--zmq-replay-fetch-timeout-ms"),
+        "{message}"
+    );
+    let message = serve_fails_with_env(&publisher, &[("KVGATE_ZMQ_REPLAY_MAX_MESSAGES", "0")]);
+    assert!(
+        message.contains("KVGATE_ZMQ_REPLAY_MAX_MESSAGES"),
+        "{message}"
+    );
+}
+
+#[test]
 fn a_bad_value_fails_at_start_naming_its_flag() {
     for (args, flag) in [
         (vec!["--zmq-endpoint", "localhost:5557"], "--zmq-endpoint"),

@@ -14,6 +14,7 @@ use crate::server::reload::ReloadResult;
 use crate::server::tls::HandshakeFailure;
 use crate::source::FrameError;
 use crate::source::peer::{PeerDropReason, PeerSocket};
+use crate::source::replay::FetchBound;
 use crate::source::upstream::UNDECODABLE;
 use crate::state::tier::Tier;
 
@@ -48,5 +49,6 @@ pub fn closed_labels() -> ClosedLabels {
         load_answer_faults: Fault::ALL.map(Fault::as_str).into(),
         load_push_faults: PushFault::ALL.map(PushFault::as_str).into(),
         load_record_sources: LoadSource::ALL.map(LoadSource::as_str).into(),
+        replay_bounds: FetchBound::ALL.map(FetchBound::as_str).into(),
     }
 }

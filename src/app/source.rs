@@ -16,6 +16,7 @@ use crate::load::push::PushConfig;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::source::SourceEvent;
+use crate::source::replay::{self, FetchBounds};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
 use crate::supervisor::{Supervisor, TaskName};
@@ -53,10 +54,12 @@ impl std::fmt::Display for SourceConfig {
 pub(super) async fn choose_source(
     args: &ServeArgs,
 ) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+    let replay_bounds = replay_bounds(args)?;
     let zmq = |endpoint, replay_endpoint| ZmqSourceConfig {
         endpoint,
         replay_endpoint,
         replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+        replay_bounds,
         dp_size: args.dp_size,
         topic: args.zmq_topic.clone(),
         bind: args.zmq_bind,
@@ -150,6 +153,27 @@ pub(super) fn choose_load_push(
             })?;
     }
     Ok(endpoint.map(config))
+}
+
+/// What one replay fetch may cost. Its bytes go through the history, so
+/// they stay within `--history-bytes`.
+fn replay_bounds(args: &ServeArgs) -> Result<FetchBounds, UsageError> {
+    let bytes = match args.zmq_replay_max_bytes {
+        Some(bytes) if bytes > args.history_bytes => {
+            return Err(UsageError(format!(
+                "--zmq-replay-max-bytes {bytes} is more than --history-bytes {}: \
+                 a fetch must fit the history",
+                args.history_bytes
+            )));
+        }
+        Some(bytes) => bytes,
+        None => replay::DEFAULT_MAX_BYTES.min(args.history_bytes),
+    };
+    Ok(FetchBounds {
+        messages: args.zmq_replay_max_messages,
+        bytes,
+        time: Duration::from_millis(args.zmq_replay_fetch_timeout_ms),
+    })
 }
 
 /// Checks that every rank's publisher (and replay) port exists, and that
@@ -258,5 +282,34 @@ mod tests {
             error.starts_with("--zmq-endpoint with --dp-size 2"),
             "{error}"
         );
+    }
+
+    fn serve_args(flags: &[&str]) -> ServeArgs {
+        let mut command = vec!["kvgate", "serve", "--zmq-endpoint", "tcp://*:5557"];
+        command.extend_from_slice(flags);
+        match <crate::cli::Cli as clap::Parser>::parse_from(command).command {
+            crate::cli::Command::Serve(args) => *args,
+            _ => unreachable!("a serve command"),
+        }
+    }
+
+    #[test]
+    fn the_replay_byte_bound_defaults_to_64_mib_or_the_history_if_smaller_and_never_exceeds_it() {
+        let bytes = |flags: &[&str]| replay_bounds(&serve_args(flags)).map(|bounds| bounds.bytes);
+        assert_eq!(bytes(&[]).unwrap(), replay::DEFAULT_MAX_BYTES);
+        assert_eq!(bytes(&["--history-bytes", "16MiB"]).unwrap(), 16 << 20);
+        assert_eq!(
+            bytes(&["--history-bytes", "16MiB", "--zmq-replay-max-bytes", "8MiB"]).unwrap(),
+            8 << 20
+        );
+        let error = bytes(&[
+            "--history-bytes",
+            "16MiB",
+            "--zmq-replay-max-bytes",
+            "32MiB",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("--history-bytes"), "{error}");
     }
 }

@@ -62,6 +62,13 @@ pub struct SourceLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// A series per bound of a replay fetch.
+pub struct BoundLabel {
+    /// The bound (`messages`, `bytes`, `time`), from its closed set.
+    pub bound: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 /// A series per reason.
 pub struct ReasonLabel {
     /// The reason, from its closed set.
@@ -131,4 +138,6 @@ pub struct ClosedLabels {
     pub load_push_faults: Vec<&'static str>,
     /// `load_records_sent{source}`.
     pub load_record_sources: Vec<&'static str>,
+    /// `replay_fetches_bounded{bound}`.
+    pub replay_bounds: Vec<&'static str>,
 }

@@ -35,6 +35,8 @@ pub struct Metrics {
     /// Engine messages fetched from a replay endpoint (gap fills and
     /// priming) rather than received live.
     pub engine_messages_recovered: Counter,
+    /// Replay fetches cut short by one of their bounds, by bound.
+    pub replay_fetches_bounded: Family<BoundLabel, Counter>,
     /// Publisher counters that went backwards (engine restarts).
     pub engine_restarts: Counter,
     /// Batches, events and encoded bytes handed to the hub (each encoded once,
@@ -161,6 +163,10 @@ impl Metrics {
             engine_messages_recovered: r.metric(
                 "engine_messages_recovered",
                 "Engine messages fetched from the replay endpoint (gap fills, priming)",
+            ),
+            replay_fetches_bounded: r.metric(
+                "replay_fetches_bounded",
+                "Replay fetches (priming, gap fills) cut short by their message, byte or time bound",
             ),
             engine_restarts: r.metric(
                 "engine_restarts",
@@ -302,6 +308,10 @@ impl Metrics {
                     .get_or_create_owned(&PeerDropLabels { socket, reason });
             }
         }
+        for &bound in &labels.replay_bounds {
+            self.replay_fetches_bounded
+                .get_or_create_owned(&BoundLabel { bound });
+        }
         for &outcome in &labels.load_polls {
             self.load_polls
                 .get_or_create_owned(&OutcomeLabel { outcome });
@@ -335,6 +345,14 @@ impl Metrics {
         debug_assert_closed(&self.labels.zmq_peers_dropped, reason);
         self.zmq_peers_dropped
             .get_or_create(&PeerDropLabels { socket, reason })
+            .inc();
+    }
+
+    /// A replay fetch stopped at its `bound`.
+    pub fn count_bounded_fetch(&self, bound: &'static str) {
+        debug_assert_closed(&self.labels.replay_bounds, bound);
+        self.replay_fetches_bounded
+            .get_or_create(&BoundLabel { bound })
             .inc();
     }
 

@@ -443,6 +443,48 @@ pub async fn await_metric_where(
     }
 }
 
+/// A memory figure (`VmRSS:`, `VmHWM:`, ...) of the live (not zombie)
+/// process `pid`, in KiB, from `/proc/<pid>/status`.
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the process runs");
+    let value = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("{name} in /proc/{pid}/status"))
+    };
+    assert!(!value("State:").starts_with('Z'), "the process died");
+    value(field)
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{field} in kB"))
+}
+
+/// The peak resident memory of the live process `pid`, in KiB: a burst
+/// between two samples counts too.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+/// A gateway with its admin port on a publisher that has published nothing
+/// yet, with `extra` flags.
+pub async fn gateway_on_a_publisher(extra: &[&str]) -> (Gateway, kvgate_sim::EnginePublisher) {
+    let options = kvgate_sim::PublisherOptions::default();
+    let publisher = kvgate_sim::EnginePublisher::bind("tcp://127.0.0.1:0", &options)
+        .await
+        .unwrap();
+    let mut args = vec![
+        "--zmq-endpoint",
+        publisher.endpoint(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    (Gateway::start(&args), publisher)
+}
+
 /// Runs an external checker (`promtool`, `kubernetes-validate`) in `dir`;
 /// `None` when it is not installed and this is not CI, where a missing
 /// checker fails the test (`.ci/run` installs each one; `install` says how).

@@ -10,6 +10,7 @@
 //! port plus `r` (replay and load likewise), the layout kvgate's source
 //! expects; a base port of 0 picks rank 0's port and the others follow it.
 
+pub mod endless_replay;
 pub mod engine;
 pub mod load;
 pub mod payload;
@@ -23,6 +24,7 @@ use zeromq::ZmqError;
 
 use kvgate_endpoint::{EndpointError, TcpEndpoint};
 
+pub use endless_replay::EndlessReplay;
 pub use engine::{ConfigError, SimConfig, SimEngine};
 pub use load::{LOAD_TOPIC, LoadStat};
 pub use payload::{SimEvent, encode_batch};
