@@ -90,7 +90,9 @@ pub struct ServeArgs {
     )]
     pub upstream_service: String,
 
-    /// Number of data-parallel ranks, each with its own publisher.
+    /// Number of data-parallel ranks, each with its own publisher (with
+    /// --upstream-grpc, the ranks taken from the upstream: a batch for any
+    /// other is dropped and counted).
     #[arg(long, env = "KVGATE_DP_SIZE", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub dp_size: u32,

@@ -153,6 +153,25 @@ impl Drop for Gateway {
     }
 }
 
+/// `VmRSS` of a live (not zombie) process, in KiB.
+pub fn live_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("kvgate runs");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("{name} in /proc/{pid}/status"))
+            .to_owned()
+    };
+    assert!(!field("State:").starts_with('Z'), "kvgate died");
+    field("VmRSS:")
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 /// Subscribes through a stock tonic client to `service`'s `SubscribeKvEvents`.
 #[allow(unused_imports)]
 pub use kvgate::client::subscribe;
@@ -223,6 +242,18 @@ pub fn removed_payload(block_hashes: &[i64], rank: u32) -> bytes::Bytes {
 /// every stream.
 pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
     removed_payload(&[FENCE_MARKER, n as i64], rank)
+}
+
+/// Fence `n` as a proto event, for a source that speaks gRPC.
+pub fn fence_event(n: u64) -> kvgate::proto::common::KvCacheEvent {
+    use kvgate::proto::common::{KvBlocksRemoved, KvCacheEvent, kv_cache_event::Data};
+    KvCacheEvent {
+        event_id: 0,
+        data: Some(Data::Removed(KvBlocksRemoved {
+            block_hashes: vec![FENCE_MARKER, n as i64],
+            ..Default::default()
+        })),
+    }
 }
 
 /// The fence number of `event`, if it is a fence.

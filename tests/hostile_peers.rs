@@ -1,0 +1,155 @@
+//! What kvgate guarantees under bad input, round two (issue 25): an
+//! upstream that names ranks kvgate does not serve, a publisher whose
+//! counter jumps wildly, and a flood of half-sent requests on the admin
+//! port under a low open-file limit. Each attack runs against the real
+//! binary on loopback, with a well-behaved subscriber checked throughout.
+
+mod common;
+
+use std::net::SocketAddr;
+
+use common::{Gateway, subscribe};
+use kvgate::proto::common::{
+    KvBlock, KvBlocksStored, KvCacheEvent, KvEventBatch, SubscribeKvEventsRequest,
+    kv_cache_event::Data,
+};
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+
+/// A batch of one event for `rank`.
+fn batch(rank: i32, sequence_number: u64, event: KvCacheEvent) -> KvEventBatch {
+    KvEventBatch {
+        sequence_number,
+        timestamp: 1.0,
+        events: vec![event],
+        dp_rank: Some(rank),
+        ..Default::default()
+    }
+}
+
+/// One stored block.
+fn stored(hash: i64) -> KvCacheEvent {
+    KvCacheEvent {
+        event_id: 0,
+        data: Some(Data::Stored(KvBlocksStored {
+            blocks: vec![KvBlock {
+                block_hash: hash,
+                token_ids: (0..16).collect(),
+                block_size: 16,
+                ..Default::default()
+            }],
+            ..Default::default()
+        })),
+    }
+}
+
+/// A real tonic `SubscribeKvEvents` server that, once `go` turns true,
+/// sends `batches` to every subscriber and then keeps the stream open.
+async fn start_upstream(batches: Vec<KvEventBatch>, go: watch::Receiver<bool>) -> String {
+    let route = tower::service_fn(move |request: http::Request<axum::body::Body>| {
+        let (batches, go) = (batches.clone(), go.clone());
+        async move {
+            let codec =
+                tonic_prost::ProstCodec::<KvEventBatch, SubscribeKvEventsRequest>::default();
+            let mut grpc = tonic::server::Grpc::new(codec);
+            let serve = tower::service_fn(move |_: Request<SubscribeKvEventsRequest>| {
+                let (batches, mut go) = (batches.clone(), go.clone());
+                async move {
+                    let _ = go.wait_for(|go| *go).await;
+                    let stream = futures::StreamExt::chain(
+                        futures::stream::iter(batches.into_iter().map(Ok::<_, Status>)),
+                        futures::stream::pending(),
+                    );
+                    Ok::<_, Status>(Response::new(stream))
+                }
+            });
+            let request = request.map(tonic::body::Body::new);
+            Ok::<_, std::convert::Infallible>(grpc.server_streaming(serve, request).await)
+        }
+    });
+    let router = axum::Router::new().route_service("/kvgate.v1.KvGate/SubscribeKvEvents", route);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_routes(tonic::service::Routes::from(router))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    format!("http://{address}")
+}
+
+/// The admin port's `/metrics` text.
+async fn metrics_text(admin: SocketAddr) -> String {
+    common::http_get(admin, "/metrics").await.1
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_batch_for_a_rank_outside_dp_size_is_refused_and_counted_and_makes_no_state_or_series()
+ {
+    const BAD_RANKS: i32 = 3000;
+    const FENCES: u64 = 30;
+    // Ranks 0 and 1 are served; every other one the upstream names is not,
+    // negative ones included. Good batches carry fences, alternately for
+    // rank 0 and rank 1, among the bad ones.
+    let mut batches = Vec::new();
+    let mut next = [1u64, 1];
+    for bad in 0..BAD_RANKS {
+        let rank = if bad % 1000 == 999 { -bad } else { 2 + bad };
+        batches.push(batch(rank, 1, stored(i64::from(bad) + 1)));
+        if bad % (BAD_RANKS / FENCES as i32) == 0 {
+            let fence = u64::try_from(batches.len()).unwrap();
+            let good = usize::from(fence % 2 == 1);
+            batches.push(batch(good as i32, next[good], common::fence_event(fence)));
+            next[good] += 1;
+        }
+    }
+    let mut fences_sent: Vec<u64> = batches.iter().filter_map(common::fence_in).collect();
+    let (go, wait) = watch::channel(false);
+    let upstream = start_upstream(batches, wait).await;
+    let gateway = Gateway::start(&[
+        "--upstream-grpc",
+        &upstream,
+        "--dp-size",
+        "2",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let admin = gateway.admin.unwrap();
+    let rss_before = common::live_rss_kib(gateway.pid());
+    let mut stream = subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+        .await
+        .unwrap();
+    go.send_replace(true);
+
+    // Every good batch arrives, and nothing else does, wherever rank 1's
+    // batches fall among rank 0's.
+    let mut fences_received = Vec::new();
+    while fences_received.len() < fences_sent.len() {
+        let batch = common::next_batch(&mut stream).await;
+        if common::is_load_only(&batch) {
+            continue;
+        }
+        let rank = batch.dp_rank.unwrap_or(0);
+        assert!((0..2).contains(&rank), "rank {rank} reached the subscriber");
+        fences_received.extend(batch.events.iter().filter_map(common::fence_number));
+    }
+    fences_sent.sort_unstable();
+    fences_received.sort_unstable();
+    assert_eq!(fences_received, fences_sent);
+
+    let series = "kvgate_bad_messages_total{reason=\"upstream_unknown_rank\"}";
+    common::await_metric(admin, series, f64::from(BAD_RANKS)).await;
+    let text = metrics_text(admin).await;
+    assert!(
+        !text.contains("rank=\"2\"") && !text.contains("rank=\"2999\""),
+        "a refused rank has a metric series"
+    );
+    let (_, status) = common::http_get(admin, "/status").await;
+    assert!(!status.contains("\"rank\":2"), "{status}");
+    let grown_kib = common::live_rss_kib(gateway.pid()).saturating_sub(rss_before);
+    assert!(
+        grown_kib < 64 << 10,
+        "kvgate grew by {grown_kib} KiB for {BAD_RANKS} refused ranks"
+    );
+}
