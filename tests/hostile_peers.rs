@@ -153,3 +153,55 @@ async fn an_upstream_batch_for_a_rank_outside_dp_size_is_refused_and_counted_and
         "kvgate grew by {grown_kib} KiB for {BAD_RANKS} refused ranks"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wild_publisher_sequence_numbers_never_wrap_the_lost_message_count_and_the_stream_goes_on()
+{
+    use bytes::Bytes;
+    use kvgate_sim::{EnginePublisher, PublisherOptions};
+    const WILD: u64 = 2015;
+    let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let gateway = Gateway::start(&[
+        "--zmq-endpoint",
+        publisher.endpoint(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let admin = gateway.admin.unwrap();
+    let mut streams = vec![
+        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+            .await
+            .unwrap(),
+    ];
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+
+    // Numbers scattered over the whole 64-bit range, up and down: each
+    // forward step skips far more than an engine could publish.
+    for i in 1..=WILD {
+        let sequence = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        publisher
+            .send_frames(vec![
+                Bytes::new(),
+                Bytes::copy_from_slice(&sequence.to_be_bytes()),
+                common::fence_payload(1 << 50, 0),
+            ])
+            .await
+            .unwrap();
+    }
+    common::await_metric_where(
+        admin,
+        "kvgate_engine_messages_total{rank=\"0\"}",
+        "every wild message counted",
+        |received| received >= WILD as f64,
+    )
+    .await;
+    let text = metrics_text(admin).await;
+    let lost = common::metric_sample(&text, "kvgate_engine_messages_lost_total").unwrap();
+    let jumps = common::metric_sample(&text, "kvgate_engine_sequence_jumps_total").unwrap();
+    assert_eq!(lost, 0.0, "wild numbers counted as lost messages");
+    assert!(jumps >= 1.0, "no jump counted:\n{text}");
+    // The stream goes on.
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+}

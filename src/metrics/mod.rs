@@ -37,6 +37,9 @@ pub struct Metrics {
     pub engine_messages_recovered: Counter,
     /// Publisher counters that went backwards (engine restarts).
     pub engine_restarts: Counter,
+    /// Publisher counters that leapt further ahead than an engine could
+    /// publish: taken as a restart, never as lost messages.
+    pub engine_sequence_jumps: Counter,
     /// Batches, events and encoded bytes handed to the hub (each encoded once,
     /// whatever the number of subscribers).
     pub batches_out: Counter,
@@ -161,6 +164,11 @@ impl Metrics {
             engine_restarts: r.metric(
                 "engine_restarts",
                 "Engine publisher restarts (counter went backwards)",
+            ),
+            engine_sequence_jumps: r.metric(
+                "engine_sequence_jumps",
+                "Engine publisher counters that leapt more than 2^32 ahead \
+                 (taken as a restart, not counted as lost messages)",
             ),
             batches_out: r.metric("batches_out", "Batches encoded and published"),
             events_out: r.metric("events_out", "Events encoded and published"),
