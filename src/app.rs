@@ -32,6 +32,7 @@ use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
+use crate::server::admin_connection::AdminLimits;
 use crate::server::auth::Tokens;
 use crate::server::connection::ConnectionLimits;
 use crate::server::passthrough::PassThrough;
@@ -215,8 +216,18 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         })
         .transpose()?;
     let credentials = server_credentials(&args, &metrics)?;
-    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
-        .with_context(|| format!("--max-connections {}", args.max_connections))?;
+    let admin_connections = args
+        .metrics_listen
+        .as_ref()
+        .map_or(0, |_| args.metrics_max_connections);
+    server::fd_limit::ensure_room_for(args.max_connections, admin_connections, args.dp_size)
+        .with_context(|| match args.metrics_listen {
+            Some(_) => format!(
+                "--max-connections {} with --metrics-max-connections {}",
+                args.max_connections, args.metrics_max_connections
+            ),
+            None => format!("--max-connections {}", args.max_connections),
+        })?;
     let (source_config, demo) = choose_source(&args).await?;
     let source: Arc<str> = source_config.to_string().into();
 
@@ -293,7 +304,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 source: Arc::clone(&source),
                 started: Instant::now(),
             };
-            spawn_admin(supervisor, listener, state)
+            spawn_admin(supervisor, listener, state, admin_limits(&args))
         })
         .transpose()?;
     let parts = ServerParts {
@@ -351,6 +362,15 @@ fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
         keepalive_interval: Duration::from_millis(args.http2_keepalive_interval_ms),
         keepalive_timeout: Duration::from_millis(args.http2_keepalive_timeout_ms),
         max_pending_accept_reset_streams: args.http2_max_pending_accept_reset_streams,
+    }
+}
+
+/// The bounds of every admin port connection, as the flags set them.
+fn admin_limits(args: &ServeArgs) -> AdminLimits {
+    AdminLimits {
+        max_connections: args.metrics_max_connections,
+        header_timeout: Duration::from_millis(args.metrics_header_timeout_ms),
+        idle_timeout: Duration::from_millis(args.metrics_idle_timeout_ms),
     }
 }
 
@@ -421,11 +441,13 @@ fn spawn_admin(
     supervisor: &Supervisor,
     listener: TcpListener,
     state: AdminState,
+    limits: AdminLimits,
 ) -> std::io::Result<SocketAddr> {
     let address = listener.local_addr()?;
     let stop = supervisor.stopping().cancelled_owned();
     supervisor.spawn(TaskName::AdminServer, async move {
-        Ok(admin::serve(listener, state, stop).await?)
+        admin::serve(listener, state, limits, stop).await;
+        Ok(())
     });
     Ok(address)
 }

@@ -7,6 +7,7 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use common::{Gateway, subscribe};
 use kvgate::proto::common::{
@@ -204,4 +205,143 @@ async fn wild_publisher_sequence_numbers_never_wrap_the_lost_message_count_and_t
     assert!(jumps >= 1.0, "no jump counted:\n{text}");
     // The stream goes on.
     common::sync_streams(&mut publisher, 0, &mut streams).await;
+}
+
+/// A GET on loopback that may be refused: `None` when the connection is
+/// closed or reset without a whole answer.
+async fn try_http_get(address: SocketAddr, path: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = Vec::new();
+    tokio::time::timeout(common::DEADLINE, stream.read_to_end(&mut response))
+        .await
+        .expect("an answer or a close before the deadline")
+        .ok()?;
+    let response = String::from_utf8_lossy(&response);
+    response.split(' ').nth(1)?.parse().ok()
+}
+
+/// Whether `stream` is closed by its peer before the deadline (a reset
+/// counts).
+async fn closed_by_kvgate(stream: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut sink = [0u8; 256];
+    let deadline = tokio::time::Instant::now() + common::DEADLINE;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut sink)).await {
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn half_sent_requests_on_the_metrics_port_under_a_low_file_limit_starve_neither_healthz_nor_a_subscriber()
+ {
+    use std::os::unix::process::CommandExt as _;
+    use tokio::io::AsyncWriteExt;
+    // Below the flood: without its own cap, the admin port would hold every
+    // descriptor kvgate may open.
+    const FILE_LIMIT: u64 = 256;
+    const FLOOD: usize = 400;
+    const ADMIN_CAP: usize = 16;
+    let log = std::env::temp_dir().join(format!("kvgate-hostile-{}.log", std::process::id()));
+    let log_file = std::fs::File::create(&log).unwrap();
+    let mut publisher = kvgate_sim::EnginePublisher::bind(
+        "tcp://127.0.0.1:0",
+        &kvgate_sim::PublisherOptions::default(),
+    )
+    .await
+    .unwrap();
+    let mut gateway = Gateway::start_configured(
+        &[
+            "--zmq-endpoint",
+            publisher.endpoint(),
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--max-connections",
+            "64",
+            "--metrics-max-connections",
+            &ADMIN_CAP.to_string(),
+            "--metrics-header-timeout-ms",
+            "1000",
+        ],
+        |command| {
+            command.stderr(log_file);
+            // SAFETY: between fork and exec only setrlimit runs, which
+            // allocates nothing and takes no lock.
+            unsafe {
+                command.pre_exec(|| {
+                    let limit = libc::rlimit {
+                        rlim_cur: FILE_LIMIT,
+                        rlim_max: FILE_LIMIT,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        },
+    );
+    let started = std::time::Instant::now();
+    let admin = gateway.admin.unwrap();
+    let mut streams = vec![
+        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+            .await
+            .unwrap(),
+    ];
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+
+    let mut flood = Vec::with_capacity(FLOOD);
+    for _ in 0..FLOOD {
+        let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
+        stream.write_all(b"GET /metrics HT").await.unwrap();
+        flood.push(stream);
+    }
+    // Every one is closed: past the cap at once, the held ones by the
+    // header timeout.
+    for stream in &mut flood {
+        assert!(
+            closed_by_kvgate(stream).await,
+            "a half-sent request is held"
+        );
+    }
+    let deadline = tokio::time::Instant::now() + common::DEADLINE;
+    while try_http_get(admin, "/healthz").await != Some(200) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "/healthz never answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let text = metrics_text(admin).await;
+    let refused = common::metric_sample(&text, "kvgate_admin_connections_refused_total").unwrap();
+    let timed_out = common::metric_sample(
+        &text,
+        "kvgate_admin_connections_closed_total{reason=\"header_timeout\"}",
+    )
+    .unwrap();
+    assert!(refused >= (FLOOD - ADMIN_CAP) as f64, "{text}");
+    assert!(timed_out >= 1.0, "{text}");
+
+    // A new subscriber connects and receives, the old one still does.
+    streams.push(
+        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+            .await
+            .unwrap(),
+    );
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+    assert!(gateway.terminate().success());
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    std::fs::remove_file(&log).unwrap();
+    let accept_failures = log_text.matches("accept failed").count() as u64;
+    assert!(
+        accept_failures <= started.elapsed().as_secs() + 1,
+        "{accept_failures} accept failures logged:\n{log_text}"
+    );
 }

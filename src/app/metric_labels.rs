@@ -6,6 +6,7 @@ use crate::drain::{DROPPED_EVENTS, OVERSIZED_EVENT};
 use crate::load::answer::Fault;
 use crate::load::poller::PollOutcome;
 use crate::metrics::ClosedLabels;
+use crate::server::admin_connection::AdminClosure;
 use crate::server::auth::AuthFailure;
 use crate::server::connection::{Closure, Refusal};
 use crate::server::reload::ReloadResult;
@@ -41,6 +42,7 @@ pub fn closed_labels() -> ClosedLabels {
         auth_failures: AuthFailure::ALL.map(AuthFailure::as_str).into(),
         connections_refused: Refusal::ALL.map(Refusal::as_str).into(),
         connections_closed: Closure::ALL.map(Closure::as_str).into(),
+        admin_connections_closed: AdminClosure::ALL.map(AdminClosure::as_str).into(),
         credential_reloads: ReloadResult::ALL.map(ReloadResult::as_str).into(),
         load_polls: PollOutcome::ALL.map(PollOutcome::as_str).into(),
         load_answer_faults: Fault::ALL.map(Fault::as_str).into(),

@@ -70,6 +70,13 @@ pub struct Metrics {
     pub connections_refused: Family<ReasonLabel, Counter>,
     /// Served connections kvgate closed itself, by reason.
     pub connections_closed: Family<ReasonLabel, Counter>,
+    /// Connections open on the admin (metrics) port.
+    pub admin_connections: Gauge,
+    /// Admin port connections closed at once because
+    /// `--metrics-max-connections` were open.
+    pub admin_connections_refused: Counter,
+    /// Admin port connections kvgate closed itself, by reason.
+    pub admin_connections_closed: Family<ReasonLabel, Counter>,
     /// Snapshots served to subscribers joining with cursor 0.
     pub snapshots_served: Counter,
     /// Subscriber streams ended because they fell further behind than kvgate
@@ -208,6 +215,18 @@ impl Metrics {
                 "connections_closed",
                 "Served gRPC connections kvgate closed itself, by reason",
             ),
+            admin_connections: r.metric(
+                "admin_connections",
+                "Connections open on the admin (metrics) port",
+            ),
+            admin_connections_refused: r.metric(
+                "admin_connections_refused",
+                "Admin port connections answered 503 and closed: --metrics-max-connections were open",
+            ),
+            admin_connections_closed: r.metric(
+                "admin_connections_closed",
+                "Admin port connections kvgate closed itself, by reason",
+            ),
             snapshots_served: r.metric(
                 "snapshots_served",
                 "State snapshots served to subscribers joining with cursor 0",
@@ -282,6 +301,10 @@ impl Metrics {
         reasons(&self.auth_failures, &labels.auth_failures);
         reasons(&self.connections_refused, &labels.connections_refused);
         reasons(&self.connections_closed, &labels.connections_closed);
+        reasons(
+            &self.admin_connections_closed,
+            &labels.admin_connections_closed,
+        );
         reasons(&self.load_answer_faults, &labels.load_answer_faults);
         for &result in &labels.credential_reloads {
             self.credential_reloads
