@@ -118,16 +118,26 @@ pub const READ_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Runs the reads of credential files on a blocking thread, one round at a
 /// time.
-#[derive(Default)]
 struct FileReader {
+    /// How long a round may take (`READ_DEADLINE`).
+    deadline: Duration,
     /// A round that overran its deadline and may still be running.
     stuck: Option<JoinHandle<Vec<u8>>>,
+}
+
+impl Default for FileReader {
+    fn default() -> Self {
+        Self {
+            deadline: READ_DEADLINE,
+            stuck: None,
+        }
+    }
 }
 
 impl FileReader {
     /// Runs `round` (which returns the fingerprint it saw) unless an earlier
     /// one is still stuck; `None` when it was not run or overran
-    /// `READ_DEADLINE`, with the refusal logged and counted.
+    /// its deadline, with the refusal logged and counted.
     async fn run(
         &mut self,
         metrics: &Metrics,
@@ -145,7 +155,7 @@ impl FileReader {
             return None;
         }
         let mut reading = tokio::task::spawn_blocking(round);
-        match tokio::time::timeout(READ_DEADLINE, &mut reading).await {
+        match tokio::time::timeout(self.deadline, &mut reading).await {
             Ok(Ok(fingerprint)) => {
                 self.stuck = None;
                 Some(fingerprint)
@@ -155,7 +165,10 @@ impl FileReader {
                 self.stuck = Some(reading);
                 refused(
                     metrics,
-                    &format!("reading the certificate or token files took over {READ_DEADLINE:?}"),
+                    &format!(
+                        "reading the certificate or token files took over {:?}",
+                        self.deadline
+                    ),
                 );
                 None
             }
@@ -244,4 +257,43 @@ pub fn reload_task(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(metrics: &Metrics) -> u64 {
+        metrics
+            .credential_reloads
+            .get_or_create(&ResultLabel {
+                result: ReloadResult::Failed.as_str(),
+            })
+            .get()
+    }
+
+    // Real time: a blocking task holds tokio's paused clock still.
+    #[tokio::test]
+    async fn a_stuck_read_is_refused_at_the_deadline_and_no_other_starts_until_it_ends() {
+        let metrics = Metrics::default();
+        let mut reader = FileReader {
+            deadline: Duration::from_millis(50),
+            stuck: None,
+        };
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let read = reader.run(&metrics, move || {
+            let _ = stuck.recv();
+            vec![1]
+        });
+        assert_eq!(read.await, None, "a read past the deadline");
+        let second = reader.run(&metrics, || unreachable!("started beside a stuck read"));
+        assert_eq!(second.await, None);
+        assert_eq!(failed(&metrics), 2);
+
+        release.send(()).unwrap();
+        let stuck = reader.stuck.as_mut().expect("the stuck read is kept");
+        assert_eq!(stuck.await.unwrap(), vec![1]);
+        assert_eq!(reader.run(&metrics, || vec![2]).await, Some(vec![2]));
+        assert_eq!(failed(&metrics), 2);
+    }
 }
