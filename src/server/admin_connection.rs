@@ -41,7 +41,7 @@ pub const MAX_REQUEST_HEAD_BYTES: usize = 8192;
 
 /// The answer to a connection over `--metrics-max-connections`.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
-    connection: close\r\ncontent-type: text/plain\r\ncontent-length: 50\r\n\r\n\
+    connection: close\r\ncontent-type: text/plain\r\ncontent-length: 49\r\n\r\n\
     kvgate: too many connections on the metrics port\n";
 
 /// The bounds every connection of the admin port is held to.
@@ -184,4 +184,20 @@ fn close(metrics: &Metrics, closure: AdminClosure) {
             reason: closure.as_str(),
         })
         .inc();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_busy_answer_states_the_length_of_its_body() {
+        let answer = std::str::from_utf8(BUSY).unwrap();
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        let length = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length: "))
+            .unwrap();
+        assert_eq!(length.parse::<usize>().unwrap(), body.len());
+    }
 }
