@@ -80,6 +80,21 @@ async fn start_upstream(batches: Vec<KvEventBatch>, go: watch::Receiver<bool>) -
     format!("http://{address}")
 }
 
+/// A subscriber that has received what `publisher` sent after ZMQ's slow
+/// joiner.
+async fn synced_subscriber(
+    gateway: &Gateway,
+    publisher: &mut kvgate_sim::EnginePublisher,
+) -> tonic::codec::Streaming<KvEventBatch> {
+    let mut streams = vec![
+        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+            .await
+            .unwrap(),
+    ];
+    common::sync_streams(publisher, 0, &mut streams).await;
+    streams.pop().unwrap()
+}
+
 /// The admin port's `/metrics` text.
 async fn metrics_text(admin: SocketAddr) -> String {
     common::http_get(admin, "/metrics").await.1
@@ -171,12 +186,7 @@ async fn wild_publisher_sequence_numbers_never_wrap_the_lost_message_count_and_t
         "127.0.0.1:0",
     ]);
     let admin = gateway.admin.unwrap();
-    let mut streams = vec![
-        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
-            .await
-            .unwrap(),
-    ];
-    common::sync_streams(&mut publisher, 0, &mut streams).await;
+    let mut streams = vec![synced_subscriber(&gateway, &mut publisher).await];
 
     // Numbers scattered over the whole 64-bit range, up and down: each
     // forward step skips far more than an engine could publish.
@@ -290,12 +300,7 @@ async fn half_sent_requests_on_the_metrics_port_under_a_low_file_limit_starve_ne
     );
     let started = std::time::Instant::now();
     let admin = gateway.admin.unwrap();
-    let mut streams = vec![
-        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
-            .await
-            .unwrap(),
-    ];
-    common::sync_streams(&mut publisher, 0, &mut streams).await;
+    let mut streams = vec![synced_subscriber(&gateway, &mut publisher).await];
 
     let mut flood = Vec::with_capacity(FLOOD);
     for _ in 0..FLOOD {
@@ -330,11 +335,7 @@ async fn half_sent_requests_on_the_metrics_port_under_a_low_file_limit_starve_ne
     assert!(timed_out >= 1.0, "{text}");
 
     // A new subscriber connects and receives, the old one still does.
-    streams.push(
-        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
-            .await
-            .unwrap(),
-    );
+    streams.push(synced_subscriber(&gateway, &mut publisher).await);
     common::sync_streams(&mut publisher, 0, &mut streams).await;
     assert!(gateway.terminate().success());
     let log_text = std::fs::read_to_string(&log).unwrap();
