@@ -201,20 +201,15 @@ async fn wild_publisher_sequence_numbers_never_wrap_the_lost_message_count_and_t
             .await
             .unwrap();
     }
-    common::await_metric_where(
-        admin,
-        "kvgate_engine_messages_total{rank=\"0\"}",
-        "every wild message counted",
-        |received| received >= WILD as f64,
-    )
-    .await;
+    // The stream goes on, and once a message published after the wild
+    // ones reaches it, kvgate has counted them all (a PUB may drop some of
+    // them for a slow reader; what arrives is in order).
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
     let text = metrics_text(admin).await;
     let lost = common::metric_sample(&text, "kvgate_engine_messages_lost_total").unwrap();
-    let jumps = common::metric_sample(&text, "kvgate_engine_sequence_jumps_total").unwrap();
     assert_eq!(lost, 0.0, "wild numbers counted as lost messages");
+    let jumps = common::metric_sample(&text, "kvgate_engine_sequence_jumps_total").unwrap();
     assert!(jumps >= 1.0, "no jump counted:\n{text}");
-    // The stream goes on.
-    common::sync_streams(&mut publisher, 0, &mut streams).await;
 }
 
 /// A GET on loopback that may be refused: `None` when the connection is
@@ -331,7 +326,9 @@ async fn half_sent_requests_on_the_metrics_port_under_a_low_file_limit_starve_ne
         "kvgate_admin_connections_closed_total{reason=\"header_timeout\"}",
     )
     .unwrap();
-    assert!(refused >= (FLOOD - ADMIN_CAP) as f64, "{text}");
+    // Each flood connection was refused at the cap or held until its
+    // header timeout (a slow flood lets more of them in than the cap).
+    assert!(refused + timed_out >= FLOOD as f64, "{text}");
     assert!(timed_out >= 1.0, "{text}");
 
     // A new subscriber connects and receives, the old one still does.
