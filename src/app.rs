@@ -33,6 +33,7 @@ use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
+use crate::server::admin_connection::AdminLimits;
 use crate::server::auth::Tokens;
 use crate::server::connection::ConnectionLimits;
 use crate::server::passthrough::{PassThrough, PassThroughLimits};
@@ -235,8 +236,18 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         })
         .transpose()?;
     let credentials = server_credentials(&args, &metrics)?;
-    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
-        .with_context(|| format!("--max-connections {}", args.max_connections))?;
+    let admin_connections = args
+        .metrics_listen
+        .as_ref()
+        .map_or(0, |_| args.metrics_max_connections);
+    server::fd_limit::ensure_room_for(args.max_connections, admin_connections, args.dp_size)
+        .with_context(|| match args.metrics_listen {
+            Some(_) => format!(
+                "--max-connections {} with --metrics-max-connections {}",
+                args.max_connections, args.metrics_max_connections
+            ),
+            None => format!("--max-connections {}", args.max_connections),
+        })?;
     let (source_config, demo) = choose_source(&args).await?;
     let load_push = choose_load_push(&args, demo.as_ref())?;
     let source: Arc<str> = source_config.to_string().into();
@@ -301,7 +312,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 source: Arc::clone(&source),
                 started: Instant::now(),
             };
-            spawn_admin(supervisor, listener, state)
+            spawn_admin(supervisor, listener, state, admin_limits(&args))
         })
         .transpose()?;
     let parts = ServerParts {
@@ -406,6 +417,15 @@ fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
     }
 }
 
+/// The bounds of every admin port connection, as the flags set them.
+fn admin_limits(args: &ServeArgs) -> AdminLimits {
+    AdminLimits {
+        max_connections: args.metrics_max_connections,
+        header_timeout: Duration::from_millis(args.metrics_header_timeout_ms),
+        idle_timeout: Duration::from_millis(args.metrics_idle_timeout_ms),
+    }
+}
+
 /// A wildcard listen address is reached on loopback.
 fn display_address(address: std::net::SocketAddr) -> String {
     if address.ip().is_unspecified() {
@@ -473,11 +493,13 @@ fn spawn_admin(
     supervisor: &Supervisor,
     listener: TcpListener,
     state: AdminState,
+    limits: AdminLimits,
 ) -> std::io::Result<SocketAddr> {
     let address = listener.local_addr()?;
     let stop = supervisor.stopping().cancelled_owned();
     supervisor.spawn(TaskName::AdminServer, async move {
-        Ok(admin::serve(listener, state, stop).await?)
+        admin::serve(listener, state, limits, stop).await;
+        Ok(())
     });
     Ok(address)
 }

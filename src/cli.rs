@@ -90,7 +90,9 @@ pub struct ServeArgs {
     )]
     pub upstream_service: String,
 
-    /// Number of data-parallel ranks, each with its own publisher.
+    /// Number of data-parallel ranks, each with its own publisher (with
+    /// --upstream-grpc, the ranks taken from the upstream: a batch for any
+    /// other is dropped and counted).
     #[arg(long, env = "KVGATE_DP_SIZE", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub dp_size: u32,
@@ -250,6 +252,25 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR",
           value_parser = parse_listen_address)]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// Most connections open on the metrics port; one more is answered 503
+    /// and closed at once.
+    #[arg(long, env = "KVGATE_METRICS_MAX_CONNECTIONS", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub metrics_max_connections: u32,
+
+    /// Most milliseconds a metrics-port client may take to send a request's
+    /// headers (counted from the connection's start, or from the previous
+    /// response: an idle keep-alive connection is closed after it too).
+    #[arg(long, env = "KVGATE_METRICS_HEADER_TIMEOUT_MS", default_value_t = 5_000,
+          value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub metrics_header_timeout_ms: u64,
+
+    /// A metrics-port connection that moves no byte either way for this many
+    /// milliseconds (a client that stopped reading) is closed.
+    #[arg(long, env = "KVGATE_METRICS_IDLE_TIMEOUT_MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(10..=86_400_000))]
+    pub metrics_idle_timeout_ms: u64,
 
     /// Serve gRPC over TLS with this certificate chain (PEM); re-read on
     /// SIGHUP.

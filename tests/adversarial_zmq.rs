@@ -111,7 +111,7 @@ async fn closed_by_kvgate(mut stream: TcpStream) {
 }
 
 fn assert_alive_and_small(gateway: &Gateway) {
-    let rss = common::status_kib(gateway.pid(), "VmRSS:");
+    let rss = common::live_rss_kib(gateway.pid());
     assert!(
         rss < RSS_BOUND_KIB,
         "kvgate holds {rss} KiB after the attacks"

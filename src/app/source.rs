@@ -38,6 +38,16 @@ pub(super) enum SourceConfig {
     Upstream(UpstreamConfig),
 }
 
+impl SourceConfig {
+    /// The ranks served are `0..dp_size`, whatever the source.
+    fn dp_size(&self) -> u32 {
+        match self {
+            Self::Zmq(config) | Self::Demo(config) => config.dp_size,
+            Self::Upstream(config) => config.dp_size,
+        }
+    }
+}
+
 impl std::fmt::Display for SourceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -94,6 +104,7 @@ pub(super) async fn choose_source(
         let config = UpstreamConfig {
             target: Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
             service: args.upstream_service.clone(),
+            dp_size: args.dp_size,
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
@@ -233,9 +244,9 @@ pub(super) async fn start_source(
     ready: watch::Sender<bool>,
     supervisor: &Supervisor,
 ) -> anyhow::Result<()> {
+    metrics.prepare_ranks(config.dp_size());
     match config {
         SourceConfig::Zmq(config) => {
-            metrics.prepare_ranks(config.dp_size);
             let flags = config.clone();
             config
                 .start(events, metrics, ready, supervisor)
@@ -245,13 +256,10 @@ pub(super) async fn start_source(
                     anyhow::Error::new(error).context(context)
                 })
         }
-        SourceConfig::Demo(config) => {
-            metrics.prepare_ranks(config.dp_size);
-            config
-                .start(events, metrics, ready, supervisor)
-                .await
-                .context("the demo engine")
-        }
+        SourceConfig::Demo(config) => config
+            .start(events, metrics, ready, supervisor)
+            .await
+            .context("the demo engine"),
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {

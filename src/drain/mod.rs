@@ -151,7 +151,12 @@ impl Drain {
             state: self.state.cut(),
             last_sequences,
             position: self.hub.next_position() - 1,
-            unknown_before: self.first_engine_sequence.values().sum(),
+            // A publisher's first number is whatever it sent: never let a
+            // wild one wrap the total.
+            unknown_before: self
+                .first_engine_sequence
+                .values()
+                .fold(0, |total: u64, &first| total.saturating_add(first)),
         }
     }
 

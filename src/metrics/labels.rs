@@ -128,6 +128,8 @@ pub struct ClosedLabels {
     pub connections_refused: Vec<&'static str>,
     /// `connections_closed{reason}`.
     pub connections_closed: Vec<&'static str>,
+    /// `admin_connections_closed{reason}`.
+    pub admin_connections_closed: Vec<&'static str>,
     /// `credential_reloads{result}`.
     pub credential_reloads: Vec<&'static str>,
     /// `load_polls{outcome}`.

@@ -39,6 +39,9 @@ pub struct Metrics {
     pub replay_fetches_bounded: Family<BoundLabel, Counter>,
     /// Publisher counters that went backwards (engine restarts).
     pub engine_restarts: Counter,
+    /// Publisher counters that leapt further ahead than an engine could
+    /// publish: taken as a restart, never as lost messages.
+    pub engine_sequence_jumps: Counter,
     /// Batches, events and encoded bytes handed to the hub (each encoded once,
     /// whatever the number of subscribers).
     pub batches_out: Counter,
@@ -69,6 +72,13 @@ pub struct Metrics {
     pub connections_refused: Family<ReasonLabel, Counter>,
     /// Served connections kvgate closed itself, by reason.
     pub connections_closed: Family<ReasonLabel, Counter>,
+    /// Connections open on the admin (metrics) port.
+    pub admin_connections: Gauge,
+    /// Admin port connections closed at once because
+    /// `--metrics-max-connections` were open.
+    pub admin_connections_refused: Counter,
+    /// Admin port connections kvgate closed itself, by reason.
+    pub admin_connections_closed: Family<ReasonLabel, Counter>,
     /// Snapshots served to subscribers joining with cursor 0.
     pub snapshots_served: Counter,
     /// Subscriber streams ended because they fell further behind than kvgate
@@ -172,6 +182,11 @@ impl Metrics {
                 "engine_restarts",
                 "Engine publisher restarts (counter went backwards)",
             ),
+            engine_sequence_jumps: r.metric(
+                "engine_sequence_jumps",
+                "Engine publisher counters that leapt more than 2^32 ahead \
+                 (taken as a restart, not counted as lost messages)",
+            ),
             batches_out: r.metric("batches_out", "Batches encoded and published"),
             events_out: r.metric("events_out", "Events encoded and published"),
             bytes_out: r.metric(
@@ -209,6 +224,18 @@ impl Metrics {
             connections_closed: r.metric(
                 "connections_closed",
                 "Served gRPC connections kvgate closed itself, by reason",
+            ),
+            admin_connections: r.metric(
+                "admin_connections",
+                "Connections open on the admin (metrics) port",
+            ),
+            admin_connections_refused: r.metric(
+                "admin_connections_refused",
+                "Admin port connections answered 503 and closed: --metrics-max-connections were open",
+            ),
+            admin_connections_closed: r.metric(
+                "admin_connections_closed",
+                "Admin port connections kvgate closed itself, by reason",
             ),
             snapshots_served: r.metric(
                 "snapshots_served",
@@ -292,6 +319,10 @@ impl Metrics {
         reasons(&self.auth_failures, &labels.auth_failures);
         reasons(&self.connections_refused, &labels.connections_refused);
         reasons(&self.connections_closed, &labels.connections_closed);
+        reasons(
+            &self.admin_connections_closed,
+            &labels.admin_connections_closed,
+        );
         reasons(&self.load_answer_faults, &labels.load_answer_faults);
         reasons(&self.load_push_faults, &labels.load_push_faults);
         for &source in &labels.load_record_sources {

@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqError, ZmqMessage};
 
-use super::continuity::{Continuity, PublisherCursor};
+use super::continuity::{Continuity, MAX_PLAUSIBLE_GAP, PublisherCursor};
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{FetchBounds, ReplayClient, ReplayError, Replayed};
 use super::{DrainGone, EngineMessage, FrameError, SourceEvent, parse_sequence, send};
@@ -543,6 +543,13 @@ impl RankTask {
                     next: engine_sequence,
                 })
             }
+            Continuity::Jumped => {
+                self.count_jump(engine_sequence);
+                let restarted = SourceEvent::PublisherRestarted { rank: self.rank };
+                send(&self.events, restarted).await?;
+                // Whatever the numbers between meant, no replay holds them.
+                None
+            }
         };
         if let Some(hole) = hole {
             self.recover(hole).await?;
@@ -573,7 +580,13 @@ impl RankTask {
             None => Replayed::default(),
         };
         let count = recovered.count;
-        let lost = hole.lost(&recovered);
+        let mut lost = hole.lost(&recovered);
+        if lost > MAX_PLAUSIBLE_GAP {
+            // The live message's number is that far past the replay ring's
+            // last: a jump, not that many lost messages.
+            self.count_jump(*missing.end() + 1);
+            lost = 0;
+        }
         self.metrics.engine_messages_lost.inc_by(lost);
         if lost > 0 {
             warn!(
@@ -592,6 +605,19 @@ impl RankTask {
             );
         }
         Ok(())
+    }
+
+    fn count_jump(&self, engine_sequence: u64) {
+        self.metrics.engine_sequence_jumps.inc();
+        crate::logging::rate_limited("engine_sequence_jump", || {
+            warn!(
+                rank = self.rank,
+                engine_sequence,
+                "the engine's message counter leapt more than {MAX_PLAUSIBLE_GAP} ahead: \
+                 taken as a restart, not as lost messages (logged at most once a second; \
+                 kvgate_engine_sequence_jumps_total counts them all)"
+            );
+        });
     }
 
     fn count_replay_stop(&self, stopped: &ReplayError) {

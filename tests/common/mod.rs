@@ -39,16 +39,29 @@ impl Gateway {
     /// Starts `kvgate serve --listen <listen> <args>` and waits until it
     /// reports its address.
     pub fn start_listening(listen: &str, args: &[&str]) -> Self {
-        Self::spawn(listen, args, &[])
+        Self::spawn(listen, args, &[], |_| {})
     }
 
     /// Starts `kvgate serve --listen 127.0.0.1:0 <args>` with `env` set.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
-        Self::spawn("127.0.0.1:0", args, env)
+        Self::spawn("127.0.0.1:0", args, env, |_| {})
     }
 
-    fn spawn(listen: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+    /// Starts `kvgate serve --listen 127.0.0.1:0 <args>` with `configure`
+    /// applied to the command last (where stderr goes, limits set before
+    /// exec).
+    pub fn start_configured(args: &[&str], configure: impl FnOnce(&mut Command)) -> Self {
+        Self::spawn("127.0.0.1:0", args, &[], configure)
+    }
+
+    fn spawn(
+        listen: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        configure: impl FnOnce(&mut Command),
+    ) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+        command
             .arg("serve")
             // The banner this harness reads is on stdout in text format.
             .args(["--log-format", "text"])
@@ -60,19 +73,21 @@ impl Gateway {
                 std::env::var("KVGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kvgate binary starts");
+            .stderr(Stdio::piped());
+        configure(&mut command);
+        let mut child = command.spawn().expect("kvgate binary starts");
         // Through the test's own stderr, which the test harness captures
         // (a spawned thread inherits the capture) and shows only when the
         // test fails: the warnings a test provokes on purpose stay quiet.
-        let stderr = child.stderr.take().expect("piped stderr");
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                eprintln!("kvgate: {line}");
-            }
-        });
+        // A test that sent stderr elsewhere reads it there.
+        if let Some(stderr) = child.stderr.take() {
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    eprintln!("kvgate: {line}");
+                }
+            });
+        }
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std_mpsc::channel();
         std::thread::spawn(move || {
@@ -153,6 +168,11 @@ impl Drop for Gateway {
     }
 }
 
+/// `VmRSS` of a live (not zombie) process, in KiB.
+pub fn live_rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
 /// Subscribes through a stock tonic client to `service`'s `SubscribeKvEvents`.
 #[allow(unused_imports)]
 pub use kvgate::client::subscribe;
@@ -223,6 +243,18 @@ pub fn removed_payload(block_hashes: &[i64], rank: u32) -> bytes::Bytes {
 /// every stream.
 pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
     removed_payload(&[FENCE_MARKER, n as i64], rank)
+}
+
+/// Fence `n` as a proto event, for a source that speaks gRPC.
+pub fn fence_event(n: u64) -> kvgate::proto::common::KvCacheEvent {
+    use kvgate::proto::common::{KvBlocksRemoved, KvCacheEvent, kv_cache_event::Data};
+    KvCacheEvent {
+        event_id: 0,
+        data: Some(Data::Removed(KvBlocksRemoved {
+            block_hashes: vec![FENCE_MARKER, n as i64],
+            ..Default::default()
+        })),
+    }
 }
 
 /// The fence number of `event`, if it is a fence.
