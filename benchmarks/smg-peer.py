@@ -13,11 +13,13 @@ smg-grpc-proto==0.4.28` in the Python that runs it, e.g. a venv:
 """
 
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import threading
+import time
 
 # A year: the handshake with the engine that never comes must not time out
 # during a run.
@@ -38,27 +40,33 @@ def main():
     port, endpoint = int(sys.argv[1]), sys.argv[2]
     from smg.servicer import VllmGrpcServer
 
-    with tempfile.TemporaryDirectory(prefix="smg-peer-") as work:
-        server = VllmGrpcServer(
-            f"127.0.0.1:{port}",
-            f"ipc://{os.path.join(work, 'servicer')}",
-            f"tcp://127.0.0.1:{free_port()}",
-            "model",
-            engine_count=1,
-            data_parallel_size=1,
-            kv_events_endpoint=endpoint,
-            kv_events_replay_endpoint="",
-            kv_events_topic="",
-            engine_startup_timeout_secs=NEVER,
-            engine_startup_ceiling_secs=NEVER,
-        )
-        stop = threading.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-        print(f"smg-peer: serving gRPC on 127.0.0.1:{port}", flush=True)
-        stop.wait()
-        server.stop(1.0)
-
+    work = tempfile.mkdtemp(prefix="smg-peer-")
+    server = VllmGrpcServer(
+        f"127.0.0.1:{port}",
+        f"ipc://{os.path.join(work, 'servicer')}",
+        f"tcp://127.0.0.1:{free_port()}",
+        "model",
+        engine_count=1,
+        data_parallel_size=1,
+        kv_events_endpoint=endpoint,
+        kv_events_replay_endpoint="",
+        kv_events_topic="",
+        engine_startup_timeout_secs=NEVER,
+        engine_startup_ceiling_secs=NEVER,
+    )
+    # kvgate-bench ends this process with SIGKILL, so nothing would remove
+    # the engine-side sockets afterwards; no engine ever connects to them, so
+    # they go as soon as the servicer has bound them.
+    deadline = time.monotonic() + 10
+    while len(os.listdir(work)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(work, ignore_errors=True)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"smg-peer: serving gRPC on 127.0.0.1:{port}", flush=True)
+    stop.wait()
+    server.stop(1.0)
 
 if __name__ == "__main__":
     main()
