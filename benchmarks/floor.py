@@ -297,6 +297,7 @@ def measure(kind, count, args, payloads):
         if count:
             publisher.prime_until(receivers.ready, "every receiver")
         publisher.run(args.rate, args.warmup)
+
         def reading():
             receivers_cpu = sum(cpu_seconds(child.pid) for child in receivers.children)
             return (cpu_seconds(pid), receivers.count(), machine_busy(), time.monotonic(),
