@@ -25,9 +25,10 @@ use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::health::HealthWatch;
 use crate::hub::{HistoryLimits, HubWriter, hub};
-use crate::load::empty_board;
+use crate::load::BoardWriter;
 use crate::load::engine::EngineLoads;
 use crate::load::poller::{self, PollerConfig};
+use crate::load::push::PushConfig;
 use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
@@ -40,7 +41,8 @@ use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::source::SourceEvent;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
-use source::{choose_source, start_source};
+use crate::usage::UsageError;
+use source::{choose_load_push, choose_source, start_source};
 
 pub mod metric_labels;
 mod source;
@@ -193,23 +195,8 @@ impl Gateway {
 /// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new(metric_labels::closed_labels());
-    let (source_config, demo) = choose_source(&args).await?;
-    let source: Arc<str> = source_config.to_string().into();
-
-    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
-        .with_context(|| format!("--max-connections {}", args.max_connections))?;
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
-    let address = listener.local_addr()?;
-    let admin_listener = match args.metrics_listen {
-        Some(address) => Some(
-            TcpListener::bind(address)
-                .await
-                .with_context(|| format!("--metrics-listen {address}: cannot listen"))?,
-        ),
-        None => None,
-    };
+    // Every flag and every file a flag names is checked before anything
+    // binds or starts (the demo engine included): a bad one fails alone.
     let engine_tls = TlsPaths {
         ca: args.engine_tls_ca.clone(),
         cert: args.engine_tls_cert.clone(),
@@ -229,6 +216,24 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         })
         .transpose()?;
     let credentials = server_credentials(&args, &metrics)?;
+    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
+        .with_context(|| format!("--max-connections {}", args.max_connections))?;
+    let (source_config, demo) = choose_source(&args).await?;
+    let load_push = choose_load_push(&args, demo.as_ref())?;
+    let source: Arc<str> = source_config.to_string().into();
+
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
+    let address = listener.local_addr()?;
+    let admin_listener = match args.metrics_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .with_context(|| format!("--metrics-listen {address}: cannot listen"))?,
+        ),
+        None => None,
+    };
     let load_engine = pass_through
         .as_ref()
         .filter(|_| args.load_poll_ms > 0)
@@ -259,20 +264,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         supervisor,
     )
     .await?;
-    let load_records = load_engine.map(|engine| {
-        let config = PollerConfig {
-            interval: Duration::from_millis(args.load_poll_ms),
-            kind: args.engine_kind,
-            ranks: args.dp_size,
-        };
-        let (board, feed) = watch::channel(empty_board(args.dp_size));
-        let (stop, metrics) = (supervisor.stopping(), metrics.clone());
-        supervisor.spawn(TaskName::LoadPoller, async move {
-            poller::run(config, engine, board, metrics, stop).await;
-            Ok(())
-        });
-        LoadRecords::new(feed)
-    });
+    let load_records = start_load(supervisor, &args, load_push, load_engine, &metrics).await?;
     spawn_drain(
         supervisor,
         &args,
@@ -337,6 +329,50 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     })
 }
 
+/// Starts the engine's load sources, pushed first and polled as fallback;
+/// `None` when there is neither.
+async fn start_load(
+    supervisor: &Supervisor,
+    args: &ServeArgs,
+    push: Option<PushConfig>,
+    poll: Option<EngineLoads>,
+    metrics: &Metrics,
+) -> anyhow::Result<Option<LoadRecords>> {
+    if push.is_none() && poll.is_none() {
+        return Ok(None);
+    }
+    let stale = push
+        .as_ref()
+        .map(|_| Duration::from_millis(args.load_push_stale_ms));
+    let (board, feed) = BoardWriter::new(args.dp_size, stale);
+    if let Some(push) = push {
+        let flags = if args.demo {
+            "the demo engine's load publisher".to_owned()
+        } else {
+            format!(
+                "--zmq-load-endpoint {} with --dp-size {}",
+                push.endpoint, args.dp_size
+            )
+        };
+        push.start(board.clone(), metrics, supervisor)
+            .await
+            .context(flags)?;
+    }
+    if let Some(engine) = poll {
+        let config = PollerConfig {
+            interval: Duration::from_millis(args.load_poll_ms),
+            kind: args.engine_kind,
+        };
+        let (stop, metrics) = (supervisor.stopping(), metrics.clone());
+        supervisor.spawn(TaskName::LoadPoller, async move {
+            poller::run(config, engine, board, metrics, stop).await;
+            Ok(())
+        });
+    }
+    let heartbeat = Duration::from_millis(args.load_heartbeat_ms);
+    Ok(Some(LoadRecords::new(feed, heartbeat)))
+}
+
 /// The bounds of every gRPC connection, as the flags set them.
 fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
     ConnectionLimits {
@@ -360,8 +396,13 @@ fn display_address(address: std::net::SocketAddr) -> String {
     }
 }
 
-/// TLS on the gRPC port and bearer tokens, read and checked now.
+/// TLS on the gRPC port and bearer tokens, read and checked now: a file
+/// that will not do is a usage error naming its flag.
 fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
+    read_server_credentials(args, metrics).map_err(|error| UsageError::from_error(&error).into())
+}
+
+fn read_server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
             let files = ServerTlsFiles {

@@ -1,10 +1,13 @@
 //! Command line: every flag of `kvgate serve` can also come from a
 //! `KVGATE_…` environment variable (handy in a Kubernetes sidecar manifest).
 //! Values are checked here, so a bad one fails at start naming its flag.
+//! A boolean flag's variable takes what Kubernetes users write: `1`/`0`,
+//! `true`/`false`, `yes`/`no`, `on`/`off` (any case).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand};
 
 use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
@@ -45,8 +48,9 @@ pub enum Command {
     Status(crate::tools::status::StatusArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(crate::tools::shell::CompletionsArgs),
-    /// Print the man page (roff), e.g. `kvgate man | man -l -`.
-    Man,
+    /// Print a man page (roff), e.g. `kvgate man serve | man -l -`, or write
+    /// every page with --dir.
+    Man(crate::tools::shell::ManArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -125,7 +129,7 @@ pub struct ServeArgs {
 
     /// Bind the endpoint and let the engine connect (when the engine was given
     /// a concrete host rather than a wildcard, it connects out).
-    #[arg(long, env = "KVGATE_ZMQ_BIND")]
+    #[arg(long, env = "KVGATE_ZMQ_BIND", value_parser = BoolishValueParser::new())]
     pub zmq_bind: bool,
 
     /// Most events in one outgoing batch.
@@ -175,8 +179,9 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
 
-    /// How often to poll the engine's GetLoads (with --engine-grpc) and push
-    /// its load to every subscriber on the stream; 0 turns load records off.
+    /// How often to poll the engine's GetLoads (with --engine-grpc) for
+    /// every rank whose load is not pushed (--zmq-load-endpoint), to put it
+    /// on every subscriber's stream; 0 turns polling off.
     #[arg(long, env = "KVGATE_LOAD_POLL_MS", default_value_t = 100,
           value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub load_poll_ms: u64,
@@ -187,13 +192,43 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     pub load_poll_timeout_ms: u64,
 
+    /// The engine's load publisher for rank 0 (SGLang's
+    /// --load-publish-endpoint, e.g. tcp://127.0.0.1:5558); rank r is at
+    /// port + r, or give it once per rank like --zmq-endpoint. Each pushed
+    /// stat reaches the stream at once; GetLoads is polled only for ranks
+    /// whose pushes go silent.
+    #[arg(
+        long,
+        env = "KVGATE_ZMQ_LOAD_ENDPOINT",
+        value_name = "URI",
+        value_delimiter = ',',
+        conflicts_with_all = ["demo", "upstream_grpc"]
+    )]
+    pub zmq_load_endpoint: Vec<TcpEndpoint>,
+
+    /// Milliseconds a rank's load push may be silent before kvgate polls
+    /// that rank's GetLoads instead (with --engine-grpc), until pushes
+    /// return. The engine re-sends an unchanged stat every second.
+    #[arg(long, env = "KVGATE_LOAD_PUSH_STALE_MS", default_value_t = 3000,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub load_push_stale_ms: u64,
+
+    /// Milliseconds between two load_only batches repeating a rank's
+    /// unchanged record; keep it at or below the router's
+    /// --load-monitor-interval, or the router polls the engine itself.
+    #[arg(long, env = "KVGATE_LOAD_HEARTBEAT_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(100..=60_000))]
+    pub load_heartbeat_ms: u64,
+
     /// Which engine serves --engine-grpc, for GetLoads (detected by trying
     /// each engine's service when not given; trtllm has no GetLoads).
     #[arg(long, env = "KVGATE_ENGINE_KIND", value_enum, value_name = "KIND")]
     pub engine_kind: Option<crate::load::engine::EngineKind>,
 
-    /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.
-    #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR")]
+    /// Where to serve Prometheus /metrics, /healthz and /status over HTTP:
+    /// IP:PORT or HOST:PORT, as --listen.
+    #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR",
+          value_parser = parse_listen_address)]
     pub metrics_listen: Option<SocketAddr>,
 
     /// Serve gRPC over TLS with this certificate chain (PEM); re-read on
@@ -225,8 +260,9 @@ pub struct ServeArgs {
     )]
     pub tls_client_ca: Option<PathBuf>,
 
-    /// Bearer tokens, one a line (# comments): every RPC but health then
-    /// needs `authorization: Bearer <token>`; re-read on SIGHUP.
+    /// Bearer tokens, one a line (# comments): every RPC but health and
+    /// reflection then needs `authorization: Bearer <token>`; re-read on
+    /// SIGHUP.
     #[arg(long, env = "KVGATE_AUTH_TOKEN_FILE", value_name = "PATH")]
     pub auth_token_file: Option<PathBuf>,
 
@@ -267,7 +303,7 @@ pub struct ServeArgs {
 
     /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
     /// real one: live events with no GPU.
-    #[arg(long, env = "KVGATE_DEMO")]
+    #[arg(long, env = "KVGATE_DEMO", value_parser = BoolishValueParser::new())]
     pub demo: bool,
 
     /// Most connections open on the gRPC port; one more is accepted and
@@ -322,4 +358,53 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_PASS_THROUGH_MAX_PATH_BYTES", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(64..=16_384))]
     pub pass_through_max_path_bytes: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    /// Every argument of every subcommand.
+    fn arguments(command: &clap::Command) -> Vec<clap::Arg> {
+        let mut found: Vec<clap::Arg> = command.get_arguments().cloned().collect();
+        for sub in command.get_subcommands() {
+            found.extend(arguments(sub));
+        }
+        found
+    }
+
+    #[test]
+    fn every_boolean_flag_with_a_variable_takes_one_zero_yes_no_on_off() {
+        let command = Cli::command();
+        let flags: Vec<clap::Arg> = arguments(&command)
+            .into_iter()
+            .filter(|arg| {
+                matches!(arg.get_action(), clap::ArgAction::SetTrue) && arg.get_env().is_some()
+            })
+            .collect();
+        assert!(flags.len() >= 2, "--demo and --zmq-bind at least");
+        for arg in flags {
+            for (text, expected) in [
+                ("1", true),
+                ("yes", true),
+                ("On", true),
+                ("TRUE", true),
+                ("0", false),
+                ("no", false),
+                ("off", false),
+                ("false", false),
+            ] {
+                // A default goes through the same value parser as the
+                // variable's value, without touching the environment.
+                let id = arg.get_id().as_str();
+                let parsed = clap::Command::new("kvgate")
+                    .arg(arg.clone().env(None::<&str>).default_value(text))
+                    .try_get_matches_from(["kvgate"])
+                    .unwrap_or_else(|error| panic!("--{id} refuses {text}: {error}"));
+                assert_eq!(parsed.get_flag(id), expected, "--{id} {text}");
+            }
+        }
+    }
 }

@@ -3,8 +3,10 @@
 
 use crate::convert::{DropReason, EventKind, PayloadError};
 use crate::drain::{DROPPED_EVENTS, OVERSIZED_EVENT};
+use crate::load::LoadSource;
 use crate::load::answer::Fault;
 use crate::load::poller::PollOutcome;
+use crate::load::stat::PushFault;
 use crate::metrics::ClosedLabels;
 use crate::server::auth::AuthFailure;
 use crate::server::connection::{Closure, Refusal};
@@ -44,5 +46,7 @@ pub fn closed_labels() -> ClosedLabels {
         credential_reloads: ReloadResult::ALL.map(ReloadResult::as_str).into(),
         load_polls: PollOutcome::ALL.map(PollOutcome::as_str).into(),
         load_answer_faults: Fault::ALL.map(Fault::as_str).into(),
+        load_push_faults: PushFault::ALL.map(PushFault::as_str).into(),
+        load_record_sources: LoadSource::ALL.map(LoadSource::as_str).into(),
     }
 }

@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cli::ServeArgs;
 use crate::client::{Target, TlsFlags, TlsPaths};
+use crate::load::push::PushConfig;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::source::SourceEvent;
@@ -66,6 +67,8 @@ pub(super) async fn choose_source(
         // primes from it, so the first steps lost to ZMQ's slow joiner are not.
         let mut config = DemoConfig::new(args.dp_size);
         config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+        // And pushing its load, as SGLang does with --load-publish-endpoint.
+        config.load_endpoint = Some("tcp://127.0.0.1:0".parse()?);
         let demo = DemoEngine::bind(config).await?;
         let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
         let replay = demo
@@ -114,6 +117,39 @@ pub(super) async fn choose_source(
         check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
     }
     Ok((SourceConfig::Zmq(zmq(endpoint, replay)), None))
+}
+
+/// The engine's load publishers, as `--zmq-load-endpoint` names them (with
+/// `--zmq-bind` and `--zmq-max-message-bytes` as for the KV publishers), or
+/// the demo engine's.
+pub(super) fn choose_load_push(
+    args: &ServeArgs,
+    demo: Option<&DemoEngine>,
+) -> anyhow::Result<Option<PushConfig>> {
+    let config = |endpoint| PushConfig {
+        endpoint,
+        dp_size: args.dp_size,
+        bind: args.zmq_bind && demo.is_none(),
+        max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
+    };
+    if let Some(demo) = demo {
+        let rank0 = demo.endpoints().into_iter().next();
+        let endpoint = rank0.and_then(|rank0| rank0.load_endpoint?.parse().ok());
+        return Ok(endpoint.map(RankEndpoints::Offset).map(config));
+    }
+    let endpoint =
+        RankEndpoints::from_flag("--zmq-load-endpoint", &args.zmq_load_endpoint, args.dp_size)
+            .map_err(|error| UsageError(error.to_string()))?;
+    if let Some(RankEndpoints::Offset(base)) = &endpoint {
+        base.for_rank(args.dp_size.saturating_sub(1))
+            .map_err(|error| {
+                UsageError(format!(
+                    "--zmq-load-endpoint with --dp-size {}: {error}",
+                    args.dp_size
+                ))
+            })?;
+    }
+    Ok(endpoint.map(config))
 }
 
 /// Checks that every rank's publisher (and replay) port exists, and that

@@ -55,6 +55,13 @@ pub struct OutcomeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// A series per source.
+pub struct SourceLabel {
+    /// The source, from its closed set.
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 /// A series per reason.
 pub struct ReasonLabel {
     /// The reason, from its closed set.
@@ -120,4 +127,8 @@ pub struct ClosedLabels {
     pub load_polls: Vec<&'static str>,
     /// `load_answer_faults{reason}`.
     pub load_answer_faults: Vec<&'static str>,
+    /// `load_push_faults{reason}`.
+    pub load_push_faults: Vec<&'static str>,
+    /// `load_records_sent{source}`.
+    pub load_record_sources: Vec<&'static str>,
 }

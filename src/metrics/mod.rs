@@ -80,8 +80,8 @@ pub struct Metrics {
     /// `GetLoads` polls of the engine, by outcome.
     pub load_polls: Family<OutcomeLabel, Counter>,
     /// Load records encoded onto batches (once each, whatever the number
-    /// of subscribers).
-    pub load_records_sent: Counter,
+    /// of subscribers), by the source of the reading behind them.
+    pub load_records_sent: Family<SourceLabel, Counter>,
     /// `load_only` batches encoded (changes and heartbeats).
     pub load_only_batches: Counter,
     /// Seconds since the engine last answered `GetLoads` (0 until it first
@@ -89,6 +89,10 @@ pub struct Metrics {
     pub load_poll_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Parts of `GetLoads` answers clamped or dropped, by reason.
     pub load_answer_faults: Family<ReasonLabel, Counter>,
+    /// Load stats the engine pushed that reached the board.
+    pub load_pushes: Counter,
+    /// Load publisher messages skipped, or stats repaired, by reason.
+    pub load_push_faults: Family<ReasonLabel, Counter>,
     /// TLS handshakes refused on the gRPC port, by reason.
     pub tls_handshake_failures: Family<ReasonLabel, Counter>,
     /// Calls refused UNAUTHENTICATED, by reason.
@@ -219,7 +223,7 @@ impl Metrics {
             load_polls: r.metric("load_polls", "GetLoads polls of the engine, by outcome"),
             load_records_sent: r.metric(
                 "load_records_sent",
-                "Load records encoded onto outgoing batches (once per batch)",
+                "Load records encoded onto outgoing batches (once per batch), by the source of their reading",
             ),
             load_only_batches: r.metric(
                 "load_only_batches",
@@ -233,6 +237,14 @@ impl Metrics {
                 "load_answer_faults",
                 "Parts of GetLoads answers clamped or dropped, by reason",
             ),
+            load_pushes: r.metric(
+                "load_pushes",
+                "Load stats the engine's load publisher pushed that were taken",
+            ),
+            load_push_faults: r.metric(
+                "load_push_faults",
+                "Load publisher messages skipped, or stats repaired, by reason",
+            ),
             tls_handshake_failures: r.metric(
                 "tls_handshake_failures",
                 "TLS handshakes refused on the gRPC port, by reason",
@@ -243,7 +255,7 @@ impl Metrics {
             ),
             credential_reloads: r.metric(
                 "credential_reloads",
-                "Reloads of TLS certificates and bearer tokens on SIGHUP, by result",
+                "Reloads of TLS certificates and bearer tokens (on SIGHUP or when --credentials-check-seconds finds a file changed), by result",
             ),
             registry: Arc::new(r.0),
             labels: Arc::new(labels),
@@ -275,6 +287,11 @@ impl Metrics {
         reasons(&self.connections_refused, &labels.connections_refused);
         reasons(&self.connections_closed, &labels.connections_closed);
         reasons(&self.load_answer_faults, &labels.load_answer_faults);
+        reasons(&self.load_push_faults, &labels.load_push_faults);
+        for &source in &labels.load_record_sources {
+            self.load_records_sent
+                .get_or_create_owned(&SourceLabel { source });
+        }
         for &result in &labels.credential_reloads {
             self.credential_reloads
                 .get_or_create_owned(&ResultLabel { result });
@@ -390,6 +407,22 @@ impl Metrics {
         debug_assert_closed(&self.labels.load_answer_faults, reason);
         self.load_answer_faults
             .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A pushed load message skipped, or a stat repaired, for `reason`.
+    pub fn count_load_push_fault(&self, reason: &'static str) {
+        debug_assert_closed(&self.labels.load_push_faults, reason);
+        self.load_push_faults
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A load record encoded from a reading of `source`.
+    pub fn count_load_record(&self, source: &'static str) {
+        debug_assert_closed(&self.labels.load_record_sources, source);
+        self.load_records_sent
+            .get_or_create(&SourceLabel { source })
             .inc();
     }
 

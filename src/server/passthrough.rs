@@ -136,10 +136,10 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
             let response = match client.request(request).await {
                 Ok(response) => response,
                 Err(error) => {
+                    let error = crate::connect_error::describe(&error);
                     debug!(%method, %error, "engine gRPC server unreachable");
                     let status = Status::unavailable(format!(
-                        "kvgate could not reach the engine's gRPC server at {target}: {}",
-                        crate::connect_error::describe(&error)
+                        "kvgate could not reach the engine's gRPC server at {target}: {error}"
                     ));
                     metrics.count_pass_through(method, status.code() as i32);
                     return Ok(status.into_http());

@@ -162,7 +162,7 @@ enum Outcome {
 enum Interruption {
     #[error("{0:#}")]
     Connect(anyhow::Error),
-    #[error("{0}")]
+    #[error("{}", crate::connect_error::describe_status(.0))]
     Refused(tonic::Status),
     #[error("the upstream ended the stream")]
     Ended,

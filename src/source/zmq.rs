@@ -1,5 +1,10 @@
 //! ZMQ SUB sockets, one per data-parallel rank.
 //!
+//! [`RankSockets`] opens them (rank r at port + r or one endpoint per rank,
+//! bind or connect, the size limit, peers that break the rules counted) for
+//! the engine's KV-event publishers here and for its load publishers
+//! (`load::push`), each read by its own [`RankSocketTask`].
+//!
 //! Each rank has its own task that keeps its socket polled (an idle SUB would
 //! miss a restarted publisher's first messages), validates the
 //! `[topic, sequence, payload]` framing and forwards messages in arrival
@@ -18,6 +23,7 @@
 //! breaks off or never answers costs at most its timeout per hole, and what
 //! it could not give is counted as lost.
 
+use std::future::Future;
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -107,45 +113,97 @@ impl ZmqSourceConfig {
             of: config.dp_size,
             ready,
         });
-        for rank in 0..config.dp_size {
-            let endpoint = config
+        let sockets = RankSockets {
+            endpoint: &config.endpoint,
+            dp_size: config.dp_size,
+            topic: &config.topic,
+            bind: config.bind,
+            max_message_bytes: config.max_message_bytes,
+            task_name: TaskName::SourceRank,
+            peer: "the engine",
+        };
+        let up = move || ranks_up.one_more();
+        sockets
+            .open(&metrics, supervisor, up, |rank, address| {
+                let topic = Bytes::from(config.topic.clone());
+                let replay = match &config.replay_endpoint {
+                    Some(base) => Some(ReplayClient::new(
+                        base.for_rank(rank)
+                            .map_err(|source| StartError::ReplayEndpoint { rank, source })?
+                            .connect_address(),
+                        topic.clone(),
+                        config.replay_timeout,
+                        config.max_message_bytes,
+                    )),
+                    None => None,
+                };
+                Ok(RankTask::new(
+                    rank,
+                    address,
+                    topic,
+                    replay,
+                    events.clone(),
+                    metrics.clone(),
+                ))
+            })
+            .await
+    }
+}
+
+/// What reads one rank's SUB once it is bound or connected, until `stop`.
+pub(crate) trait RankSocketTask: Send + 'static {
+    fn run(self, socket: SubSocket, stop: CancellationToken) -> impl Future<Output = ()> + Send;
+}
+
+/// One SUB socket per rank at `endpoint` (rank r at port + r, or one
+/// endpoint per rank), bound or connecting, each read by its own supervised
+/// task: the engine's KV-event publishers and its load publishers alike.
+pub(crate) struct RankSockets<'a> {
+    pub endpoint: &'a RankEndpoints,
+    pub dp_size: u32,
+    /// Exact topic every message must carry; subscribed as a prefix.
+    pub topic: &'a str,
+    pub bind: bool,
+    pub max_message_bytes: usize,
+    pub task_name: fn(u32) -> TaskName,
+    /// Who is at the other end, for the logs.
+    pub peer: &'static str,
+}
+
+impl RankSockets<'_> {
+    /// Opens every rank's socket; `task` makes the task that reads rank
+    /// r's socket from its address. Bound sockets are listening when this
+    /// returns; connecting ones keep retrying in the background until the
+    /// engine is up. `up` is called once per rank connected or bound.
+    pub async fn open<T: RankSocketTask>(
+        &self,
+        metrics: &Metrics,
+        supervisor: &Supervisor,
+        up: impl Fn() + Clone + Send + 'static,
+        mut task: impl FnMut(u32, String) -> Result<T, StartError>,
+    ) -> Result<(), StartError> {
+        let peer = self.peer;
+        for rank in 0..self.dp_size {
+            let endpoint = self
                 .endpoint
                 .for_rank(rank)
                 .map_err(|source| StartError::PublisherEndpoint { rank, source })?;
-            let topic = Bytes::from(config.topic.clone());
-            let replay = match &config.replay_endpoint {
-                Some(base) => Some(ReplayClient::new(
-                    base.for_rank(rank)
-                        .map_err(|source| StartError::ReplayEndpoint { rank, source })?
-                        .connect_address(),
-                    topic.clone(),
-                    config.replay_timeout,
-                    config.max_message_bytes,
-                )),
-                None => None,
-            };
-            let mut options = socket_options(config.max_message_bytes);
+            let mut options = socket_options(self.max_message_bytes);
             options.no_connect_timeout();
             let mut socket = SubSocket::with_options(options);
             socket
-                .subscribe(&config.topic)
+                .subscribe(self.topic)
                 .await
                 .map_err(StartError::Subscribe)?;
             let stop = supervisor.stopping();
-            let address = if config.bind {
+            let address = if self.bind {
                 endpoint.bind_address()
             } else {
                 endpoint.connect_address()
             };
-            let rank_task = RankTask::new(
-                rank,
-                address.clone(),
-                topic,
-                replay,
-                events.clone(),
-                metrics.clone(),
-            );
-            if config.bind {
+            let rank_task = task(rank, address.clone())?;
+            let name = (self.task_name)(rank);
+            if self.bind {
                 let bound = socket
                     .bind(&address)
                     .await
@@ -153,29 +211,29 @@ impl ZmqSourceConfig {
                         address: address.clone(),
                         source,
                     })?;
-                info!(rank, %bound, "listening for the engine publisher");
+                info!(rank, %bound, "listening for {peer}");
                 let handshakes = socket.monitor();
                 let handshake_stop = stop.clone();
                 let handshake_metrics = metrics.clone();
-                supervisor.spawn(TaskName::SourceRank(rank), async move {
+                supervisor.spawn(name, async move {
                     count_failed_handshakes(handshakes, address, handshake_metrics, handshake_stop)
                         .await;
                     Ok(())
                 });
-                ranks_up.one_more();
-                supervisor.spawn(TaskName::SourceRank(rank), async move {
+                up();
+                supervisor.spawn(name, async move {
                     rank_task.run(socket, stop).await;
                     Ok(())
                 });
             } else {
-                let ranks_up = Arc::clone(&ranks_up);
+                let up = up.clone();
                 let metrics = metrics.clone();
-                info!(rank, "waiting for the engine at {address}");
-                supervisor.spawn(TaskName::SourceRank(rank), async move {
+                info!(rank, "waiting for {peer} at {address}");
+                supervisor.spawn(name, async move {
                     tokio::select! {
                         () = connect_until_up(&mut socket, &address, &metrics) => {
-                            info!(rank, %address, "engine connected");
-                            ranks_up.one_more();
+                            info!(rank, %address, "{peer} connected");
+                            up();
                             rank_task.run(socket, stop).await;
                         }
                         () = stop.cancelled() => {}
@@ -185,6 +243,27 @@ impl ZmqSourceConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// The next message on `socket`. A peer that breaks ZMTP or the size limit
+/// costs its connection, never the socket: the error is counted and the
+/// read goes on after a pause (so a persistently failing socket cannot spin).
+pub(crate) async fn next_message(
+    socket: &mut SubSocket,
+    endpoint: &str,
+    metrics: &Metrics,
+) -> ZmqMessage {
+    loop {
+        match socket.recv().await {
+            Ok(message) => return message,
+            Err(error) => {
+                if !record_dropped_peer(metrics, PeerSocket::Sub, endpoint, &error) {
+                    debug!(%endpoint, %error, "engine socket error; still listening");
+                }
+                tokio::time::sleep(ERROR_BACKOFF).await;
+            }
+        }
     }
 }
 
@@ -246,6 +325,12 @@ async fn count_failed_handshakes(
             },
             () = stop.cancelled() => return,
         }
+    }
+}
+
+impl RankSocketTask for RankTask {
+    fn run(self, socket: SubSocket, stop: CancellationToken) -> impl Future<Output = ()> + Send {
+        self.run_rank(socket, stop)
     }
 }
 
@@ -318,7 +403,7 @@ impl RankTask {
         }
     }
 
-    async fn run(mut self, mut socket: SubSocket, stop: CancellationToken) {
+    async fn run_rank(mut self, mut socket: SubSocket, stop: CancellationToken) {
         // Stopping may cut a replay short: what it would have given is moot.
         tokio::select! {
             DrainGone = self.serve(&mut socket) => {}
@@ -336,19 +421,9 @@ impl RankTask {
             return gone;
         }
         loop {
-            match socket.recv().await {
-                Ok(message) => {
-                    if let Err(gone) = self.forward(message).await {
-                        return gone;
-                    }
-                }
-                Err(error) => {
-                    if !record_dropped_peer(&self.metrics, PeerSocket::Sub, &self.endpoint, &error)
-                    {
-                        debug!(rank = self.rank, %error, "engine socket error; still listening");
-                    }
-                    tokio::time::sleep(ERROR_BACKOFF).await;
-                }
+            let message = next_message(socket, &self.endpoint, &self.metrics).await;
+            if let Err(gone) = self.forward(message).await {
+                return gone;
             }
         }
     }
@@ -591,7 +666,7 @@ mod tests {
                 self.metrics.clone(),
             );
             let socket = self.socket.take().expect("started once");
-            tokio::spawn(task.run(socket, self.stop.clone()));
+            tokio::spawn(task.run_rank(socket, self.stop.clone()));
         }
 
         /// Every event up to and including the message numbered `seq`.

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod pki;
 pub mod router;
 
 use std::io::{BufRead, BufReader};
@@ -38,20 +39,40 @@ impl Gateway {
     /// Starts `kvgate serve --listen <listen> <args>` and waits until it
     /// reports its address.
     pub fn start_listening(listen: &str, args: &[&str]) -> Self {
+        Self::spawn(listen, args, &[])
+    }
+
+    /// Starts `kvgate serve --listen 127.0.0.1:0 <args>` with `env` set.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn("127.0.0.1:0", args, env)
+    }
+
+    fn spawn(listen: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
             .arg("serve")
             // The banner this harness reads is on stdout in text format.
             .args(["--log-format", "text"])
             .args(["--listen", listen])
             .args(args)
+            .envs(env.iter().copied())
             .env(
                 "RUST_LOG",
                 std::env::var("KVGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("kvgate binary starts");
+        // Through the test's own stderr, which the test harness captures
+        // (a spawned thread inherits the capture) and shows only when the
+        // test fails: the warnings a test provokes on purpose stay quiet.
+        let stderr = child.stderr.take().expect("piped stderr");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("kvgate: {line}");
+            }
+        });
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std_mpsc::channel();
         std::thread::spawn(move || {
@@ -420,4 +441,39 @@ pub async fn await_metric_where(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Runs an external checker (`promtool`, `kubernetes-validate`) in `dir`;
+/// `None` when it is not installed and this is not CI, where a missing
+/// checker fails the test (`.ci/run` installs each one; `install` says how).
+pub fn external_tool(
+    tool: &str,
+    args: &[&str],
+    dir: &std::path::Path,
+    install: &str,
+) -> Option<std::process::Output> {
+    match Command::new(tool).args(args).current_dir(dir).output() {
+        Ok(output) => Some(output),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            let in_ci = std::env::var("CI").is_ok_and(|ci| ci == "true" || ci == "1");
+            assert!(!in_ci, "{tool} is missing in CI: {install} (.ci/run does)");
+            eprintln!("SKIPPED: {tool} not found on PATH ({install}); not checked");
+            None
+        }
+        Err(error) => panic!("{tool} did not run: {error}"),
+    }
+}
+
+/// Waits for `child` (its output piped) to end and returns its output; past
+/// the deadline it is killed by its pid and the test fails.
+pub fn output_within_deadline(mut child: Child) -> std::process::Output {
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while child.try_wait().expect("wait for the child").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the child process did not end in time");
+        }
+        std::thread::park_timeout(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("the child's output")
 }
