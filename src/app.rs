@@ -39,6 +39,8 @@ use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::source::SourceEvent;
+use crate::state::LiveState;
+use crate::store::{self, Marks, StoreConfig, StoreLimits, StoreWriter};
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 use source::{choose_source, start_source};
 
@@ -193,7 +195,7 @@ impl Gateway {
 /// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new(metric_labels::closed_labels());
-    let (source_config, demo) = choose_source(&args).await?;
+    let (mut source_config, demo) = choose_source(&args).await?;
     let source: Arc<str> = source_config.to_string().into();
 
     server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
@@ -241,13 +243,35 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             )
         });
 
-    let (hub_writer, hub_reader) = hub(
-        args.live_buffer_batches as usize,
-        HistoryLimits {
-            batches: args.history_batches as usize,
-            bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
-        },
-    );
+    let history_limits = HistoryLimits {
+        batches: args.history_batches as usize,
+        bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
+    };
+    let (mut hub_writer, hub_reader) = hub(args.live_buffer_batches as usize, history_limits);
+    let store = match &args.state_dir {
+        Some(dir) => Some(open_store(&args, dir, history_limits, &metrics).await?),
+        None => None,
+    };
+    let (store, store_status, sequence_seed) = match store {
+        Some(opened) => {
+            let restored = opened.restored;
+            hub_writer.restore(restored.next_position, restored.history);
+            source_config.resume(
+                restored
+                    .marks
+                    .iter()
+                    .map(|(&rank, mark)| (rank, mark.resume))
+                    .collect(),
+            );
+            let last_sequences = restored
+                .numbering
+                .map(|(_, last)| last)
+                .unwrap_or_default();
+            let continued = (opened.writer, restored.state, last_sequences, restored.marks);
+            (Some(continued), Some(opened.status), opened.seed)
+        }
+        None => (None, None, epoch_seed()),
+    };
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
     let health = HealthWatch::new(supervisor.lifecycle(), ready_rx);
@@ -276,7 +300,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     spawn_drain(
         supervisor,
         &args,
-        hub_writer,
+        (hub_writer, sequence_seed, store),
         events_rx,
         load_records,
         metrics.clone(),
@@ -289,6 +313,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 health: health.clone(),
                 source: Arc::clone(&source),
                 started: Instant::now(),
+                store: store_status,
             };
             spawn_admin(supervisor, listener, state)
         })
@@ -385,10 +410,41 @@ fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Cre
     Ok(Credentials { tls, tokens })
 }
 
+/// What the drain continues from a state directory: the writer, the live
+/// state, each rank's last number and each publisher's mark.
+type Continued = (
+    StoreWriter,
+    LiveState,
+    std::collections::BTreeMap<u32, u64>,
+    Marks,
+);
+
+/// Takes `--state-dir` and reads it back (blocking work, off the runtime).
+async fn open_store(
+    args: &ServeArgs,
+    dir: &std::path::Path,
+    history: HistoryLimits,
+    metrics: &Metrics,
+) -> anyhow::Result<store::Opened> {
+    let config = StoreConfig {
+        dir: dir.to_owned(),
+        sync_interval: Duration::from_millis(args.state_sync_ms),
+        limits: StoreLimits {
+            segment_bytes: args.state_segment_bytes,
+            checkpoint_bytes: args.state_checkpoint_bytes,
+        },
+        history,
+    };
+    let metrics = metrics.clone();
+    tokio::task::spawn_blocking(move || store::open(config, &metrics, epoch_seed()))
+        .await?
+        .with_context(|| format!("--state-dir {}", dir.display()))
+}
+
 fn spawn_drain(
     supervisor: &Supervisor,
     args: &ServeArgs,
-    hub: HubWriter,
+    (hub, sequence_seed, continued): (HubWriter, u64, Option<Continued>),
     events: mpsc::Receiver<SourceEvent>,
     load_records: Option<LoadRecords>,
     metrics: Metrics,
@@ -397,7 +453,10 @@ fn spawn_drain(
         max_events: args.max_batch_events as usize,
         max_bytes: args.max_batch_bytes as usize,
     };
-    let mut drain = Drain::new(limits, epoch_seed(), hub, metrics);
+    let mut drain = Drain::new(limits, sequence_seed, hub, metrics);
+    if let Some((writer, state, last_sequences, marks)) = continued {
+        drain = drain.with_store(writer, state, last_sequences, marks);
+    }
     if let Some(records) = load_records {
         drain = drain.with_load_records(records);
     }

@@ -14,6 +14,7 @@ use crate::source::FrameError;
 use crate::source::peer::{PeerDropReason, PeerSocket};
 use crate::source::upstream::UNDECODABLE;
 use crate::state::tier::Tier;
+use crate::store::Damage;
 
 /// Every label value kvgate can export, by metric family.
 pub fn closed_labels() -> ClosedLabels {
@@ -44,5 +45,6 @@ pub fn closed_labels() -> ClosedLabels {
         credential_reloads: ReloadResult::ALL.map(ReloadResult::as_str).into(),
         load_polls: PollOutcome::ALL.map(PollOutcome::as_str).into(),
         load_answer_faults: Fault::ALL.map(Fault::as_str).into(),
+        state_damaged: Damage::ALL.map(Damage::as_str).into(),
     }
 }

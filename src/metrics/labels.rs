@@ -120,4 +120,6 @@ pub struct ClosedLabels {
     pub load_polls: Vec<&'static str>,
     /// `load_answer_faults{reason}`.
     pub load_answer_faults: Vec<&'static str>,
+    /// `state_damaged{reason}`.
+    pub state_damaged: Vec<&'static str>,
 }

@@ -10,7 +10,13 @@
 //! [`super::peer`]).
 //!
 //! With a replay endpoint, the task first primes: it forwards what the
-//! engine's ring holds before reading the live socket. Then, whenever a live
+//! engine's ring holds before reading the live socket. A task that resumes
+//! an earlier kvgate process's record (`--state-dir`) asks the ring for that
+//! record's last message instead: the same bytes mean the same publisher,
+//! and only what follows is forwarded; other bytes mean the engine
+//! restarted meanwhile (its rank is cleared, then primed as usual); a ring
+//! that no longer reaches it leaves the live socket's counter to tell a gap
+//! from a restart. Then, whenever a live
 //! message reveals a hole before it (a gap, or numbers the SUB missed after
 //! it joined or after the engine restarted), the task forwards what replay
 //! still holds of the hole first. Invariant: per rank, the drain gets each
@@ -30,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqError, ZmqMessage};
 
-use super::continuity::{Continuity, PublisherCursor};
+use super::continuity::{Continuity, PublisherCursor, ResumePoint};
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{ReplayClient, ReplayError, Replayed};
 use super::{DrainGone, EngineMessage, FrameError, SourceEvent, parse_sequence, send};
@@ -57,6 +63,8 @@ pub struct ZmqSourceConfig {
     pub bind: bool,
     /// Largest message accepted from a publisher or replay endpoint.
     pub max_message_bytes: usize,
+    /// Where an earlier kvgate process's record of each rank ended.
+    pub resume: std::collections::BTreeMap<u32, ResumePoint>,
 }
 
 /// Splits `[topic, sequence (8 bytes BE), payload]`.
@@ -137,7 +145,7 @@ impl ZmqSourceConfig {
             } else {
                 endpoint.connect_address()
             };
-            let rank_task = RankTask::new(
+            let mut rank_task = RankTask::new(
                 rank,
                 address.clone(),
                 topic,
@@ -145,6 +153,7 @@ impl ZmqSourceConfig {
                 events.clone(),
                 metrics.clone(),
             );
+            rank_task.resume = config.resume.get(&rank).copied();
             if config.bind {
                 let bound = socket
                     .bind(&address)
@@ -261,6 +270,16 @@ struct RankTask {
     /// This rank's accepted messages, resolved once.
     messages: Counter,
     cursor: PublisherCursor,
+    /// Where an earlier kvgate process's record of this rank ended.
+    resume: Option<ResumePoint>,
+}
+
+/// How resuming an earlier record went.
+enum Resumed {
+    /// The publisher is the one the record followed.
+    Continued,
+    /// The engine restarted since: the rank was cleared, prime it afresh.
+    EngineRestarted,
 }
 
 /// Pause after a socket error so a persistently failing socket cannot spin.
@@ -315,6 +334,7 @@ impl RankTask {
             messages: metrics.rank_messages(rank),
             metrics,
             cursor: PublisherCursor::default(),
+            resume: None,
         }
     }
 
@@ -354,8 +374,15 @@ impl RankTask {
     }
 
     /// Forwards the replay ring's content so the state covers what the
-    /// engine stored before kvgate joined.
+    /// engine stored before kvgate joined, or, resuming an earlier record,
+    /// what the engine published since.
     async fn prime(&mut self) -> Result<(), DrainGone> {
+        if let Some(point) = self.resume.take() {
+            match self.resume_from(point).await? {
+                Resumed::Continued => return Ok(()),
+                Resumed::EngineRestarted => {}
+            }
+        }
         let Some(replay) = &self.replay else {
             return Ok(());
         };
@@ -379,6 +406,53 @@ impl RankTask {
             .engine_messages_recovered
             .inc_by(primed.messages.len() as u64);
         self.send_all(primed.messages).await
+    }
+
+    /// Continues the record that ended at `point`.
+    async fn resume_from(&mut self, point: ResumePoint) -> Result<Resumed, DrainGone> {
+        let fetched = match &self.replay {
+            Some(replay) => replay.fetch(point.last..=u64::MAX).await,
+            None => Replayed::default(),
+        };
+        if let Some(error) = &fetched.stopped {
+            self.count_replay_drop(error);
+        }
+        match fetched.messages.first() {
+            Some((sequence, payload)) if *sequence == point.last => {
+                if !point.is(*sequence, payload) {
+                    info!(
+                        rank = self.rank,
+                        engine_sequence = point.last,
+                        "engine publisher restarted while kvgate was down"
+                    );
+                    self.metrics.engine_restarts.inc();
+                    send(
+                        &self.events,
+                        SourceEvent::PublisherRestarted { rank: self.rank },
+                    )
+                    .await?;
+                    return Ok(Resumed::EngineRestarted);
+                }
+                let mut messages = fetched.messages;
+                self.cursor.prime(&messages);
+                let after: Vec<_> = messages.drain(1..).collect();
+                info!(
+                    rank = self.rank,
+                    last = point.last,
+                    recovered = after.len(),
+                    "resumed the engine publisher where kvgate's record ended"
+                );
+                self.metrics
+                    .engine_messages_recovered
+                    .inc_by(after.len() as u64);
+                self.send_all(after).await?;
+            }
+            // The ring no longer holds it (or holds nothing): the next live
+            // number tells a gap (filled from the ring, the rest counted
+            // lost) from a restart.
+            _ => self.cursor.resume(point.last),
+        }
+        Ok(Resumed::Continued)
     }
 
     async fn forward(&mut self, message: ZmqMessage) -> Result<(), DrainGone> {
