@@ -263,11 +263,13 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                     .map(|(&rank, mark)| (rank, mark.resume))
                     .collect(),
             );
-            let last_sequences = restored
-                .numbering
-                .map(|(_, last)| last)
-                .unwrap_or_default();
-            let continued = (opened.writer, restored.state, last_sequences, restored.marks);
+            let last_sequences = restored.numbering.map(|(_, last)| last).unwrap_or_default();
+            let continued = (
+                opened.writer,
+                restored.state,
+                last_sequences,
+                restored.marks,
+            );
             (Some(continued), Some(opened.status), opened.seed)
         }
         None => (None, None, epoch_seed()),

@@ -176,7 +176,7 @@ pub struct ServeArgs {
     /// checkpoint when anything was logged since. Bounds the log a restart
     /// replays.
     #[arg(long, env = "KVGATE_STATE_CHECKPOINT_BYTES", default_value = "256MiB", value_name = "SIZE",
-          value_parser = byte_size((1 << 20)..=(64 << 30)))]
+          value_parser = byte_size((64 << 10)..=(64 << 30)))]
     pub state_checkpoint_bytes: u64,
 
     /// Batch announcements (positions, not batches) buffered per subscriber

@@ -262,7 +262,10 @@ impl HistoryWriter {
         if history.newest() + 1 == position {
             return;
         }
-        debug_assert!(history.oldest() > history.newest(), "only an empty history moves");
+        debug_assert!(
+            history.oldest() > history.newest(),
+            "only an empty history moves"
+        );
         history.newest.store(position - 1, Ordering::Release);
         history.oldest.store(position, Ordering::Release);
     }

@@ -131,7 +131,9 @@ impl HubWriter {
     /// Only before the first batch is published.
     pub(crate) fn restore(&mut self, next_position: u64, history: Vec<Arc<Batch>>) {
         debug_assert_eq!(self.next_position, 1, "restored before publishing");
-        let first = history.first().map_or(next_position, |batch| batch.position);
+        let first = history
+            .first()
+            .map_or(next_position, |batch| batch.position);
         self.history.start_at(first);
         self.live_window.start_at(first);
         for batch in history {

@@ -271,18 +271,11 @@ impl Metrics {
                 "state_paused",
                 "1 while persistence to --state-dir is paused because writes fail",
             ),
-            state_write_failures: r.metric(
-                "state_write_failures",
-                "Writes to --state-dir that failed",
-            ),
-            state_disk_bytes: r.metric(
-                "state_disk_bytes",
-                "Bytes of kvgate's files in --state-dir",
-            ),
-            state_log_bytes: r.metric(
-                "state_log_bytes",
-                "Bytes appended to the --state-dir log",
-            ),
+            state_write_failures: r
+                .metric("state_write_failures", "Writes to --state-dir that failed"),
+            state_disk_bytes: r
+                .metric("state_disk_bytes", "Bytes of kvgate's files in --state-dir"),
+            state_log_bytes: r.metric("state_log_bytes", "Bytes appended to the --state-dir log"),
             state_checkpoints: r.metric(
                 "state_checkpoints",
                 "Checkpoints of the live state written to --state-dir",

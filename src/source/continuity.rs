@@ -224,7 +224,10 @@ mod tests {
         cursor.resume(9);
         assert_eq!(cursor.observe(10, b""), Continuity::Follows);
         cursor.resume(9);
-        assert_eq!(cursor.observe(12, b""), Continuity::Gap { missing: 10..=11 });
+        assert_eq!(
+            cursor.observe(12, b""),
+            Continuity::Gap { missing: 10..=11 }
+        );
         cursor.resume(9);
         assert_eq!(cursor.observe(3, b""), Continuity::Restarted);
         assert!(ResumePoint::of(4, b"x").is(4, b"x"));

@@ -176,12 +176,15 @@ impl Checkpointer {
                     self.metrics.state_checkpoint_blocks.set(blocks as i64);
                     let now = unix_now();
                     self.metrics.state_checkpoint_timestamp_seconds.set(now);
-                    self.shared.status.lock().expect("status lock").last_checkpoint =
-                        Some(CheckpointStatus {
-                            position,
-                            blocks,
-                            unix_seconds: now,
-                        });
+                    self.shared
+                        .status
+                        .lock()
+                        .expect("status lock")
+                        .last_checkpoint = Some(CheckpointStatus {
+                        position,
+                        blocks,
+                        unix_seconds: now,
+                    });
                     info!(position, blocks, "state checkpoint written");
                     if let Err(error) = self.delete_covered(position) {
                         warn!(%error, "state directory: cannot delete what a checkpoint covers");

@@ -20,7 +20,10 @@ pub const SYNCED_FILE: &str = "synced";
 pub enum Named {
     /// `segment-<first position>.log`, or `….log.unfinished` once writing
     /// it failed while kvgate went on announcing batches.
-    Segment { first_position: u64, unfinished: bool },
+    Segment {
+        first_position: u64,
+        unfinished: bool,
+    },
     /// `checkpoint-<position>.ckpt`.
     Checkpoint { position: u64 },
     /// `synced`.

@@ -97,9 +97,9 @@ pub fn put_record(out: &mut Vec<u8>, kind: u8, parts: &[&[u8]]) {
     let payload_len: usize = parts.iter().map(|part| part.len()).sum();
     let len = u32::try_from(payload_len + 1).expect("records are far below 4 GiB");
     let len_bytes = len.to_le_bytes();
-    let crc = parts
-        .iter()
-        .fold(crc32c::crc32c(&[kind]), |crc, part| crc32c::crc32c_append(crc, part));
+    let crc = parts.iter().fold(crc32c::crc32c(&[kind]), |crc, part| {
+        crc32c::crc32c_append(crc, part)
+    });
     out.extend_from_slice(&len_bytes);
     out.extend_from_slice(&crc32c::crc32c(&len_bytes).to_le_bytes());
     out.extend_from_slice(&crc.to_le_bytes());
@@ -245,11 +245,15 @@ impl<'a> Reader<'a> {
     }
 
     pub fn u32(&mut self) -> Result<u32, Damage> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
 
     pub fn u64(&mut self) -> Result<u64, Damage> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
 
     /// A length-prefixed byte string, its length checked against what is left.
@@ -320,7 +324,10 @@ mod tests {
                 flipped[at] ^= 1 << bit;
                 let (records, end) = read_all(&flipped);
                 assert!(records.is_empty(), "byte {at} bit {bit}");
-                assert!(matches!(end, Next::Damaged(_)), "byte {at} bit {bit}: {end:?}");
+                assert!(
+                    matches!(end, Next::Damaged(_)),
+                    "byte {at} bit {bit}: {end:?}"
+                );
             }
         }
     }
@@ -330,11 +337,15 @@ mod tests {
         let mut bytes = file(&[]);
         bytes[8] = VERSION + 1;
         assert_eq!(
-            RecordReader::open(&bytes[..], FileKind::Segment).unwrap().err(),
+            RecordReader::open(&bytes[..], FileKind::Segment)
+                .unwrap()
+                .err(),
             Some(Damage::UnknownVersion)
         );
         assert_eq!(
-            RecordReader::open(&bytes[..], FileKind::Checkpoint).unwrap().err(),
+            RecordReader::open(&bytes[..], FileKind::Checkpoint)
+                .unwrap()
+                .err(),
             Some(Damage::Malformed)
         );
     }

@@ -87,7 +87,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let held = DirLock::take(&dir).unwrap();
         let refused = DirLock::take(&dir).unwrap_err().to_string();
-        assert!(refused.contains(&std::process::id().to_string()), "{refused}");
+        assert!(
+            refused.contains(&std::process::id().to_string()),
+            "{refused}"
+        );
         assert!(refused.contains(&dir.display().to_string()), "{refused}");
         drop(held);
         DirLock::take(&dir).expect("free again once dropped");

@@ -9,7 +9,10 @@
 //! verified to its end and, unless the machine did not reboot since it was
 //! written (same boot id, so the page cache kept every write), a `synced`
 //! record of a clean shutdown ending exactly there. Otherwise the state is
-//! kept but numbered anew, and old cursors are refused.
+//! kept but numbered anew, and old cursors are refused. A log cut short
+//! before a checkpoint's or the last sync's position lacks announced
+//! batches too; one cut after them cannot be told from a write cut short
+//! by a killed process (so the directory should not be edited by hand).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
@@ -157,8 +160,12 @@ pub fn restore(
     let mut put_aside = |path: &Path, damage: Damage| {
         let kept = files::damaged_path(path, damage);
         match std::fs::rename(path, &kept) {
-            Ok(()) => warn!(file = %path.display(), kept = %kept.display(), kind = damage.as_str(), "state file does not verify: set aside"),
-            Err(error) => warn!(file = %path.display(), %error, kind = damage.as_str(), "state file does not verify and cannot be set aside; ignored"),
+            Ok(()) => {
+                warn!(file = %path.display(), kept = %kept.display(), kind = damage.as_str(), "state file does not verify: set aside")
+            }
+            Err(error) => {
+                warn!(file = %path.display(), %error, kind = damage.as_str(), "state file does not verify and cannot be set aside; ignored")
+            }
         }
         damaged.push(damage);
         set_aside_names.push(format!("{}: {}", path.display(), damage.as_str()));
@@ -241,10 +248,19 @@ pub fn restore(
 
     // With nothing logged after it, the checkpoint is where the log ends.
     let end = scan.end.max(state_through);
+    // A log that ends before what a checkpoint or a sync saw was cut
+    // short after the fact: it lacks batches that were announced.
+    let log_reaches = |seed: u64| {
+        scan.end >= state_through
+            && synced
+                .as_ref()
+                .is_none_or(|synced| synced.seed != seed || synced.through <= scan.end)
+    };
     let numbering_proven = match (&scan.newest, &base_meta) {
         (Some((Tail::Verified, writer_boot, seed)), _) => {
-            (!boot_id.is_empty() && writer_boot.as_slice() == boot_id)
-                || synced_clean_at(&synced, *seed, end)
+            log_reaches(*seed)
+                && ((!boot_id.is_empty() && writer_boot.as_slice() == boot_id)
+                    || synced_clean_at(&synced, *seed, end))
         }
         (Some((Tail::Unproven, ..)), _) => false,
         (None, Some(meta)) => synced_clean_at(&synced, meta.seed, end),
@@ -284,7 +300,8 @@ pub fn restore(
         next_position: end + 1,
         state: LiveState::default(),
         marks: Marks::new(),
-        needs_checkpoint: !damaged.is_empty() || outcome != Outcome::Continued,
+        needs_checkpoint: !damaged.is_empty()
+            || matches!(outcome, Outcome::Renumbered | Outcome::Fresh),
     };
     match outcome {
         Outcome::Empty => {}
@@ -303,7 +320,11 @@ pub fn restore(
                 }
             }
             restored.numbering = Some((seed, last_sequences));
-            restored.history = scan.history.batches.into();
+            // The history ends where the log does (`log_reaches`), or is
+            // not put back at all.
+            if scan.history.batches.back().map(|batch| batch.position) == Some(end) {
+                restored.history = scan.history.batches.into();
+            }
             restored.report.history_batches = restored.history.len() as u64;
             restored.state = scan.state;
             restored.marks = marks;
@@ -318,7 +339,10 @@ fn synced_clean_at(synced: &Option<SyncedRecord>, seed: u64, end: u64) -> bool {
         .is_some_and(|synced| synced.clean && synced.seed == seed && synced.through == end)
 }
 
-fn open_records(path: &Path, kind: FileKind) -> io::Result<Result<Option<RecordReader<BufReader<File>>>, Damage>> {
+fn open_records(
+    path: &Path,
+    kind: FileKind,
+) -> io::Result<Result<Option<RecordReader<BufReader<File>>>, Damage>> {
     let file = File::open(path)?;
     RecordReader::open(BufReader::with_capacity(1 << 20, file), kind)
 }
@@ -509,7 +533,9 @@ impl Scan {
                 }
             }
             if position > self.state_through && !self.state_broken {
-                if let Err(damage) = apply_batch(&mut self.state, &record.encoded, Some(record.rank)) {
+                if let Err(damage) =
+                    apply_batch(&mut self.state, &record.encoded, Some(record.rank))
+                {
                     self.state_broken = true;
                     return Err(damage);
                 }
@@ -527,4 +553,147 @@ impl Scan {
         }
         Ok(())
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::format::{file_header, put_record};
+    use crate::store::records::{BatchRecord, SyncedRecord};
+    use crate::wire::OpenBatch;
+
+    const LIMITS: HistoryLimits = HistoryLimits {
+        batches: 100,
+        bytes: 1 << 20,
+    };
+
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(name: &str) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("continuity-restore-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).unwrap();
+            Self(path)
+        }
+
+        /// A segment from `first` holding `count` rank-0 batches numbered
+        /// from `seed`, each followed by its cycle's end.
+        fn segment(&self, boot_id: &[u8], seed: u64, first: u64, count: u64) {
+            let mut out = file_header(FileKind::Segment).to_vec();
+            let header = SegmentHeader {
+                boot_id: boot_id.to_vec(),
+                seed,
+                first_position: first,
+            };
+            put_record(&mut out, kind::SEGMENT_HEADER, &[&header.encode()]);
+            for position in first..first + count {
+                let encoded = OpenBatch::with_timestamp(1.0).encode(0, seed + position - 1, None);
+                let header = BatchRecord::header(position, 0, seed + position - 1);
+                put_record(&mut out, kind::BATCH, &[&header, &encoded]);
+                let cycle = CycleRecord {
+                    position,
+                    marks: Marks::new(),
+                };
+                put_record(&mut out, kind::CYCLE, &[&cycle.encode()]);
+            }
+            std::fs::write(self.0.join(files::segment_name(first)), out).unwrap();
+        }
+
+        fn synced(&self, seed: u64, through: u64, clean: bool) {
+            let mut out = file_header(FileKind::Synced).to_vec();
+            let record = SyncedRecord {
+                boot_id: b"old".to_vec(),
+                seed,
+                through,
+                clean,
+            };
+            put_record(&mut out, kind::SYNCED, &[&record.encode()]);
+            std::fs::write(self.0.join(files::SYNCED_FILE), out).unwrap();
+        }
+
+        fn restore(&self, boot_id: &[u8]) -> Restored {
+            restore(&self.0, boot_id, LIMITS, &mut |_, _| {}).unwrap()
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn the_same_boot_continues_the_numbering_where_the_log_ends() {
+        let dir = Dir::new("same-boot");
+        dir.segment(b"boot", 1000, 1, 5);
+        let restored = dir.restore(b"boot");
+        assert_eq!(restored.report.outcome, Outcome::Continued);
+        assert_eq!(restored.next_position, 6);
+        assert_eq!(
+            restored.numbering,
+            Some((1000, BTreeMap::from([(0, 1004)])))
+        );
+        assert_eq!(restored.history.len(), 5);
+    }
+
+    #[test]
+    fn after_a_reboot_only_a_clean_sync_at_the_logs_end_continues_the_numbering() {
+        let dir = Dir::new("reboot");
+        dir.segment(b"old", 1000, 1, 5);
+        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Renumbered);
+        dir.synced(1000, 4, false);
+        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Renumbered);
+        dir.synced(1000, 5, false);
+        assert_eq!(
+            dir.restore(b"new").report.outcome,
+            Outcome::Renumbered,
+            "synced but not stopped: more may have been announced"
+        );
+        dir.synced(1000, 5, true);
+        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Continued);
+    }
+
+    #[test]
+    fn an_unfinished_newest_segment_renumbers_and_a_hole_in_the_log_starts_fresh() {
+        let dir = Dir::new("unfinished");
+        dir.segment(b"boot", 1000, 1, 5);
+        std::fs::rename(
+            dir.0.join(files::segment_name(1)),
+            dir.0.join(files::unfinished_name(1)),
+        )
+        .unwrap();
+        let restored = dir.restore(b"boot");
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
+        assert!(restored.history.is_empty());
+        assert!(restored.needs_checkpoint);
+
+        dir.segment(b"boot", 1000, 9, 2);
+        let restored = dir.restore(b"boot");
+        assert_eq!(
+            restored.report.outcome,
+            Outcome::Fresh,
+            "positions 6 to 8 are missing and no checkpoint covers them"
+        );
+        assert_eq!(restored.next_position, 11);
+    }
+
+    #[test]
+    fn a_cycle_cut_short_is_not_restored() {
+        let dir = Dir::new("cut-cycle");
+        dir.segment(b"boot", 1000, 1, 3);
+        let path = dir.0.join(files::segment_name(1));
+        let mut bytes = std::fs::read(&path).unwrap();
+        // The last cycle's end is gone: its batch was never announced.
+        let cycle_len = RECORD_BYTES_OF_EMPTY_CYCLE;
+        bytes.truncate(bytes.len() - cycle_len);
+        std::fs::write(&path, bytes).unwrap();
+        let restored = dir.restore(b"boot");
+        assert_eq!(restored.report.outcome, Outcome::Continued);
+        assert_eq!(restored.next_position, 3);
+    }
+
+    /// A cycle record with no marks: header, kind, position and count.
+    const RECORD_BYTES_OF_EMPTY_CYCLE: usize = 12 + 1 + 8 + 4;
 }

@@ -111,7 +111,12 @@ impl StoreWriter {
     /// Logs one drain cycle: `batches` (rank, sequence, bytes) take the
     /// positions from `first_position` on, then the cycle's end with
     /// `marks`. Returns once the kernel has it (or persistence paused).
-    pub fn append_cycle(&mut self, first_position: u64, batches: &[(u32, u64, Bytes)], marks: &Marks) {
+    pub fn append_cycle(
+        &mut self,
+        first_position: u64,
+        batches: &[(u32, u64, Bytes)],
+        marks: &Marks,
+    ) {
         if self.shared.fault.swap(false, Ordering::AcqRel) {
             self.pause(None);
         }
@@ -148,7 +153,9 @@ impl StoreWriter {
             Ok(()) => {
                 segment.bytes += self.buffer.len() as u64;
                 self.logged_since_checkpoint += self.buffer.len() as u64;
-                self.metrics.state_log_bytes.inc_by(self.buffer.len() as u64);
+                self.metrics
+                    .state_log_bytes
+                    .inc_by(self.buffer.len() as u64);
                 self.shared
                     .written_through
                     .store(position - 1, Ordering::Release);
@@ -166,7 +173,11 @@ impl StoreWriter {
             seed: self.seed,
             first_position,
         };
-        put_record(&mut header, kind::SEGMENT_HEADER, &[&segment_header.encode()]);
+        put_record(
+            &mut header,
+            kind::SEGMENT_HEADER,
+            &[&segment_header.encode()],
+        );
         file.write_all(&header)?;
         let for_sync = file.try_clone()?;
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
@@ -181,7 +192,10 @@ impl StoreWriter {
             bytes: header.len() as u64,
         });
         if resumed {
-            info!(first_position, "state directory writable again: persistence resumes");
+            info!(
+                first_position,
+                "state directory writable again: persistence resumes"
+            );
             self.metrics.state_paused.set(0);
             self.shared.status.lock().expect("status lock").paused = None;
             self.checkpoint_due = true;
@@ -201,8 +215,11 @@ impl StoreWriter {
         self.paused = Some(Instant::now());
         if let Some(segment) = self.segment.take() {
             let from = self.dir.join(files::segment_name(segment.first_position));
-            let to = self.dir.join(files::unfinished_name(segment.first_position));
-            if let Err(error) = std::fs::rename(&from, &to).and_then(|()| files::sync_dir(&self.dir))
+            let to = self
+                .dir
+                .join(files::unfinished_name(segment.first_position));
+            if let Err(error) =
+                std::fs::rename(&from, &to).and_then(|()| files::sync_dir(&self.dir))
             {
                 warn!(%error, segment = %from.display(), "cannot mark the log segment unfinished");
             }
@@ -245,7 +262,9 @@ impl StoreWriter {
 
     /// The oldest position the history still holds.
     pub fn history_oldest(&self, position: u64) {
-        self.shared.history_oldest.store(position, Ordering::Release);
+        self.shared
+            .history_oldest
+            .store(position, Ordering::Release);
     }
 
     /// A clean shutdown: the last sync records that nothing was published

@@ -38,7 +38,19 @@ impl Gateway {
     /// Starts `kvgate serve --listen <listen> <args>` and waits until it
     /// reports its address.
     pub fn start_listening(listen: &str, args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        Self::start_configured(listen, args, |_| {})
+    }
+
+    /// [`Self::start_listening`], with the command adjusted by `configure`
+    /// first (limits set on the child, for instance).
+    pub fn start_configured(
+        listen: &str,
+        args: &[&str],
+        configure: impl FnOnce(&mut Command),
+    ) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+        configure(&mut command);
+        let mut child = command
             .arg("serve")
             // The banner this harness reads is on stdout in text format.
             .args(["--log-format", "text"])
