@@ -36,6 +36,8 @@ pub struct Shared {
     pub history_oldest: AtomicU64,
     /// A checkpoint is being written.
     pub checkpoint_busy: AtomicBool,
+    /// The last checkpoint failed: the drain asks for another soon.
+    pub checkpoint_failed: AtomicBool,
     /// A background write failed since the drain last looked: the log may
     /// lack what was announced, so the drain pauses persistence.
     pub fault: AtomicBool,
@@ -191,6 +193,7 @@ impl Checkpointer {
                     }
                 }
                 Err(error) => {
+                    self.shared.checkpoint_failed.store(true, Ordering::Release);
                     self.metrics.state_write_failures.inc();
                     warn!(%error, position, "state checkpoint failed; the log keeps everything until one succeeds");
                     let _ = std::fs::remove_file(self.temporary(position));

@@ -29,7 +29,8 @@ use super::records::{BatchRecord, CheckpointMeta, CycleRecord, Marks, SegmentHea
 use crate::metrics::Metrics;
 use crate::state::snapshot::SnapshotCut;
 
-/// How often a paused log tries a new segment.
+/// How often a paused log tries a new segment, and a failed checkpoint
+/// is tried again.
 const PAUSE_RETRY: Duration = Duration::from_secs(1);
 
 /// A checkpoint is also taken this long after the last one when anything
@@ -130,11 +131,11 @@ impl StoreWriter {
             .segment
             .as_ref()
             .is_some_and(|segment| segment.bytes >= self.limits.segment_bytes);
-        if self.segment.is_none() || full {
-            if let Err(error) = self.open_segment(first_position) {
-                self.pause(Some(("opening a log segment", error)));
-                return;
-            }
+        if (self.segment.is_none() || full)
+            && let Err(error) = self.open_segment(first_position)
+        {
+            self.pause(Some(("opening a log segment", error)));
+            return;
         }
         self.buffer.clear();
         let mut position = first_position;
@@ -231,7 +232,10 @@ impl StoreWriter {
         if self.segment.is_none() || self.shared.checkpoint_busy.load(Ordering::Acquire) {
             return false;
         }
+        let retry = self.shared.checkpoint_failed.load(Ordering::Acquire)
+            && self.last_checkpoint.elapsed() >= PAUSE_RETRY;
         self.checkpoint_due
+            || retry
             || self.logged_since_checkpoint >= self.limits.checkpoint_bytes
             || (self.logged_since_checkpoint > 0
                 && self.last_checkpoint.elapsed() >= CHECKPOINT_MAX_AGE)
@@ -256,6 +260,9 @@ impl StoreWriter {
             return;
         }
         self.checkpoint_due = false;
+        self.shared
+            .checkpoint_failed
+            .store(false, Ordering::Release);
         self.logged_since_checkpoint = 0;
         self.last_checkpoint = Instant::now();
     }
