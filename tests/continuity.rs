@@ -326,7 +326,7 @@ async fn a_second_kvgate_on_the_same_state_dir_exits_naming_the_dir_and_the_hold
         .env("RUST_LOG", "off")
         .output()
         .unwrap();
-    assert!(!second.status.success());
+    assert_eq!(second.status.code(), Some(1), "{second:?}");
     let error = String::from_utf8_lossy(&second.stderr);
     assert!(error.contains(scratch.state().to_str().unwrap()), "{error}");
     assert!(error.contains(&first.pid().to_string()), "{error}");
