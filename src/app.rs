@@ -39,8 +39,7 @@ use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::source::SourceEvent;
-use crate::state::LiveState;
-use crate::store::{self, Marks, StoreConfig, StoreLimits, StoreWriter};
+use crate::store::{self, StoreConfig, StoreLimits};
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 use source::{choose_source, start_source};
 
@@ -247,33 +246,15 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         batches: args.history_batches as usize,
         bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
     };
-    let (mut hub_writer, hub_reader) = hub(args.live_buffer_batches as usize, history_limits);
+    let (hub_writer, hub_reader) = hub(args.live_buffer_batches as usize, history_limits);
     let store = match &args.state_dir {
         Some(dir) => Some(open_store(&args, dir, history_limits, &metrics).await?),
         None => None,
     };
-    let (store, store_status, sequence_seed) = match store {
-        Some(opened) => {
-            let restored = opened.restored;
-            hub_writer.restore(restored.next_position, restored.history);
-            source_config.resume(
-                restored
-                    .marks
-                    .iter()
-                    .map(|(&rank, mark)| (rank, mark.resume))
-                    .collect(),
-            );
-            let last_sequences = restored.numbering.map(|(_, last)| last).unwrap_or_default();
-            let continued = (
-                opened.writer,
-                restored.state,
-                last_sequences,
-                restored.marks,
-            );
-            (Some(continued), Some(opened.status), opened.seed)
-        }
-        None => (None, None, epoch_seed()),
-    };
+    if let Some(opened) = &store {
+        source_config.resume(opened.resume_points());
+    }
+    let store_status = store.as_ref().map(store::Opened::status);
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
     let health = HealthWatch::new(supervisor.lifecycle(), ready_rx);
@@ -302,7 +283,8 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     spawn_drain(
         supervisor,
         &args,
-        (hub_writer, sequence_seed, store),
+        hub_writer,
+        store,
         events_rx,
         load_records,
         metrics.clone(),
@@ -412,15 +394,6 @@ fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Cre
     Ok(Credentials { tls, tokens })
 }
 
-/// What the drain continues from a state directory: the writer, the live
-/// state, each rank's last number and each publisher's mark.
-type Continued = (
-    StoreWriter,
-    LiveState,
-    std::collections::BTreeMap<u32, u64>,
-    Marks,
-);
-
 /// Takes `--state-dir` and reads it back (blocking work, off the runtime).
 async fn open_store(
     args: &ServeArgs,
@@ -446,7 +419,8 @@ async fn open_store(
 fn spawn_drain(
     supervisor: &Supervisor,
     args: &ServeArgs,
-    (hub, sequence_seed, continued): (HubWriter, u64, Option<Continued>),
+    hub: HubWriter,
+    store: Option<store::Opened>,
     events: mpsc::Receiver<SourceEvent>,
     load_records: Option<LoadRecords>,
     metrics: Metrics,
@@ -455,9 +429,10 @@ fn spawn_drain(
         max_events: args.max_batch_events as usize,
         max_bytes: args.max_batch_bytes as usize,
     };
-    let mut drain = Drain::new(limits, sequence_seed, hub, metrics);
-    if let Some((writer, state, last_sequences, marks)) = continued {
-        drain = drain.with_store(writer, state, last_sequences, marks);
+    let seed = store.as_ref().map_or_else(epoch_seed, store::Opened::seed);
+    let mut drain = Drain::new(limits, seed, hub, metrics);
+    if let Some(opened) = store {
+        drain = drain.with_state_dir(opened);
     }
     if let Some(records) = load_records {
         drain = drain.with_load_records(records);

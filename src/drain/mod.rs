@@ -117,19 +117,18 @@ impl Drain {
         }
     }
 
-    /// Logs every cycle into `store`, continuing from what it restored:
-    /// the live `state`, each rank's `last_sequences` (empty under a new
-    /// numbering) and each publisher's mark.
-    pub(crate) fn with_store(
-        mut self,
-        store: StoreWriter,
-        state: LiveState,
-        last_sequences: BTreeMap<u32, u64>,
-        marks: Marks,
-    ) -> Self {
-        self.sequencer.resume(&last_sequences);
-        self.state = state;
-        for (rank, mark) in marks {
+    /// Continues what a state directory kept (history, live state, each
+    /// rank's last number under the same numbering, each publisher's mark)
+    /// and logs every cycle into it. The drain must have been made with
+    /// `opened.seed()` and have published nothing yet.
+    pub fn with_state_dir(mut self, opened: crate::store::Opened) -> Self {
+        let restored = opened.restored;
+        self.hub.restore(restored.next_position, restored.history);
+        if let Some((_, last_sequences)) = &restored.numbering {
+            self.sequencer.resume(last_sequences);
+        }
+        self.state = restored.state;
+        for (rank, mark) in restored.marks {
             self.first_engine_sequence.insert(rank, mark.first);
             self.resume_points.insert(rank, mark.resume);
         }
@@ -141,7 +140,7 @@ impl Drain {
             .chain(self.state.ranks())
             .filter(|&rank| rank != 0)
             .collect();
-        self.store = Some(store);
+        self.store = Some(opened.writer);
         self
     }
 

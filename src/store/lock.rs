@@ -25,6 +25,7 @@ pub enum LockError {
     Io {
         /// The lock file.
         path: PathBuf,
+        /// What the system said.
         source: std::io::Error,
     },
 }

@@ -17,10 +17,10 @@
 
 mod background;
 mod files;
-pub mod format;
+pub(crate) mod format;
 mod lock;
-pub mod records;
-pub mod restore;
+pub(crate) mod records;
+pub(crate) mod restore;
 mod writer;
 
 use std::path::PathBuf;
@@ -31,12 +31,17 @@ use std::time::Duration;
 use serde::Serialize;
 use tracing::info;
 
-pub use background::PersistStatus;
-pub use format::Damage;
+use std::collections::BTreeMap;
+
+use background::PersistStatus;
+pub(crate) use format::Damage;
 pub use lock::LockError;
-pub use records::{Marks, RankMark};
-pub use restore::{RestoreReport, Restored};
-pub use writer::{StoreLimits, StoreWriter};
+pub(crate) use records::{Marks, RankMark};
+use restore::{RestoreReport, Restored};
+pub(crate) use writer::StoreWriter;
+pub use writer::StoreLimits;
+
+use crate::source::continuity::ResumePoint;
 
 use crate::hub::HistoryLimits;
 use crate::metrics::Metrics;
@@ -52,31 +57,62 @@ const SYNC_QUEUE: usize = 64;
 /// How the directory is used, as the flags set it.
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
+    /// The directory (`--state-dir`), created if missing.
     pub dir: PathBuf,
+    /// How often the log is fsynced (`--state-sync-ms`).
     pub sync_interval: Duration,
+    /// Segment and checkpoint sizes.
     pub limits: StoreLimits,
+    /// The history's bounds: how much of the log a restart puts back.
     pub history: HistoryLimits,
 }
 
 /// Why the directory cannot be used at all.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
+    /// Another process holds it, or its lock file cannot be locked.
     #[error("{0}")]
     Lock(#[from] LockError),
+    /// The directory cannot be created or listed.
     #[error("cannot read or create {dir}: {source}")]
     Io {
+        /// The directory.
         dir: PathBuf,
+        /// What the system said.
         source: std::io::Error,
     },
 }
 
-/// What the directory gave back, and the writer that continues it.
+/// What the directory gave back, and the writer that continues it: handed
+/// to the drain (`Drain::with_state_dir`).
 pub struct Opened {
-    pub restored: Restored,
+    pub(crate) restored: Restored,
     /// The first number of the numbering this process continues or starts.
-    pub seed: u64,
-    pub writer: StoreWriter,
-    pub status: StoreStatus,
+    pub(crate) seed: u64,
+    pub(crate) writer: StoreWriter,
+    pub(crate) status: StoreStatus,
+}
+
+impl Opened {
+    /// The first number of every rank's numbering: the old process's when
+    /// it goes on, else the seed `open` was given.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Where each engine publisher's record ended.
+    pub(crate) fn resume_points(&self) -> BTreeMap<u32, ResumePoint> {
+        self.restored
+            .marks
+            .iter()
+            .map(|(&rank, mark)| (rank, mark.resume))
+            .collect()
+    }
+
+    /// What `/status` shows of the directory from now on.
+    pub fn status(&self) -> StoreStatus {
+        self.status.clone()
+    }
 }
 
 /// What `/status` shows of the directory.
@@ -89,15 +125,15 @@ pub struct StoreStatus {
 
 /// The `/status` section.
 #[derive(Serialize)]
-pub struct StoreStatusView {
-    pub dir: PathBuf,
-    pub restored: RestoreReport,
+pub(crate) struct StoreStatusView {
+    dir: PathBuf,
+    restored: RestoreReport,
     #[serde(flatten)]
-    pub persist: PersistStatus,
+    persist: PersistStatus,
 }
 
 impl StoreStatus {
-    pub fn view(&self) -> StoreStatusView {
+    pub(crate) fn view(&self) -> StoreStatusView {
         StoreStatusView {
             dir: self.dir.clone(),
             restored: (*self.restored).clone(),
