@@ -174,6 +174,9 @@ impl Checkpointer {
             let position = job.meta.position;
             match self.write(&job) {
                 Ok(blocks) => {
+                    if let Err(error) = self.delete_covered(position) {
+                        warn!(%error, "state directory: cannot delete what a checkpoint covers");
+                    }
                     self.metrics.state_checkpoints.inc();
                     self.metrics.state_checkpoint_blocks.set(blocks as i64);
                     let now = unix_now();
@@ -188,9 +191,6 @@ impl Checkpointer {
                         unix_seconds: now,
                     });
                     info!(position, blocks, "state checkpoint written");
-                    if let Err(error) = self.delete_covered(position) {
-                        warn!(%error, "state directory: cannot delete what a checkpoint covers");
-                    }
                 }
                 Err(error) => {
                     self.shared.checkpoint_failed.store(true, Ordering::Release);

@@ -38,8 +38,8 @@ pub(crate) use format::Damage;
 pub use lock::LockError;
 pub(crate) use records::{Marks, RankMark};
 use restore::{RestoreReport, Restored};
-pub(crate) use writer::StoreWriter;
 pub use writer::StoreLimits;
+pub(crate) use writer::StoreWriter;
 
 use crate::source::continuity::ResumePoint;
 
