@@ -47,6 +47,11 @@ impl DirLock {
             path: path.clone(),
             source,
         };
+        if std::fs::symlink_metadata(&path).is_ok_and(|metadata| !metadata.is_file()) {
+            let kept = super::files::damaged_path(&path, super::format::Damage::NotAFile);
+            tracing::warn!(file = %path.display(), kept = %kept.display(), "the lock file is not a file: set aside");
+            std::fs::rename(&path, &kept).map_err(io)?;
+        }
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -95,6 +100,14 @@ mod tests {
         assert!(refused.contains(&dir.display().to_string()), "{refused}");
         drop(held);
         DirLock::take(&dir).expect("free again once dropped");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_where_the_lock_file_belongs_is_set_aside() {
+        let dir = std::env::temp_dir().join(format!("continuity-lock-dir-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join(LOCK_FILE)).unwrap();
+        DirLock::take(&dir).expect("locked once the directory is aside");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

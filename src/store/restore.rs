@@ -194,7 +194,7 @@ pub fn restore(
                 unfinished,
             } => segments.push((first_position, unfinished, path)),
             Named::Checkpoint { position } => checkpoints.push((position, path)),
-            Named::Synced => match read_synced(&path)? {
+            Named::Synced => match unreadable_is_damage(&path, read_synced(&path)) {
                 Ok(record) => synced = record,
                 Err(damage) => put_aside(&path, damage),
             },
@@ -204,7 +204,7 @@ pub fn restore(
 
     let mut base = None;
     for (position, path) in checkpoints.iter().rev() {
-        match read_checkpoint(path, *position)? {
+        match unreadable_is_damage(path, read_checkpoint(path, *position)) {
             Ok(read) => {
                 base = Some(read);
                 break;
@@ -241,7 +241,9 @@ pub fn restore(
     };
     for (first_position, unfinished, path) in &segments {
         scan.highest = scan.highest.max(*first_position);
-        if let Err(damage) = scan.segment(path, *first_position, *unfinished)? {
+        if let Err(damage) =
+            unreadable_is_damage(path, scan.segment(path, *first_position, *unfinished))
+        {
             put_aside(path, damage);
         }
     }
@@ -331,6 +333,15 @@ pub fn restore(
         }
     }
     Ok(restored)
+}
+
+/// A file that cannot be opened or read (permissions, an I/O error) is
+/// damage like one that does not verify.
+fn unreadable_is_damage<T>(path: &Path, read: io::Result<Result<T, Damage>>) -> Result<T, Damage> {
+    read.unwrap_or_else(|error| {
+        warn!(file = %path.display(), %error, "state file cannot be read");
+        Err(Damage::Malformed)
+    })
 }
 
 fn synced_clean_at(synced: &Option<SyncedRecord>, seed: u64, end: u64) -> bool {
