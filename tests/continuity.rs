@@ -175,6 +175,33 @@ async fn snapshot(gateway: &Gateway) -> RouterView {
     router
 }
 
+/// Kills `gateway` (SIGKILL); what it sent before reaches `router`.
+async fn kill(gateway: Gateway, stream: &mut Streaming<KvEventBatch>, router: &mut RouterView) {
+    drop(gateway);
+    drain_after_stop(stream, router, "before the kill").await;
+}
+
+/// Admits what `stream` still yields from a kvgate that was stopped.
+async fn drain_after_stop(
+    stream: &mut Streaming<KvEventBatch>,
+    router: &mut RouterView,
+    context: &str,
+) {
+    while let Ok(Ok(Some(batch))) = tokio::time::timeout(DEADLINE, stream.message()).await {
+        admit(router, &batch, context);
+    }
+}
+
+/// Runs kvgate on `dir` while the engine takes `steps` steps, follows it
+/// into `router`, then kills it.
+async fn run_then_kill(engine: &mut Engine, dir: &Path, router: &mut RouterView, steps: usize) {
+    let gateway = engine.gateway(dir);
+    let mut stream = resume(&gateway, router).await;
+    engine.steps(steps).await;
+    catch_up(engine, &mut stream, router, "before the kill").await;
+    kill(gateway, &mut stream, router).await;
+}
+
 async fn metric(gateway: &Gateway, series: &str) -> f64 {
     let (_, text) = http_get(gateway.admin.unwrap(), "/metrics").await;
     metric_sample(&text, series).unwrap_or_else(|| panic!("no {series}"))
@@ -234,9 +261,7 @@ async fn a_cursor_resumes_exactly_across_kills_and_restarts_on_the_same_state_di
             drop(gateway);
         }
         // What kvgate sent before it went still reaches the router.
-        while let Ok(Ok(Some(batch))) = tokio::time::timeout(DEADLINE, stream.message()).await {
-            admit(&mut router, &batch, &context);
-        }
+        drain_after_stop(&mut stream, &mut router, &context).await;
         engine = match finished {
             Some(engine) => engine,
             None => publishing.await.unwrap(),
@@ -270,14 +295,7 @@ async fn an_engine_restarted_while_kvgate_was_down_reaches_the_router_as_an_owne
     let scratch = ScratchDir::new("engine-restart");
     let mut engine = Engine::new(1000, 7).await;
     let mut router = RouterView::new();
-    let gateway = engine.gateway(&scratch.state());
-    let mut stream = resume(&gateway, &mut router).await;
-    engine.steps(30).await;
-    catch_up(&mut engine, &mut stream, &mut router, "before").await;
-    drop(gateway);
-    while let Ok(Ok(Some(batch))) = tokio::time::timeout(DEADLINE, stream.message()).await {
-        admit(&mut router, &batch, "before the kill");
-    }
+    run_then_kill(&mut engine, &scratch.state(), &mut router, 30).await;
 
     // A new engine process: its counter starts over, its cache is empty.
     engine.publisher.restart();
@@ -297,14 +315,7 @@ async fn a_gap_the_engine_can_no_longer_replay_is_counted_and_the_cursor_still_r
     let scratch = ScratchDir::new("gap");
     let mut engine = Engine::new(16, 9).await;
     let mut router = RouterView::new();
-    let gateway = engine.gateway(&scratch.state());
-    let mut stream = resume(&gateway, &mut router).await;
-    engine.steps(5).await;
-    catch_up(&mut engine, &mut stream, &mut router, "before").await;
-    drop(gateway);
-    while let Ok(Ok(Some(batch))) = tokio::time::timeout(DEADLINE, stream.message()).await {
-        admit(&mut router, &batch, "before the kill");
-    }
+    run_then_kill(&mut engine, &scratch.state(), &mut router, 5).await;
     engine.steps(40).await;
 
     let gateway = engine.gateway(&scratch.state());

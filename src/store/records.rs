@@ -56,12 +56,8 @@ impl SegmentHeader {
 
     pub fn decode(payload: &[u8]) -> Result<Self, Damage> {
         let mut reader = Reader(payload);
-        let boot_id = reader.bytes()?;
-        if boot_id.len() > MAX_BOOT_ID {
-            return Err(Damage::Malformed);
-        }
         Ok(Self {
-            boot_id: boot_id.to_vec(),
+            boot_id: read_boot_id(&mut reader)?,
             seed: reader.u64()?,
             first_position: reader.u64()?,
         })
@@ -251,12 +247,8 @@ impl SyncedRecord {
 
     pub fn decode(payload: &[u8]) -> Result<Self, Damage> {
         let mut reader = Reader(payload);
-        let boot_id = reader.bytes()?;
-        if boot_id.len() > MAX_BOOT_ID {
-            return Err(Damage::Malformed);
-        }
         Ok(Self {
-            boot_id: boot_id.to_vec(),
+            boot_id: read_boot_id(&mut reader)?,
             seed: reader.u64()?,
             through: reader.u64()?,
             clean: match reader.u8()? {
@@ -266,6 +258,15 @@ impl SyncedRecord {
             },
         })
     }
+}
+
+/// A boot id field, no longer than any kvgate writes.
+fn read_boot_id(reader: &mut Reader<'_>) -> Result<Vec<u8>, Damage> {
+    let boot_id = reader.bytes()?;
+    if boot_id.len() > MAX_BOOT_ID {
+        return Err(Damage::Malformed);
+    }
+    Ok(boot_id.to_vec())
 }
 
 /// This machine's boot id: equal across kvgate restarts until the machine
