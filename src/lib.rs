@@ -16,7 +16,7 @@
 
 pub mod app;
 pub mod cli;
-pub(crate) mod cli_values;
+pub mod cli_values;
 pub mod client;
 pub mod clock;
 pub(crate) mod connect_error;
@@ -38,4 +38,5 @@ pub(crate) mod supervisor;
 pub(crate) mod token_file;
 pub mod tools;
 pub mod usage;
+pub mod usage_error;
 pub mod wire;

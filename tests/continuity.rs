@@ -105,7 +105,7 @@ impl Engine {
             dir.to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
-        Gateway::start_configured("127.0.0.1:0", &args, configure)
+        Gateway::start_configured(&args, configure)
     }
 }
 

@@ -12,10 +12,12 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cli::ServeArgs;
 use crate::client::{Target, TlsFlags, TlsPaths};
+use crate::load::push::PushConfig;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::source::SourceEvent;
 use crate::source::continuity::ResumePoint;
+use crate::source::replay::{self, FetchBounds};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
 use crate::supervisor::{Supervisor, TaskName};
@@ -37,6 +39,16 @@ pub(super) enum SourceConfig {
     Upstream(UpstreamConfig),
 }
 
+impl SourceConfig {
+    /// The ranks served are `0..dp_size`, whatever the source.
+    fn dp_size(&self) -> u32 {
+        match self {
+            Self::Zmq(config) | Self::Demo(config) => config.dp_size,
+            Self::Upstream(config) => config.dp_size,
+        }
+    }
+}
+
 impl std::fmt::Display for SourceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -53,10 +65,12 @@ impl std::fmt::Display for SourceConfig {
 pub(super) async fn choose_source(
     args: &ServeArgs,
 ) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+    let replay_bounds = replay_bounds(args)?;
     let zmq = |endpoint, replay_endpoint| ZmqSourceConfig {
         endpoint,
         replay_endpoint,
         replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+        replay_bounds,
         dp_size: args.dp_size,
         topic: args.zmq_topic.clone(),
         bind: args.zmq_bind,
@@ -68,6 +82,8 @@ pub(super) async fn choose_source(
         // primes from it, so the first steps lost to ZMQ's slow joiner are not.
         let mut config = DemoConfig::new(args.dp_size);
         config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+        // And pushing its load, as SGLang does with --load-publish-endpoint.
+        config.load_endpoint = Some("tcp://127.0.0.1:0".parse()?);
         let demo = DemoEngine::bind(config).await?;
         let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
         let replay = demo
@@ -90,6 +106,7 @@ pub(super) async fn choose_source(
         let config = UpstreamConfig {
             target: Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
             service: args.upstream_service.clone(),
+            dp_size: args.dp_size,
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
@@ -116,6 +133,60 @@ pub(super) async fn choose_source(
         check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
     }
     Ok((SourceConfig::Zmq(zmq(endpoint, replay)), None))
+}
+
+/// The engine's load publishers, as `--zmq-load-endpoint` names them (with
+/// `--zmq-bind` and `--zmq-max-message-bytes` as for the KV publishers), or
+/// the demo engine's.
+pub(super) fn choose_load_push(
+    args: &ServeArgs,
+    demo: Option<&DemoEngine>,
+) -> anyhow::Result<Option<PushConfig>> {
+    let config = |endpoint| PushConfig {
+        endpoint,
+        dp_size: args.dp_size,
+        bind: args.zmq_bind && demo.is_none(),
+        max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
+    };
+    if let Some(demo) = demo {
+        let rank0 = demo.endpoints().into_iter().next();
+        let endpoint = rank0.and_then(|rank0| rank0.load_endpoint?.parse().ok());
+        return Ok(endpoint.map(RankEndpoints::Offset).map(config));
+    }
+    let endpoint =
+        RankEndpoints::from_flag("--zmq-load-endpoint", &args.zmq_load_endpoint, args.dp_size)
+            .map_err(|error| UsageError(error.to_string()))?;
+    if let Some(RankEndpoints::Offset(base)) = &endpoint {
+        base.for_rank(args.dp_size.saturating_sub(1))
+            .map_err(|error| {
+                UsageError(format!(
+                    "--zmq-load-endpoint with --dp-size {}: {error}",
+                    args.dp_size
+                ))
+            })?;
+    }
+    Ok(endpoint.map(config))
+}
+
+/// What one replay fetch may cost. Its bytes go through the history, so
+/// they stay within `--history-bytes`.
+fn replay_bounds(args: &ServeArgs) -> Result<FetchBounds, UsageError> {
+    let bytes = match args.zmq_replay_max_bytes {
+        Some(bytes) if bytes > args.history_bytes => {
+            return Err(UsageError(format!(
+                "--zmq-replay-max-bytes {bytes} is more than --history-bytes {}: \
+                 a fetch must fit the history",
+                args.history_bytes
+            )));
+        }
+        Some(bytes) => bytes,
+        None => replay::DEFAULT_MAX_BYTES.min(args.history_bytes),
+    };
+    Ok(FetchBounds {
+        messages: args.zmq_replay_max_messages,
+        bytes,
+        time: Duration::from_millis(args.zmq_replay_fetch_timeout_ms),
+    })
 }
 
 /// Checks that every rank's publisher (and replay) port exists, and that
@@ -186,9 +257,9 @@ pub(super) async fn start_source(
     ready: watch::Sender<bool>,
     supervisor: &Supervisor,
 ) -> anyhow::Result<()> {
+    metrics.prepare_ranks(config.dp_size());
     match config {
         SourceConfig::Zmq(config) => {
-            metrics.prepare_ranks(config.dp_size);
             let flags = config.clone();
             config
                 .start(events, metrics, ready, supervisor)
@@ -198,13 +269,10 @@ pub(super) async fn start_source(
                     anyhow::Error::new(error).context(context)
                 })
         }
-        SourceConfig::Demo(config) => {
-            metrics.prepare_ranks(config.dp_size);
-            config
-                .start(events, metrics, ready, supervisor)
-                .await
-                .context("the demo engine")
-        }
+        SourceConfig::Demo(config) => config
+            .start(events, metrics, ready, supervisor)
+            .await
+            .context("the demo engine"),
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {
@@ -235,5 +303,34 @@ mod tests {
             error.starts_with("--zmq-endpoint with --dp-size 2"),
             "{error}"
         );
+    }
+
+    fn serve_args(flags: &[&str]) -> ServeArgs {
+        let mut command = vec!["kvgate", "serve", "--zmq-endpoint", "tcp://*:5557"];
+        command.extend_from_slice(flags);
+        match <crate::cli::Cli as clap::Parser>::parse_from(command).command {
+            crate::cli::Command::Serve(args) => *args,
+            _ => unreachable!("a serve command"),
+        }
+    }
+
+    #[test]
+    fn the_replay_byte_bound_defaults_to_64_mib_or_the_history_if_smaller_and_never_exceeds_it() {
+        let bytes = |flags: &[&str]| replay_bounds(&serve_args(flags)).map(|bounds| bounds.bytes);
+        assert_eq!(bytes(&[]).unwrap(), replay::DEFAULT_MAX_BYTES);
+        assert_eq!(bytes(&["--history-bytes", "16MiB"]).unwrap(), 16 << 20);
+        assert_eq!(
+            bytes(&["--history-bytes", "16MiB", "--zmq-replay-max-bytes", "8MiB"]).unwrap(),
+            8 << 20
+        );
+        let error = bytes(&[
+            "--history-bytes",
+            "16MiB",
+            "--zmq-replay-max-bytes",
+            "32MiB",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("--history-bytes"), "{error}");
     }
 }

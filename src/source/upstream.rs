@@ -7,7 +7,10 @@
 //! cannot honour the cursor (OUT_OF_RANGE, DATA_LOSS, a gap it cannot
 //! resume over) it starts again from 0: the upstream's snapshot then reaches
 //! kvgate's own subscribers as a resync, an ownerless clear of every rank
-//! followed by the new state, without dropping any of them.
+//! followed by the new state, without dropping any of them. The upstream
+//! never decides how many ranks kvgate tracks: a batch for a rank outside
+//! `0..dp_size` is counted and dropped before it reaches a cursor, a metric
+//! series or the drain, as the ZMQ source's one socket per rank guarantees.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -24,12 +27,18 @@ use crate::proto::common::{KvCacheEvent, KvEventBatch};
 /// The bad-message reason of an upstream batch kvgate cannot decode.
 pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
 
+/// The bad-message reason of an upstream batch for a rank outside
+/// `0..dp_size` (or a negative one).
+pub(crate) const UNKNOWN_RANK: &str = "upstream_unknown_rank";
+
 /// Where the upstream is, with which credentials, and which of its service
 /// names to call.
 #[derive(Clone)]
 pub struct UpstreamConfig {
     pub target: crate::client::Target,
     pub service: String,
+    /// The ranks served are `0..dp_size`.
+    pub dp_size: u32,
 }
 
 /// What the router's rules make of one batch.
@@ -162,7 +171,7 @@ enum Outcome {
 enum Interruption {
     #[error("{0:#}")]
     Connect(anyhow::Error),
-    #[error("{0}")]
+    #[error("{}", crate::connect_error::describe_status(.0))]
     Refused(tonic::Status),
     #[error("the upstream ended the stream")]
     Ended,
@@ -207,7 +216,19 @@ async fn follow(
                 return Outcome::Retry(Interruption::Refused(status));
             }
         };
-        let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+        let Some(rank) = served_rank(&batch, config.dp_size) else {
+            metrics.count_bad_message(UNKNOWN_RANK);
+            crate::logging::rate_limited(UNKNOWN_RANK, || {
+                warn!(
+                    upstream = %config.target.uri(),
+                    dp_rank = batch.dp_rank,
+                    dp_size = config.dp_size,
+                    "dropped an upstream batch for a rank kvgate does not serve \
+                     (logged at most once a second; kvgate_bad_messages_total counts them all)"
+                );
+            });
+            continue;
+        };
         messages
             .entry(rank)
             .or_insert_with(|| metrics.rank_messages(rank))
@@ -230,6 +251,13 @@ async fn follow(
             }
         }
     }
+}
+
+/// The batch's rank, if it is one of `0..dp_size` (no rank is rank 0).
+fn served_rank(batch: &KvEventBatch, dp_size: u32) -> Option<u32> {
+    u32::try_from(batch.dp_rank.unwrap_or(0))
+        .ok()
+        .filter(|&rank| rank < dp_size)
 }
 
 #[cfg(test)]
