@@ -1,5 +1,7 @@
 //! Memory per live block and per history entry, and the ingestion stall a
-//! snapshot cut causes, measured with a counting allocator. Prints a table;
+//! snapshot cut causes, measured with a counting allocator; with
+//! `--state-dir`, the stall while checkpoints of 1M blocks run back to
+//! back, and how long a restart takes to serve again. Prints a table;
 //! `make bench` runs it after the criterion benchmarks.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -14,6 +16,8 @@ use kvgate::hub::{HistoryLimits, hub};
 use kvgate::metrics::Metrics;
 use kvgate::source::{EngineMessage, SourceEvent};
 use kvgate::state::LiveState;
+use kvgate::state::snapshot::SnapshotEncoder;
+use kvgate::store::{StoreConfig, StoreLimits};
 use kvgate_sim::{SteadyState, WorkloadShape};
 
 struct Counting;
@@ -145,6 +149,120 @@ fn snapshot_stall() -> (Duration, Duration, Duration) {
     (cut_time, normal, after_cut)
 }
 
+/// A drain on the state directory `dir` (created, or read back), keeping
+/// `history` and checkpointing every `checkpoint_bytes` of log.
+fn drain_on_state_dir(
+    dir: &std::path::Path,
+    history: HistoryLimits,
+    checkpoint_bytes: u64,
+    metrics: &Metrics,
+) -> (Drain, kvgate::hub::HubReader) {
+    let config = StoreConfig {
+        dir: dir.to_owned(),
+        sync_interval: Duration::from_millis(1000),
+        limits: StoreLimits {
+            segment_bytes: 64 << 20,
+            checkpoint_bytes,
+        },
+        history,
+    };
+    let opened = kvgate::store::open(config, metrics, 1).expect("state dir");
+    let (writer, reader) = hub(16, history);
+    let limits = BatchLimits {
+        max_events: 1024,
+        max_bytes: 1 << 20,
+    };
+    let drain = Drain::new(limits, opened.seed(), writer, metrics.clone()).with_state_dir(opened);
+    (drain, reader)
+}
+
+fn ingest_one(
+    drain: &mut Drain,
+    workload: &mut SteadyState,
+    engine_sequence: &mut u64,
+) -> Duration {
+    let payload = Bytes::from(workload.next_payload(1.0, 0));
+    let started = Instant::now();
+    drain.ingest(SourceEvent::Message(EngineMessage {
+        rank: 0,
+        engine_sequence: *engine_sequence,
+        payload,
+    }));
+    drain.flush();
+    *engine_sequence += 1;
+    started.elapsed()
+}
+
+/// With `--state-dir` on tmpfs and checkpoints of `BLOCKS` live blocks
+/// running back to back (a 64 KiB checkpoint threshold): the slowest drain
+/// cycle while two checkpoints are written, and how long one took.
+fn checkpoint_stall() -> (Duration, Duration) {
+    let dir =
+        std::path::Path::new("/dev/shm").join(format!("continuity-stall-{}", std::process::id()));
+    let metrics = Metrics::default();
+    let history = HistoryLimits {
+        batches: 1000,
+        bytes: 64 << 20,
+    };
+    // Filled without checkpoints, then one is asked for every 64 KiB.
+    let (mut drain, _reader) = drain_on_state_dir(&dir, history, 64 << 30, &metrics);
+    let mut workload = SteadyState::new(shape(BLOCKS), 2);
+    let mut engine_sequence = 0;
+    for _ in 0..BLOCKS / 64 + 1000 {
+        ingest_one(&mut drain, &mut workload, &mut engine_sequence);
+    }
+    drop(drain);
+    let _ = std::fs::remove_file(dir.join("lock"));
+    let (mut drain, _reader) = drain_on_state_dir(&dir, history, 64 << 10, &metrics);
+    let mut slowest = Duration::ZERO;
+    let started = Instant::now();
+    while metrics.state_checkpoints.get() < 2 {
+        slowest = slowest.max(ingest_one(&mut drain, &mut workload, &mut engine_sequence));
+    }
+    let per_checkpoint = started.elapsed() / 2;
+    drop(drain);
+    let _ = std::fs::remove_dir_all(&dir);
+    (slowest, per_checkpoint)
+}
+
+/// A kvgate with `BLOCKS` live blocks and a full 256 MiB history, its
+/// state directory on the disk, stopped without a word (as by SIGKILL) and
+/// started again: the time to read the directory back, and to the first
+/// snapshot chunk for a new subscriber.
+fn restart_time() -> (Duration, Duration, u64) {
+    let parent = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    let dir = parent.join(format!("continuity-restart-{}", std::process::id()));
+    let history = HistoryLimits {
+        batches: 1_000_000,
+        bytes: 256 << 20,
+    };
+    let metrics = Metrics::default();
+    let (mut drain, _reader) = drain_on_state_dir(&dir, history, 128 << 20, &metrics);
+    let mut workload = SteadyState::new(shape(BLOCKS), 3);
+    let mut engine_sequence = 0;
+    // 1M blocks, then 256 MiB of history and more.
+    while engine_sequence < (BLOCKS / 64) as u64 || metrics.state_checkpoints.get() < 2 {
+        ingest_one(&mut drain, &mut workload, &mut engine_sequence);
+    }
+    drop(drain);
+    // The old process is gone: its lock goes with the file it was on.
+    let _ = std::fs::remove_file(dir.join("lock"));
+    let started = Instant::now();
+    let restarted = Metrics::default();
+    let (drain, reader) = drain_on_state_dir(&dir, history, 128 << 20, &restarted);
+    let read_back = started.elapsed();
+    let cut = std::sync::Arc::new(drain.cut());
+    let first_chunk = SnapshotEncoder::plan(cut, 1.0)
+        .next()
+        .map(|chunk| chunk.len());
+    let serving = started.elapsed();
+    assert!(first_chunk.is_some());
+    let batches = reader.history().span();
+    drop((drain, reader));
+    let _ = std::fs::remove_dir_all(&dir);
+    (read_back, serving, batches.1 + 1 - batches.0)
+}
+
 fn main() {
     // `cargo test --benches` runs bench targets too: keep that quick.
     if std::env::args().any(|arg| arg == "--test" || arg == "--list") {
@@ -161,5 +279,13 @@ fn main() {
     let (cut, normal, after_cut) = snapshot_stall();
     println!(
         "snapshot of {BLOCKS} blocks: cut {cut:?}; slowest 64-block drain cycle {normal:?} without a cut, {after_cut:?} while one is held"
+    );
+    let (slowest, per_checkpoint) = checkpoint_stall();
+    println!(
+        "--state-dir on tmpfs, checkpoints of {BLOCKS} blocks back to back: slowest 64-block drain cycle {slowest:?}; one checkpoint took {per_checkpoint:?}"
+    );
+    let (read_back, serving, batches) = restart_time();
+    println!(
+        "restart with {BLOCKS} live blocks and a 256 MiB history ({batches} batches) on disk: read back in {read_back:?}, first snapshot chunk at {serving:?}"
     );
 }

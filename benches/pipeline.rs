@@ -14,6 +14,7 @@ use kvgate::metrics::Metrics;
 use kvgate::source::{EngineMessage, SourceEvent};
 use kvgate::state::LiveState;
 use kvgate::state::snapshot::SnapshotEncoder;
+use kvgate::store::{StoreConfig, StoreLimits};
 use kvgate_sim::{SimEvent, SteadyState, WorkloadShape};
 
 const LIMITS: BatchLimits = BatchLimits {
@@ -115,6 +116,43 @@ fn convert(c: &mut Criterion) {
 }
 
 /// Ingests `payloads` as rank 0's, one drain cycle each.
+/// Where the `…-state-*` benches keep `--state-dir`: tmpfs, and the disk
+/// the repository is on.
+const STATE_PARENTS: [(&str, &str); 2] = [("tmpfs", "/dev/shm"), ("disk", "target")];
+
+/// A drain on a new state directory under `parent` (the default flags),
+/// which is removed when the returned guard drops.
+fn drain_with_state(parent: &str) -> (Drain, kvgate::hub::HubReader, StateDirGuard) {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let dir = std::path::Path::new(parent).join(format!(
+        "continuity-bench-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let config = StoreConfig {
+        dir: dir.clone(),
+        sync_interval: std::time::Duration::from_millis(1000),
+        limits: StoreLimits {
+            segment_bytes: 64 << 20,
+            checkpoint_bytes: 256 << 20,
+        },
+        history: history(),
+    };
+    let metrics = Metrics::default();
+    let opened = kvgate::store::open(config, &metrics, 1).expect("state dir");
+    let (writer, reader) = hub(1024, history());
+    let drain = Drain::new(LIMITS, opened.seed(), writer, metrics).with_state_dir(opened);
+    (drain, reader, StateDirGuard(dir))
+}
+
+struct StateDirGuard(std::path::PathBuf);
+
+impl Drop for StateDirGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 fn ingest_all(drain: &mut Drain, payloads: &[Bytes], engine_sequence: &mut u64) {
     for payload in payloads {
         drain.ingest(SourceEvent::Message(EngineMessage {
@@ -188,33 +226,61 @@ fn ingest(c: &mut Criterion) {
         .iter()
         .map(|(payload, _)| payload.clone())
         .collect();
-    group.bench_function("drain-evicting-long-running", |b| {
-        let filled = || {
-            let (writer, reader) = hub(1024, history());
-            let mut drain = Drain::new(LIMITS, 1, writer, Metrics::default());
-            let mut engine_sequence = 0;
-            ingest_all(&mut drain, &filling, &mut engine_sequence);
-            (drain, reader, engine_sequence)
-        };
-        // The hub's reader lives as long as its drain.
-        let (mut drain, mut _reader, mut engine_sequence) = filled();
-        let mut next = 0;
-        b.iter_custom(|samples| {
-            let mut timed = std::time::Duration::ZERO;
-            for _ in 0..samples {
-                if next + SAMPLE_PAYLOADS > evicting.len() {
-                    (drain, _reader, engine_sequence) = filled();
-                    next = 0;
+    // Without a state directory, then with one on tmpfs and on the disk
+    // (every batch also appended to the log, checkpoints in the background).
+    let states: [(String, Option<&str>); 3] = [
+        ("drain-evicting-long-running".into(), None),
+        (
+            format!("drain-evicting-long-running-state-{}", STATE_PARENTS[0].0),
+            Some(STATE_PARENTS[0].1),
+        ),
+        (
+            format!("drain-evicting-long-running-state-{}", STATE_PARENTS[1].0),
+            Some(STATE_PARENTS[1].1),
+        ),
+    ];
+    for (name, state_parent) in states {
+        group.bench_function(name, |b| {
+            let filled = || {
+                let (mut drain, reader, guard) = match state_parent {
+                    Some(parent) => {
+                        let (drain, reader, guard) = drain_with_state(parent);
+                        (drain, reader, Some(guard))
+                    }
+                    None => {
+                        let (writer, reader) = hub(1024, history());
+                        (
+                            Drain::new(LIMITS, 1, writer, Metrics::default()),
+                            reader,
+                            None,
+                        )
+                    }
+                };
+                let mut engine_sequence = 0;
+                ingest_all(&mut drain, &filling, &mut engine_sequence);
+                (drain, (reader, guard), engine_sequence)
+            };
+            // The hub's reader (and the state directory) live as long as
+            // their drain.
+            let (mut drain, mut _kept, mut engine_sequence) = filled();
+            let mut next = 0;
+            b.iter_custom(|samples| {
+                let mut timed = std::time::Duration::ZERO;
+                for _ in 0..samples {
+                    if next + SAMPLE_PAYLOADS > evicting.len() {
+                        (drain, _kept, engine_sequence) = filled();
+                        next = 0;
+                    }
+                    let payloads = &evicting[next..next + SAMPLE_PAYLOADS];
+                    let start = std::time::Instant::now();
+                    ingest_all(&mut drain, payloads, &mut engine_sequence);
+                    timed += start.elapsed();
+                    next += SAMPLE_PAYLOADS;
                 }
-                let payloads = &evicting[next..next + SAMPLE_PAYLOADS];
-                let start = std::time::Instant::now();
-                ingest_all(&mut drain, payloads, &mut engine_sequence);
-                timed += start.elapsed();
-                next += SAMPLE_PAYLOADS;
-            }
-            timed
+                timed
+            });
         });
-    });
+    }
     group.finish();
 }
 

@@ -41,6 +41,7 @@ use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::source::SourceEvent;
+use crate::store::{self, StoreConfig, StoreLimits};
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 use crate::usage::UsageError;
 use source::{choose_load_push, choose_source, start_source};
@@ -248,7 +249,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             ),
             None => format!("--max-connections {}", args.max_connections),
         })?;
-    let (source_config, demo) = choose_source(&args).await?;
+    let (mut source_config, demo) = choose_source(&args).await?;
     let load_push = choose_load_push(&args, demo.as_ref())?;
     let source: Arc<str> = source_config.to_string().into();
 
@@ -276,13 +277,19 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             )
         });
 
-    let (hub_writer, hub_reader) = hub(
-        args.live_buffer_batches as usize,
-        HistoryLimits {
-            batches: args.history_batches as usize,
-            bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
-        },
-    );
+    let history_limits = HistoryLimits {
+        batches: args.history_batches as usize,
+        bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
+    };
+    let (hub_writer, hub_reader) = hub(args.live_buffer_batches as usize, history_limits);
+    let store = match &args.state_dir {
+        Some(dir) => Some(open_store(&args, dir, history_limits, &metrics).await?),
+        None => None,
+    };
+    if let Some(opened) = &store {
+        source_config.resume(opened.resume_points());
+    }
+    let store_status = store.as_ref().map(store::Opened::status);
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
     let health = HealthWatch::new(supervisor.lifecycle(), ready_rx);
@@ -299,6 +306,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         supervisor,
         &args,
         hub_writer,
+        store,
         events_rx,
         load_records,
         metrics.clone(),
@@ -311,6 +319,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 health: health.clone(),
                 source: Arc::clone(&source),
                 started: Instant::now(),
+                store: store_status,
             };
             spawn_admin(supervisor, listener, state, admin_limits(&args))
         })
@@ -465,10 +474,33 @@ fn read_server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Resul
     Ok(Credentials { tls, tokens })
 }
 
+/// Takes `--state-dir` and reads it back (blocking work, off the runtime).
+async fn open_store(
+    args: &ServeArgs,
+    dir: &std::path::Path,
+    history: HistoryLimits,
+    metrics: &Metrics,
+) -> anyhow::Result<store::Opened> {
+    let config = StoreConfig {
+        dir: dir.to_owned(),
+        sync_interval: Duration::from_millis(args.state_sync_ms),
+        limits: StoreLimits {
+            segment_bytes: args.state_segment_bytes,
+            checkpoint_bytes: args.state_checkpoint_bytes,
+        },
+        history,
+    };
+    let metrics = metrics.clone();
+    tokio::task::spawn_blocking(move || store::open(config, &metrics, epoch_seed()))
+        .await?
+        .with_context(|| format!("--state-dir {}", dir.display()))
+}
+
 fn spawn_drain(
     supervisor: &Supervisor,
     args: &ServeArgs,
     hub: HubWriter,
+    store: Option<store::Opened>,
     events: mpsc::Receiver<SourceEvent>,
     load_records: Option<LoadRecords>,
     metrics: Metrics,
@@ -477,7 +509,11 @@ fn spawn_drain(
         max_events: args.max_batch_events as usize,
         max_bytes: args.max_batch_bytes as usize,
     };
-    let mut drain = Drain::new(limits, epoch_seed(), hub, metrics);
+    let seed = store.as_ref().map_or_else(epoch_seed, store::Opened::seed);
+    let mut drain = Drain::new(limits, seed, hub, metrics);
+    if let Some(opened) = store {
+        drain = drain.with_state_dir(opened);
+    }
     if let Some(records) = load_records {
         drain = drain.with_load_records(records);
     }

@@ -178,6 +178,33 @@ pub struct ServeArgs {
           value_parser = byte_size(4096..=(64 << 30)))]
     pub history_bytes: u64,
 
+    /// Keep the history, the live state and the numbering in DIR, so a
+    /// restarted kvgate continues where the old process stopped: routers'
+    /// cursors resume, snapshots hold what the old process knew (contract
+    /// section 8). Off by default. One kvgate per DIR.
+    #[arg(long, env = "KVGATE_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// Milliseconds between fsyncs of the --state-dir log: after a machine
+    /// crash (not a killed process) only what was synced counts.
+    #[arg(long, env = "KVGATE_STATE_SYNC_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub state_sync_ms: u64,
+
+    /// Size at which a --state-dir log segment is closed and a new one
+    /// opened, e.g. 64MiB (segments are deleted whole).
+    #[arg(long, env = "KVGATE_STATE_SEGMENT_BYTES", default_value = "64MiB", value_name = "SIZE",
+          value_parser = byte_size((1 << 20)..=(1 << 30)))]
+    pub state_segment_bytes: u64,
+
+    /// Log bytes after which the live state is checkpointed to --state-dir
+    /// (in the background), e.g. 256MiB; also a minute after the last
+    /// checkpoint when anything was logged since. Bounds the log a restart
+    /// replays.
+    #[arg(long, env = "KVGATE_STATE_CHECKPOINT_BYTES", default_value = "256MiB", value_name = "SIZE",
+          value_parser = byte_size((64 << 10)..=(64 << 30)))]
+    pub state_checkpoint_bytes: u64,
+
     /// Batch announcements (positions, not batches) buffered per subscriber
     /// before a slow one is refilled from the history instead.
     #[arg(long, env = "KVGATE_LIVE_BUFFER_BATCHES", default_value_t = 1024,

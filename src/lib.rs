@@ -5,7 +5,8 @@
 //! [`source`] (engine sockets) → [`convert`] (msgpack → proto) → [`drain`]
 //! (numbering, batching, encoding once with [`wire`]) → [`hub`] (history,
 //! live broadcast, subscriptions) and [`state`] (live blocks, snapshots) →
-//! [`server`] (gRPC services). [`load`] polls the engine's `GetLoads` once for
+//! [`server`] (gRPC services); with `--state-dir`, the drain also writes
+//! every batch and checkpoints of the state into [`store`]. [`load`] polls the engine's `GetLoads` once for
 //! every router and hands the drain the records it stamps on batches.
 //! [`app`] wires them into a [`app::Gateway`]; [`metrics`], [`client`],
 //! [`clock`] and [`proto`] are the foundation every stage may use.
@@ -32,6 +33,7 @@ pub mod proto;
 pub mod server;
 pub mod source;
 pub mod state;
+pub mod store;
 pub(crate) mod supervisor;
 pub(crate) mod token_file;
 pub mod tools;

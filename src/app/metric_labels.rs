@@ -18,6 +18,7 @@ use crate::source::peer::{PeerDropReason, PeerSocket};
 use crate::source::replay::FetchBound;
 use crate::source::upstream::{UNDECODABLE, UNKNOWN_RANK};
 use crate::state::tier::Tier;
+use crate::store::Damage;
 
 /// Every label value kvgate can export, by metric family.
 pub fn closed_labels() -> ClosedLabels {
@@ -52,5 +53,6 @@ pub fn closed_labels() -> ClosedLabels {
         load_push_faults: PushFault::ALL.map(PushFault::as_str).into(),
         load_record_sources: LoadSource::ALL.map(LoadSource::as_str).into(),
         replay_bounds: FetchBound::ALL.map(FetchBound::as_str).into(),
+        state_damaged: Damage::ALL.map(Damage::as_str).into(),
     }
 }

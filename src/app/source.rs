@@ -16,6 +16,7 @@ use crate::load::push::PushConfig;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::source::SourceEvent;
+use crate::source::continuity::ResumePoint;
 use crate::source::replay::{self, FetchBounds};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
@@ -74,6 +75,7 @@ pub(super) async fn choose_source(
         topic: args.zmq_topic.clone(),
         bind: args.zmq_bind,
         max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
+        resume: Default::default(),
     };
     if args.demo {
         // With a replay endpoint, like a well-configured engine: kvgate
@@ -233,6 +235,17 @@ fn flags_of(config: &ZmqSourceConfig, error: &StartError) -> String {
         },
         StartError::Subscribe(_) => format!("--zmq-topic {:?}", config.topic),
         StartError::Bind { .. } => format!("--zmq-endpoint {} --zmq-bind", config.endpoint),
+    }
+}
+
+impl SourceConfig {
+    /// Has an engine's publishers resumed where an earlier kvgate's record
+    /// of each rank ended (sources that keep no such record start over).
+    pub(super) fn resume(&mut self, points: std::collections::BTreeMap<u32, ResumePoint>) {
+        match self {
+            Self::Zmq(config) | Self::Demo(config) => config.resume = points,
+            Self::Upstream(_) => {}
+        }
     }
 }
 

@@ -201,6 +201,7 @@ async fn healthz(health: HealthWatch) -> (http::StatusCode, String) {
         health,
         source: "tcp://127.0.0.1:1".into(),
         started: Instant::now(),
+        store: None,
     });
     let request = http::Request::get("/healthz")
         .body(axum::body::Body::empty())

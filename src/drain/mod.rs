@@ -11,6 +11,11 @@
 //! inserted when needed). A router resuming from rank 0's cursor alone then
 //! never receives another rank's batch below that rank's own cursor.
 //!
+//! With a state directory, each cycle's batches are written to the store's
+//! log before any of them is announced, with the engine publishers' resume
+//! points as of the cycle's end, and a cut is handed to the store for a
+//! checkpoint when one is due (see `crate::store`).
+//!
 //! With load records on, every batch carries its rank's latest record,
 //! stamped as it is encoded, and `load_only` batches go out between cycles
 //! (see `crate::load::records`); they take no sequence number and no place
@@ -33,9 +38,11 @@ use crate::load::LoadSource;
 use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::proto::common::KvCacheEvent;
+use crate::source::continuity::ResumePoint;
 use crate::source::{EngineMessage, SourceEvent};
 use crate::state::LiveState;
 use crate::state::snapshot::SnapshotCut;
+use crate::store::{Marks, RankMark, StoreWriter};
 use crate::wire::OpenBatch;
 use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use batcher::{BatchLimits, Batcher, Output};
@@ -73,6 +80,17 @@ pub struct Drain {
     rank_counters: BTreeMap<u32, RankCounters>,
     /// The engine's load, when kvgate polls it or the engine pushes it.
     records: Option<LoadRecords>,
+    /// This cycle's batches, numbered and encoded, announced at its end.
+    outgoing: Vec<(u32, u64, bytes::Bytes)>,
+    /// The state directory, when kvgate keeps one.
+    store: Option<StoreWriter>,
+    /// Where each publisher's record ends (kept only with a store).
+    resume_points: BTreeMap<u32, ResumePoint>,
+    /// The last message of each rank this cycle (only with a store): its
+    /// resume point is taken once, at the cycle's end.
+    cycle_last: BTreeMap<u32, (u64, bytes::Bytes)>,
+    /// A resume point changed this cycle.
+    marks_changed: bool,
 }
 
 impl Drain {
@@ -92,7 +110,39 @@ impl Drain {
             metrics,
             rank_counters: BTreeMap::new(),
             records: None,
+            outgoing: Vec::new(),
+            store: None,
+            resume_points: BTreeMap::new(),
+            cycle_last: BTreeMap::new(),
+            marks_changed: false,
         }
+    }
+
+    /// Continues what a state directory kept (history, live state, each
+    /// rank's last number under the same numbering, each publisher's mark)
+    /// and logs every cycle into it. The drain must have been made with
+    /// `opened.seed()` and have published nothing yet.
+    pub fn with_state_dir(mut self, opened: crate::store::Opened) -> Self {
+        let restored = opened.restored;
+        self.hub.restore(restored.next_position, restored.history);
+        if let Some((_, last_sequences)) = &restored.numbering {
+            self.sequencer.resume(last_sequences);
+        }
+        self.state = restored.state;
+        for (rank, mark) in restored.marks {
+            self.first_engine_sequence.insert(rank, mark.first);
+            self.resume_points.insert(rank, mark.resume);
+        }
+        // Whatever the old process paced, the next other rank's batch
+        // follows a rank-0 batch of this one.
+        self.since_rank0 = self
+            .sequencer
+            .ranks()
+            .chain(self.state.ranks())
+            .filter(|&rank| rank != 0)
+            .collect();
+        self.store = Some(opened.writer);
+        self
     }
 
     /// Stamps load records on the batches and sends `load_only` batches.
@@ -133,6 +183,9 @@ impl Drain {
                     self.flush();
                 }
             }
+        }
+        if let Some(store) = self.store.take() {
+            store.close();
         }
         self.hub.close();
     }
@@ -189,6 +242,11 @@ impl Drain {
         self.state.reset_rank(rank);
         self.converter.forget_rank(rank);
         self.first_engine_sequence.remove(&rank);
+        if self.store.is_some() {
+            self.resume_points.remove(&rank);
+            self.cycle_last.remove(&rank);
+            self.marks_changed = true;
+        }
     }
 
     fn ingest_message(&mut self, message: EngineMessage) {
@@ -196,6 +254,10 @@ impl Drain {
         self.first_engine_sequence
             .entry(rank)
             .or_insert(message.engine_sequence);
+        if self.store.is_some() {
+            self.cycle_last
+                .insert(rank, (message.engine_sequence, message.payload.clone()));
+        }
         let mut tally = Tally::default();
         let converted = self.converter.convert(rank, &message.payload, &mut tally);
         let metrics = &self.metrics;
@@ -294,8 +356,38 @@ impl Drain {
         for (rank, batch) in std::mem::take(&mut self.ready) {
             self.publish(rank, batch);
         }
+        self.announce();
         self.send_load_records();
         self.report();
+    }
+
+    /// Logs this cycle (with a store), then announces its batches.
+    fn announce(&mut self) {
+        if let Some(store) = &mut self.store {
+            for (rank, (sequence, payload)) in std::mem::take(&mut self.cycle_last) {
+                self.resume_points
+                    .insert(rank, ResumePoint::of(sequence, &payload));
+                self.marks_changed = true;
+            }
+            if !self.outgoing.is_empty() || self.marks_changed {
+                let marks = marks(&self.first_engine_sequence, &self.resume_points);
+                store.append_cycle(self.hub.next_position(), &self.outgoing, &marks);
+                self.marks_changed = false;
+            }
+        }
+        for (rank, sequence, encoded) in self.outgoing.drain(..) {
+            self.hub.publish(rank, sequence, encoded);
+        }
+        if let Some(store) = &self.store {
+            store.history_oldest(self.hub.history_oldest());
+            if store.wants_checkpoint() {
+                let cut = self.cut();
+                let marks = marks(&self.first_engine_sequence, &self.resume_points);
+                if let Some(store) = &mut self.store {
+                    store.checkpoint(cut, marks);
+                }
+            }
+        }
     }
 
     /// Sends the `load_only` batches due: record changes no batch carried,
@@ -387,8 +479,25 @@ impl Drain {
         self.metrics.batches_out.inc();
         self.metrics.events_out.inc_by(u64::from(event_count));
         self.metrics.bytes_out.inc_by(encoded.len() as u64);
-        self.hub.publish(rank, sequence, encoded);
+        self.outgoing.push((rank, sequence, encoded));
     }
+}
+
+/// Each publisher's mark: where kvgate's record of it begins and ends.
+fn marks(
+    first_engine_sequence: &BTreeMap<u32, u64>,
+    resume_points: &BTreeMap<u32, ResumePoint>,
+) -> Marks {
+    resume_points
+        .iter()
+        .map(|(&rank, &resume)| {
+            let first = first_engine_sequence
+                .get(&rank)
+                .copied()
+                .unwrap_or(resume.last);
+            (rank, RankMark { first, resume })
+        })
+        .collect()
 }
 
 /// Returns when the load records need the drain (never without them).

@@ -24,6 +24,14 @@ impl Sequencer {
         }
     }
 
+    /// Continues a numbering of the same seed where each rank in `last`
+    /// stopped (a state directory kept them).
+    pub fn resume(&mut self, last: &BTreeMap<u32, u64>) {
+        for (&rank, &sequence) in last {
+            self.next.insert(rank, sequence.max(self.seed - 1) + 1);
+        }
+    }
+
     /// Takes the next number of `rank`.
     pub fn assign(&mut self, rank: u32) -> u64 {
         let next = self.next.entry(rank).or_insert(self.seed);
@@ -66,6 +74,15 @@ mod tests {
         assert_eq!(sequencer.sent(1), Some(5000));
         assert_eq!(sequencer.sent(7), None);
         assert_eq!(sequencer.ranks().collect::<Vec<_>>(), vec![0, 1]);
+    }
+
+    #[test]
+    fn a_resumed_numbering_goes_on_after_each_ranks_last_number() {
+        let mut sequencer = Sequencer::new(5000);
+        sequencer.resume(&BTreeMap::from([(0, 5009), (2, 5000)]));
+        assert_eq!(sequencer.assign(0), 5010);
+        assert_eq!(sequencer.assign(2), 5001);
+        assert_eq!(sequencer.assign(1), 5000);
     }
 
     #[test]

@@ -255,6 +255,21 @@ impl HistoryWriter {
         self.bytes
     }
 
+    /// Makes `position` the next one pushed: when nothing is held yet (a
+    /// history being restored), or when it already is.
+    pub fn start_at(&mut self, position: u64) {
+        let history = &self.history;
+        if history.newest() + 1 == position {
+            return;
+        }
+        debug_assert!(
+            history.oldest() > history.newest(),
+            "only an empty history moves"
+        );
+        history.newest.store(position - 1, Ordering::Release);
+        history.oldest.store(position, Ordering::Release);
+    }
+
     /// Appends the next batch (its position must be `newest + 1`), evicting
     /// the oldest ones beyond the limits. The newest batch is always kept.
     pub fn push(&mut self, batch: Arc<Batch>) {

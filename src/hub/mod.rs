@@ -130,6 +130,30 @@ impl HubWriter {
         self.next_position
     }
 
+    /// Puts back what a state directory kept: `history` (consecutive
+    /// positions, oldest first) and the position the next batch takes.
+    /// Only before the first batch is published.
+    pub(crate) fn restore(&mut self, next_position: u64, history: Vec<Arc<Batch>>) {
+        debug_assert_eq!(self.next_position, 1, "restored before publishing");
+        let first = history
+            .first()
+            .map_or(next_position, |batch| batch.position);
+        self.history.start_at(first);
+        self.live_window.start_at(first);
+        for batch in history {
+            self.history.push(Arc::clone(&batch));
+            self.live_window.push(batch);
+        }
+        self.history.start_at(next_position);
+        self.live_window.start_at(next_position);
+        self.next_position = next_position;
+    }
+
+    /// The oldest position the history holds.
+    pub fn history_oldest(&self) -> u64 {
+        self.history.reader().oldest()
+    }
+
     /// The next snapshot request; pending forever once no reader is left.
     pub async fn next_cut_request(&mut self) -> CutRequest {
         match self.cut_requests.recv().await {

@@ -142,4 +142,6 @@ pub struct ClosedLabels {
     pub load_record_sources: Vec<&'static str>,
     /// `replay_fetches_bounded{bound}`.
     pub replay_bounds: Vec<&'static str>,
+    /// `state_damaged{reason}`.
+    pub state_damaged: Vec<&'static str>,
 }

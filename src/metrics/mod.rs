@@ -111,6 +111,28 @@ pub struct Metrics {
     pub auth_failures: Family<ReasonLabel, Counter>,
     /// SIGHUP reloads of certificates and tokens, by result.
     pub credential_reloads: Family<ResultLabel, Counter>,
+    /// 1 while `--state-dir` persistence is paused by a failing disk.
+    pub state_paused: Gauge,
+    /// Writes to the state directory that failed (each pauses persistence
+    /// or leaves the last checkpoint in place).
+    pub state_write_failures: Counter,
+    /// Bytes of kvgate's files in the state directory.
+    pub state_disk_bytes: Gauge,
+    /// Bytes appended to the state directory's log.
+    pub state_log_bytes: Counter,
+    /// Checkpoints written to the state directory.
+    pub state_checkpoints: Counter,
+    /// Blocks in the newest checkpoint.
+    pub state_checkpoint_blocks: Gauge,
+    /// Unix time of the newest checkpoint (0 before the first).
+    pub state_checkpoint_timestamp_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Blocks read back from a checkpoint at start.
+    pub state_restored_blocks: Gauge,
+    /// Logged batches applied to the state at start, after the checkpoint.
+    pub state_restored_batches: Gauge,
+    /// Files in the state directory set aside because they did not verify,
+    /// by kind of damage.
+    pub state_damaged: Family<ReasonLabel, Counter>,
     registry: Arc<Registry>,
     /// Kept for the per-rank series, created once the rank count is known.
     labels: Arc<ClosedLabels>,
@@ -290,6 +312,39 @@ impl Metrics {
                 "credential_reloads",
                 "Reloads of TLS certificates and bearer tokens (on SIGHUP or when --credentials-check-seconds finds a file changed), by result",
             ),
+            state_paused: r.metric(
+                "state_paused",
+                "1 while persistence to --state-dir is paused because writes fail",
+            ),
+            state_write_failures: r
+                .metric("state_write_failures", "Writes to --state-dir that failed"),
+            state_disk_bytes: r
+                .metric("state_disk_bytes", "Bytes of kvgate's files in --state-dir"),
+            state_log_bytes: r.metric("state_log_bytes", "Bytes appended to the --state-dir log"),
+            state_checkpoints: r.metric(
+                "state_checkpoints",
+                "Checkpoints of the live state written to --state-dir",
+            ),
+            state_checkpoint_blocks: r.metric(
+                "state_checkpoint_blocks",
+                "Blocks in the newest --state-dir checkpoint",
+            ),
+            state_checkpoint_timestamp_seconds: r.metric(
+                "state_checkpoint_timestamp_seconds",
+                "Unix time of the newest --state-dir checkpoint (0 before the first)",
+            ),
+            state_restored_blocks: r.metric(
+                "state_restored_blocks",
+                "Blocks read back from a --state-dir checkpoint at start",
+            ),
+            state_restored_batches: r.metric(
+                "state_restored_batches",
+                "Logged batches applied to the state at start, after the checkpoint",
+            ),
+            state_damaged: r.metric(
+                "state_damaged",
+                "Files in --state-dir set aside because they did not verify, by kind",
+            ),
             registry: Arc::new(r.0),
             labels: Arc::new(labels),
         };
@@ -329,6 +384,7 @@ impl Metrics {
             self.load_records_sent
                 .get_or_create_owned(&SourceLabel { source });
         }
+        reasons(&self.state_damaged, &labels.state_damaged);
         for &result in &labels.credential_reloads {
             self.credential_reloads
                 .get_or_create_owned(&ResultLabel { result });
@@ -347,6 +403,14 @@ impl Metrics {
             self.load_polls
                 .get_or_create_owned(&OutcomeLabel { outcome });
         }
+    }
+
+    /// Counts a state-directory file set aside for `kind` of damage.
+    pub fn count_state_damage(&self, kind: &'static str) {
+        debug_assert_closed(&self.labels.state_damaged, kind);
+        self.state_damaged
+            .get_or_create(&ReasonLabel { reason: kind })
+            .inc();
     }
 
     /// Rank `rank`'s accepted engine messages, to hold and add to.

@@ -27,6 +27,8 @@ pub struct AdminState {
     /// Where events come from, as configured (for `/status`).
     pub source: Arc<str>,
     pub started: Instant,
+    /// The state directory, with `--state-dir`.
+    pub store: Option<crate::store::StoreStatus>,
 }
 
 #[derive(Serialize)]
@@ -41,6 +43,9 @@ struct Status {
     history: HistoryStatus,
     engine: EngineStatus,
     ranks: Vec<crate::hub::RankReport>,
+    /// With `--state-dir`: what was restored, persistence, checkpoints.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_dir: Option<crate::store::StoreStatusView>,
 }
 
 #[derive(Serialize)]
@@ -124,5 +129,6 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
             messages_lost: state.metrics.engine_messages_lost.get(),
         },
         ranks: state.hub.rank_reports(),
+        state_dir: state.store.as_ref().map(crate::store::StoreStatus::view),
     })
 }

@@ -47,6 +47,34 @@ pub enum Continuity {
     Echo,
 }
 
+/// Where kvgate's record of one publisher ends: the number of the last
+/// message taken and a checksum of its payload. A state directory keeps it,
+/// so a restarted kvgate can ask the replay endpoint for that message again
+/// and tell the same publisher (same bytes) from a restarted one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResumePoint {
+    /// The publisher's number of the last message taken.
+    pub last: u64,
+    /// The CRC32C of that message's payload.
+    pub fingerprint: u32,
+}
+
+impl ResumePoint {
+    /// The point just after message `sequence` carrying `payload`.
+    pub fn of(sequence: u64, payload: &[u8]) -> Self {
+        Self {
+            last: sequence,
+            fingerprint: crc32c::crc32c(payload),
+        }
+    }
+
+    /// Whether `payload`, replayed under `sequence`, is the message this
+    /// point was taken after.
+    pub fn is(&self, sequence: u64, payload: &[u8]) -> bool {
+        *self == Self::of(sequence, payload)
+    }
+}
+
 /// The last engine sequence number seen from one publisher.
 #[derive(Clone, Debug, Default)]
 pub struct PublisherCursor {
@@ -93,6 +121,13 @@ impl PublisherCursor {
                 .map(|(_, payload)| FxBuildHasher.hash_one(payload.as_ref()))
                 .collect(),
         });
+    }
+
+    /// Continues from an earlier kvgate process's record, which ended at
+    /// message `last`: the next live message is judged against it.
+    pub fn resume(&mut self, last: u64) {
+        self.last = Some(last);
+        self.primed = None;
     }
 
     /// Classifies a live message and, unless it is an echo, makes its number
@@ -216,6 +251,22 @@ mod tests {
 
         let mut cursor = primed(3..=5);
         assert_eq!(cursor.observe(4, b"new engine"), Continuity::Restarted);
+    }
+
+    #[test]
+    fn a_resumed_cursor_judges_the_next_message_against_the_old_record() {
+        let mut cursor = PublisherCursor::default();
+        cursor.resume(9);
+        assert_eq!(cursor.observe(10, b""), Continuity::Follows);
+        cursor.resume(9);
+        assert_eq!(
+            cursor.observe(12, b""),
+            Continuity::Gap { missing: 10..=11 }
+        );
+        cursor.resume(9);
+        assert_eq!(cursor.observe(3, b""), Continuity::Restarted);
+        assert!(ResumePoint::of(4, b"x").is(4, b"x"));
+        assert!(!ResumePoint::of(4, b"x").is(4, b"y"));
     }
 
     #[test]

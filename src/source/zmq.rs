@@ -16,7 +16,13 @@
 //!
 //! With a replay endpoint, the task first primes: it forwards what the
 //! engine's ring holds, up to the first message the live socket delivers,
-//! and then goes on live from that message. Then, whenever a live message
+//! and then goes on live from that message. A task that resumes an earlier
+//! kvgate process's record (`--state-dir`) asks the ring for that record's
+//! last message instead: the same bytes mean the same publisher, and only
+//! what follows is forwarded; other bytes mean the engine restarted
+//! meanwhile (its rank is cleared, then primed as usual); a ring that no
+//! longer reaches it leaves the live socket's counter to tell a gap from a
+//! restart. Then, whenever a live message
 //! reveals a hole before it (a gap, or numbers the SUB missed after it
 //! joined or after the engine restarted), the task forwards what replay
 //! still holds of the hole first. Replayed messages go to the drain as they
@@ -39,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqError, ZmqMessage};
 
-use super::continuity::{Continuity, MAX_PLAUSIBLE_GAP, PublisherCursor};
+use super::continuity::{Continuity, MAX_PLAUSIBLE_GAP, PublisherCursor, ResumePoint};
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{FetchBounds, ReplayClient, ReplayError, Replayed};
 use super::{DrainGone, EngineMessage, FrameError, SourceEvent, parse_sequence, send};
@@ -68,6 +74,8 @@ pub struct ZmqSourceConfig {
     pub bind: bool,
     /// Largest message accepted from a publisher or replay endpoint.
     pub max_message_bytes: usize,
+    /// Where an earlier kvgate process's record of each rank ended.
+    pub resume: std::collections::BTreeMap<u32, ResumePoint>,
 }
 
 /// Splits `[topic, sequence (8 bytes BE), payload]`.
@@ -143,14 +151,16 @@ impl ZmqSourceConfig {
                     )),
                     None => None,
                 };
-                Ok(RankTask::new(
+                let mut task = RankTask::new(
                     rank,
                     address,
                     topic,
                     replay,
                     events.clone(),
                     metrics.clone(),
-                ))
+                );
+                task.resume = config.resume.get(&rank).copied();
+                Ok(task)
             })
             .await
     }
@@ -356,6 +366,16 @@ struct RankTask {
     /// This rank's accepted messages, resolved once.
     messages: Counter,
     cursor: PublisherCursor,
+    /// Where an earlier kvgate process's record of this rank ended.
+    resume: Option<ResumePoint>,
+}
+
+/// How resuming an earlier record went.
+enum Resumed {
+    /// The publisher is the one the record followed.
+    Continued,
+    /// The engine restarted since: the rank was cleared, prime it afresh.
+    EngineRestarted,
 }
 
 /// Pause after a socket error so a persistently failing socket cannot spin.
@@ -408,6 +428,7 @@ impl RankTask {
             messages: metrics.rank_messages(rank),
             metrics,
             cursor: PublisherCursor::default(),
+            resume: None,
         }
     }
 
@@ -445,12 +466,19 @@ impl RankTask {
     }
 
     /// Forwards the replay ring's content so the state covers what the
-    /// engine stored before kvgate joined. The SUB is read meanwhile up to
+    /// engine stored before kvgate joined, or, resuming an earlier record,
+    /// what the engine published since. The SUB is read meanwhile up to
     /// its first message, which ends priming there: live delivery picks up
     /// from it, so however long the ring (or an endpoint that never stops
     /// answering), live messages wait for no more than what precedes them.
     /// Returns that first live message, not yet forwarded.
     async fn prime(&mut self, socket: &mut SubSocket) -> Result<Option<(u64, Bytes)>, DrainGone> {
+        if let Some(point) = self.resume.take() {
+            match self.resume_from(point).await? {
+                Resumed::Continued => return Ok(None),
+                Resumed::EngineRestarted => {}
+            }
+        }
         let Some(replay) = &self.replay else {
             return Ok(None);
         };
@@ -498,6 +526,56 @@ impl RankTask {
         }
         self.cursor.prime(&run);
         Ok(first_live)
+    }
+
+    /// Continues the record that ended at `point`. The SUB waits meanwhile
+    /// (its publisher queues): the fetch is bounded like any other.
+    async fn resume_from(&mut self, point: ResumePoint) -> Result<Resumed, DrainGone> {
+        let Some(replay) = &self.replay else {
+            self.cursor.resume(point.last);
+            return Ok(Resumed::Continued);
+        };
+        let mut fetch = replay.fetch(point.last..=u64::MAX);
+        let mut run = Vec::new();
+        match fetch.next().await {
+            Some((sequence, payload)) if sequence == point.last => {
+                if !point.is(sequence, &payload) {
+                    info!(
+                        rank = self.rank,
+                        engine_sequence = point.last,
+                        "engine publisher restarted while kvgate was down"
+                    );
+                    self.metrics.engine_restarts.inc();
+                    send(
+                        &self.events,
+                        SourceEvent::PublisherRestarted { rank: self.rank },
+                    )
+                    .await?;
+                    return Ok(Resumed::EngineRestarted);
+                }
+                run.push((sequence, payload));
+                while let Some((sequence, payload)) = fetch.next().await {
+                    run.push((sequence, payload.clone()));
+                    self.metrics.engine_messages_recovered.inc();
+                    self.send_message(sequence, payload).await?;
+                }
+                info!(
+                    rank = self.rank,
+                    last = point.last,
+                    recovered = run.len() - 1,
+                    "resumed the engine publisher where kvgate's record ended"
+                );
+                self.cursor.prime(&run);
+            }
+            // The ring no longer holds it (or holds nothing): the next live
+            // number tells a gap (filled from the ring, the rest counted
+            // lost) from a restart.
+            _ => self.cursor.resume(point.last),
+        }
+        if let Some(error) = &fetch.finish().stopped {
+            self.count_replay_stop(error);
+        }
+        Ok(Resumed::Continued)
     }
 
     /// The message's engine sequence and payload, or `None` (counted and

@@ -1,0 +1,280 @@
+//! The two threads that keep the drain free of disk waits: one fsyncs the
+//! log at a fixed interval and records how far it got, one writes
+//! checkpoints and deletes what they make obsolete.
+//!
+//! Invariants: the drain only hands them work through bounded channels and
+//! atomics, never waits for them (but at shutdown, for the last sync). A
+//! `synced` record never claims more than was fsynced. A checkpoint is
+//! complete on disk (temporary name, fsync, rename, directory fsync)
+//! before anything it covers is deleted; a segment is deleted only once
+//! every batch in it is covered by a checkpoint and older than the history.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::files::{self, Named};
+use super::format::{FileKind, file_header, put_record};
+use super::records::{CheckpointMeta, SyncedRecord, encode_checkpoint_end, kind};
+use crate::clock::unix_now;
+use crate::metrics::Metrics;
+use crate::state::snapshot::{SnapshotCut, SnapshotEncoder};
+
+/// What the drain and the threads share.
+#[derive(Debug, Default)]
+pub struct Shared {
+    /// The last position appended to the log (in the page cache).
+    pub written_through: AtomicU64,
+    /// The oldest position the hub's history holds: segments before it are
+    /// not needed to refill the history at a restart.
+    pub history_oldest: AtomicU64,
+    /// A checkpoint is being written.
+    pub checkpoint_busy: AtomicBool,
+    /// The last checkpoint failed: the drain asks for another soon.
+    pub checkpoint_failed: AtomicBool,
+    /// A background write failed since the drain last looked: the log may
+    /// lack what was announced, so the drain pauses persistence.
+    pub fault: AtomicBool,
+    /// What `/status` shows.
+    pub status: Mutex<PersistStatus>,
+}
+
+/// Persistence as `/status` shows it.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PersistStatus {
+    /// Why persistence is paused; `None` while it runs.
+    pub paused: Option<String>,
+    /// Bytes of kvgate's files in the directory.
+    pub bytes_on_disk: u64,
+    /// The newest checkpoint: its position, block count and Unix time.
+    pub last_checkpoint: Option<CheckpointStatus>,
+    /// The last position fsynced.
+    pub synced_through: u64,
+}
+
+/// The newest checkpoint written.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckpointStatus {
+    pub position: u64,
+    pub blocks: u64,
+    pub unix_seconds: f64,
+}
+
+impl Shared {
+    /// Records a failed write: the drain pauses at its next cycle.
+    pub fn fail(&self, what: &str, error: &std::io::Error) {
+        warn!(%error, "state directory: {what} failed; persistence pauses");
+        self.status.lock().expect("status lock").paused = Some(format!("{what}: {error}"));
+        self.fault.store(true, Ordering::Release);
+    }
+}
+
+/// Work for the sync thread.
+pub enum SyncJob {
+    /// The drain opened a new segment: fsync it from now on.
+    Segment(File),
+    /// Final sync at a clean shutdown: nothing more is published.
+    Stop,
+}
+
+/// Fsyncs the log every `interval` and writes the `synced` record.
+pub struct Syncer {
+    pub dir: PathBuf,
+    pub boot_id: Vec<u8>,
+    pub seed: u64,
+    pub interval: Duration,
+    pub shared: Arc<Shared>,
+    pub metrics: Metrics,
+}
+
+impl Syncer {
+    pub fn run(self, jobs: Receiver<SyncJob>) {
+        let mut segments: Vec<File> = Vec::new();
+        let mut synced_through = 0;
+        loop {
+            let stop = match jobs.recv_timeout(self.interval) {
+                Ok(SyncJob::Segment(file)) => {
+                    segments.push(file);
+                    continue;
+                }
+                Ok(SyncJob::Stop) => Some(()),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            // Loaded before the fsyncs, and after every segment announced
+            // before it was written: the files synced hold it all.
+            let through = self.shared.written_through.load(Ordering::Acquire);
+            while let Ok(job) = jobs.try_recv() {
+                if let SyncJob::Segment(file) = job {
+                    segments.push(file);
+                }
+            }
+            if through != synced_through || stop.is_some() {
+                match self.sync(&segments, through, stop.is_some()) {
+                    Ok(()) => {
+                        synced_through = through;
+                        // Only the newest can still be written to.
+                        let keep = segments.len().saturating_sub(1);
+                        segments.drain(..keep);
+                    }
+                    Err(error) => self.shared.fail("fsync of the log", &error),
+                }
+            }
+            let bytes = files::bytes_on_disk(&self.dir);
+            self.metrics.state_disk_bytes.set(bytes as i64);
+            {
+                let mut status = self.shared.status.lock().expect("status lock");
+                status.bytes_on_disk = bytes;
+                status.synced_through = synced_through;
+            }
+            if stop.is_some() {
+                return;
+            }
+        }
+    }
+
+    fn sync(&self, segments: &[File], through: u64, clean: bool) -> std::io::Result<()> {
+        for segment in segments {
+            segment.sync_data()?;
+        }
+        let mut out = file_header(FileKind::Synced).to_vec();
+        let record = SyncedRecord {
+            boot_id: self.boot_id.clone(),
+            seed: self.seed,
+            through,
+            clean,
+        };
+        put_record(&mut out, kind::SYNCED, &[&record.encode()]);
+        files::replace(&self.dir, files::SYNCED_FILE, &out)
+    }
+}
+
+/// A checkpoint to write: the cut and what goes with it.
+pub struct CheckpointJob {
+    pub cut: Arc<SnapshotCut>,
+    pub meta: CheckpointMeta,
+}
+
+/// Writes checkpoints as the drain hands them over.
+pub struct Checkpointer {
+    pub dir: PathBuf,
+    pub shared: Arc<Shared>,
+    pub metrics: Metrics,
+}
+
+impl Checkpointer {
+    pub fn run(self, jobs: Receiver<CheckpointJob>) {
+        for job in jobs {
+            let position = job.meta.position;
+            match self.write(&job) {
+                Ok(blocks) => {
+                    if let Err(error) = self.delete_covered(position) {
+                        warn!(%error, "state directory: cannot delete what a checkpoint covers");
+                    }
+                    self.metrics.state_checkpoints.inc();
+                    self.metrics.state_checkpoint_blocks.set(blocks as i64);
+                    let now = unix_now();
+                    self.metrics.state_checkpoint_timestamp_seconds.set(now);
+                    self.shared
+                        .status
+                        .lock()
+                        .expect("status lock")
+                        .last_checkpoint = Some(CheckpointStatus {
+                        position,
+                        blocks,
+                        unix_seconds: now,
+                    });
+                    info!(position, blocks, "state checkpoint written");
+                }
+                Err(error) => {
+                    self.shared.checkpoint_failed.store(true, Ordering::Release);
+                    self.metrics.state_write_failures.inc();
+                    warn!(%error, position, "state checkpoint failed; the log keeps everything until one succeeds");
+                    let _ = std::fs::remove_file(self.temporary(position));
+                }
+            }
+            self.shared.checkpoint_busy.store(false, Ordering::Release);
+        }
+    }
+
+    fn temporary(&self, position: u64) -> PathBuf {
+        self.dir
+            .join(format!("{}.tmp", files::checkpoint_name(position)))
+    }
+
+    /// Writes the checkpoint and returns its block count.
+    fn write(&self, job: &CheckpointJob) -> std::io::Result<u64> {
+        let position = job.meta.position;
+        let temporary = self.temporary(position);
+        let mut out = BufWriter::with_capacity(1 << 20, File::create(&temporary)?);
+        let mut record = file_header(FileKind::Checkpoint).to_vec();
+        put_record(&mut record, kind::CHECKPOINT_META, &[&job.meta.encode()]);
+        out.write_all(&record)?;
+        let mut chunks = 0u64;
+        let blocks = job
+            .cut
+            .state
+            .values()
+            .map(|blocks| blocks.counts().total())
+            .sum();
+        for chunk in SnapshotEncoder::plan(Arc::clone(&job.cut), unix_now()) {
+            record.clear();
+            put_record(&mut record, kind::CHUNK, &[&chunk]);
+            out.write_all(&record)?;
+            chunks += 1;
+        }
+        record.clear();
+        put_record(
+            &mut record,
+            kind::CHECKPOINT_END,
+            &[&encode_checkpoint_end(chunks, blocks)],
+        );
+        out.write_all(&record)?;
+        let file = out.into_inner().map_err(|error| error.into_error())?;
+        file.sync_all()?;
+        drop(file);
+        std::fs::rename(&temporary, self.dir.join(files::checkpoint_name(position)))?;
+        files::sync_dir(&self.dir)?;
+        Ok(blocks)
+    }
+
+    /// Deletes older checkpoints, and segments whose batches are all
+    /// covered by the checkpoint at `position` and older than the history.
+    fn delete_covered(&self, position: u64) -> std::io::Result<()> {
+        let history_oldest = self.shared.history_oldest.load(Ordering::Acquire);
+        let needed_from = (position + 1).min(history_oldest.max(1));
+        let listed = files::list(&self.dir)?;
+        let segments: Vec<(u64, &Path)> = listed
+            .iter()
+            .filter_map(|file| match file.named {
+                Named::Segment { first_position, .. } if file.is_file => {
+                    Some((first_position, file.path.as_path()))
+                }
+                _ => None,
+            })
+            .collect();
+        // A segment's batches end where the next one's begin; the newest
+        // is still being written.
+        for pair in segments.windows(2) {
+            let ((_, path), (next_first, _)) = (pair[0], pair[1]);
+            if next_first <= needed_from {
+                std::fs::remove_file(path)?;
+            }
+        }
+        for file in &listed {
+            if let Named::Checkpoint { position: older } = file.named
+                && older < position
+                && file.is_file
+            {
+                std::fs::remove_file(&file.path)?;
+            }
+        }
+        files::sync_dir(&self.dir)
+    }
+}

@@ -1,0 +1,228 @@
+//! The state directory (`--state-dir`): the stage below the drain that
+//! lets a restarted kvgate continue the old process (contract section 8).
+//!
+//! The log is the history's own bytes: every published batch, appended to
+//! a segment before its position is announced, and a cycle's end after
+//! each drain cycle with the engine publishers' counters. A checkpoint is a
+//! snapshot's chunks taken from a copy-on-write cut of the state, written
+//! by a thread of its own; restore = the newest checkpoint that verifies,
+//! then the logged batches after it. `docs/state-dir.md` has the format.
+//!
+//! Invariants: one process per directory (`lock`); the drain never waits
+//! for the disk (appends go to the page cache, fsyncs and checkpoints run
+//! on their own threads); nothing read from the directory is trusted
+//! (`format`, `restore`); a number is never given to different content:
+//! the old numbering goes on only when the directory proves it holds
+//! every batch the old process announced.
+
+mod background;
+mod files;
+pub(crate) mod format;
+mod lock;
+pub(crate) mod records;
+pub(crate) mod restore;
+mod writer;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc::sync_channel;
+use std::time::Duration;
+
+use serde::Serialize;
+use tracing::info;
+
+use std::collections::BTreeMap;
+
+use background::PersistStatus;
+pub(crate) use format::Damage;
+pub use lock::LockError;
+pub(crate) use records::{Marks, RankMark};
+use restore::{RestoreReport, Restored};
+pub use writer::StoreLimits;
+pub(crate) use writer::StoreWriter;
+
+use crate::source::continuity::ResumePoint;
+
+use crate::hub::HistoryLimits;
+use crate::metrics::Metrics;
+use background::{Checkpointer, Shared, Syncer};
+
+/// Checkpoints handed over and not yet taken up (one at a time is written;
+/// the drain asks for no other while one is under way).
+const CHECKPOINT_QUEUE: usize = 1;
+
+/// Segments announced to the sync thread and not yet taken up.
+const SYNC_QUEUE: usize = 64;
+
+/// How the directory is used, as the flags set it.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// The directory (`--state-dir`), created if missing.
+    pub dir: PathBuf,
+    /// How often the log is fsynced (`--state-sync-ms`).
+    pub sync_interval: Duration,
+    /// Segment and checkpoint sizes.
+    pub limits: StoreLimits,
+    /// The history's bounds: how much of the log a restart puts back.
+    pub history: HistoryLimits,
+}
+
+/// Why the directory cannot be used at all.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Another process holds it, or its lock file cannot be locked.
+    #[error("{0}")]
+    Lock(#[from] LockError),
+    /// The directory cannot be created or listed.
+    #[error("cannot read or create {dir}: {source}")]
+    Io {
+        /// The directory.
+        dir: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+}
+
+/// What the directory gave back, and the writer that continues it: handed
+/// to the drain (`Drain::with_state_dir`).
+pub struct Opened {
+    pub(crate) restored: Restored,
+    /// The first number of the numbering this process continues or starts.
+    pub(crate) seed: u64,
+    pub(crate) writer: StoreWriter,
+    pub(crate) status: StoreStatus,
+}
+
+impl Opened {
+    /// The first number of every rank's numbering: the old process's when
+    /// it goes on, else the seed `open` was given.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Where each engine publisher's record ended.
+    pub(crate) fn resume_points(&self) -> BTreeMap<u32, ResumePoint> {
+        self.restored
+            .marks
+            .iter()
+            .map(|(&rank, mark)| (rank, mark.resume))
+            .collect()
+    }
+
+    /// What `/status` shows of the directory from now on.
+    pub fn status(&self) -> StoreStatus {
+        self.status.clone()
+    }
+}
+
+/// What `/status` shows of the directory.
+#[derive(Clone)]
+pub struct StoreStatus {
+    dir: PathBuf,
+    restored: Arc<RestoreReport>,
+    shared: Arc<Shared>,
+}
+
+/// The `/status` section.
+#[derive(Serialize)]
+pub(crate) struct StoreStatusView {
+    dir: PathBuf,
+    restored: RestoreReport,
+    #[serde(flatten)]
+    persist: PersistStatus,
+}
+
+impl StoreStatus {
+    pub(crate) fn view(&self) -> StoreStatusView {
+        StoreStatusView {
+            dir: self.dir.clone(),
+            restored: (*self.restored).clone(),
+            persist: self.shared.status.lock().expect("status lock").clone(),
+        }
+    }
+}
+
+/// Takes the directory (creating it), reads it back and starts the
+/// background threads. `fresh_seed` numbers a new numbering. Blocking work.
+pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<Opened, OpenError> {
+    let io = |source| OpenError::Io {
+        dir: config.dir.clone(),
+        source,
+    };
+    std::fs::create_dir_all(&config.dir).map_err(io)?;
+    // Held until the process ends, whoever still writes: the kernel
+    // releases it then, however the process ends.
+    Box::leak(Box::new(lock::DirLock::take(&config.dir)?));
+    let boot_id = records::boot_id();
+    let restored = restore::restore(&config.dir, &boot_id, config.history, &mut |_, damage| {
+        metrics.count_state_damage(damage.as_str());
+    })
+    .map_err(io)?;
+    let report = &restored.report;
+    info!(
+        dir = %config.dir.display(),
+        outcome = ?report.outcome,
+        checkpoint = ?report.checkpoint_position,
+        checkpoint_blocks = report.checkpoint_blocks,
+        batches_replayed = report.batches_replayed,
+        history_batches = report.history_batches,
+        "state directory read back"
+    );
+    metrics
+        .state_restored_blocks
+        .set(report.checkpoint_blocks as i64);
+    metrics
+        .state_restored_batches
+        .set(report.batches_replayed as i64);
+    let seed = restored
+        .numbering
+        .as_ref()
+        .map_or(fresh_seed, |(seed, _)| *seed);
+    let shared = Arc::new(Shared::default());
+    let (sync_jobs, sync_receiver) = sync_channel(SYNC_QUEUE);
+    let (checkpoint_jobs, checkpoint_receiver) = sync_channel(CHECKPOINT_QUEUE);
+    let syncer = Syncer {
+        dir: config.dir.clone(),
+        boot_id: boot_id.clone(),
+        seed,
+        interval: config.sync_interval,
+        shared: Arc::clone(&shared),
+        metrics: metrics.clone(),
+    };
+    let sync_thread = std::thread::Builder::new()
+        .name("kvgate-sync".into())
+        .spawn(move || syncer.run(sync_receiver))
+        .map_err(io)?;
+    let checkpointer = Checkpointer {
+        dir: config.dir.clone(),
+        shared: Arc::clone(&shared),
+        metrics: metrics.clone(),
+    };
+    std::thread::Builder::new()
+        .name("kvgate-checkpoint".into())
+        .spawn(move || checkpointer.run(checkpoint_receiver))
+        .map_err(io)?;
+    let status = StoreStatus {
+        dir: config.dir.clone(),
+        restored: Arc::new(restored.report.clone()),
+        shared: Arc::clone(&shared),
+    };
+    let writer = StoreWriter::new(
+        config.dir,
+        boot_id,
+        seed,
+        config.limits,
+        shared,
+        metrics.clone(),
+        sync_jobs,
+        checkpoint_jobs,
+        sync_thread,
+        restored.needs_checkpoint,
+    );
+    Ok(Opened {
+        restored,
+        seed,
+        writer,
+        status,
+    })
+}

@@ -1,0 +1,289 @@
+//! The drain's side of the state directory: appends each cycle's batches
+//! to the log before they are announced, and hands checkpoints and fsyncs
+//! to the background threads.
+//!
+//! Invariants: a batch's position is announced only after its record and
+//! its cycle's end were handed to the kernel (a write into the page cache,
+//! no fsync), so every announced batch survives a killed process. When a
+//! write fails, persistence pauses: the open segment is renamed
+//! `….unfinished` (a rename needs no free space), which tells a restart
+//! that the log may lack announced batches, and serving goes on. Every
+//! `PAUSE_RETRY` a new segment is tried; once one opens, a checkpoint is
+//! asked for at once, so the log is whole again from there.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tracing::{info, warn};
+
+use super::background::{CheckpointJob, Shared, SyncJob};
+use super::files;
+use super::format::{FileKind, file_header, put_record};
+use super::records::{BatchRecord, CheckpointMeta, CycleRecord, Marks, SegmentHeader, kind};
+use crate::metrics::Metrics;
+use crate::state::snapshot::SnapshotCut;
+
+/// How often a paused log tries a new segment, and a failed checkpoint
+/// is tried again.
+const PAUSE_RETRY: Duration = Duration::from_secs(1);
+
+/// A checkpoint is also taken this long after the last one when anything
+/// was logged since, so an idle engine's state is never far behind.
+const CHECKPOINT_MAX_AGE: Duration = Duration::from_secs(60);
+
+/// The bounds the flags set.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreLimits {
+    /// A segment is closed and a new one opened past this size.
+    pub segment_bytes: u64,
+    /// A checkpoint is taken once this much was logged since the last.
+    pub checkpoint_bytes: u64,
+}
+
+struct OpenSegment {
+    file: File,
+    first_position: u64,
+    bytes: u64,
+}
+
+/// Appends to the log; owned by the drain.
+pub struct StoreWriter {
+    pub(super) dir: PathBuf,
+    pub(super) boot_id: Vec<u8>,
+    pub(super) seed: u64,
+    pub(super) limits: StoreLimits,
+    pub(super) shared: Arc<Shared>,
+    pub(super) metrics: Metrics,
+    pub(super) sync_jobs: SyncSender<SyncJob>,
+    pub(super) checkpoint_jobs: SyncSender<CheckpointJob>,
+    /// The sync thread, joined at a clean shutdown for its last sync (the
+    /// checkpoint thread is left to finish or die with the process: a
+    /// checkpoint cut short is only a temporary file).
+    pub(super) sync_thread: Option<std::thread::JoinHandle<()>>,
+    segment: Option<OpenSegment>,
+    /// When persistence paused, and when to try again.
+    paused: Option<Instant>,
+    /// The next checkpoint should be taken at the first chance.
+    checkpoint_due: bool,
+    logged_since_checkpoint: u64,
+    last_checkpoint: Instant,
+    buffer: Vec<u8>,
+}
+
+impl StoreWriter {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        dir: PathBuf,
+        boot_id: Vec<u8>,
+        seed: u64,
+        limits: StoreLimits,
+        shared: Arc<Shared>,
+        metrics: Metrics,
+        sync_jobs: SyncSender<SyncJob>,
+        checkpoint_jobs: SyncSender<CheckpointJob>,
+        sync_thread: std::thread::JoinHandle<()>,
+        checkpoint_due: bool,
+    ) -> Self {
+        Self {
+            dir,
+            boot_id,
+            seed,
+            limits,
+            shared,
+            metrics,
+            sync_jobs,
+            checkpoint_jobs,
+            sync_thread: Some(sync_thread),
+            segment: None,
+            paused: None,
+            checkpoint_due,
+            logged_since_checkpoint: 0,
+            last_checkpoint: Instant::now(),
+            buffer: Vec::new(),
+        }
+    }
+
+    /// Logs one drain cycle: `batches` (rank, sequence, bytes) take the
+    /// positions from `first_position` on, then the cycle's end with
+    /// `marks`. Returns once the kernel has it (or persistence paused).
+    pub fn append_cycle(
+        &mut self,
+        first_position: u64,
+        batches: &[(u32, u64, Bytes)],
+        marks: &Marks,
+    ) {
+        if self.shared.fault.swap(false, Ordering::AcqRel) {
+            self.pause(None);
+        }
+        if let Some(since) = self.paused {
+            if since.elapsed() < PAUSE_RETRY {
+                return;
+            }
+            self.paused = None;
+        }
+        let full = self
+            .segment
+            .as_ref()
+            .is_some_and(|segment| segment.bytes >= self.limits.segment_bytes);
+        if (self.segment.is_none() || full)
+            && let Err(error) = self.open_segment(first_position)
+        {
+            self.pause(Some(("opening a log segment", error)));
+            return;
+        }
+        self.buffer.clear();
+        let mut position = first_position;
+        for (rank, sequence, encoded) in batches {
+            let header = BatchRecord::header(position, *rank, *sequence);
+            put_record(&mut self.buffer, kind::BATCH, &[&header, encoded]);
+            position += 1;
+        }
+        let cycle = CycleRecord {
+            position: position - 1,
+            marks: marks.clone(),
+        };
+        put_record(&mut self.buffer, kind::CYCLE, &[&cycle.encode()]);
+        let segment = self.segment.as_mut().expect("opened above");
+        match segment.file.write_all(&self.buffer) {
+            Ok(()) => {
+                segment.bytes += self.buffer.len() as u64;
+                self.logged_since_checkpoint += self.buffer.len() as u64;
+                self.metrics
+                    .state_log_bytes
+                    .inc_by(self.buffer.len() as u64);
+                self.shared
+                    .written_through
+                    .store(position - 1, Ordering::Release);
+            }
+            Err(error) => self.pause(Some(("writing the log", error))),
+        }
+    }
+
+    fn open_segment(&mut self, first_position: u64) -> std::io::Result<()> {
+        let path = self.dir.join(files::segment_name(first_position));
+        let mut file = File::create(&path)?;
+        let mut header = file_header(FileKind::Segment).to_vec();
+        let segment_header = SegmentHeader {
+            boot_id: self.boot_id.clone(),
+            seed: self.seed,
+            first_position,
+        };
+        put_record(
+            &mut header,
+            kind::SEGMENT_HEADER,
+            &[&segment_header.encode()],
+        );
+        file.write_all(&header)?;
+        let for_sync = file.try_clone()?;
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            self.sync_jobs.try_send(SyncJob::Segment(for_sync))
+        {
+            return Err(std::io::Error::other("the sync thread is not keeping up"));
+        }
+        let resumed = self.segment.is_none() && self.metrics.state_paused.get() == 1;
+        self.segment = Some(OpenSegment {
+            file,
+            first_position,
+            bytes: header.len() as u64,
+        });
+        if resumed {
+            info!(
+                first_position,
+                "state directory writable again: persistence resumes"
+            );
+            self.metrics.state_paused.set(0);
+            self.shared.status.lock().expect("status lock").paused = None;
+            self.checkpoint_due = true;
+        }
+        Ok(())
+    }
+
+    /// Stops logging until `PAUSE_RETRY` has passed; the open segment is
+    /// marked unfinished so no restart trusts its end.
+    fn pause(&mut self, failed: Option<(&str, std::io::Error)>) {
+        if let Some((what, error)) = failed {
+            self.shared.fail(what, &error);
+            self.shared.fault.store(false, Ordering::Release);
+        }
+        self.metrics.state_write_failures.inc();
+        self.metrics.state_paused.set(1);
+        self.paused = Some(Instant::now());
+        if let Some(segment) = self.segment.take() {
+            let from = self.dir.join(files::segment_name(segment.first_position));
+            let to = self
+                .dir
+                .join(files::unfinished_name(segment.first_position));
+            if let Err(error) =
+                std::fs::rename(&from, &to).and_then(|()| files::sync_dir(&self.dir))
+            {
+                warn!(%error, segment = %from.display(), "cannot mark the log segment unfinished");
+            }
+        }
+    }
+
+    /// Whether the drain should hand over a cut for a checkpoint now.
+    pub fn wants_checkpoint(&self) -> bool {
+        if self.segment.is_none() || self.shared.checkpoint_busy.load(Ordering::Acquire) {
+            return false;
+        }
+        let retry = self.shared.checkpoint_failed.load(Ordering::Acquire)
+            && self.last_checkpoint.elapsed() >= PAUSE_RETRY;
+        self.checkpoint_due
+            || retry
+            || self.logged_since_checkpoint >= self.limits.checkpoint_bytes
+            || (self.logged_since_checkpoint > 0
+                && self.last_checkpoint.elapsed() >= CHECKPOINT_MAX_AGE)
+    }
+
+    /// Hands `cut` to the checkpoint thread (the drain's cut is copy on
+    /// write, so it stays as it is while the drain goes on).
+    pub fn checkpoint(&mut self, cut: SnapshotCut, marks: Marks) {
+        let meta = CheckpointMeta {
+            position: cut.position,
+            seed: self.seed,
+            last_sequences: cut.last_sequences.clone(),
+            marks,
+        };
+        self.shared.checkpoint_busy.store(true, Ordering::Release);
+        let job = CheckpointJob {
+            cut: Arc::new(cut),
+            meta,
+        };
+        if self.checkpoint_jobs.try_send(job).is_err() {
+            self.shared.checkpoint_busy.store(false, Ordering::Release);
+            return;
+        }
+        self.checkpoint_due = false;
+        self.shared
+            .checkpoint_failed
+            .store(false, Ordering::Release);
+        self.logged_since_checkpoint = 0;
+        self.last_checkpoint = Instant::now();
+    }
+
+    /// The oldest position the history still holds.
+    pub fn history_oldest(&self, position: u64) {
+        self.shared
+            .history_oldest
+            .store(position, Ordering::Release);
+    }
+
+    /// A clean shutdown: the last sync records that nothing was published
+    /// after what was written (unless persistence is paused: then the log
+    /// cannot vouch for its end).
+    pub fn close(mut self) {
+        if self.segment.is_some() && self.paused.is_none() {
+            let _ = self.sync_jobs.send(SyncJob::Stop);
+        }
+        drop(self.sync_jobs);
+        if let Some(thread) = self.sync_thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

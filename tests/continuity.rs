@@ -1,0 +1,523 @@
+//! Continuity across kvgate restarts with `--state-dir` (contract section 8),
+//! end to end: the real binary killed and restarted on one directory, a real
+//! ZMQ publisher with a replay ring, a simulated engine as the truth, and
+//! every batch admitted by the router-rules mirror.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::router::{Admission, RouterView};
+use common::{
+    DEADLINE, Gateway, await_metric_where, http_get, metric_sample, next_batch, subscribe,
+    sync_streams_observing, true_blocks,
+};
+use kvgate::proto::common::KvEventBatch;
+use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine, encode_batch};
+use rand::{Rng, SeedableRng};
+use tonic::codec::Streaming;
+
+const SERVICE: &str = "kvgate.v1.KvGate";
+
+/// A scratch directory under /tmp, removed when dropped.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    fn new(name: &str) -> Self {
+        let path = std::env::temp_dir().join(format!(
+            "continuity-{name}-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&path).unwrap();
+        Self(path)
+    }
+
+    fn state(&self) -> PathBuf {
+        self.0.join("state")
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The engine side: a simulated cache published through a real PUB with a
+/// replay ring of `ring` messages.
+struct Engine {
+    cache: SimEngine,
+    publisher: EnginePublisher,
+}
+
+impl Engine {
+    async fn new(ring: usize, seed: u64) -> Self {
+        let options = PublisherOptions {
+            replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+            buffer_steps: ring,
+            ..PublisherOptions::default()
+        };
+        Self {
+            cache: engine_cache(seed),
+            publisher: EnginePublisher::bind("tcp://127.0.0.1:0", &options)
+                .await
+                .unwrap(),
+        }
+    }
+
+    async fn steps(&mut self, steps: usize) {
+        for _ in 0..steps {
+            self.step().await;
+        }
+    }
+
+    async fn step(&mut self) {
+        let mut payload = Vec::new();
+        encode_batch(1.0, &self.cache.step(), Some(0), &mut payload);
+        self.publisher.publish(payload.into()).await.unwrap();
+    }
+
+    /// A kvgate on this engine keeping its state in `dir`.
+    fn gateway(&self, dir: &Path) -> Gateway {
+        self.gateway_configured(dir, &[], |_| {})
+    }
+
+    fn gateway_configured(
+        &self,
+        dir: &Path,
+        extra: &[&str],
+        configure: impl FnOnce(&mut Command),
+    ) -> Gateway {
+        let mut args = vec![
+            "--zmq-endpoint",
+            self.publisher.endpoint(),
+            "--zmq-replay-endpoint",
+            self.publisher.replay_endpoint().unwrap(),
+            "--zmq-replay-timeout-ms",
+            "10000",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--state-sync-ms",
+            "50",
+            "--state-dir",
+            dir.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        Gateway::start_configured(&args, configure)
+    }
+}
+
+/// A cache that keeps its system prompts' blocks live for the whole test
+/// while it evicts older requests' blocks.
+fn engine_cache(seed: u64) -> SimEngine {
+    SimEngine::new(SimConfig {
+        seed,
+        block_size: 4,
+        capacity_blocks: 600,
+        ..SimConfig::default()
+    })
+    .unwrap()
+}
+
+/// Subscribes with `router`'s cursor (0 for a snapshot); a refusal fails
+/// the test.
+async fn resume(gateway: &Gateway, router: &mut RouterView) -> Streaming<KvEventBatch> {
+    router.reconnecting();
+    let cursor = router.resume_cursor();
+    subscribe(gateway.channel().await, SERVICE, cursor)
+        .await
+        .unwrap_or_else(|status| panic!("cursor {cursor} refused: {status:?}"))
+}
+
+fn admit(router: &mut RouterView, batch: &KvEventBatch, context: &str) {
+    let admission = router.admit(batch);
+    assert!(
+        matches!(
+            admission,
+            Admission::Applied | Admission::SnapshotChunk | Admission::LoadOnly
+        ),
+        "{context}: batch {} of rank {:?} admitted as {admission:?}",
+        batch.sequence_number,
+        batch.dp_rank
+    );
+}
+
+/// Follows `stream` into `router` until the engine's newest message is in
+/// (fences published until one arrives, as the slow joiner requires).
+async fn catch_up(
+    engine: &mut Engine,
+    stream: &mut Streaming<KvEventBatch>,
+    router: &mut RouterView,
+    context: &str,
+) {
+    sync_streams_observing(
+        &mut engine.publisher,
+        0,
+        std::slice::from_mut(stream),
+        |_, batch| admit(router, batch, context),
+    )
+    .await;
+}
+
+/// A new subscriber's snapshot, as a router holds it.
+async fn snapshot(gateway: &Gateway) -> RouterView {
+    let mut router = RouterView::new();
+    let mut stream = resume(gateway, &mut router).await;
+    let first = next_batch(&mut stream).await;
+    let count = first.snapshot.as_ref().expect("a snapshot chunk").count;
+    admit(&mut router, &first, "snapshot");
+    for _ in 1..count {
+        let chunk = next_batch(&mut stream).await;
+        admit(&mut router, &chunk, "snapshot");
+    }
+    router
+}
+
+/// Kills `gateway` (SIGKILL); what it sent before reaches `router`.
+async fn kill(gateway: Gateway, stream: &mut Streaming<KvEventBatch>, router: &mut RouterView) {
+    drop(gateway);
+    drain_after_stop(stream, router, "before the kill").await;
+}
+
+/// Admits what `stream` still yields from a kvgate that was stopped.
+async fn drain_after_stop(
+    stream: &mut Streaming<KvEventBatch>,
+    router: &mut RouterView,
+    context: &str,
+) {
+    while let Ok(Ok(Some(batch))) = tokio::time::timeout(DEADLINE, stream.message()).await {
+        admit(router, &batch, context);
+    }
+}
+
+/// Runs kvgate on `dir` while the engine takes `steps` steps, follows it
+/// into `router`, then kills it.
+async fn run_then_kill(engine: &mut Engine, dir: &Path, router: &mut RouterView, steps: usize) {
+    let gateway = engine.gateway(dir);
+    let mut stream = resume(&gateway, router).await;
+    engine.steps(steps).await;
+    catch_up(engine, &mut stream, router, "before the kill").await;
+    kill(gateway, &mut stream, router).await;
+}
+
+async fn metric(gateway: &Gateway, series: &str) -> f64 {
+    let (_, text) = http_get(gateway.admin.unwrap(), "/metrics").await;
+    metric_sample(&text, series).unwrap_or_else(|| panic!("no {series}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_resumes_exactly_across_kills_and_restarts_on_the_same_state_dir() {
+    let seed = rand::random::<u64>();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let scratch = ScratchDir::new("kill");
+    // A ring far shorter than the test: the old blocks a snapshot must
+    // still hold at the end are out of the engine's reach.
+    let ring = 48;
+    let mut engine = Engine::new(ring, seed).await;
+    let mut router = RouterView::new();
+    let mut published = 0;
+    for iteration in 0..10 {
+        let context = format!("seed {seed}, iteration {iteration}");
+        let mut gateway = engine.gateway(&scratch.state());
+        let mut stream = resume(&gateway, &mut router).await;
+        catch_up(&mut engine, &mut stream, &mut router, &context).await;
+        assert_eq!(
+            router.blocks(0),
+            true_blocks(&engine.cache),
+            "{context}: resumed state"
+        );
+
+        // Under load, stop kvgate after a random number of batches: killed
+        // mostly, sometimes terminated.
+        let steps = rng.random_range(4..24);
+        let stop_after = rng.random_range(0..steps);
+        let publishing = tokio::spawn(async move {
+            for _ in 0..steps {
+                engine.step().await;
+                tokio::task::yield_now().await;
+            }
+            engine
+        });
+        let mut publishing = std::pin::pin!(publishing);
+        let mut read = 0;
+        let finished = loop {
+            if read >= stop_after {
+                break None;
+            }
+            tokio::select! {
+                message = stream.message() => {
+                    let batch = message.expect("healthy").expect("open");
+                    admit(&mut router, &batch, &context);
+                    read += 1;
+                }
+                engine = &mut publishing => break Some(engine.unwrap()),
+            }
+        };
+        if iteration % 4 == 3 {
+            assert!(gateway.terminate().success(), "{context}");
+        } else {
+            drop(gateway);
+        }
+        // What kvgate sent before it went still reaches the router.
+        drain_after_stop(&mut stream, &mut router, &context).await;
+        engine = match finished {
+            Some(engine) => engine,
+            None => publishing.await.unwrap(),
+        };
+        // Meanwhile the engine goes on, within its ring.
+        engine.steps(rng.random_range(0..8)).await;
+        published += steps;
+    }
+    assert!(published > ring, "the test outlived the ring");
+
+    let gateway = engine.gateway(&scratch.state());
+    let mut stream = resume(&gateway, &mut router).await;
+    catch_up(&mut engine, &mut stream, &mut router, "final").await;
+    assert_eq!(router.blocks(0), true_blocks(&engine.cache), "seed {seed}");
+    assert!(router.gaps.is_empty(), "seed {seed}: {:?}", router.gaps);
+    assert_eq!(router.restarts, 0, "seed {seed}");
+    let fresh = snapshot(&gateway).await;
+    assert_eq!(
+        fresh.blocks(0),
+        true_blocks(&engine.cache),
+        "seed {seed}: a new subscriber's snapshot holds blocks the ring no longer reaches"
+    );
+    assert_eq!(
+        metric(&gateway, "kvgate_engine_messages_lost_total").await,
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn an_engine_restarted_while_kvgate_was_down_reaches_the_router_as_an_ownerless_clear() {
+    let scratch = ScratchDir::new("engine-restart");
+    let mut engine = Engine::new(1000, 7).await;
+    let mut router = RouterView::new();
+    run_then_kill(&mut engine, &scratch.state(), &mut router, 30).await;
+
+    // A new engine process: its counter starts over, its cache is empty.
+    engine.publisher.restart();
+    engine.cache = engine_cache(8);
+    engine.steps(3).await;
+    let gateway = engine.gateway(&scratch.state());
+    let mut stream = resume(&gateway, &mut router).await;
+    catch_up(&mut engine, &mut stream, &mut router, "after").await;
+    assert_eq!(router.blocks(0), true_blocks(&engine.cache));
+    assert!(router.gaps.is_empty());
+    assert_eq!(router.restarts, 0, "the clear came at the next number");
+    assert!(metric(&gateway, "kvgate_engine_restarts_total").await >= 1.0);
+}
+
+#[tokio::test]
+async fn a_gap_the_engine_can_no_longer_replay_is_counted_and_the_cursor_still_resumes() {
+    let scratch = ScratchDir::new("gap");
+    let mut engine = Engine::new(16, 9).await;
+    let mut router = RouterView::new();
+    run_then_kill(&mut engine, &scratch.state(), &mut router, 5).await;
+    engine.steps(40).await;
+
+    let gateway = engine.gateway(&scratch.state());
+    let mut stream = resume(&gateway, &mut router).await;
+    catch_up(&mut engine, &mut stream, &mut router, "after").await;
+    assert!(router.gaps.is_empty());
+    let lost = metric(&gateway, "kvgate_engine_messages_lost_total").await;
+    assert!(lost >= 24.0, "{lost} lost");
+}
+
+#[tokio::test]
+async fn a_second_kvgate_on_the_same_state_dir_exits_naming_the_dir_and_the_holder() {
+    let scratch = ScratchDir::new("owner");
+    let engine = Engine::new(100, 1).await;
+    let first = engine.gateway(&scratch.state());
+    let second = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--demo", "--state-dir"])
+        .arg(scratch.state())
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    assert_eq!(second.status.code(), Some(1), "{second:?}");
+    let error = String::from_utf8_lossy(&second.stderr);
+    assert!(error.contains(scratch.state().to_str().unwrap()), "{error}");
+    assert!(error.contains(&first.pid().to_string()), "{error}");
+}
+
+/// Runs kvgate on `dir` until what the engine published is logged and
+/// checkpointed, then stops it with SIGTERM.
+async fn fill_state_dir(engine: &mut Engine, dir: &Path) {
+    let mut gateway =
+        engine.gateway_configured(dir, &["--state-checkpoint-bytes", "64KiB"], |_| {});
+    let mut router = RouterView::new();
+    let mut stream = resume(&gateway, &mut router).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(&gateway, "kvgate_state_checkpoints_total").await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never checkpointed");
+        engine.steps(10).await;
+        catch_up(engine, &mut stream, &mut router, "filling").await;
+    }
+    engine.steps(10).await;
+    catch_up(engine, &mut stream, &mut router, "filling").await;
+    assert!(gateway.terminate().success());
+}
+
+fn state_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            let name = path.file_name().unwrap().to_str().unwrap();
+            name.starts_with(prefix) && !name.contains("damaged")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn flip_byte(path: &Path, from_end: usize) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let at = bytes.len() - from_end;
+    bytes[at] ^= 0x40;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_state_dir_is_set_aside_and_kvgate_serves_only_the_engines_blocks() {
+    type Damage = fn(&Path);
+    let damages: [(&str, Damage); 5] = [
+        ("flipped checkpoint byte", |dir| {
+            let checkpoint = state_files(dir, "checkpoint-").pop().unwrap();
+            flip_byte(&checkpoint, 100);
+        }),
+        ("flipped segment byte", |dir| {
+            let segment = state_files(dir, "segment-").pop().unwrap();
+            flip_byte(&segment, 30);
+        }),
+        ("truncated segment", |dir| {
+            let segment = state_files(dir, "segment-").pop().unwrap();
+            let len = std::fs::metadata(&segment).unwrap().len();
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&segment)
+                .unwrap();
+            file.set_len(len / 2).unwrap();
+        }),
+        ("unknown version and a directory for a checkpoint", |dir| {
+            for segment in state_files(dir, "segment-") {
+                let mut bytes = std::fs::read(&segment).unwrap();
+                bytes[8] = 99;
+                std::fs::write(&segment, bytes).unwrap();
+            }
+            let checkpoint = state_files(dir, "checkpoint-").pop().unwrap();
+            std::fs::remove_file(&checkpoint).unwrap();
+            std::fs::create_dir(&checkpoint).unwrap();
+        }),
+        ("checkpoint and segment swapped", |dir| {
+            let checkpoint = state_files(dir, "checkpoint-").pop().unwrap();
+            let segment = state_files(dir, "segment-").pop().unwrap();
+            let aside = dir.join("aside");
+            std::fs::rename(&checkpoint, &aside).unwrap();
+            std::fs::rename(&segment, &checkpoint).unwrap();
+            std::fs::rename(&aside, &segment).unwrap();
+        }),
+    ];
+    for (what, damage) in damages {
+        let scratch = ScratchDir::new("damage");
+        // A ring that holds everything: even started fresh, kvgate can know
+        // every block, so anything else in a snapshot would be a lie.
+        let mut engine = Engine::new(10_000, 3).await;
+        fill_state_dir(&mut engine, &scratch.state()).await;
+        assert!(!state_files(&scratch.state(), "checkpoint-").is_empty());
+        damage(&scratch.state());
+
+        let gateway = engine.gateway(&scratch.state());
+        let mut router = RouterView::new();
+        let mut stream = resume(&gateway, &mut router).await;
+        catch_up(&mut engine, &mut stream, &mut router, what).await;
+        assert_eq!(router.blocks(0), true_blocks(&engine.cache), "{what}");
+        let fresh = snapshot(&gateway).await;
+        assert_eq!(fresh.blocks(0), true_blocks(&engine.cache), "{what}");
+        let (_, text) = http_get(gateway.admin.unwrap(), "/metrics").await;
+        let damaged: f64 = ["checksum", "unknown_version", "not_a_file", "malformed"]
+            .iter()
+            .filter_map(|kind| {
+                metric_sample(
+                    &text,
+                    &format!("kvgate_state_damaged_total{{reason=\"{kind}\"}}"),
+                )
+            })
+            .sum();
+        if what != "truncated segment" {
+            assert!(damaged >= 1.0, "{what}: nothing set aside");
+            let kept = std::fs::read_dir(scratch.state())
+                .unwrap()
+                .filter(|entry| {
+                    entry
+                        .as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_str()
+                        .unwrap()
+                        .contains(".damaged-")
+                })
+                .count();
+            assert!(kept >= 1, "{what}: the damaged file is kept");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_that_fills_pauses_persistence_while_serving_goes_on_and_it_resumes() {
+    let scratch = ScratchDir::new("full");
+    let mut engine = Engine::new(10_000, 5).await;
+    // Every file kvgate writes stops growing at 64 KiB: the log fills.
+    let gateway = engine.gateway_configured(&scratch.state(), &[], |command| {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            command.pre_exec(|| {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                let limit = libc::rlimit {
+                    rlim_cur: 64 << 10,
+                    rlim_max: 64 << 10,
+                };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    let admin = gateway.admin.unwrap();
+    let mut router = RouterView::new();
+    let mut stream = resume(&gateway, &mut router).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(&gateway, "kvgate_state_paused").await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never paused");
+        engine.steps(10).await;
+        catch_up(&mut engine, &mut stream, &mut router, "filling").await;
+    }
+    let (_, status) = http_get(admin, "/status").await;
+    assert!(status.contains("File too large"), "{status}");
+    // Serving went on.
+    engine.steps(5).await;
+    catch_up(&mut engine, &mut stream, &mut router, "paused").await;
+    assert_eq!(router.blocks(0), true_blocks(&engine.cache));
+    assert!(router.gaps.is_empty());
+    // A new segment fits again: persistence resumes (at the next cycle
+    // after its retry delay) with a checkpoint.
+    let checkpoints = metric(&gateway, "kvgate_state_checkpoints_total").await;
+    while metric(&gateway, "kvgate_state_paused").await == 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never resumed");
+        engine.step().await;
+        catch_up(&mut engine, &mut stream, &mut router, "resuming").await;
+    }
+    await_metric_where(
+        admin,
+        "kvgate_state_checkpoints_total",
+        "a new checkpoint",
+        |now| now > checkpoints,
+    )
+    .await;
+    assert!(metric(&gateway, "kvgate_state_write_failures_total").await >= 1.0);
+}
