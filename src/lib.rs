@@ -29,6 +29,7 @@ pub mod logging;
 pub mod metrics;
 pub mod pem;
 pub mod proto;
+pub mod recording;
 pub mod server;
 pub mod source;
 pub mod state;
