@@ -39,8 +39,11 @@ pub struct Cli {
 pub enum Command {
     /// Drain an engine's KV events and serve them to any number of routers.
     Serve(Box<ServeArgs>),
-    /// Print a gateway's event stream.
+    /// Print a gateway's event stream (or a recording's, with --file).
     Tail(crate::tools::tail::TailArgs),
+    /// Record a gateway's event stream to a file, to replay it later
+    /// (`serve --replay-file`); --stats summarises a recording.
+    Record(Box<crate::tools::record::RecordArgs>),
     /// Summarise a running gateway: health, services, blocks per rank.
     Status(crate::tools::status::StatusArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).

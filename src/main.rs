@@ -20,6 +20,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Serve(args) => kvgate::app::serve(*args, shutdown_signal()).await,
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
+            Command::Record(args) => kvgate::tools::record::run(*args, shutdown_signal()).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,
             Command::Completions(args) => kvgate::tools::shell::completions(args),
             Command::Man => kvgate::tools::shell::man(),

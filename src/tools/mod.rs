@@ -2,6 +2,7 @@
 //! the shell integration (completions, man page). They talk gRPC only, like
 //! any router would.
 
+pub mod record;
 pub mod shell;
 pub mod status;
 pub mod tail;
@@ -43,6 +44,12 @@ pub struct GatewayArgs {
 impl GatewayArgs {
     /// Connects with the credentials given.
     pub async fn connect(&self) -> anyhow::Result<Authorized> {
+        self.target()?.connect().await
+    }
+
+    /// The gateway with its credentials loaded and checked, to connect to
+    /// (again).
+    pub fn target(&self) -> anyhow::Result<Target> {
         let paths = TlsPaths {
             ca: self.ca.clone(),
             cert: self.cert.clone(),
@@ -52,9 +59,7 @@ impl GatewayArgs {
             .token_file
             .as_ref()
             .map(|path| FlagFile::new("--token-file", path));
-        Target::new(&self.addr, &paths, FLAGS, token)?
-            .connect()
-            .await
+        Target::new(&self.addr, &paths, FLAGS, token)
     }
 }
 

@@ -34,10 +34,17 @@ pub struct TailArgs {
     /// Stop after this many batches.
     #[arg(long)]
     pub limit: Option<u64>,
+    /// Print a recording (`kvgate record --out FILE`, with its parts
+    /// FILE.1, ...) instead of a gateway's stream.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["from", "load_before_first_batch"])]
+    pub file: Option<std::path::PathBuf>,
 }
 
 /// `kvgate tail`: prints the stream until it ends or is interrupted.
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.file {
+        return super::record::print_recording(file, args.json, args.limit);
+    }
     let channel = args.gateway.connect().await?;
     let request = SubscribeKvEventsRequest {
         start_sequence_number: args.from,
@@ -62,16 +69,26 @@ pub async fn run(args: TailArgs) -> anyhow::Result<()> {
             break;
         };
         batches += 1;
-        if args.json {
-            for line in event_lines(&batch).into_iter().chain(load_line(&batch)) {
-                writeln!(out, "{line}")?;
-            }
-        } else if batch.load.as_ref().is_some_and(|load| load.load_only) {
-            writeln!(out, "{}", load_summary(&batch).unwrap_or_default())?;
-        } else {
-            writeln!(out, "{}", summary(&batch))?;
-        }
+        print_batch(&mut out, &batch, args.json)?;
         out.flush()?;
+    }
+    Ok(())
+}
+
+/// One batch as `tail` prints it: its events as JSON lines, or its summary.
+pub(crate) fn print_batch(
+    out: &mut impl Write,
+    batch: &KvEventBatch,
+    json: bool,
+) -> std::io::Result<()> {
+    if json {
+        for line in event_lines(batch).into_iter().chain(load_line(batch)) {
+            writeln!(out, "{line}")?;
+        }
+    } else if batch.load.as_ref().is_some_and(|load| load.load_only) {
+        writeln!(out, "{}", load_summary(batch).unwrap_or_default())?;
+    } else {
+        writeln!(out, "{}", summary(batch))?;
     }
     Ok(())
 }
