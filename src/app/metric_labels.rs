@@ -13,6 +13,7 @@ use crate::server::tls::HandshakeFailure;
 use crate::source::FrameError;
 use crate::source::peer::{PeerDropReason, PeerSocket};
 use crate::source::upstream::UNDECODABLE;
+use crate::source::{recorded, trace};
 use crate::state::tier::Tier;
 
 /// Every label value kvgate can export, by metric family.
@@ -33,7 +34,7 @@ pub fn closed_labels() -> ClosedLabels {
             .map(FrameError::as_str)
             .into_iter()
             .chain(PayloadError::REASONS)
-            .chain([UNDECODABLE])
+            .chain([UNDECODABLE, recorded::UNDECODABLE, trace::MALFORMED_LINE])
             .collect(),
         zmq_peer_sockets: PeerSocket::ALL.map(PeerSocket::as_str).into(),
         zmq_peers_dropped: PeerDropReason::ALL.map(PeerDropReason::as_str).into(),

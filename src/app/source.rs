@@ -1,6 +1,7 @@
 //! Which event source the flags name: the engine's ZMQ publishers (one per
-//! data-parallel rank), a simulated engine started here (`--demo`), or
-//! another gateway upstream. Flag names live here, not in `source/`.
+//! data-parallel rank), a simulated engine started here (`--demo`),
+//! another gateway upstream, a recording (`--replay-file`) or a Mooncake
+//! trace (`--trace-file`). Flag names live here, not in `source/`.
 
 use std::time::Duration;
 
@@ -15,6 +16,8 @@ use crate::client::{Target, TlsFlags, TlsPaths};
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::source::SourceEvent;
+use crate::source::recorded::{self, RecordedConfig};
+use crate::source::trace::{self, TraceConfig};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
 use crate::supervisor::{Supervisor, TaskName};
@@ -34,6 +37,10 @@ pub(super) enum SourceConfig {
     /// The simulated engine started here (`--demo`).
     Demo(ZmqSourceConfig),
     Upstream(UpstreamConfig),
+    /// A recording played (`--replay-file`), with the ranks to prepare.
+    Recorded(RecordedConfig, u32),
+    /// A trace played through a simulated cache (`--trace-file`).
+    Trace(TraceConfig),
 }
 
 impl std::fmt::Display for SourceConfig {
@@ -43,15 +50,45 @@ impl std::fmt::Display for SourceConfig {
                 write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size)
             }
             Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
+            Self::Recorded(config, _) => {
+                let files: Vec<String> = config
+                    .files
+                    .iter()
+                    .map(|file| file.display().to_string())
+                    .collect();
+                write!(f, "recording {} at {}", files.join(","), config.speed)?;
+                if config.looped {
+                    f.write_str(", looped")?;
+                }
+                Ok(())
+            }
+            Self::Trace(config) => {
+                write!(
+                    f,
+                    "trace {} at {}, {} blocks of {} tokens per rank ({} rank(s))",
+                    config.file.display(),
+                    config.speed,
+                    config.cache_blocks,
+                    config.block_tokens,
+                    config.dp_size
+                )?;
+                if config.looped {
+                    f.write_str(", looped")?;
+                }
+                Ok(())
+            }
         }
     }
 }
 
 /// Exactly one of `--zmq-endpoint`, `--demo` (a simulated engine started
-/// here) and `--upstream-grpc`.
+/// here), `--upstream-grpc`, `--replay-file` and `--trace-file`.
 pub(super) async fn choose_source(
     args: &ServeArgs,
 ) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+    if let Some(config) = played_source(args)? {
+        return Ok((config, None));
+    }
     let zmq = |endpoint, replay_endpoint| ZmqSourceConfig {
         endpoint,
         replay_endpoint,
@@ -114,6 +151,44 @@ pub(super) async fn choose_source(
         check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
     }
     Ok((SourceConfig::Zmq(zmq(endpoint, replay)), None))
+}
+
+/// A recording or a trace, checked (a file that cannot be played fails
+/// the start naming its flag), or `None` when neither flag is given.
+fn played_source(args: &ServeArgs) -> anyhow::Result<Option<SourceConfig>> {
+    if !args.replay_file.is_empty() {
+        let config = RecordedConfig {
+            files: args.replay_file.clone(),
+            speed: args.replay_speed,
+            looped: args.replay_loop,
+        };
+        let header = config
+            .check()
+            .map_err(|error| UsageError(format!("--replay-file: {error}")))?;
+        let ranks = header.dp_size.clamp(1, 1024).max(args.dp_size);
+        return Ok(Some(SourceConfig::Recorded(config, ranks)));
+    }
+    let Some(file) = &args.trace_file else {
+        return Ok(None);
+    };
+    let config = TraceConfig {
+        file: file.clone(),
+        speed: args.replay_speed,
+        looped: args.replay_loop,
+        cache_blocks: usize::try_from(args.trace_cache_blocks).unwrap_or(usize::MAX),
+        block_tokens: args.trace_block_tokens,
+        dp_size: args.dp_size,
+        max_line_bytes: usize::try_from(args.trace_max_line_bytes).unwrap_or(usize::MAX),
+    };
+    config.check().map_err(|what| {
+        let flag = if what.contains("tokens does not divide") {
+            "--trace-block-tokens"
+        } else {
+            "--trace-file"
+        };
+        UsageError(format!("{flag}: {what}"))
+    })?;
+    Ok(Some(SourceConfig::Trace(config)))
 }
 
 /// Checks that every rank's publisher (and replay) port exists, and that
@@ -196,6 +271,24 @@ pub(super) async fn start_source(
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {
                 upstream::run(config, events, metrics, ready, stop).await;
+                Ok(())
+            });
+            Ok(())
+        }
+        SourceConfig::Recorded(config, ranks) => {
+            metrics.prepare_ranks(ranks);
+            let stop = supervisor.stopping();
+            supervisor.spawn(TaskName::RecordingReplay, async move {
+                recorded::run(config, events, metrics, ready, stop).await;
+                Ok(())
+            });
+            Ok(())
+        }
+        SourceConfig::Trace(config) => {
+            metrics.prepare_ranks(config.dp_size);
+            let stop = supervisor.stopping();
+            supervisor.spawn(TaskName::TraceReplay, async move {
+                trace::run(config, events, metrics, ready, stop).await;
                 Ok(())
             });
             Ok(())

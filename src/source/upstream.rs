@@ -108,6 +108,30 @@ impl Cursors {
     }
 }
 
+/// What the drain gets of a batch admitted with `verdict`: the reset the
+/// verdict calls for (a rank's restart, or every rank's for a snapshot's
+/// first chunk), then its events stamped `timestamp`. A stale or load-only
+/// batch forwards nothing; a gap is the caller's to handle before.
+pub(crate) fn forwarded(
+    verdict: Verdict,
+    batch: KvEventBatch,
+    timestamp: f64,
+) -> impl Iterator<Item = SourceEvent> {
+    let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+    let (reset, forward) = match verdict {
+        Verdict::Stale | Verdict::LoadOnly | Verdict::Gap => (None, false),
+        Verdict::Next | Verdict::Snapshot { first: false } => (None, true),
+        Verdict::Restart => (Some(SourceEvent::PublisherRestarted { rank }), true),
+        Verdict::Snapshot { first: true } => (Some(SourceEvent::Resync), true),
+    };
+    let events = forward.then(|| SourceEvent::Events {
+        rank,
+        timestamp,
+        events: batch.events,
+    });
+    reset.into_iter().chain(events)
+}
+
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
@@ -212,19 +236,12 @@ async fn follow(
             .entry(rank)
             .or_insert_with(|| metrics.rank_messages(rank))
             .inc();
-        let reset = match cursors.admit(&batch) {
-            Verdict::Stale | Verdict::LoadOnly => continue,
-            Verdict::Gap => return Outcome::Retry(Interruption::Gap),
-            Verdict::Next | Verdict::Snapshot { first: false } => None,
-            Verdict::Restart => Some(SourceEvent::PublisherRestarted { rank }),
-            Verdict::Snapshot { first: true } => Some(SourceEvent::Resync),
-        };
-        let forwarded = SourceEvent::Events {
-            rank,
-            timestamp: batch.timestamp,
-            events: batch.events,
-        };
-        for event in reset.into_iter().chain([forwarded]) {
+        let verdict = cursors.admit(&batch);
+        if verdict == Verdict::Gap {
+            return Outcome::Retry(Interruption::Gap);
+        }
+        let timestamp = batch.timestamp;
+        for event in forwarded(verdict, batch, timestamp) {
             if let Err(gone) = send(events, event).await {
                 return Outcome::DrainGone(gone);
             }

@@ -1,0 +1,146 @@
+//! A recording (`kvgate record`) as the event source: its batches fed to
+//! the drain at their recorded pace, as an upstream gateway would feed them.
+//!
+//! Invariant: the recorded batches go through the router's rules
+//! ([`Cursors`]) and [`upstream::forwarded`], exactly as a live upstream's
+//! do, so the drain sees the same resyncs and restarts a router saw when the
+//! recording was made, and renumbers everything as its own. Each pass of
+//! `--replay-loop` after the first starts with a resync (an ownerless clear
+//! of every rank, as an engine restart). Damage in the file ends the pass at
+//! the last intact record; when the last pass ends, the source stays
+//! (serving the final state) until kvgate stops.
+
+use std::path::PathBuf;
+
+use prost::Message as _;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::pace::{Pacer, Speed};
+use super::upstream::{self, Cursors, Verdict};
+use super::{DrainGone, SourceEvent, send};
+use crate::metrics::Metrics;
+use crate::proto::common::KvEventBatch;
+use crate::recording::{Ending, Entry, Header, OpenError, Record, Recording};
+
+/// The bad-message reason of a recorded batch that is not a `KvEventBatch`.
+pub const UNDECODABLE: &str = "recording_undecodable";
+
+/// Records read ahead of the pacer.
+const READ_AHEAD: usize = 1024;
+
+/// Which recording to play, and how.
+#[derive(Clone, Debug)]
+pub struct RecordedConfig {
+    /// The recording's parts (see [`crate::recording::parts`]).
+    pub files: Vec<PathBuf>,
+    /// How fast.
+    pub speed: Speed,
+    /// Start over at the end, forever.
+    pub looped: bool,
+}
+
+impl RecordedConfig {
+    /// Opens the recording to check it can be played; returns its header.
+    pub fn check(&self) -> Result<Header, OpenError> {
+        Recording::open(&self.files).map(|recording| recording.header().clone())
+    }
+}
+
+/// Plays the recording until `stop` is cancelled (or the drain is gone).
+pub async fn run(
+    config: RecordedConfig,
+    events: mpsc::Sender<SourceEvent>,
+    metrics: Metrics,
+    ready: watch::Sender<bool>,
+    stop: CancellationToken,
+) {
+    let mut pacer = Pacer::new(config.speed);
+    for pass in 0_u64.. {
+        if pass > 0 && send(&events, SourceEvent::Resync).await.is_err() {
+            return;
+        }
+        ready.send_replace(true);
+        pacer.restart();
+        let played = tokio::select! {
+            played = play(&config, &mut pacer, &events, &metrics) => played,
+            () = stop.cancelled() => return,
+        };
+        match played {
+            Err(DrainGone) => return,
+            Ok(Ending::Closed) => info!(pass, "recording played to its end"),
+            Ok(ending) => warn!(pass, %ending, "recording played to its last intact record"),
+        }
+        if !config.looped {
+            break;
+        }
+    }
+    info!("replay done; serving its final state");
+    stop.cancelled().await;
+}
+
+/// One pass over the recording.
+async fn play(
+    config: &RecordedConfig,
+    pacer: &mut Pacer,
+    events: &mpsc::Sender<SourceEvent>,
+    metrics: &Metrics,
+) -> Result<Ending, DrainGone> {
+    let (records, mut receive) = mpsc::channel::<Record>(READ_AHEAD);
+    let files = config.files.clone();
+    // File reads and decompression stay off the runtime's workers.
+    let reader = tokio::task::spawn_blocking(move || {
+        let mut recording = Recording::open(&files)?;
+        for record in recording.by_ref() {
+            if records.blocking_send(record).is_err() {
+                break;
+            }
+        }
+        Ok::<_, OpenError>(recording.ending().cloned())
+    });
+    let mut cursors = Cursors::default();
+    while let Some(record) = receive.recv().await {
+        pacer.wait_for(record.received_unix_micros).await;
+        let bytes = match record.entry {
+            Entry::Batch(bytes) => bytes,
+            // The snapshot that follows resyncs every rank.
+            Entry::Resync(_) => {
+                cursors.forget();
+                continue;
+            }
+        };
+        let Ok(batch) = KvEventBatch::decode(bytes) else {
+            metrics.count_bad_message(UNDECODABLE);
+            continue;
+        };
+        let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+        let verdict = match cursors.admit(&batch) {
+            // Not in a recorder's file, but a damaged part's successor
+            // could show one: what the rank held is unknown, so it restarts.
+            Verdict::Gap => {
+                send(events, SourceEvent::PublisherRestarted { rank }).await?;
+                cursors.forget();
+                cursors.admit(&batch)
+            }
+            verdict => verdict,
+        };
+        for event in upstream::forwarded(verdict, batch, crate::clock::unix_now()) {
+            send(events, event).await?;
+        }
+    }
+    let ending = match reader.await {
+        Ok(Ok(ending)) => ending.unwrap_or(Ending::Closed),
+        Ok(Err(error)) => Ending::Cut {
+            path: config.files[0].display().to_string(),
+            offset: 0,
+            what: error.to_string(),
+        },
+        Err(error) => Ending::Cut {
+            path: config.files[0].display().to_string(),
+            offset: 0,
+            what: format!("the reader stopped: {error}"),
+        },
+    };
+    Ok(ending)
+}
