@@ -251,7 +251,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
     let health = HealthWatch::new(supervisor.lifecycle(), ready_rx);
-    start_source(
+    let replayed_loads = start_source(
         source_config,
         events_tx,
         metrics.clone(),
@@ -259,7 +259,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         supervisor,
     )
     .await?;
-    let load_records = load_engine.map(|engine| {
+    let polled_loads = load_engine.map(|engine| {
         let config = PollerConfig {
             interval: Duration::from_millis(args.load_poll_ms),
             kind: args.engine_kind,
@@ -273,6 +273,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         });
         LoadRecords::new(feed)
     });
+    let load_records = polled_loads.or(replayed_loads);
     spawn_drain(
         supervisor,
         &args,

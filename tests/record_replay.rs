@@ -346,9 +346,34 @@ fn kvgate_cli(args: &[&str]) -> Output {
         .expect("kvgate runs")
 }
 
-/// A closed recording of `n` small batches of rank 0, numbered from 100.
-fn write_recording(path: &Path, n: u64) {
+/// A batch of rank 0 numbered `seq` that stores block `seq`.
+fn store_batch(seq: u64) -> KvEventBatch {
     use kvgate::proto::common::{KvBlock, KvBlocksStored, KvCacheEvent};
+    KvEventBatch {
+        sequence_number: seq,
+        dp_rank: Some(0),
+        events: vec![KvCacheEvent {
+            event_id: seq,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks: vec![KvBlock {
+                    block_hash: seq as i64,
+                    block_size: 16,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+        }],
+        ..Default::default()
+    }
+}
+
+/// A closed recording of `n` batches of [`store_batch`] from 100.
+fn write_recording(path: &Path, n: u64) {
+    write_batches(path, (100..100 + n).map(store_batch));
+}
+
+/// A closed recording of `batches`, received 1 ms apart, a frame every 10.
+fn write_batches(path: &Path, batches: impl IntoIterator<Item = KvEventBatch>) {
     let header = kvgate::recording::Header {
         kvgate_version: "test".into(),
         source: "127.0.0.1:1".into(),
@@ -362,29 +387,55 @@ fn write_recording(path: &Path, n: u64) {
         frame_bytes: 4096,
     };
     let mut writer = kvgate::recording::Writer::create(path, header, limits).unwrap();
-    for seq in 100..100 + n {
-        let batch = KvEventBatch {
-            sequence_number: seq,
-            dp_rank: Some(0),
-            events: vec![KvCacheEvent {
-                event_id: seq,
-                data: Some(Data::Stored(KvBlocksStored {
-                    blocks: vec![KvBlock {
-                        block_hash: seq as i64,
-                        block_size: 16,
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                })),
-            }],
-            ..Default::default()
-        };
-        writer.batch(seq * 1000, &batch.encode_to_vec()).unwrap();
-        if seq % 10 == 9 {
+    for (n, batch) in (0_u64..).zip(batches) {
+        writer.batch(n * 1000, &batch.encode_to_vec()).unwrap();
+        if n % 10 == 9 {
             writer.flush().unwrap();
         }
     }
     writer.finish().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_recording_carries_its_recorded_load_records() {
+    use kvgate::proto::common::EngineLoad;
+    let scratch = Scratch::new("loads");
+    let path = scratch.path("loads.kvrec");
+    let core = |running| EngineLoad {
+        running_requests: running,
+        ..Default::default()
+    };
+    let mut first = store_batch(100);
+    first.load = Some(core(3));
+    let load_only = KvEventBatch {
+        sequence_number: 100,
+        dp_rank: Some(0),
+        load: Some(EngineLoad {
+            running_requests: 7,
+            cache_hit_rate: Some(0.5),
+            load_only: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut last = store_batch(101);
+    last.load = Some(core(9));
+    write_batches(&path, [first, load_only, last]);
+
+    let gateway = Gateway::start(&["--replay-file", path.to_str().unwrap()]);
+    let mut stream = subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+        .await
+        .unwrap();
+    // The last event batch's core over the load-only record's other fields.
+    loop {
+        let batch = next_batch(&mut stream).await;
+        if let Some(load) = batch.load.filter(|load| load.load_only) {
+            if load.running_requests == 9 {
+                assert_eq!(load.cache_hit_rate, Some(0.5));
+                break;
+            }
+        }
+    }
 }
 
 #[test]

@@ -13,10 +13,13 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cli::ServeArgs;
 use crate::client::{Target, TlsFlags, TlsPaths};
+use crate::load::records::LoadRecords;
+use crate::load::{Board, Reading, empty_board};
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
+use crate::proto::common::EngineLoad;
 use crate::source::SourceEvent;
-use crate::source::recorded::{self, RecordedConfig};
+use crate::source::recorded::{self, LoadSink, RecordedConfig};
 use crate::source::trace::{self, TraceConfig};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
@@ -240,14 +243,15 @@ fn flags_of(config: &ZmqSourceConfig, error: &StartError) -> String {
     }
 }
 
-/// Starts the configured source's tasks.
+/// Starts the configured source's tasks; a recording's load records come
+/// back for the drain to stamp.
 pub(super) async fn start_source(
     config: SourceConfig,
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
     ready: watch::Sender<bool>,
     supervisor: &Supervisor,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<LoadRecords>> {
     match config {
         SourceConfig::Zmq(config) => {
             metrics.prepare_ranks(config.dp_size);
@@ -258,14 +262,16 @@ pub(super) async fn start_source(
                 .map_err(|error| {
                     let context = flags_of(&flags, &error);
                     anyhow::Error::new(error).context(context)
-                })
+                })?;
+            Ok(None)
         }
         SourceConfig::Demo(config) => {
             metrics.prepare_ranks(config.dp_size);
             config
                 .start(events, metrics, ready, supervisor)
                 .await
-                .context("the demo engine")
+                .context("the demo engine")?;
+            Ok(None)
         }
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
@@ -273,16 +279,17 @@ pub(super) async fn start_source(
                 upstream::run(config, events, metrics, ready, stop).await;
                 Ok(())
             });
-            Ok(())
+            Ok(None)
         }
         SourceConfig::Recorded(config, ranks) => {
             metrics.prepare_ranks(ranks);
+            let (board, feed) = watch::channel(empty_board(ranks));
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::RecordingReplay, async move {
-                recorded::run(config, events, metrics, ready, stop).await;
+                recorded::run(config, events, metrics, ready, replayed_loads(board), stop).await;
                 Ok(())
             });
-            Ok(())
+            Ok(Some(LoadRecords::new(feed)))
         }
         SourceConfig::Trace(config) => {
             metrics.prepare_ranks(config.dp_size);
@@ -291,9 +298,49 @@ pub(super) async fn start_source(
                 trace::run(config, events, metrics, ready, stop).await;
                 Ok(())
             });
-            Ok(())
+            Ok(None)
         }
     }
+}
+
+/// A recording's load records as readings on `board`, as if polled when
+/// recorded: a `load_only` record brings every field, an event batch's the
+/// routing core, which updates the fields it carries.
+fn replayed_loads(board: watch::Sender<Board>) -> LoadSink {
+    Box::new(move |rank, recorded: &EngineLoad| {
+        board.send_if_modified(|board| {
+            let Some(slot) = board.get(rank as usize) else {
+                return false;
+            };
+            let mut load = match (recorded.load_only, slot) {
+                (false, Some(reading)) => EngineLoad {
+                    running_requests: recorded.running_requests,
+                    waiting_requests: recorded.waiting_requests,
+                    waiting_uncached_tokens: recorded.waiting_uncached_tokens,
+                    token_usage: recorded.token_usage,
+                    active_token_usage: recorded.active_token_usage,
+                    gen_throughput: recorded.gen_throughput,
+                    max_running_requests: recorded.max_running_requests,
+                    ..reading.load.clone()
+                },
+                _ => recorded.clone(),
+            };
+            // Stamped again per batch by the drain.
+            load.sample = 0;
+            load.age_ms = 0;
+            load.load_only = false;
+            if slot.as_ref().is_some_and(|reading| reading.load == load) {
+                return false;
+            }
+            let polled_at = tokio::time::Instant::now()
+                .checked_sub(std::time::Duration::from_millis(u64::from(recorded.age_ms)))
+                .unwrap_or_else(tokio::time::Instant::now);
+            let mut readings = board.as_ref().clone();
+            readings[rank as usize] = Some(Reading { load, polled_at });
+            *board = std::sync::Arc::new(readings);
+            true
+        });
+    })
 }
 
 #[cfg(test)]

@@ -8,7 +8,9 @@
 //! `--replay-loop` after the first starts with a resync (an ownerless clear
 //! of every rank, as an engine restart). Damage in the file ends the pass at
 //! the last intact record; when the last pass ends, the source stays
-//! (serving the final state) until kvgate stops.
+//! (serving the final state) until kvgate stops. Recorded load records go
+//! to a [`LoadSink`] as they come due, so the drain stamps them as it
+//! would an engine's.
 
 use std::path::PathBuf;
 
@@ -21,11 +23,15 @@ use super::pace::{Pacer, Speed};
 use super::upstream::{self, Cursors, Verdict};
 use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
-use crate::proto::common::KvEventBatch;
+use crate::proto::common::{EngineLoad, KvEventBatch};
 use crate::recording::{Ending, Entry, Header, OpenError, Record, Recording};
 
 /// The bad-message reason of a recorded batch that is not a `KvEventBatch`.
 pub const UNDECODABLE: &str = "recording_undecodable";
+
+/// Where recorded load records go, with their rank: `app` feeds them to
+/// the drain's load records as readings.
+pub type LoadSink = Box<dyn Fn(u32, &EngineLoad) + Send + Sync>;
 
 /// Records read ahead of the pacer.
 const READ_AHEAD: usize = 1024;
@@ -54,6 +60,7 @@ pub async fn run(
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
     ready: watch::Sender<bool>,
+    loads: LoadSink,
     stop: CancellationToken,
 ) {
     let mut pacer = Pacer::new(config.speed);
@@ -64,7 +71,7 @@ pub async fn run(
         ready.send_replace(true);
         pacer.restart();
         let played = tokio::select! {
-            played = play(&config, &mut pacer, &events, &metrics) => played,
+            played = play(&config, &mut pacer, &events, &metrics, &loads) => played,
             () = stop.cancelled() => return,
         };
         match played {
@@ -86,6 +93,7 @@ async fn play(
     pacer: &mut Pacer,
     events: &mpsc::Sender<SourceEvent>,
     metrics: &Metrics,
+    loads: &LoadSink,
 ) -> Result<Ending, DrainGone> {
     let (records, mut receive) = mpsc::channel::<Record>(READ_AHEAD);
     let files = config.files.clone();
@@ -115,6 +123,9 @@ async fn play(
             continue;
         };
         let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+        if let Some(load) = &batch.load {
+            loads(rank, load);
+        }
         let verdict = match cursors.admit(&batch) {
             // Not in a recorder's file, but a damaged part's successor
             // could show one: what the rank held is unknown, so it restarts.

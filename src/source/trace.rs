@@ -110,7 +110,7 @@ impl TraceConfig {
     /// Checks the settings and that the file opens and starts with a
     /// request; the message says what is wrong (the caller names the flag).
     pub fn check(&self) -> Result<(), String> {
-        if self.block_tokens == 0 || TRACE_BLOCK_TOKENS % self.block_tokens != 0 {
+        if self.block_tokens == 0 || !TRACE_BLOCK_TOKENS.is_multiple_of(self.block_tokens) {
             return Err(format!(
                 "{} tokens does not divide the trace's {TRACE_BLOCK_TOKENS}-token blocks",
                 self.block_tokens
