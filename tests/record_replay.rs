@@ -429,11 +429,12 @@ async fn a_replayed_recording_carries_its_recorded_load_records() {
     // The last event batch's core over the load-only record's other fields.
     loop {
         let batch = next_batch(&mut stream).await;
-        if let Some(load) = batch.load.filter(|load| load.load_only) {
-            if load.running_requests == 9 {
-                assert_eq!(load.cache_hit_rate, Some(0.5));
-                break;
-            }
+        if let Some(load) = batch
+            .load
+            .filter(|load| load.load_only && load.running_requests == 9)
+        {
+            assert_eq!(load.cache_hit_rate, Some(0.5));
+            break;
         }
     }
 }
