@@ -11,7 +11,7 @@
 pub(crate) mod continuity;
 pub mod pace;
 pub(crate) mod peer;
-pub(crate) mod prefix_cache;
+pub mod prefix_cache;
 pub mod recorded;
 pub(crate) mod replay;
 pub mod trace;

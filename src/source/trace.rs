@@ -130,6 +130,16 @@ impl TraceConfig {
     }
 }
 
+/// A trace's requests, read from `reader` a line at a time, each line at
+/// most `max_line_bytes`; a line that is not a request is an `Err` saying
+/// why, and reading goes on after it.
+pub fn requests<R: std::io::BufRead>(
+    reader: R,
+    max_line_bytes: usize,
+) -> impl Iterator<Item = Result<TraceRequest, String>> {
+    Lines::new(reader, max_line_bytes)
+}
+
 /// A trace's lines as requests, each line bounded.
 struct Lines<R> {
     reader: R,
