@@ -44,7 +44,7 @@ impl PrefixCache {
     }
 
     /// Blocks held.
-    pub fn len(&self) -> usize {
+    pub fn held(&self) -> usize {
         self.blocks.len()
     }
 
@@ -108,7 +108,7 @@ mod tests {
         assert_eq!(second.parent, Some(2));
         assert_eq!(second.stored, vec![4, 5]);
         assert!(second.evicted.is_empty());
-        assert_eq!(cache.len(), 5);
+        assert_eq!(cache.held(), 5);
     }
 
     #[test]
@@ -127,7 +127,7 @@ mod tests {
             "1's unused child, then 5's chain from its tail"
         );
         assert_eq!(partial.stored, vec![7, 8]);
-        assert_eq!(cache.len(), 4);
+        assert_eq!(cache.held(), 4);
         assert_eq!(cache.admit(&[1, 2]).hits, 1, "2 went, its parent 1 stayed");
     }
 
@@ -138,6 +138,6 @@ mod tests {
         let admission = cache.admit(&[1, 2, 3, 4, 5]);
         assert_eq!(admission.hits, 1);
         assert_eq!(admission.stored, vec![2, 3]);
-        assert_eq!(cache.len(), 3);
+        assert_eq!(cache.held(), 3);
     }
 }

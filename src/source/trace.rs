@@ -317,7 +317,7 @@ async fn play(
     }
     // The reader ends once the channel is drained or dropped.
     let _ = reader.await;
-    figures.held = caches.iter().map(|cache| cache.len() as u64).sum();
+    figures.held = caches.iter().map(|cache| cache.held() as u64).sum();
     Ok(figures)
 }
 
