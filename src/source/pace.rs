@@ -1,16 +1,26 @@
 //! Playing recorded time back: a recording's receive times and a trace's
-//! timestamps become waits, scaled by `--replay-speed`.
+//! timestamps become waits, scaled by `--replay-speed`, pass after pass.
 //!
-//! Invariant: each event is due at the pass's start plus its offset from the
-//! pass's first event divided by the speed, so waits never accumulate
+//! Invariants: each event is due at the pass's start plus its offset from
+//! the pass's first event divided by the speed, so waits never accumulate
 //! drift; a time earlier than the first (a clock stepped back) is due at
-//! once; at `max` nothing waits and the drain's queue paces the source.
+//! once; at `max` nothing waits and the drain's queue paces the source. A
+//! pass after the first starts with a resync, an ownerless clear of every
+//! rank, as after an engine restart; after the last pass the source holds
+//! until kvgate stops, serving the final state (an ended source would fail
+//! the gateway).
 
 use std::fmt;
+use std::future::Future;
 use std::str::FromStr;
 use std::time::Duration;
 
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use super::{DrainGone, SourceEvent, send};
 
 /// How fast recorded time is played.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -83,6 +93,45 @@ impl Pacer {
         let offset = micros.saturating_sub(first) as f64 / 1e6 / factor;
         tokio::time::sleep_until(started + Duration::from_secs_f64(offset)).await;
     }
+}
+
+/// A source played from its start, pass after pass.
+pub(crate) trait Pass {
+    /// Plays pass `number` at `pacer`'s pace (restarted for it).
+    fn play(
+        &mut self,
+        number: u64,
+        pacer: &mut Pacer,
+    ) -> impl Future<Output = Result<(), DrainGone>> + Send;
+}
+
+/// Plays `pass` once, or forever when `looped`, until `stop` is cancelled
+/// or the drain is gone.
+pub(crate) async fn play_passes(
+    speed: Speed,
+    looped: bool,
+    events: &mpsc::Sender<SourceEvent>,
+    ready: &watch::Sender<bool>,
+    stop: &CancellationToken,
+    mut pass: impl Pass,
+) {
+    let mut pacer = Pacer::new(speed);
+    for number in 0_u64.. {
+        if number > 0 && send(events, SourceEvent::Resync).await.is_err() {
+            return;
+        }
+        ready.send_replace(true);
+        pacer.restart();
+        let played = tokio::select! {
+            played = pass.play(number, &mut pacer) => played,
+            () = stop.cancelled() => return,
+        };
+        if played.is_err() || !looped {
+            break;
+        }
+    }
+    info!("played; serving the final state");
+    stop.cancelled().await;
 }
 
 #[cfg(test)]

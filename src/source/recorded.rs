@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::pace::{Pacer, Speed};
+use super::pace::{self, Pacer, Pass, Speed};
 use super::upstream::{self, Cursors, Verdict};
 use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
@@ -63,28 +63,30 @@ pub async fn run(
     loads: LoadSink,
     stop: CancellationToken,
 ) {
-    let mut pacer = Pacer::new(config.speed);
-    for pass in 0_u64.. {
-        if pass > 0 && send(&events, SourceEvent::Resync).await.is_err() {
-            return;
+    let pass = RecordingPass {
+        config: &config,
+        events: &events,
+        metrics: &metrics,
+        loads: &loads,
+    };
+    pace::play_passes(config.speed, config.looped, &events, &ready, &stop, pass).await;
+}
+
+struct RecordingPass<'a> {
+    config: &'a RecordedConfig,
+    events: &'a mpsc::Sender<SourceEvent>,
+    metrics: &'a Metrics,
+    loads: &'a LoadSink,
+}
+
+impl Pass for RecordingPass<'_> {
+    async fn play(&mut self, number: u64, pacer: &mut Pacer) -> Result<(), DrainGone> {
+        match play(self.config, pacer, self.events, self.metrics, self.loads).await? {
+            Ending::Closed => info!(pass = number, "recording played to its end"),
+            ending => warn!(pass = number, %ending, "recording played to its last intact record"),
         }
-        ready.send_replace(true);
-        pacer.restart();
-        let played = tokio::select! {
-            played = play(&config, &mut pacer, &events, &metrics, &loads) => played,
-            () = stop.cancelled() => return,
-        };
-        match played {
-            Err(DrainGone) => return,
-            Ok(Ending::Closed) => info!(pass, "recording played to its end"),
-            Ok(ending) => warn!(pass, %ending, "recording played to its last intact record"),
-        }
-        if !config.looped {
-            break;
-        }
+        Ok(())
     }
-    info!("replay done; serving its final state");
-    stop.cancelled().await;
 }
 
 /// One pass over the recording.

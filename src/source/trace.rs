@@ -27,7 +27,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::pace::{Pacer, Speed};
+use super::pace::{self, Pacer, Pass, Speed};
 use super::prefix_cache::{Admission, PrefixCache};
 use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
@@ -219,21 +219,26 @@ pub async fn run(
     ready: watch::Sender<bool>,
     stop: CancellationToken,
 ) {
-    let mut pacer = Pacer::new(config.speed);
-    for pass in 0_u64.. {
-        if pass > 0 && send(&events, SourceEvent::Resync).await.is_err() {
-            return;
-        }
-        ready.send_replace(true);
-        pacer.restart();
-        let played = tokio::select! {
-            played = play(&config, &mut pacer, &events, &metrics) => played,
-            () = stop.cancelled() => return,
-        };
-        let Ok(figures) = played else { return };
+    let pass = TracePass {
+        config: &config,
+        events: &events,
+        metrics: &metrics,
+    };
+    pace::play_passes(config.speed, config.looped, &events, &ready, &stop, pass).await;
+}
+
+struct TracePass<'a> {
+    config: &'a TraceConfig,
+    events: &'a mpsc::Sender<SourceEvent>,
+    metrics: &'a Metrics,
+}
+
+impl Pass for TracePass<'_> {
+    async fn play(&mut self, number: u64, pacer: &mut Pacer) -> Result<(), DrainGone> {
+        let figures = play(self.config, pacer, self.events, self.metrics).await?;
         let hit_rate = figures.hits as f64 / figures.blocks.max(1) as f64;
         info!(
-            pass,
+            pass = number,
             requests = figures.requests,
             malformed = figures.malformed,
             blocks = figures.blocks,
@@ -244,12 +249,8 @@ pub async fn run(
             held = figures.held,
             "trace played to its end"
         );
-        if !config.looped {
-            break;
-        }
+        Ok(())
     }
-    info!("trace done; serving the final state");
-    stop.cancelled().await;
 }
 
 /// One pass over the trace, with every rank's cache empty at the start.

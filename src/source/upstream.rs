@@ -132,8 +132,10 @@ pub(crate) fn forwarded(
     reset.into_iter().chain(events)
 }
 
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// The pause before the first retry of a lost subscription; it doubles up
+/// to [`MAX_BACKOFF`] (the recorder retries the same way).
+pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Subscribes to the upstream until `stop` is cancelled (or the drain is
 /// gone), forwarding admitted events to the drain.

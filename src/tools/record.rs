@@ -28,10 +28,8 @@ use crate::cli_values::byte_size;
 use crate::client::{Target, subscribe_requesting};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 use crate::recording::{Ending, Entry, Header, Recording, Writer, WriterLimits};
-use crate::source::upstream::{Cursors, Verdict};
+use crate::source::upstream::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
 
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// How often the progress line is redrawn.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
