@@ -297,11 +297,15 @@ impl Progress {
 
     fn line(&self, written: u64) -> String {
         let seconds = self.started.elapsed().as_secs_f64().max(1e-3);
+        let written = if written < 1 << 20 {
+            format!("{:.1} KiB", written as f64 / 1024.0)
+        } else {
+            format!("{:.1} MiB", written as f64 / f64::from(1 << 20))
+        };
         format!(
-            "{} batches, {} events, {:.1} MiB written, {:.0} events/s",
+            "{} batches, {} events, {written} written, {:.0} events/s",
             self.batches,
             self.events,
-            written as f64 / f64::from(1 << 20),
             self.events as f64 / seconds
         )
     }
