@@ -2,9 +2,10 @@
 
 .PHONY: run test lint fuzz bench load fan-out flamegraphs benchmarks image
 
-# A gateway fed by the built-in simulated engine (no GPU, no engine needed).
+# A gateway fed by the built-in simulated engine (no GPU, no engine needed),
+# on loopback only: a demo faces no network.
 run:
-	cargo run --release -- serve --demo
+	cargo run --release -- serve --demo --listen 127.0.0.1:50061
 
 # Every test of every crate: unit, golden fixtures, end to end with the real
 # binary.
@@ -22,6 +23,7 @@ bench:
 	cargo bench --bench passthrough
 	cargo bench --bench zmq_ingest
 	cargo bench --bench loopback_write
+	cargo bench --bench load_push
 
 # The load sweep of BENCHMARKS.md: a release kvgate under 1, 8, 32 and 64
 # real subscribers, at 20k events/s and at full speed; tables on stdout,

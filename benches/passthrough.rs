@@ -1,7 +1,8 @@
 //! Latency kvgate adds to a passed-through call: sequential unary calls and
 //! bidirectional-stream round trips to an echo engine on loopback, made
-//! directly and through kvgate (`--engine-grpc`), both in this process.
-//! Prints a table; `make bench` runs it.
+//! directly and through kvgate (`--engine-grpc`), both in this process; and
+//! the throughput of a stream of 1 MB messages for several
+//! `--pass-through-stream-window-bytes`. Prints tables; `make bench` runs it.
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,10 @@ struct Echo {
 type Codec = tonic_prost::ProstCodec<Echo, Echo>;
 
 const CALLS: usize = 5000;
+
+/// One message of the streamed answer, and how many a measurement reads.
+const MESSAGE_BYTES: usize = 1 << 20;
+const MESSAGES: usize = 300;
 
 async fn start_engine() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -55,9 +60,24 @@ async fn start_engine() -> String {
                 .await,
         )
     });
+    let generate = tower::service_fn(|request: http::Request<axum::body::Body>| async move {
+        let mut grpc = tonic::server::Grpc::new(Codec::default());
+        let handler = tower::service_fn(|_: Request<Echo>| async move {
+            let message = Echo {
+                text: "x".repeat(MESSAGE_BYTES),
+            };
+            let stream = futures::stream::repeat_with(move || Ok(message.clone()));
+            Ok::<_, Status>(Response::new(stream))
+        });
+        Ok::<_, std::convert::Infallible>(
+            grpc.server_streaming(handler, request.map(tonic::body::Body::new))
+                .await,
+        )
+    });
     let router = axum::Router::new()
         .route_service("/bench.Engine/Unary", unary)
-        .route_service("/bench.Engine/Chat", chat);
+        .route_service("/bench.Engine/Chat", chat)
+        .route_service("/bench.Engine/Generate", generate);
     let listener = axum::serve::ListenerExt::tap_io(listener, |stream| {
         let _ = stream.set_nodelay(true);
     });
@@ -131,28 +151,59 @@ async fn stream_latencies(channel: Channel) -> Vec<Duration> {
     samples
 }
 
-#[tokio::main]
-async fn main() {
-    if std::env::args().any(|arg| arg == "--test" || arg == "--list") {
-        return;
+/// MB/s of the best of three reads of `MESSAGES` messages of one stream.
+async fn stream_throughput(channel: Channel) -> f64 {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        grpc.ready().await.unwrap();
+        let started = Instant::now();
+        let mut stream = grpc
+            .server_streaming(
+                Request::new(Echo::default()),
+                "/bench.Engine/Generate".parse().unwrap(),
+                Codec::default(),
+            )
+            .await
+            .unwrap()
+            .into_inner();
+        for _ in 0..MESSAGES {
+            stream.message().await.unwrap().unwrap();
+        }
+        best = best.min(started.elapsed().as_secs_f64());
     }
-    let engine = start_engine().await;
-    let cli = kvgate::cli::Cli::parse_from([
+    (MESSAGES * MESSAGE_BYTES) as f64 / 1e6 / best
+}
+
+/// An in-process kvgate in front of `engine` with `extra` flags; returns
+/// a channel to it.
+async fn through_kvgate(engine: &str, extra: &[&str]) -> Channel {
+    let mut flags = vec![
         "kvgate",
         "serve",
         "--demo",
         "--listen",
         "127.0.0.1:0",
         "--engine-grpc",
-        &engine,
-    ]);
-    let kvgate::cli::Command::Serve(args) = cli.command else {
+        engine,
+    ];
+    flags.extend_from_slice(extra);
+    let kvgate::cli::Command::Serve(args) = kvgate::cli::Cli::parse_from(flags).command else {
         unreachable!()
     };
     let kvgate = kvgate::app::Gateway::start(*args).await.unwrap();
     let through = format!("http://{}", kvgate.address());
     tokio::spawn(kvgate.run(std::future::pending()));
-    let gateway = channel(&through).await;
+    channel(&through).await
+}
+
+#[tokio::main]
+async fn main() {
+    if std::env::args().any(|arg| arg == "--test" || arg == "--list") {
+        return;
+    }
+    let engine = start_engine().await;
+    let gateway = through_kvgate(&engine, &[]).await;
     println!("{CALLS} sequential calls each, after 500 of warm-up; loopback, this process");
     println!(
         "{:<28} {:>10} {:>10} {:>10} {:>10}",
@@ -182,6 +233,26 @@ async fn main() {
             micros(v99) - micros(d99),
             micros(v50),
             micros(v99),
+        );
+    }
+    println!();
+    println!("a stream of {MESSAGES} messages of 1 MB, best of three");
+    println!("{:<40} {:>8}", "", "MB/s");
+    let direct = stream_throughput(channel(&engine).await).await;
+    println!("{:<40} {direct:>8.0}", "direct");
+    // 512 streams leave room for a 2 MiB window under HTTP/2's largest
+    // connection window.
+    for window in ["256KiB", "1MiB", "2MiB"] {
+        let flags = [
+            "--pass-through-stream-window-bytes",
+            window,
+            "--pass-through-max-streams",
+            "512",
+        ];
+        let through = stream_throughput(through_kvgate(&engine, &flags).await).await;
+        println!(
+            "{:<40} {through:>8.0}",
+            format!("through kvgate, {window} window")
         );
     }
 }

@@ -25,22 +25,25 @@ use crate::drain::Drain;
 use crate::drain::batcher::BatchLimits;
 use crate::health::HealthWatch;
 use crate::hub::{HistoryLimits, HubWriter, hub};
-use crate::load::empty_board;
+use crate::load::BoardWriter;
 use crate::load::engine::EngineLoads;
 use crate::load::poller::{self, PollerConfig};
+use crate::load::push::PushConfig;
 use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::server::admin::{self, AdminState};
+use crate::server::admin_connection::AdminLimits;
 use crate::server::auth::Tokens;
 use crate::server::connection::ConnectionLimits;
-use crate::server::passthrough::PassThrough;
+use crate::server::passthrough::{PassThrough, PassThroughLimits};
 use crate::server::reload::{self, Credentials};
 use crate::server::tls::{ServerTlsFiles, TlsAcceptor};
 use crate::server::{self, ServerParts};
 use crate::source::SourceEvent;
 use crate::supervisor::{Supervisor, TaskFailure, TaskName};
-use source::{choose_source, start_source};
+use crate::usage::UsageError;
+use source::{choose_load_push, choose_source, start_source};
 
 pub mod metric_labels;
 mod source;
@@ -189,27 +192,31 @@ impl Gateway {
     }
 }
 
+/// The pass-through's limits; checked even without `--engine-grpc`, so a
+/// combination that cannot work fails before the flag is first used.
+fn pass_through_limits(args: &ServeArgs) -> anyhow::Result<PassThroughLimits> {
+    let limits = PassThroughLimits {
+        max_path_bytes: args.pass_through_max_path_bytes as usize,
+        max_streams: args.pass_through_max_streams,
+        stream_window: u32::try_from(args.pass_through_stream_window_bytes)
+            .expect("the flag's range fits a u32"),
+    };
+    limits.connection_window().map_err(|error| {
+        UsageError(format!(
+            "--pass-through-max-streams {} with --pass-through-stream-window-bytes {}: {error}",
+            args.pass_through_max_streams, args.pass_through_stream_window_bytes
+        ))
+    })?;
+    Ok(limits)
+}
+
 /// Binds every port, then starts the source, drain, admin and gRPC servers
 /// and the demo engine under `supervisor`.
 async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new(metric_labels::closed_labels());
-    let (source_config, demo) = choose_source(&args).await?;
-    let source: Arc<str> = source_config.to_string().into();
-
-    server::fd_limit::ensure_room_for(args.max_connections, args.dp_size)
-        .with_context(|| format!("--max-connections {}", args.max_connections))?;
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
-    let address = listener.local_addr()?;
-    let admin_listener = match args.metrics_listen {
-        Some(address) => Some(
-            TcpListener::bind(address)
-                .await
-                .with_context(|| format!("--metrics-listen {address}: cannot listen"))?,
-        ),
-        None => None,
-    };
+    // Every flag and every file a flag names is checked before anything
+    // binds or starts (the demo engine included): a bad one fails alone.
+    let pass_through_limits = pass_through_limits(&args)?;
     let engine_tls = TlsPaths {
         ca: args.engine_tls_ca.clone(),
         cert: args.engine_tls_cert.clone(),
@@ -223,12 +230,40 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 target,
                 &engine_tls,
                 ENGINE_FLAGS,
-                args.pass_through_max_path_bytes as usize,
+                pass_through_limits,
                 metrics.clone(),
             )
         })
         .transpose()?;
     let credentials = server_credentials(&args, &metrics)?;
+    let admin_connections = args
+        .metrics_listen
+        .as_ref()
+        .map_or(0, |_| args.metrics_max_connections);
+    server::fd_limit::ensure_room_for(args.max_connections, admin_connections, args.dp_size)
+        .with_context(|| match args.metrics_listen {
+            Some(_) => format!(
+                "--max-connections {} with --metrics-max-connections {}",
+                args.max_connections, args.metrics_max_connections
+            ),
+            None => format!("--max-connections {}", args.max_connections),
+        })?;
+    let (source_config, demo) = choose_source(&args).await?;
+    let load_push = choose_load_push(&args, demo.as_ref())?;
+    let source: Arc<str> = source_config.to_string().into();
+
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}: cannot listen", args.listen))?;
+    let address = listener.local_addr()?;
+    let admin_listener = match args.metrics_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .with_context(|| format!("--metrics-listen {address}: cannot listen"))?,
+        ),
+        None => None,
+    };
     let load_engine = pass_through
         .as_ref()
         .filter(|_| args.load_poll_ms > 0)
@@ -259,21 +294,12 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         supervisor,
     )
     .await?;
-    let polled_loads = load_engine.map(|engine| {
-        let config = PollerConfig {
-            interval: Duration::from_millis(args.load_poll_ms),
-            kind: args.engine_kind,
-            ranks: args.dp_size,
-        };
-        let (board, feed) = watch::channel(empty_board(args.dp_size));
-        let (stop, metrics) = (supervisor.stopping(), metrics.clone());
-        supervisor.spawn(TaskName::LoadPoller, async move {
-            poller::run(config, engine, board, metrics, stop).await;
-            Ok(())
-        });
-        LoadRecords::new(feed)
-    });
-    let load_records = polled_loads.or(replayed_loads);
+    // The engine's own load, when it is reachable, or else what the
+    // recording played carries.
+    let heartbeat = Duration::from_millis(args.load_heartbeat_ms);
+    let load_records = start_load(supervisor, &args, load_push, load_engine, &metrics)
+        .await?
+        .or_else(|| replayed_loads.map(|feed| LoadRecords::new(feed, heartbeat)));
     spawn_drain(
         supervisor,
         &args,
@@ -291,7 +317,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 source: Arc::clone(&source),
                 started: Instant::now(),
             };
-            spawn_admin(supervisor, listener, state)
+            spawn_admin(supervisor, listener, state, admin_limits(&args))
         })
         .transpose()?;
     let parts = ServerParts {
@@ -338,6 +364,50 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     })
 }
 
+/// Starts the engine's load sources, pushed first and polled as fallback;
+/// `None` when there is neither.
+async fn start_load(
+    supervisor: &Supervisor,
+    args: &ServeArgs,
+    push: Option<PushConfig>,
+    poll: Option<EngineLoads>,
+    metrics: &Metrics,
+) -> anyhow::Result<Option<LoadRecords>> {
+    if push.is_none() && poll.is_none() {
+        return Ok(None);
+    }
+    let stale = push
+        .as_ref()
+        .map(|_| Duration::from_millis(args.load_push_stale_ms));
+    let (board, feed) = BoardWriter::new(args.dp_size, stale);
+    if let Some(push) = push {
+        let flags = if args.demo {
+            "the demo engine's load publisher".to_owned()
+        } else {
+            format!(
+                "--zmq-load-endpoint {} with --dp-size {}",
+                push.endpoint, args.dp_size
+            )
+        };
+        push.start(board.clone(), metrics, supervisor)
+            .await
+            .context(flags)?;
+    }
+    if let Some(engine) = poll {
+        let config = PollerConfig {
+            interval: Duration::from_millis(args.load_poll_ms),
+            kind: args.engine_kind,
+        };
+        let (stop, metrics) = (supervisor.stopping(), metrics.clone());
+        supervisor.spawn(TaskName::LoadPoller, async move {
+            poller::run(config, engine, board, metrics, stop).await;
+            Ok(())
+        });
+    }
+    let heartbeat = Duration::from_millis(args.load_heartbeat_ms);
+    Ok(Some(LoadRecords::new(feed, heartbeat)))
+}
+
 /// The bounds of every gRPC connection, as the flags set them.
 fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
     ConnectionLimits {
@@ -352,6 +422,15 @@ fn connection_limits(args: &ServeArgs) -> ConnectionLimits {
     }
 }
 
+/// The bounds of every admin port connection, as the flags set them.
+fn admin_limits(args: &ServeArgs) -> AdminLimits {
+    AdminLimits {
+        max_connections: args.metrics_max_connections,
+        header_timeout: Duration::from_millis(args.metrics_header_timeout_ms),
+        idle_timeout: Duration::from_millis(args.metrics_idle_timeout_ms),
+    }
+}
+
 /// A wildcard listen address is reached on loopback.
 fn display_address(address: std::net::SocketAddr) -> String {
     if address.ip().is_unspecified() {
@@ -361,8 +440,13 @@ fn display_address(address: std::net::SocketAddr) -> String {
     }
 }
 
-/// TLS on the gRPC port and bearer tokens, read and checked now.
+/// TLS on the gRPC port and bearer tokens, read and checked now: a file
+/// that will not do is a usage error naming its flag.
 fn server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
+    read_server_credentials(args, metrics).map_err(|error| UsageError::from_error(&error).into())
+}
+
+fn read_server_credentials(args: &ServeArgs, metrics: &Metrics) -> anyhow::Result<Credentials> {
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
             let files = ServerTlsFiles {
@@ -414,11 +498,13 @@ fn spawn_admin(
     supervisor: &Supervisor,
     listener: TcpListener,
     state: AdminState,
+    limits: AdminLimits,
 ) -> std::io::Result<SocketAddr> {
     let address = listener.local_addr()?;
     let stop = supervisor.stopping().cancelled_owned();
     supervisor.spawn(TaskName::AdminServer, async move {
-        Ok(admin::serve(listener, state, stop).await?)
+        admin::serve(listener, state, limits, stop).await;
+        Ok(())
     });
     Ok(address)
 }

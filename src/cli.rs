@@ -1,10 +1,13 @@
 //! Command line: every flag of `kvgate serve` can also come from a
 //! `KVGATE_…` environment variable (handy in a Kubernetes sidecar manifest).
 //! Values are checked here, so a bad one fails at start naming its flag.
+//! A boolean flag's variable takes what Kubernetes users write: `1`/`0`,
+//! `true`/`false`, `yes`/`no`, `on`/`off` (any case).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand};
 
 use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
@@ -48,8 +51,9 @@ pub enum Command {
     Status(crate::tools::status::StatusArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(crate::tools::shell::CompletionsArgs),
-    /// Print the man page (roff), e.g. `kvgate man | man -l -`.
-    Man,
+    /// Print a man page (roff), e.g. `kvgate man serve | man -l -`, or write
+    /// every page with --dir.
+    Man(crate::tools::shell::ManArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -89,7 +93,9 @@ pub struct ServeArgs {
     )]
     pub upstream_service: String,
 
-    /// Number of data-parallel ranks, each with its own publisher.
+    /// Number of data-parallel ranks, each with its own publisher (with
+    /// --upstream-grpc, the ranks taken from the upstream: a batch for any
+    /// other is dropped and counted).
     #[arg(long, env = "KVGATE_DP_SIZE", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub dp_size: u32,
@@ -113,6 +119,26 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub zmq_replay_timeout_ms: u64,
 
+    /// Most milliseconds one replay fetch (priming, or filling one gap) may
+    /// take in all, over every request it needs; the rank's live messages
+    /// wait meanwhile.
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_FETCH_TIMEOUT_MS",
+          default_value_t = crate::source::replay::DEFAULT_FETCH_TIMEOUT.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub zmq_replay_fetch_timeout_ms: u64,
+
+    /// Most messages one replay fetch forwards; the rest counts as lost.
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_MAX_MESSAGES",
+          default_value_t = crate::source::replay::DEFAULT_MAX_MESSAGES,
+          value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub zmq_replay_max_messages: u64,
+
+    /// Most payload bytes one replay fetch forwards, e.g. 64MiB; at most
+    /// --history-bytes (the default is the smaller of 64MiB and that).
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_MAX_BYTES", value_name = "SIZE",
+          value_parser = byte_size(4096..=(64 << 30)))]
+    pub zmq_replay_max_bytes: Option<u64>,
+
     /// Largest ZMQ message (all frames) accepted from the engine's publisher
     /// or replay endpoint, e.g. 64MiB; a peer announcing more is disconnected
     /// before anything is allocated for it. The default is several times the
@@ -128,7 +154,7 @@ pub struct ServeArgs {
 
     /// Bind the endpoint and let the engine connect (when the engine was given
     /// a concrete host rather than a wildcard, it connects out).
-    #[arg(long, env = "KVGATE_ZMQ_BIND")]
+    #[arg(long, env = "KVGATE_ZMQ_BIND", value_parser = BoolishValueParser::new())]
     pub zmq_bind: bool,
 
     /// Most events in one outgoing batch.
@@ -178,8 +204,9 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
 
-    /// How often to poll the engine's GetLoads (with --engine-grpc) and push
-    /// its load to every subscriber on the stream; 0 turns load records off.
+    /// How often to poll the engine's GetLoads (with --engine-grpc) for
+    /// every rank whose load is not pushed (--zmq-load-endpoint), to put it
+    /// on every subscriber's stream; 0 turns polling off.
     #[arg(long, env = "KVGATE_LOAD_POLL_MS", default_value_t = 100,
           value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub load_poll_ms: u64,
@@ -190,14 +217,63 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     pub load_poll_timeout_ms: u64,
 
+    /// The engine's load publisher for rank 0 (SGLang's
+    /// --load-publish-endpoint, e.g. tcp://127.0.0.1:5558); rank r is at
+    /// port + r, or give it once per rank like --zmq-endpoint. Each pushed
+    /// stat reaches the stream at once; GetLoads is polled only for ranks
+    /// whose pushes go silent.
+    #[arg(
+        long,
+        env = "KVGATE_ZMQ_LOAD_ENDPOINT",
+        value_name = "URI",
+        value_delimiter = ',',
+        conflicts_with_all = ["demo", "upstream_grpc"]
+    )]
+    pub zmq_load_endpoint: Vec<TcpEndpoint>,
+
+    /// Milliseconds a rank's load push may be silent before kvgate polls
+    /// that rank's GetLoads instead (with --engine-grpc), until pushes
+    /// return. The engine re-sends an unchanged stat every second.
+    #[arg(long, env = "KVGATE_LOAD_PUSH_STALE_MS", default_value_t = 3000,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub load_push_stale_ms: u64,
+
+    /// Milliseconds between two load_only batches repeating a rank's
+    /// unchanged record; keep it at or below the router's
+    /// --load-monitor-interval, or the router polls the engine itself.
+    #[arg(long, env = "KVGATE_LOAD_HEARTBEAT_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(100..=60_000))]
+    pub load_heartbeat_ms: u64,
+
     /// Which engine serves --engine-grpc, for GetLoads (detected by trying
     /// each engine's service when not given; trtllm has no GetLoads).
     #[arg(long, env = "KVGATE_ENGINE_KIND", value_enum, value_name = "KIND")]
     pub engine_kind: Option<crate::load::engine::EngineKind>,
 
-    /// Where to serve Prometheus /metrics, /healthz and /status over HTTP.
-    #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR")]
+    /// Where to serve Prometheus /metrics, /healthz and /status over HTTP:
+    /// IP:PORT or HOST:PORT, as --listen.
+    #[arg(long, env = "KVGATE_METRICS_LISTEN", value_name = "ADDR",
+          value_parser = parse_listen_address)]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// Most connections open on the metrics port; one more is answered 503
+    /// and closed at once.
+    #[arg(long, env = "KVGATE_METRICS_MAX_CONNECTIONS", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub metrics_max_connections: u32,
+
+    /// Most milliseconds a metrics-port client may take to send a request's
+    /// headers (counted from the connection's start, or from the previous
+    /// response: an idle keep-alive connection is closed after it too).
+    #[arg(long, env = "KVGATE_METRICS_HEADER_TIMEOUT_MS", default_value_t = 5_000,
+          value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub metrics_header_timeout_ms: u64,
+
+    /// A metrics-port connection that moves no byte either way for this many
+    /// milliseconds (a client that stopped reading) is closed.
+    #[arg(long, env = "KVGATE_METRICS_IDLE_TIMEOUT_MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(10..=86_400_000))]
+    pub metrics_idle_timeout_ms: u64,
 
     /// Serve gRPC over TLS with this certificate chain (PEM); re-read on
     /// SIGHUP.
@@ -228,8 +304,9 @@ pub struct ServeArgs {
     )]
     pub tls_client_ca: Option<PathBuf>,
 
-    /// Bearer tokens, one a line (# comments): every RPC but health then
-    /// needs `authorization: Bearer <token>`; re-read on SIGHUP.
+    /// Bearer tokens, one a line (# comments): every RPC but health and
+    /// reflection then needs `authorization: Bearer <token>`; re-read on
+    /// SIGHUP.
     #[arg(long, env = "KVGATE_AUTH_TOKEN_FILE", value_name = "PATH")]
     pub auth_token_file: Option<PathBuf>,
 
@@ -270,7 +347,7 @@ pub struct ServeArgs {
 
     /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
     /// real one: live events with no GPU.
-    #[arg(long, env = "KVGATE_DEMO")]
+    #[arg(long, env = "KVGATE_DEMO", value_parser = BoolishValueParser::new())]
     pub demo: bool,
 
     /// Play a recording (`kvgate record --out FILE`) as the engine: one
@@ -367,6 +444,70 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_PASS_THROUGH_MAX_PATH_BYTES", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(64..=16_384))]
     pub pass_through_max_path_bytes: u32,
+
+    /// Most calls passed through to the engine at once; one more gets
+    /// RESOURCE_EXHAUSTED. Times --pass-through-stream-window-bytes, it is
+    /// the engine connection's window and the most that unread responses
+    /// hold (at most 2 GiB - 1).
+    #[arg(long, env = "KVGATE_PASS_THROUGH_MAX_STREAMS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub pass_through_max_streams: u32,
+
+    /// Response bytes one passed-through call holds from the engine while
+    /// its client does not read, e.g. 1MiB (its HTTP/2 receive window;
+    /// smaller ones can slow big streamed messages to a crawl).
+    #[arg(long, env = "KVGATE_PASS_THROUGH_STREAM_WINDOW_BYTES", default_value = "256KiB",
+          value_name = "SIZE", value_parser = byte_size((256 << 10)..=(16 << 20)))]
+    pub pass_through_stream_window_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    /// Every argument of every subcommand.
+    fn arguments(command: &clap::Command) -> Vec<clap::Arg> {
+        let mut found: Vec<clap::Arg> = command.get_arguments().cloned().collect();
+        for sub in command.get_subcommands() {
+            found.extend(arguments(sub));
+        }
+        found
+    }
+
+    #[test]
+    fn every_boolean_flag_with_a_variable_takes_one_zero_yes_no_on_off() {
+        let command = Cli::command();
+        let flags: Vec<clap::Arg> = arguments(&command)
+            .into_iter()
+            .filter(|arg| {
+                matches!(arg.get_action(), clap::ArgAction::SetTrue) && arg.get_env().is_some()
+            })
+            .collect();
+        assert!(flags.len() >= 2, "--demo and --zmq-bind at least");
+        for arg in flags {
+            for (text, expected) in [
+                ("1", true),
+                ("yes", true),
+                ("On", true),
+                ("TRUE", true),
+                ("0", false),
+                ("no", false),
+                ("off", false),
+                ("false", false),
+            ] {
+                // A default goes through the same value parser as the
+                // variable's value, without touching the environment.
+                let id = arg.get_id().as_str();
+                let parsed = clap::Command::new("kvgate")
+                    .arg(arg.clone().env(None::<&str>).default_value(text))
+                    .try_get_matches_from(["kvgate"])
+                    .unwrap_or_else(|error| panic!("--{id} refuses {text}: {error}"));
+                assert_eq!(parsed.get_flag(id), expected, "--{id} {text}");
+            }
+        }
+    }
 }
 
 /// `--replay-speed`: a factor or `max`.

@@ -26,8 +26,10 @@ pub fn byte_size(range: RangeInclusive<u64>) -> impl TypedValueParser<Value = u6
 }
 
 /// A size in bytes as the README writes it: `2MiB`, `256MiB`, `4096`;
-/// binary `KiB MiB GiB TiB` (also Kubernetes' `Ki Mi Gi Ti`) or decimal
-/// `kB MB GB TB`.
+/// units in any case. Binary, 1024-based: `KiB MiB GiB TiB` and
+/// Kubernetes' `Ki Mi Gi Ti`; decimal, 1000-based: `kB MB GB TB` and
+/// Kubernetes' `k M G T` (so `2mb` is 2,000,000 bytes, `2Mi` 2,097,152).
+/// A bare lower-case `m` is refused: Kubernetes reads it as milli.
 pub fn parse_byte_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let digits = text
@@ -37,19 +39,25 @@ pub fn parse_byte_size(text: &str) -> Result<u64, String> {
     let number: u64 = number
         .parse()
         .map_err(|_| format!("{text:?} is not a size (e.g. 4096, 2MiB, 256MiB)"))?;
-    let multiplier: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "Ki" => 1 << 10,
-        "MiB" | "Mi" => 1 << 20,
-        "GiB" | "Gi" => 1 << 30,
-        "TiB" | "Ti" => 1 << 40,
-        "kB" | "KB" | "k" | "K" => 1_000,
-        "MB" | "M" => 1_000_000,
-        "GB" | "G" => 1_000_000_000,
-        "TB" | "T" => 1_000_000_000_000,
-        other => {
+    let unit = unit.trim();
+    if unit == "m" {
+        return Err(format!(
+            "{text:?}: a bare m is milli in Kubernetes; write M or MB (10^6 bytes) or Mi or MiB (2^20)"
+        ));
+    }
+    let multiplier: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" | "ki" => 1 << 10,
+        "mib" | "mi" => 1 << 20,
+        "gib" | "gi" => 1 << 30,
+        "tib" | "ti" => 1 << 40,
+        "kb" | "k" => 1_000,
+        "mb" | "m" => 1_000_000,
+        "gb" | "g" => 1_000_000_000,
+        "tb" | "t" => 1_000_000_000_000,
+        _ => {
             return Err(format!(
-                "unknown unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB)"
+                "unknown unit {unit:?} in {text:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB, in any case)"
             ));
         }
     };
@@ -142,6 +150,14 @@ mod tests {
             ("64KiB", 64 << 10),
             ("10MB", 10_000_000),
             ("512B", 512),
+            ("2mb", 2_000_000),
+            ("2MB", 2_000_000),
+            ("2M", 2_000_000),
+            ("2mib", 2 << 20),
+            ("2MI", 2 << 20),
+            ("64kb", 64_000),
+            ("64k", 64_000),
+            ("1gi", 1 << 30),
         ] {
             assert_eq!(parse_byte_size(text), Ok(bytes), "{text}");
         }
@@ -155,6 +171,7 @@ mod tests {
                 .contains("unknown unit")
         );
         assert!(parse_byte_size("MiB").unwrap_err().contains("not a size"));
+        assert!(parse_byte_size("2m").unwrap_err().contains("milli"));
         assert!(parse_byte_size("-1").unwrap_err().contains("not a size"));
         assert!(
             parse_byte_size("99999999999TiB")

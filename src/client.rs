@@ -3,10 +3,11 @@
 //! with a bearer token when given one.
 //!
 //! Invariant: credentials are read and checked when the target is built
-//! (at start), so a bad flag fails naming it before anything connects; an
-//! `https://` target always verifies the server against the CA it was given
-//! (there is no "insecure" mode), and a TLS flag on a plaintext target is
-//! refused rather than ignored.
+//! (at start), so a bad flag fails naming it before anything connects (a
+//! [`UsageError`]); an `https://` target always verifies the server against
+//! the CA it was given (there is no "insecure" mode), and a TLS flag on a
+//! plaintext target is refused rather than ignored. A connection or call that fails is
+//! explained in one line naming the cause and the flag to change.
 
 use std::path::PathBuf;
 use std::task::{Context, Poll};
@@ -20,15 +21,17 @@ use tonic::codec::{Codec, Streaming};
 use tonic::transport::{Channel, Endpoint};
 use tower::Service;
 
+use crate::connect_error::Cause;
 use crate::pem::{self, FlagFile};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 use crate::token_file::read_tokens;
+use crate::usage_error::UsageError;
 
 /// The connector of every outgoing connection: TLS for `https://`.
 pub type Connector = HttpsConnector<HttpConnector>;
 
-/// The HTTP/2 client of every call to the engine (pass-through and
-/// `GetLoads` polls share its connection).
+/// An HTTP/2 client of calls to the engine (forwarded calls and kvgate's
+/// own `GetLoads` polls each have one, on connections of their own).
 pub type EngineTransport = hyper_util::client::legacy::Client<Connector, Body>;
 
 /// The flags a client's TLS files come from, for error messages.
@@ -62,14 +65,41 @@ impl TlsPaths {
 }
 
 /// The connector for `uri`: plaintext for `http://`, TLS verified against
-/// the CA (and with the client certificate, if any) for `https://`.
+/// the CA (and with the client certificate, if any) for `https://`. Every
+/// error is a [`UsageError`] naming the flag.
 pub fn connector(uri: &http::Uri, paths: &TlsPaths, flags: TlsFlags) -> anyhow::Result<Connector> {
+    tls_connector(uri, paths, flags).map_err(|error| UsageError::from_error(&error).into())
+}
+
+fn tls_connector(uri: &http::Uri, paths: &TlsPaths, flags: TlsFlags) -> anyhow::Result<Connector> {
+    match (&paths.cert, &paths.key) {
+        (Some(_), None) => anyhow::bail!(
+            "{} needs {} (the client certificate's private key)",
+            flags.cert,
+            flags.key
+        ),
+        (None, Some(_)) => anyhow::bail!(
+            "{} needs {} (the client certificate it belongs to)",
+            flags.key,
+            flags.cert
+        ),
+        _ => {}
+    }
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     // The TLS layer above handles https:// itself.
     http.enforce_http(false);
     let config = match uri.scheme_str() {
         Some("http") => {
+            if paths.ca.is_none() && paths.any() {
+                anyhow::bail!(
+                    "{} and {} are for TLS: add {} (the CA that signed the server's certificate) \
+                     and connect to https://",
+                    flags.cert,
+                    flags.key,
+                    flags.ca
+                );
+            }
             if paths.any() {
                 anyhow::bail!(
                     "{} {uri} is plaintext: TLS files ({}, {}, {}) need an https:// URI",
@@ -147,6 +177,8 @@ pub struct Target {
     /// The address as the user wrote it, for errors that name their flag.
     given: String,
     flags: TlsFlags,
+    /// Whether a client certificate is presented (TLS only).
+    client_certificate: bool,
     connector: Connector,
     authorization: Option<HeaderValue>,
 }
@@ -170,31 +202,113 @@ impl Target {
         };
         let uri: http::Uri = address
             .parse()
-            .map_err(|error| anyhow::anyhow!("{} {address}: {error}", flags.uri))?;
+            .map_err(|error| UsageError(format!("{} {address}: {error}", flags.uri)))?;
         let connector = connector(&uri, paths, flags)?;
         let authorization = token_file
             .map(|file| {
-                let token = read_tokens(&file)?.swap_remove(0);
+                let token = read_tokens(&file)
+                    .map_err(|error| UsageError::from_error(&error))?
+                    .swap_remove(0);
                 HeaderValue::from_str(&format!("Bearer {token}"))
                     .map(|mut value| {
                         value.set_sensitive(true);
                         value
                     })
-                    .map_err(|_| anyhow::anyhow!("{file}: not a usable token"))
+                    .map_err(|_| UsageError(format!("{file}: not a usable token")))
             })
             .transpose()?;
         Ok(Self {
             uri,
             given,
             flags,
+            client_certificate: paths.cert.is_some(),
             connector,
             authorization,
         })
     }
 
+    /// A failed call (`error`, with its chain) as one line naming the
+    /// cause and the flag to change.
+    pub fn explain(&self, error: &(dyn std::error::Error + 'static)) -> String {
+        format!("{} {}: {}", self.flags.uri, self.given, self.why(error))
+    }
+
+    fn why(&self, error: &(dyn std::error::Error + 'static)) -> String {
+        let flags = self.flags;
+        let tls = self.uri.scheme_str() == Some("https");
+        let host = self.uri.host().unwrap_or_default();
+        match (crate::connect_error::cause(error), tls) {
+            (Cause::Refused, _) => format!(
+                "connection refused: nothing listens there (is the server running, and is {} right?)",
+                flags.uri
+            ),
+            // TLS 1.3 finishes the client's handshake before the server has
+            // checked its certificate; the server's refusal then shows as its
+            // alert or, when the client wrote first, as a closed connection.
+            (Cause::ClientCertificateRequired, _) | (Cause::Closed, true)
+                if !self.client_certificate =>
+            {
+                format!(
+                    "the server requires a client certificate: add {} and {}",
+                    flags.cert, flags.key
+                )
+            }
+            (Cause::ClientCertificateRefused | Cause::Closed, true) => format!(
+                "the server does not trust the client certificate ({}): use one signed by the CA \
+                 the server requires of its clients",
+                flags.cert
+            ),
+            (Cause::ServerCertificateUntrusted, _) => format!(
+                "the server's certificate is not signed by the CA in {}: give the CA that signed it",
+                flags.ca
+            ),
+            (Cause::ServerCertificateWrongName, _) => format!(
+                "the server's certificate does not name {host}: connect by a name or address it \
+                 lists ({})",
+                flags.uri
+            ),
+            (Cause::ServerCertificateExpired, _) => {
+                "the server's certificate has expired or is not valid yet".to_owned()
+            }
+            (Cause::ServerNotTls, _) => format!(
+                "the server is not speaking TLS: drop {} or use http://",
+                flags.ca
+            ),
+            (Cause::ServerNotPlaintextHttp2 | Cause::Closed, false) => format!(
+                "the server did not answer plaintext HTTP/2 (it may require TLS): add {} with the CA \
+                 that signed its certificate, or use https://",
+                flags.ca
+            ),
+            _ => crate::connect_error::describe(error),
+        }
+    }
+
+    /// A failed call's status as one line: the server's own status as
+    /// grpcurl shows it, or, when the call never reached the server,
+    /// [`Self::explain`].
+    pub fn explain_status(&self, status: &tonic::Status) -> String {
+        match crate::connect_error::transport_failure(status) {
+            Some(failure) => self.explain(failure),
+            None => crate::connect_error::describe_status(status),
+        }
+    }
+
     /// The URI connected to.
     pub fn uri(&self) -> &http::Uri {
         &self.uri
+    }
+
+    /// A channel that connects at its first call, so that call's failure
+    /// is the one connection attempt a command makes (no handshake made
+    /// ahead of it for the server to refuse as well); explain it with
+    /// [`Self::explain_status`].
+    pub fn connect_lazily(&self) -> Authorized {
+        let channel =
+            Endpoint::from(self.uri.clone()).connect_with_connector_lazy(self.connector.clone());
+        Authorized {
+            channel,
+            authorization: self.authorization.clone(),
+        }
     }
 
     /// Connects (and completes the TLS handshake, if any).
@@ -207,7 +321,7 @@ impl Target {
                     "{} {}: cannot connect: {}",
                     self.flags.uri,
                     self.given,
-                    crate::connect_error::describe(&error)
+                    self.why(&error)
                 )
             })?;
         Ok(Authorized {

@@ -15,7 +15,7 @@
 
 pub mod app;
 pub mod cli;
-pub(crate) mod cli_values;
+pub mod cli_values;
 pub mod client;
 pub mod clock;
 pub(crate) mod connect_error;
@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod pem;
 pub mod proto;
 pub mod recording;
+pub mod router_rules;
 pub mod server;
 pub mod source;
 pub mod state;
@@ -37,4 +38,5 @@ pub(crate) mod supervisor;
 pub(crate) mod token_file;
 pub mod tools;
 pub mod usage;
+pub mod usage_error;
 pub mod wire;

@@ -12,9 +12,9 @@ use tracing_subscriber::EnvFilter;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 /// How log lines are written on stderr.
 pub enum LogFormat {
-    /// One human-readable line an event.
+    /// One human-readable line per log event.
     Text,
-    /// One JSON object a line.
+    /// One JSON object per line.
     Json,
 }
 

@@ -1,6 +1,7 @@
 use std::time::Duration;
 
-use kvgate::cli::Command;
+use clap::CommandFactory;
+use kvgate::cli::{Cli, Command};
 
 /// How long tasks still running once a command is done (the gateway already
 /// gave them its shutdown grace) may keep the process alive.
@@ -22,8 +23,8 @@ fn main() -> std::process::ExitCode {
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
             Command::Record(args) => kvgate::tools::record::run(*args, shutdown_signal()).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,
-            Command::Completions(args) => kvgate::tools::shell::completions(args),
-            Command::Man => kvgate::tools::shell::man(),
+            Command::Completions(args) => kvgate::tools::shell::completions(args, Cli::command()),
+            Command::Man(args) => kvgate::tools::shell::man(args, Cli::command()),
         }
     });
     // Dropping the runtime would wait for a task stuck in a loop forever.

@@ -39,6 +39,8 @@ pub enum TaskName {
     DemoEngine,
     /// The engine's `GetLoads` poller.
     LoadPoller,
+    /// The engine's load publisher socket of one data-parallel rank.
+    LoadPush(u32),
     /// Re-reads certificates and tokens on SIGHUP (and when they change).
     CredentialReloader,
 }
@@ -55,6 +57,7 @@ impl fmt::Display for TaskName {
             Self::AdminServer => f.write_str("admin HTTP server"),
             Self::DemoEngine => f.write_str("demo engine"),
             Self::LoadPoller => f.write_str("load poller"),
+            Self::LoadPush(rank) => write!(f, "load publisher socket of rank {rank}"),
             Self::CredentialReloader => f.write_str("credential reloader"),
         }
     }

@@ -11,14 +11,7 @@ use clap::{CommandFactory, FromArgMatches};
 
 use crate::cli::Cli;
 
-/// Exit code of every usage error.
-pub const USAGE_EXIT_CODE: u8 = 2;
-
-/// A flag value kvgate cannot run with, found after parsing (a combination
-/// of flags, or a check that needs more than one value).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
+pub use crate::usage_error::{USAGE_EXIT_CODE, UsageError};
 
 /// The exit code for `error`: [`USAGE_EXIT_CODE`] when it is a usage error.
 pub fn exit_code(error: &anyhow::Error) -> std::process::ExitCode {

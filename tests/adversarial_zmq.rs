@@ -110,27 +110,8 @@ async fn closed_by_kvgate(mut stream: TcpStream) {
     closed.await.expect("kvgate closed the connection");
 }
 
-/// `VmRSS` of a live (not zombie) process, in KiB.
-fn live_rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("kvgate runs");
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(name))
-            .map(str::trim)
-            .unwrap_or_else(|| panic!("{name} in /proc/{pid}/status"))
-            .to_owned()
-    };
-    assert!(!field("State:").starts_with('Z'), "kvgate died");
-    field("VmRSS:")
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap()
-}
-
 fn assert_alive_and_small(gateway: &Gateway) {
-    let rss = live_rss_kib(gateway.pid());
+    let rss = common::live_rss_kib(gateway.pid());
     assert!(
         rss < RSS_BOUND_KIB,
         "kvgate holds {rss} KiB after the attacks"

@@ -1,7 +1,8 @@
 //! The engine's load on the stream (contract section 6), end to end: the real
-//! binary in front of a real tonic test engine serving `GetLoads`, real ZMQ
-//! publishers and real tonic subscribers; and data-parallel ranks on several
-//! hosts (contract section 2).
+//! binary in front of a real tonic test engine serving `GetLoads` and real
+//! ZMQ load publishers sending SGLang's `LoadStat`, real ZMQ KV publishers
+//! and real tonic subscribers; and data-parallel ranks on several hosts
+//! (contract section 2).
 
 mod common;
 
@@ -14,7 +15,7 @@ use common::{DEADLINE, Gateway, is_load_only, next_batch};
 use kvgate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 use kvgate::proto::sglang::grpc::scheduler as sglang;
 use kvgate::proto::vllm::grpc::engine as vllm;
-use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
+use kvgate_sim::{EnginePublisher, LOAD_TOPIC, LoadStat, PublisherOptions, SimConfig, SimEngine};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::codec::Streaming;
@@ -304,7 +305,7 @@ async fn every_stream_gets_the_engines_load_and_a_change_reaches_each_without_an
         assert!(is_load_only(&changed));
     }
     assert!(metric(&gateway, "kvgate_load_only_batches_total").await >= 2.0);
-    assert!(metric(&gateway, "kvgate_load_records_sent_total").await >= 2.0);
+    assert!(metric(&gateway, "kvgate_load_records_sent_total{source=\"poll\"}").await >= 2.0);
     assert!(metric(&gateway, "kvgate_load_polls_total{outcome=\"ok\"}").await >= 1.0);
 }
 
@@ -332,7 +333,7 @@ async fn heartbeats_repeat_an_unchanged_record_with_the_age_of_its_poll() {
     .await;
     assert_eq!(running(&aged), Some(2));
     assert!(metric(&gateway, "kvgate_load_polls_total{outcome=\"error\"}").await >= 1.0);
-    assert!(metric(&gateway, "kvgate_load_poll_age_seconds").await >= 1.0);
+    wait_for_metric(&gateway, "kvgate_load_poll_age_seconds", 1.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -662,6 +663,423 @@ fn a_dp_size_that_disagrees_with_the_endpoints_given_fails_at_start_naming_both(
     assert!(
         stderr.contains("--zmq-replay-endpoint is given 3 times")
             && stderr.contains("--dp-size is 2"),
+        "{stderr}"
+    );
+}
+
+/// An engine's load PUB, as SGLang binds it (`--load-publish-endpoint`).
+async fn load_publisher(endpoint: &str) -> EnginePublisher {
+    let options = PublisherOptions {
+        topic: LOAD_TOPIC.to_owned(),
+        ..PublisherOptions::default()
+    };
+    EnginePublisher::bind(endpoint, &options).await.unwrap()
+}
+
+/// kvgate on an engine's KV and load publishers, metrics on; the KV
+/// publisher is returned to keep it up.
+async fn pushing_gateway(extra: &[&str]) -> (Gateway, EnginePublisher, EnginePublisher) {
+    let kv = publisher("127.0.0.1").await;
+    let load = load_publisher("tcp://127.0.0.1:0").await;
+    let mut args = vec![
+        "--zmq-endpoint",
+        kv.endpoint(),
+        "--zmq-load-endpoint",
+        load.endpoint(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    (Gateway::start(&args), kv, load)
+}
+
+/// A stat of `running` requests on `rank`, 1024 of 4096 tokens in use.
+fn stat(rank: u32, running: i64) -> LoadStat {
+    LoadStat {
+        num_running_reqs: running,
+        num_waiting_reqs: 2,
+        num_tokens: 1024,
+        max_total_num_tokens: 4096,
+        attn_dp_rank: Some(i64::from(rank)),
+        num_waiting_uncached_tokens: 300,
+        num_total_tokens: 2000,
+        max_running_requests: 48,
+        total_prefill_uncached_tokens: 10,
+        total_prefill_busy_us: 20,
+    }
+}
+
+async fn push(publisher: &mut EnginePublisher, stat: LoadStat) {
+    let mut payload = Vec::new();
+    stat.encode(&mut payload);
+    publisher.publish(payload.into()).await.unwrap();
+}
+
+/// Gets past the load socket's slow joiner: pushes stats of a new running
+/// count each until `stream` shows the last one pushed on `rank`; returns
+/// that count. Every later push reaches kvgate.
+async fn sync_load(
+    publisher: &mut EnginePublisher,
+    rank: u32,
+    stream: &mut Streaming<KvEventBatch>,
+    sample: &mut u64,
+) -> u32 {
+    static NEXT: AtomicU64 = AtomicU64::new(1000);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "kvgate never forwarded a pushed stat"
+        );
+        let count = NEXT.fetch_add(1, Ordering::Relaxed) as u32;
+        push(publisher, stat(rank, i64::from(count))).await;
+        let wanted = |batch: &KvEventBatch| {
+            batch.dp_rank == Some(rank as i32) && running(batch) == Some(count)
+        };
+        let probe = tokio::time::timeout(std::time::Duration::from_millis(100), async {
+            loop {
+                let batch = next_batch(stream).await;
+                if let Some(load) = &batch.load {
+                    assert!(load.sample > *sample);
+                    *sample = load.sample;
+                }
+                if wanted(&batch) {
+                    return;
+                }
+            }
+        })
+        .await;
+        if probe.is_ok() {
+            return count;
+        }
+    }
+}
+
+/// `/status` as JSON.
+async fn status(gateway: &Gateway) -> serde_json::Value {
+    let (_, body) = common::http_get(gateway.admin.expect("admin port"), "/status").await;
+    serde_json::from_str(&body).expect("/status is JSON")
+}
+
+fn load_sources(status: &serde_json::Value) -> Vec<Option<String>> {
+    status["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .map(|rank| rank["load_source"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pushed_stat_reaches_every_subscribers_stream_in_the_next_drain_cycle_with_every_field_mapped()
+ {
+    // With heartbeats a minute apart, every record read here went out
+    // because the stat changed.
+    let (gateway, _kv, mut load) = pushing_gateway(&["--load-heartbeat-ms", "60000"]).await;
+    let mut streams = Vec::new();
+    for _ in 0..3 {
+        streams.push((subscribe(&gateway, 0, true).await, 0));
+    }
+    let (first, sample) = &mut streams[0];
+    sync_load(&mut load, 0, first, sample).await;
+    // The stat exactly as SGLang 0.5.23's publisher sent it.
+    let golden = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/load/sglang-0.5.23/load-stat.msgpack"
+    ))
+    .unwrap();
+    load.publish(golden.into()).await.unwrap();
+    for (stream, sample) in &mut streams {
+        let pushed = read_until(stream, sample, |batch| running(batch) == Some(3)).await;
+        assert!(is_load_only(&pushed));
+        assert_eq!(pushed.dp_rank, Some(0));
+        let record = pushed.load.unwrap();
+        assert_eq!((record.running_requests, record.waiting_requests), (3, 2));
+        assert_eq!(record.num_used_tokens, Some(1200));
+        assert_eq!(record.max_total_num_tokens, Some(4096));
+        assert_eq!(record.token_usage, 1200.0 / 4096.0);
+        assert_eq!(record.waiting_uncached_tokens, Some(800));
+        assert_eq!(record.max_running_requests, 48);
+        assert_eq!(record.cache_hit_rate, None, "a stat does not carry it");
+        assert!(
+            record.age_ms < 60_000,
+            "sent when the push arrived, not by a heartbeat"
+        );
+    }
+    assert!(metric(&gateway, "kvgate_load_pushes_total").await >= 2.0);
+    assert!(metric(&gateway, "kvgate_load_records_sent_total{source=\"push\"}").await >= 2.0);
+    assert_eq!(
+        metric(&gateway, "kvgate_load_records_sent_total{source=\"poll\"}").await,
+        0.0
+    );
+    assert_eq!(load_sources(&status(&gateway).await), [Some("push".into())]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unchanged_pushed_stat_is_repeated_every_heartbeat_flat_with_the_age_of_its_push() {
+    let (gateway, _kv, mut load) = pushing_gateway(&["--load-heartbeat-ms", "200"]).await;
+    let mut stream = subscribe(&gateway, 0, true).await;
+    let mut sample = 0;
+    let running_now = sync_load(&mut load, 0, &mut stream, &mut sample).await;
+    // Nothing is pushed any more: each heartbeat repeats the last stat,
+    // every 200 ms on one cadence (never backing off), older each time.
+    let mut ages = Vec::new();
+    while ages.len() < 6 {
+        let beat = read_until(&mut stream, &mut sample, is_load_only).await;
+        assert_eq!(running(&beat), Some(running_now));
+        ages.push(beat.load.unwrap().age_ms);
+    }
+    // The k-th is due (k + 1) intervals after the stat went out.
+    for (beats, age) in (1..).zip(&ages) {
+        assert!(
+            (200 * beats..200 * beats + 1000).contains(age),
+            "heartbeats aged {ages:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dp_ranks_push_each_on_its_own_port_and_from_other_hosts_with_their_rank() {
+    // Rank r at base + r.
+    let base = common::free_ports(2);
+    let mut rank0 = load_publisher(&format!("tcp://127.0.0.1:{base}")).await;
+    let mut rank1 = load_publisher(&format!("tcp://127.0.0.1:{}", base + 1)).await;
+    let kv_base = common::free_ports(2);
+    let kv0 = publisher_at(kv_base).await;
+    let kv1 = publisher_at(kv_base + 1).await;
+    let gateway = Gateway::start(&[
+        "--dp-size",
+        "2",
+        "--zmq-endpoint",
+        kv0.endpoint(),
+        "--zmq-load-endpoint",
+        rank0.endpoint(),
+    ]);
+    let mut stream = subscribe(&gateway, 0, true).await;
+    let mut sample = 0;
+    sync_load(&mut rank0, 0, &mut stream, &mut sample).await;
+    sync_load(&mut rank1, 1, &mut stream, &mut sample).await;
+    drop((kv0, kv1));
+
+    // Multi-host: one endpoint per rank, on unrelated hosts and ports.
+    let mut host0 = load_publisher("tcp://127.0.0.1:0").await;
+    let mut host1 = load_publisher("tcp://127.0.0.2:0").await;
+    let kv = publisher("127.0.0.1").await;
+    let kv_other = publisher("127.0.0.2").await;
+    let gateway = Gateway::start(&[
+        "--dp-size",
+        "2",
+        "--zmq-endpoint",
+        kv.endpoint(),
+        "--zmq-endpoint",
+        kv_other.endpoint(),
+        "--zmq-load-endpoint",
+        &format!("{},{}", host0.endpoint(), host1.endpoint()),
+    ]);
+    let mut stream = subscribe(&gateway, 0, true).await;
+    let mut sample = 0;
+    sync_load(&mut host1, 1, &mut stream, &mut sample).await;
+    sync_load(&mut host0, 0, &mut stream, &mut sample).await;
+}
+
+async fn publisher_at(port: u16) -> EnginePublisher {
+    EnginePublisher::bind(
+        &format!("tcp://127.0.0.1:{port}"),
+        &PublisherOptions::default(),
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn while_pushes_flow_getloads_is_never_called_a_silent_rank_is_polled_until_pushes_return() {
+    let engine = TestEngine::start(Serves::Sglang, Answer::Loads(vec![load(0, 9)])).await;
+    let kv = publisher("127.0.0.1").await;
+    let mut load = load_publisher("tcp://127.0.0.1:0").await;
+    let gateway = gateway(
+        &kv,
+        &engine,
+        &[
+            "--zmq-load-endpoint",
+            load.endpoint(),
+            "--load-push-stale-ms",
+            "1500",
+            "--load-heartbeat-ms",
+            "100",
+        ],
+    );
+    let mut stream = subscribe(&gateway, 0, true).await;
+    let mut sample = 0;
+    let pushed = sync_load(&mut load, 0, &mut stream, &mut sample).await;
+    // The engine re-sends its unchanged stat every 100 ms (every second in
+    // SGLang) for three stale intervals: kvgate never polls.
+    for _ in 0..45 {
+        push(&mut load, stat(0, i64::from(pushed))).await;
+        let beat = read_until(&mut stream, &mut sample, is_load_only).await;
+        assert_eq!(running(&beat), Some(pushed), "only pushed records");
+    }
+    assert_eq!(engine.calls(), 0, "GetLoads called while pushes flowed");
+    assert_eq!(load_sources(&status(&gateway).await), [Some("push".into())]);
+
+    // The pushes stop: past the stale interval, the poller takes over.
+    let polled = read_until(&mut stream, &mut sample, |batch| running(batch) == Some(9)).await;
+    assert!(is_load_only(&polled));
+    assert!(engine.calls() >= 1);
+    assert!(metric(&gateway, "kvgate_load_records_sent_total{source=\"poll\"}").await >= 1.0);
+    assert_eq!(load_sources(&status(&gateway).await), [Some("poll".into())]);
+
+    // Pushes return: the next one replaces the polled reading at once, and
+    // polling stops (one call may have been in flight).
+    let back = sync_load(&mut load, 0, &mut stream, &mut sample).await;
+    let calls = engine.calls();
+    for _ in 0..20 {
+        push(&mut load, stat(0, i64::from(back))).await;
+        let beat = read_until(&mut stream, &mut sample, is_load_only).await;
+        assert_eq!(running(&beat), Some(back));
+    }
+    assert!(
+        engine.calls() <= calls + 1,
+        "{} GetLoads calls after pushes returned",
+        engine.calls() - calls
+    );
+    assert_eq!(load_sources(&status(&gateway).await), [Some("push".into())]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_load_messages_are_counted_by_reason_and_every_stream_goes_on() {
+    let (gateway, _kv, mut load) = pushing_gateway(&["--zmq-max-message-bytes", "64KiB"]).await;
+    let mut streams = vec![
+        (subscribe(&gateway, 0, true).await, 0),
+        (subscribe(&gateway, 0, true).await, 0),
+    ];
+    let (first, sample) = &mut streams[0];
+    sync_load(&mut load, 0, first, sample).await;
+
+    let seq = bytes::Bytes::from_static(&[0; 8]);
+    let topic = bytes::Bytes::from_static(LOAD_TOPIC.as_bytes());
+    let mut good = Vec::new();
+    stat(0, 1).encode(&mut good);
+    let good = bytes::Bytes::from(good);
+    let bad_frames = [
+        vec![topic.clone(), seq.clone()],
+        vec![
+            topic.clone(),
+            bytes::Bytes::from_static(b"seq"),
+            good.clone(),
+        ],
+        vec![
+            bytes::Bytes::from_static(b"loadavg"),
+            seq.clone(),
+            good.clone(),
+        ],
+    ];
+    for frames in bad_frames {
+        load.send_frames(frames).await.unwrap();
+    }
+    let payload = |stat: LoadStat| {
+        let mut out = Vec::new();
+        stat.encode(&mut out);
+        bytes::Bytes::from(out)
+    };
+    load.publish(bytes::Bytes::from_static(b"\x93garbage"))
+        .await
+        .unwrap();
+    load.publish(payload(LoadStat {
+        num_running_reqs: -3,
+        num_waiting_reqs: i64::MAX,
+        num_tokens: 9000,
+        ..stat(0, 0)
+    }))
+    .await
+    .unwrap();
+    for (stream, sample) in &mut streams {
+        let repaired = read_until(stream, sample, |batch| running(batch) == Some(0)).await;
+        let record = repaired.load.unwrap();
+        assert_eq!(record.waiting_requests, u32::MAX);
+        assert_eq!(record.token_usage, 1.0);
+    }
+    load.publish(payload(stat(5, 77))).await.unwrap();
+    load.skip(3);
+    load.publish(payload(stat(0, 4))).await.unwrap();
+    load.restart();
+    load.publish(payload(stat(0, 5))).await.unwrap();
+    // Larger than --zmq-max-message-bytes: the connection goes, kvgate
+    // reconnects.
+    load.publish(vec![0u8; 128 << 10].into()).await.unwrap();
+    for reason in [
+        "wrong_frame_count",
+        "bad_sequence_frame",
+        "topic_mismatch",
+        "not_load_stat",
+        "negative",
+        "too_large",
+        "above_one",
+        "unknown_rank",
+        "sequence_gap",
+        "sequence_back",
+    ] {
+        let series = format!("kvgate_load_push_faults_total{{reason=\"{reason}\"}}");
+        wait_for_metric(&gateway, &series, 1.0).await;
+    }
+    wait_for_metric(
+        &gateway,
+        "kvgate_zmq_peers_dropped_total{socket=\"sub\",reason=\"message_too_large\"}",
+        1.0,
+    )
+    .await;
+    // Every stream is intact and gets the latest stat (a gauge: one that a
+    // later one superseded within a drain cycle may be skipped); rank 5's
+    // never came.
+    for (stream, sample) in &mut streams {
+        read_until(stream, sample, |batch| {
+            assert_ne!(running(batch), Some(77), "a rank kvgate does not serve");
+            running(batch) == Some(5)
+        })
+        .await;
+    }
+    // And after the oversized message cost the connection, pushes go on.
+    let (first, sample) = &mut streams[0];
+    sync_load(&mut load, 0, first, sample).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_demo_engine_pushes_its_load_in_sglangs_format_and_kvgate_streams_it() {
+    let gateway = Gateway::start(&["--demo", "--metrics-listen", "127.0.0.1:0"]);
+    let mut stream = subscribe(&gateway, 0, true).await;
+    let record = read_until(&mut stream, &mut 0, is_load_only).await;
+    let load = record.load.unwrap();
+    assert_eq!(load.max_running_requests, 64);
+    assert!(load.max_total_num_tokens.is_some());
+    wait_for_metric(&gateway, "kvgate_load_pushes_total", 1.0).await;
+    assert_eq!(load_sources(&status(&gateway).await), [Some("push".into())]);
+}
+
+#[test]
+fn load_push_and_heartbeat_flags_out_of_range_fail_at_start_naming_the_flag() {
+    let stderr = refused_start(
+        &[
+            "--zmq-endpoint",
+            "tcp://127.0.0.1:5001",
+            "--load-heartbeat-ms",
+            "50",
+        ],
+        &[],
+    );
+    assert!(stderr.contains("--load-heartbeat-ms"), "{stderr}");
+    let stderr = refused_start(
+        &["--zmq-endpoint", "tcp://127.0.0.1:5001"],
+        &[("KVGATE_LOAD_PUSH_STALE_MS", "10")],
+    );
+    assert!(stderr.contains("--load-push-stale-ms"), "{stderr}");
+    let stderr = refused_start(
+        &["--zmq-endpoint", "tcp://127.0.0.1:5001", "--dp-size", "2"],
+        &[(
+            "KVGATE_ZMQ_LOAD_ENDPOINT",
+            "tcp://127.0.0.1:5101,tcp://127.0.0.2:6101,tcp://127.0.0.3:7101",
+        )],
+    );
+    assert!(
+        stderr.contains("--zmq-load-endpoint is given 3 times"),
         "{stderr}"
     );
 }

@@ -7,10 +7,9 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::{Gateway, subscribe};
-use kvgate_sim::{EnginePublisher, PublisherOptions};
+use kvgate_sim::EnginePublisher;
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -69,17 +68,7 @@ fn families_of_type<'a>(exposition: &'a str, kind: &str) -> Vec<&'a str> {
 /// A gateway with its admin port, fed by a publisher that has published
 /// nothing yet.
 async fn idle_gateway(extra: &[&str]) -> (Gateway, EnginePublisher, String) {
-    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
-        .await
-        .unwrap();
-    let mut args = vec![
-        "--zmq-endpoint",
-        publisher.endpoint(),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ];
-    args.extend_from_slice(extra);
-    let gateway = Gateway::start(&args);
+    let (gateway, publisher) = common::gateway_on_a_publisher(extra).await;
     let (code, exposition) = common::http_get(gateway.admin.expect("admin port"), "/metrics").await;
     assert_eq!(code, 200);
     (gateway, publisher, exposition)
@@ -113,6 +102,19 @@ async fn every_counter_is_exported_from_the_start_at_zero_with_every_closed_labe
     }
     for reason in kvgate::app::metric_labels::closed_labels().bad_messages {
         let series = format!("kvgate_bad_messages_total{{reason=\"{reason}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
+    let labels = kvgate::app::metric_labels::closed_labels();
+    for reason in labels.load_push_faults {
+        let series = format!("kvgate_load_push_faults_total{{reason=\"{reason}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
+    for source in labels.load_record_sources {
+        let series = format!("kvgate_load_records_sent_total{{source=\"{source}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
+    for bound in kvgate::app::metric_labels::closed_labels().replay_bounds {
+        let series = format!("kvgate_replay_fetches_bounded_total{{bound=\"{bound}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }
     for rank in 0..2 {
@@ -228,26 +230,12 @@ async fn every_metric_the_dashboard_and_alert_rules_name_is_exported_by_a_runnin
 /// Runs `promtool ARGS` in `deploy/prometheus`; `None` when promtool is not
 /// installed and this is not CI (where a missing promtool fails the test).
 fn promtool(args: &[&str]) -> Option<std::process::Output> {
-    match Command::new("promtool")
-        .args(args)
-        .current_dir(deploy("prometheus"))
-        .output()
-    {
-        Ok(output) => Some(output),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            let in_ci = std::env::var("CI").is_ok_and(|ci| ci == "true" || ci == "1");
-            assert!(
-                !in_ci,
-                "promtool is missing in CI: install Debian's prometheus package (.ci/run does)"
-            );
-            eprintln!(
-                "SKIPPED: promtool not found on PATH (apt-get install prometheus); \
-                 the alert rules were not checked"
-            );
-            None
-        }
-        Err(error) => panic!("promtool did not run: {error}"),
-    }
+    common::external_tool(
+        "promtool",
+        args,
+        &deploy("prometheus"),
+        "apt-get install prometheus",
+    )
 }
 
 #[test]

@@ -170,6 +170,41 @@ fn serve_without_an_event_source_refuses_to_start_and_says_what_to_give() {
 }
 
 #[test]
+fn replay_and_pass_through_bounds_that_cannot_hold_fail_at_start_naming_their_flags() {
+    let publisher = ["--zmq-endpoint", "tcp://*:5557"];
+    let message = serve_fails(&[&publisher[..], &["--zmq-replay-max-bytes", "512MiB"]].concat());
+    assert!(message.contains("--zmq-replay-max-bytes"), "{message}");
+    assert!(message.contains("--history-bytes"), "{message}");
+    let message = serve_fails(
+        &[
+            &publisher[..],
+            &[
+                "--pass-through-max-streams",
+                "4096",
+                "--pass-through-stream-window-bytes",
+                "1MiB",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(message.contains("--pass-through-max-streams"), "{message}");
+    assert!(
+        message.contains("--pass-through-stream-window-bytes"),
+        "{message}"
+    );
+    let message = serve_fails(&[&publisher[..], &["--zmq-replay-fetch-timeout-ms", "0"]].concat());
+    assert!(
+        message.contains("--zmq-replay-fetch-timeout-ms"),
+        "{message}"
+    );
+    let message = serve_fails_with_env(&publisher, &[("KVGATE_ZMQ_REPLAY_MAX_MESSAGES", "0")]);
+    assert!(
+        message.contains("KVGATE_ZMQ_REPLAY_MAX_MESSAGES"),
+        "{message}"
+    );
+}
+
+#[test]
 fn a_bad_value_fails_at_start_naming_its_flag() {
     for (args, flag) in [
         (vec!["--zmq-endpoint", "localhost:5557"], "--zmq-endpoint"),
@@ -474,6 +509,7 @@ async fn status_summarises_health_services_and_blocks_per_rank() {
     );
     let status: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(status["health"]["kvgate.v1.KvGate"], "SERVING");
+    assert_eq!(status["health"]["server"], "SERVING", "{status}");
     assert_eq!(status["ranks"]["0"]["blocks"], 2);
     assert!(
         status["services"]
@@ -551,4 +587,117 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     assert_eq!(status["ranks"][0]["blocks"]["device"], 2);
     assert_eq!(status["ranks"][0]["blocks"]["external"], 0);
     assert!(status["history"]["batches"].as_u64().unwrap() >= 2);
+}
+
+#[test]
+fn a_file_a_flag_names_that_will_not_do_is_a_usage_error_before_anything_binds() {
+    let files = common::pki::Files::new();
+    let empty = files
+        .write("empty-tokens", "# no token yet\n")
+        .display()
+        .to_string();
+    let ca = files
+        .write("ca.pem", &common::pki::Authority::new("engine CA").pem())
+        .display()
+        .to_string();
+    let missing = files.path("missing.pem").display().to_string();
+    for (args, flag) in [
+        (
+            vec!["--tls-cert", &missing, "--tls-key", &missing],
+            "--tls-cert",
+        ),
+        (vec!["--auth-token-file", &empty], "--auth-token-file"),
+        (
+            vec![
+                "--engine-grpc",
+                "http://127.0.0.1:1",
+                "--engine-tls-ca",
+                &ca,
+            ],
+            "--engine-tls-ca",
+        ),
+    ] {
+        let mut args = args;
+        args.push("--demo");
+        let stderr = serve_fails_with_env(&args, &[("RUST_LOG", "info")]);
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("bound") && !stderr.contains("serving"),
+            "{args:?}: something started before the check: {stderr}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_listen_takes_a_host_name_booleans_take_1_and_sizes_take_any_case() {
+    let gateway = Gateway::start_with_env(
+        &[
+            "--metrics-listen",
+            "localhost:0",
+            "--max-batch-bytes",
+            "1mb",
+            "--history-bytes",
+            "64mi",
+        ],
+        &[("KVGATE_DEMO", "1"), ("KVGATE_ZMQ_BIND", "no")],
+    );
+    let admin = gateway.admin.expect("the admin port is announced");
+    assert!(admin.ip().is_loopback(), "{admin}");
+    let (code, _) = common::http_get(admin, "/metrics").await;
+    assert_eq!(code, 200);
+}
+
+#[test]
+fn tail_whose_reader_goes_away_ends_quietly_with_exit_code_0() {
+    use std::io::BufRead;
+    let gateway = Gateway::start(&["--demo"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["tail", "--addr", &gateway.address.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvgate runs");
+    // `| head -1`: one line read, then the pipe closed.
+    let stdout = child.stdout.take().unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("seq "), "{first}");
+    let output = common::output_within_deadline(child);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_exits_non_zero_while_the_gateway_is_not_serving() {
+    // An engine that is not up: kvgate serves, NOT_SERVING meanwhile.
+    let port = common::free_ports(1);
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let gateway = Gateway::start(&["--zmq-endpoint", &endpoint]);
+    let output = kvgate(&["status", "--addr", &gateway.address.to_string(), "--json"]);
+    assert_eq!(output.status.code(), Some(1));
+    let status: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(status["health"]["server"], "NOT_SERVING", "{status}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("NOT_SERVING"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tail_of_a_service_the_gateway_lacks_names_the_services_it_has() {
+    let gateway = Gateway::start(&["--demo"]);
+    let output = kvgate(&[
+        "tail",
+        "--addr",
+        &gateway.address.to_string(),
+        "--service",
+        "foo.Bar",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("foo.Bar") && stderr.contains("kvgate.v1.KvGate"),
+        "{stderr}"
+    );
 }

@@ -49,8 +49,8 @@ use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
 use kvgate::hub::subscription::{CursorError, Step, Subscription};
 use kvgate::hub::{HistoryLimits, HubReader, hub};
+use kvgate::load::BoardWriter;
 use kvgate::load::records::LoadRecords;
-use kvgate::load::{Board, Reading};
 use kvgate::metrics::Metrics;
 use kvgate::proto::common::{KvCacheCleared, KvEventBatch, kv_cache_event::Data};
 use kvgate::source::{EngineMessage, SourceEvent};
@@ -184,14 +184,16 @@ struct Gateway {
     rank0_positions: BTreeMap<u64, u64>,
     logged_through: u64,
     /// The poller's side of the load records, when they are on.
-    load: Option<tokio::sync::watch::Sender<Board>>,
+    load: Option<BoardWriter>,
 }
 
 impl Gateway {
     /// A gateway whose drain stamps load records for `ranks` ranks.
     fn with_load_records(mut self, ranks: u32) -> Self {
-        let (board, feed) = tokio::sync::watch::channel(kvgate::load::empty_board(ranks));
-        self.drain = self.drain.with_load_records(LoadRecords::new(feed));
+        let (board, feed) = BoardWriter::new(ranks, None);
+        self.drain = self
+            .drain
+            .with_load_records(LoadRecords::new(feed, LoadRecords::DEFAULT_HEARTBEAT));
         self.load = Some(board);
         self
     }
@@ -200,19 +202,11 @@ impl Gateway {
     /// which the drain sends what is due), as the drain wakes for a poll.
     fn load_changes(&mut self, rank: u32, running: u32) {
         let Some(board) = &self.load else { return };
-        board.send_modify(|board| {
-            let mut readings = board.as_ref().clone();
-            if let Some(slot) = readings.get_mut(rank as usize) {
-                *slot = Some(Reading {
-                    load: kvgate::proto::common::EngineLoad {
-                        running_requests: running,
-                        ..Default::default()
-                    },
-                    polled_at: tokio::time::Instant::now(),
-                });
-            }
-            *board = std::sync::Arc::new(readings);
-        });
+        let load = kvgate::proto::common::EngineLoad {
+            running_requests: running,
+            ..Default::default()
+        };
+        board.pushed(rank, load, tokio::time::Instant::now());
         self.cycle();
     }
 

@@ -12,112 +12,15 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::pki::{Authority, Files, Leaf};
 use common::{DEADLINE, Gateway};
 use kvgate::client::{Authorized, Target, TlsFlags, TlsPaths};
 use kvgate::pem::FlagFile;
 use kvgate::proto::common::KvEventBatch;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose,
-};
+use rcgen::KeyPair;
 use tonic::codec::Streaming;
 use tonic::{Code, Request, Response, Status};
-
-/// A directory of PEM files, removed when dropped.
-struct Files {
-    dir: PathBuf,
-}
-
-impl Files {
-    fn new() -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "kvgate-trust-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self { dir }
-    }
-
-    /// Writes `name` atomically (as a Secret volume update does).
-    fn write(&self, name: &str, contents: &str) -> PathBuf {
-        let path = self.dir.join(name);
-        let staging = self.dir.join(format!(".{name}.new"));
-        std::fs::write(&staging, contents).unwrap();
-        std::fs::rename(&staging, &path).unwrap();
-        path
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-}
-
-impl Drop for Files {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A certificate authority made for one test.
-struct Authority {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-/// A certificate and its key, in PEM.
-struct Leaf {
-    cert: String,
-    key: String,
-}
-
-impl Authority {
-    fn new(name: &str) -> Self {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
-        Self { issuer }
-    }
-
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    /// A server certificate for loopback (by name and by address).
-    fn server(&self) -> Leaf {
-        self.leaf(
-            &["localhost", "127.0.0.1"],
-            ExtendedKeyUsagePurpose::ServerAuth,
-        )
-    }
-
-    /// A client certificate.
-    fn client(&self, name: &str) -> Leaf {
-        self.leaf(&[name], ExtendedKeyUsagePurpose::ClientAuth)
-    }
-
-    fn leaf(&self, names: &[&str], usage: ExtendedKeyUsagePurpose) -> Leaf {
-        let names: Vec<String> = names.iter().map(|name| (*name).to_owned()).collect();
-        let mut params = CertificateParams::new(names.clone()).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, names[0].clone());
-        params.extended_key_usages = vec![usage];
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &*self.issuer).unwrap();
-        Leaf {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-}
 
 const TEST_FLAGS: TlsFlags = TlsFlags {
     uri: "--addr",
@@ -925,4 +828,64 @@ async fn kvgate_refuses_to_start_on_bad_trust_material_naming_the_flag_and_the_f
         &pki.files.path("servers-ca.pem").display().to_string(),
     ]);
     assert!(stderr.contains("--engine-tls-ca"), "{stderr}");
+}
+
+/// Replaces `path` with a FIFO nobody writes to: opening it for reading the
+/// ordinary way waits for a writer for ever.
+fn replace_with_fifo(path: &Path) {
+    use std::os::unix::ffi::OsStrExt as _;
+    let _ = std::fs::remove_file(path);
+    let name = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: mkfifo reads the NUL-terminated path it is given.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0, "mkfifo");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fifo_given_as_a_credential_file_stops_kvgate_at_start_naming_the_flag() {
+    let pki = MtlsFiles::new();
+    let fifo = pki.files.path("fifo");
+    replace_with_fifo(&fifo);
+    let fifo_arg = fifo.display().to_string();
+    let stderr = refusal(&["--auth-token-file", &fifo_arg]);
+    assert_names(&stderr, "--auth-token-file", &fifo);
+    assert!(stderr.contains("FIFO"), "{stderr}");
+    let key_arg = pki.files.path("server.key").display().to_string();
+    let stderr = refusal(&["--tls-cert", &fifo_arg, "--tls-key", &key_arg]);
+    assert_names(&stderr, "--tls-cert", &fifo);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_file_replaced_by_a_fifo_is_refused_at_reload_and_serving_and_sigterm_go_on() {
+    let files = Files::new();
+    let tokens = token_file(&files, "tokens", &["router-token"]);
+    let mut publisher = publisher().await;
+    let mut gateway = start_gateway(
+        &publisher,
+        &[
+            "--auth-token-file".into(),
+            tokens.display().to_string(),
+            // The periodic check reads the FIFO too.
+            "--credentials-check-seconds".into(),
+            "1".into(),
+        ],
+    );
+    let router = bearer(&files, "router", "router-token");
+    let mut open = router.subscribe(gateway.address).await.unwrap();
+    flowing(&mut publisher, &mut open).await;
+
+    replace_with_fifo(&tokens);
+    sighup(&gateway, "failed").await;
+    // A check that follows reads the FIFO again, and it is refused again
+    // (the change is reported once), without freezing anything.
+    let admin = gateway.admin.unwrap();
+    let (status, body) = common::http_get(admin, "/healthz").await;
+    assert_eq!(status, 200, "{body}");
+    flowing(&mut publisher, &mut open).await;
+    let mut another = router
+        .subscribe(gateway.address)
+        .await
+        .expect("the tokens in force stay");
+    flowing(&mut publisher, &mut another).await;
+    let status = gateway.terminate();
+    assert!(status.success(), "{status:?}");
 }

@@ -14,9 +14,11 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 image=${IMAGE:-kvgate:$version}
 buildah=(buildah --storage-driver vfs)
 
+# Installing packages is the user's call, not a build script's.
 command -v buildah >/dev/null || {
-	apt-get update
-	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends buildah
+	echo "make image needs buildah, which is not installed." >&2
+	echo "On Debian or Ubuntu: sudo apt-get install --no-install-recommends buildah" >&2
+	exit 1
 }
 
 cargo build --release --locked --bin kvgate

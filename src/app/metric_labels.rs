@@ -3,16 +3,20 @@
 
 use crate::convert::{DropReason, EventKind, PayloadError};
 use crate::drain::{DROPPED_EVENTS, OVERSIZED_EVENT};
+use crate::load::LoadSource;
 use crate::load::answer::Fault;
 use crate::load::poller::PollOutcome;
+use crate::load::stat::PushFault;
 use crate::metrics::ClosedLabels;
+use crate::server::admin_connection::AdminClosure;
 use crate::server::auth::AuthFailure;
 use crate::server::connection::{Closure, Refusal};
 use crate::server::reload::ReloadResult;
 use crate::server::tls::HandshakeFailure;
 use crate::source::FrameError;
 use crate::source::peer::{PeerDropReason, PeerSocket};
-use crate::source::upstream::UNDECODABLE;
+use crate::source::replay::FetchBound;
+use crate::source::upstream::{UNDECODABLE, UNKNOWN_RANK};
 use crate::source::{recorded, trace};
 use crate::state::tier::Tier;
 
@@ -34,7 +38,12 @@ pub fn closed_labels() -> ClosedLabels {
             .map(FrameError::as_str)
             .into_iter()
             .chain(PayloadError::REASONS)
-            .chain([UNDECODABLE, recorded::UNDECODABLE, trace::MALFORMED_LINE])
+            .chain([
+                UNDECODABLE,
+                UNKNOWN_RANK,
+                recorded::UNDECODABLE,
+                trace::MALFORMED_LINE,
+            ])
             .collect(),
         zmq_peer_sockets: PeerSocket::ALL.map(PeerSocket::as_str).into(),
         zmq_peers_dropped: PeerDropReason::ALL.map(PeerDropReason::as_str).into(),
@@ -42,8 +51,12 @@ pub fn closed_labels() -> ClosedLabels {
         auth_failures: AuthFailure::ALL.map(AuthFailure::as_str).into(),
         connections_refused: Refusal::ALL.map(Refusal::as_str).into(),
         connections_closed: Closure::ALL.map(Closure::as_str).into(),
+        admin_connections_closed: AdminClosure::ALL.map(AdminClosure::as_str).into(),
         credential_reloads: ReloadResult::ALL.map(ReloadResult::as_str).into(),
         load_polls: PollOutcome::ALL.map(PollOutcome::as_str).into(),
         load_answer_faults: Fault::ALL.map(Fault::as_str).into(),
+        load_push_faults: PushFault::ALL.map(PushFault::as_str).into(),
+        load_record_sources: LoadSource::ALL.map(LoadSource::as_str).into(),
+        replay_bounds: FetchBound::ALL.map(FetchBound::as_str).into(),
     }
 }

@@ -13,14 +13,15 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cli::ServeArgs;
 use crate::client::{Target, TlsFlags, TlsPaths};
-use crate::load::records::LoadRecords;
-use crate::load::{Board, Reading, empty_board};
+use crate::load::push::PushConfig;
+use crate::load::{Board, BoardWriter};
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
 use crate::proto::common::EngineLoad;
 use crate::source::SourceEvent;
 use crate::source::recorded::{self, LoadSink, RecordedConfig};
 use crate::source::trace::{self, TraceConfig};
+use crate::source::replay::{self, FetchBounds};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
 use crate::supervisor::{Supervisor, TaskName};
@@ -40,10 +41,22 @@ pub(super) enum SourceConfig {
     /// The simulated engine started here (`--demo`).
     Demo(ZmqSourceConfig),
     Upstream(UpstreamConfig),
-    /// A recording played (`--replay-file`), with the ranks to prepare.
-    Recorded(RecordedConfig, u32),
+    /// A recording played (`--replay-file`).
+    Recorded(RecordedConfig),
     /// A trace played through a simulated cache (`--trace-file`).
     Trace(TraceConfig),
+}
+
+impl SourceConfig {
+    /// The ranks served are `0..dp_size`, whatever the source.
+    fn dp_size(&self) -> u32 {
+        match self {
+            Self::Zmq(config) | Self::Demo(config) => config.dp_size,
+            Self::Upstream(config) => config.dp_size,
+            Self::Recorded(config) => config.dp_size,
+            Self::Trace(config) => config.dp_size,
+        }
+    }
 }
 
 impl std::fmt::Display for SourceConfig {
@@ -53,7 +66,7 @@ impl std::fmt::Display for SourceConfig {
                 write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size)
             }
             Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
-            Self::Recorded(config, _) => {
+            Self::Recorded(config) => {
                 let files: Vec<String> = config
                     .files
                     .iter()
@@ -92,10 +105,12 @@ pub(super) async fn choose_source(
     if let Some(config) = played_source(args)? {
         return Ok((config, None));
     }
+    let replay_bounds = replay_bounds(args)?;
     let zmq = |endpoint, replay_endpoint| ZmqSourceConfig {
         endpoint,
         replay_endpoint,
         replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+        replay_bounds,
         dp_size: args.dp_size,
         topic: args.zmq_topic.clone(),
         bind: args.zmq_bind,
@@ -106,6 +121,8 @@ pub(super) async fn choose_source(
         // primes from it, so the first steps lost to ZMQ's slow joiner are not.
         let mut config = DemoConfig::new(args.dp_size);
         config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
+        // And pushing its load, as SGLang does with --load-publish-endpoint.
+        config.load_endpoint = Some("tcp://127.0.0.1:0".parse()?);
         let demo = DemoEngine::bind(config).await?;
         let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
         let replay = demo
@@ -128,6 +145,7 @@ pub(super) async fn choose_source(
         let config = UpstreamConfig {
             target: Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
             service: args.upstream_service.clone(),
+            dp_size: args.dp_size,
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
@@ -160,16 +178,18 @@ pub(super) async fn choose_source(
 /// the start naming its flag), or `None` when neither flag is given.
 fn played_source(args: &ServeArgs) -> anyhow::Result<Option<SourceConfig>> {
     if !args.replay_file.is_empty() {
-        let config = RecordedConfig {
+        let mut config = RecordedConfig {
             files: args.replay_file.clone(),
             speed: args.replay_speed,
             looped: args.replay_loop,
+            dp_size: args.dp_size,
         };
         let header = config
             .check()
             .map_err(|error| UsageError(format!("--replay-file: {error}")))?;
-        let ranks = header.dp_size.clamp(1, 1024).max(args.dp_size);
-        return Ok(Some(SourceConfig::Recorded(config, ranks)));
+        // The recorder's header says how many ranks the engine had.
+        config.dp_size = header.dp_size.clamp(1, 1024).max(args.dp_size);
+        return Ok(Some(SourceConfig::Recorded(config)));
     }
     let Some(file) = &args.trace_file else {
         return Ok(None);
@@ -192,6 +212,60 @@ fn played_source(args: &ServeArgs) -> anyhow::Result<Option<SourceConfig>> {
         UsageError(format!("{flag}: {what}"))
     })?;
     Ok(Some(SourceConfig::Trace(config)))
+}
+
+/// The engine's load publishers, as `--zmq-load-endpoint` names them (with
+/// `--zmq-bind` and `--zmq-max-message-bytes` as for the KV publishers), or
+/// the demo engine's.
+pub(super) fn choose_load_push(
+    args: &ServeArgs,
+    demo: Option<&DemoEngine>,
+) -> anyhow::Result<Option<PushConfig>> {
+    let config = |endpoint| PushConfig {
+        endpoint,
+        dp_size: args.dp_size,
+        bind: args.zmq_bind && demo.is_none(),
+        max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
+    };
+    if let Some(demo) = demo {
+        let rank0 = demo.endpoints().into_iter().next();
+        let endpoint = rank0.and_then(|rank0| rank0.load_endpoint?.parse().ok());
+        return Ok(endpoint.map(RankEndpoints::Offset).map(config));
+    }
+    let endpoint =
+        RankEndpoints::from_flag("--zmq-load-endpoint", &args.zmq_load_endpoint, args.dp_size)
+            .map_err(|error| UsageError(error.to_string()))?;
+    if let Some(RankEndpoints::Offset(base)) = &endpoint {
+        base.for_rank(args.dp_size.saturating_sub(1))
+            .map_err(|error| {
+                UsageError(format!(
+                    "--zmq-load-endpoint with --dp-size {}: {error}",
+                    args.dp_size
+                ))
+            })?;
+    }
+    Ok(endpoint.map(config))
+}
+
+/// What one replay fetch may cost. Its bytes go through the history, so
+/// they stay within `--history-bytes`.
+fn replay_bounds(args: &ServeArgs) -> Result<FetchBounds, UsageError> {
+    let bytes = match args.zmq_replay_max_bytes {
+        Some(bytes) if bytes > args.history_bytes => {
+            return Err(UsageError(format!(
+                "--zmq-replay-max-bytes {bytes} is more than --history-bytes {}: \
+                 a fetch must fit the history",
+                args.history_bytes
+            )));
+        }
+        Some(bytes) => bytes,
+        None => replay::DEFAULT_MAX_BYTES.min(args.history_bytes),
+    };
+    Ok(FetchBounds {
+        messages: args.zmq_replay_max_messages,
+        bytes,
+        time: Duration::from_millis(args.zmq_replay_fetch_timeout_ms),
+    })
 }
 
 /// Checks that every rank's publisher (and replay) port exists, and that
@@ -251,10 +325,10 @@ pub(super) async fn start_source(
     metrics: Metrics,
     ready: watch::Sender<bool>,
     supervisor: &Supervisor,
-) -> anyhow::Result<Option<LoadRecords>> {
+) -> anyhow::Result<Option<watch::Receiver<Board>>> {
+    metrics.prepare_ranks(config.dp_size());
     match config {
         SourceConfig::Zmq(config) => {
-            metrics.prepare_ranks(config.dp_size);
             let flags = config.clone();
             config
                 .start(events, metrics, ready, supervisor)
@@ -266,7 +340,6 @@ pub(super) async fn start_source(
             Ok(None)
         }
         SourceConfig::Demo(config) => {
-            metrics.prepare_ranks(config.dp_size);
             config
                 .start(events, metrics, ready, supervisor)
                 .await
@@ -281,18 +354,16 @@ pub(super) async fn start_source(
             });
             Ok(None)
         }
-        SourceConfig::Recorded(config, ranks) => {
-            metrics.prepare_ranks(ranks);
-            let (board, feed) = watch::channel(empty_board(ranks));
+        SourceConfig::Recorded(config) => {
+            let (board, feed) = BoardWriter::new(config.dp_size, None);
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::RecordingReplay, async move {
                 recorded::run(config, events, metrics, ready, replayed_loads(board), stop).await;
                 Ok(())
             });
-            Ok(Some(LoadRecords::new(feed)))
+            Ok(Some(feed))
         }
         SourceConfig::Trace(config) => {
-            metrics.prepare_ranks(config.dp_size);
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::TraceReplay, async move {
                 trace::run(config, events, metrics, ready, stop).await;
@@ -303,43 +374,41 @@ pub(super) async fn start_source(
     }
 }
 
-/// A recording's load records as readings on `board`, as if polled when
-/// recorded: a `load_only` record brings every field, an event batch's the
-/// routing core, which updates the fields it carries.
-fn replayed_loads(board: watch::Sender<Board>) -> LoadSink {
+/// A recording's load records as if the engine pushed them when recorded:
+/// a `load_only` record brings every field, an event batch's the routing
+/// core, which updates the fields it carries.
+fn replayed_loads(board: BoardWriter) -> LoadSink {
+    let last = std::sync::Mutex::new(vec![None::<EngineLoad>; board.ranks() as usize]);
     Box::new(move |rank, recorded: &EngineLoad| {
-        board.send_if_modified(|board| {
-            let Some(slot) = board.get(rank as usize) else {
-                return false;
-            };
-            let mut load = match (recorded.load_only, slot) {
-                (false, Some(reading)) => EngineLoad {
-                    running_requests: recorded.running_requests,
-                    waiting_requests: recorded.waiting_requests,
-                    waiting_uncached_tokens: recorded.waiting_uncached_tokens,
-                    token_usage: recorded.token_usage,
-                    active_token_usage: recorded.active_token_usage,
-                    gen_throughput: recorded.gen_throughput,
-                    max_running_requests: recorded.max_running_requests,
-                    ..reading.load.clone()
-                },
-                _ => recorded.clone(),
-            };
-            // Stamped again per batch by the drain.
-            load.sample = 0;
-            load.age_ms = 0;
-            load.load_only = false;
-            if slot.as_ref().is_some_and(|reading| reading.load == load) {
-                return false;
-            }
-            let polled_at = tokio::time::Instant::now()
-                .checked_sub(std::time::Duration::from_millis(u64::from(recorded.age_ms)))
-                .unwrap_or_else(tokio::time::Instant::now);
-            let mut readings = board.as_ref().clone();
-            readings[rank as usize] = Some(Reading { load, polled_at });
-            *board = std::sync::Arc::new(readings);
-            true
-        });
+        let Ok(mut last) = last.lock() else { return };
+        let Some(slot) = last.get_mut(rank as usize) else {
+            return;
+        };
+        let mut load = match (recorded.load_only, slot.as_ref()) {
+            (false, Some(full)) => EngineLoad {
+                running_requests: recorded.running_requests,
+                waiting_requests: recorded.waiting_requests,
+                waiting_uncached_tokens: recorded.waiting_uncached_tokens,
+                token_usage: recorded.token_usage,
+                active_token_usage: recorded.active_token_usage,
+                gen_throughput: recorded.gen_throughput,
+                max_running_requests: recorded.max_running_requests,
+                ..full.clone()
+            },
+            _ => recorded.clone(),
+        };
+        // Stamped again per batch by the drain.
+        load.sample = 0;
+        load.age_ms = 0;
+        load.load_only = false;
+        if slot.as_ref() == Some(&load) {
+            return;
+        }
+        *slot = Some(load.clone());
+        let taken_at = tokio::time::Instant::now()
+            .checked_sub(std::time::Duration::from_millis(u64::from(recorded.age_ms)))
+            .unwrap_or_else(tokio::time::Instant::now);
+        board.pushed(rank, load, taken_at);
     })
 }
 
@@ -362,5 +431,34 @@ mod tests {
             error.starts_with("--zmq-endpoint with --dp-size 2"),
             "{error}"
         );
+    }
+
+    fn serve_args(flags: &[&str]) -> ServeArgs {
+        let mut command = vec!["kvgate", "serve", "--zmq-endpoint", "tcp://*:5557"];
+        command.extend_from_slice(flags);
+        match <crate::cli::Cli as clap::Parser>::parse_from(command).command {
+            crate::cli::Command::Serve(args) => *args,
+            _ => unreachable!("a serve command"),
+        }
+    }
+
+    #[test]
+    fn the_replay_byte_bound_defaults_to_64_mib_or_the_history_if_smaller_and_never_exceeds_it() {
+        let bytes = |flags: &[&str]| replay_bounds(&serve_args(flags)).map(|bounds| bounds.bytes);
+        assert_eq!(bytes(&[]).unwrap(), replay::DEFAULT_MAX_BYTES);
+        assert_eq!(bytes(&["--history-bytes", "16MiB"]).unwrap(), 16 << 20);
+        assert_eq!(
+            bytes(&["--history-bytes", "16MiB", "--zmq-replay-max-bytes", "8MiB"]).unwrap(),
+            8 << 20
+        );
+        let error = bytes(&[
+            "--history-bytes",
+            "16MiB",
+            "--zmq-replay-max-bytes",
+            "32MiB",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("--history-bytes"), "{error}");
     }
 }

@@ -29,6 +29,7 @@ use tracing::warn;
 use crate::clock::unix_now;
 use crate::convert::{Converter, Tally};
 use crate::hub::{CutRequest, HubWriter, RankReport};
+use crate::load::LoadSource;
 use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
 use crate::proto::common::KvCacheEvent;
@@ -70,7 +71,7 @@ pub struct Drain {
     metrics: Metrics,
     /// Each rank's counters, resolved at its first message.
     rank_counters: BTreeMap<u32, RankCounters>,
-    /// The engine's load, when kvgate polls it.
+    /// The engine's load, when kvgate polls it or the engine pushes it.
     records: Option<LoadRecords>,
 }
 
@@ -116,7 +117,10 @@ impl Drain {
                 biased;
                 () = stop.cancelled() => break,
                 request = self.hub.next_cut_request() => self.answer(request),
-                () = load_wake(&mut self.records) => self.send_load_records(),
+                () = load_wake(&mut self.records) => {
+                    self.send_load_records();
+                    self.report();
+                }
                 first = events.recv() => {
                     let Some(first) = first else { break };
                     self.ingest(first);
@@ -147,7 +151,12 @@ impl Drain {
             state: self.state.cut(),
             last_sequences,
             position: self.hub.next_position() - 1,
-            unknown_before: self.first_engine_sequence.values().sum(),
+            // A publisher's first number is whatever it sent: never let a
+            // wild one wrap the total.
+            unknown_before: self
+                .first_engine_sequence
+                .values()
+                .fold(0, |total: u64, &first| total.saturating_add(first)),
         }
     }
 
@@ -297,12 +306,12 @@ impl Drain {
         };
         let now = tokio::time::Instant::now();
         records.refresh(now);
-        for (rank, load) in records.due(now) {
+        for (rank, record) in records.due(now) {
             let sent = self.sequencer.sent(rank);
             let encoded = OpenBatch::with_timestamp(unix_now())
-                .carrying_load(&load)
+                .carrying_load(&record.load)
                 .encode(rank, sent.unwrap_or(0), None);
-            self.metrics.load_records_sent.inc();
+            self.metrics.count_load_record(record.source.as_str());
             self.metrics.load_only_batches.inc();
             self.hub.publish_load_only(sent.is_none(), encoded);
         }
@@ -310,7 +319,18 @@ impl Drain {
 
     /// Updates the per-rank figures of `/status` and the metrics.
     fn report(&self) {
-        let ranks: BTreeSet<u32> = self.sequencer.ranks().chain(self.state.ranks()).collect();
+        let load_sources: Vec<Option<LoadSource>> = self
+            .records
+            .as_ref()
+            .map(|records| records.sources().collect())
+            .unwrap_or_default();
+        let loaded = (0u32..).zip(&load_sources).filter(|(_, s)| s.is_some());
+        let ranks: BTreeSet<u32> = self
+            .sequencer
+            .ranks()
+            .chain(self.state.ranks())
+            .chain(loaded.map(|(rank, _)| rank))
+            .collect();
         let reports: Vec<RankReport> = ranks
             .into_iter()
             .map(|rank| RankReport {
@@ -321,6 +341,11 @@ impl Drain {
                     .rank(rank)
                     .map(|blocks| *blocks.counts())
                     .unwrap_or_default(),
+                load_source: load_sources
+                    .get(rank as usize)
+                    .copied()
+                    .flatten()
+                    .map(LoadSource::as_str),
             })
             .collect();
         for report in &reports {
@@ -352,9 +377,9 @@ impl Drain {
             .as_mut()
             .and_then(|records| records.for_batch(rank, tokio::time::Instant::now()));
         let batch = match &load {
-            Some(load) => {
-                self.metrics.load_records_sent.inc();
-                batch.carrying_load(load)
+            Some(record) => {
+                self.metrics.count_load_record(record.source.as_str());
+                batch.carrying_load(&record.load)
             }
             None => batch,
         };

@@ -54,6 +54,10 @@ pub struct RankReport {
     /// tiers by name.
     #[serde(serialize_with = "blocks_by_tier_name")]
     pub blocks: TierCounts,
+    /// Where the rank's latest load reading came from (`push` or `poll`),
+    /// while load records are on and the rank has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_source: Option<&'static str>,
 }
 
 fn blocks_by_tier_name<S: serde::Serializer>(

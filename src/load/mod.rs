@@ -1,41 +1,24 @@
-//! The engine's load, polled once for every router and pushed on the stream
-//! (contract section 6).
+//! The engine's load, pushed by the engine or polled once for every router,
+//! and stamped on the stream (contract section 6).
 //!
-//! `poller` calls the engine's `GetLoads` on a fixed cadence and publishes
-//! one [`Board`] (the latest reading of every rank kvgate serves) on a watch
-//! channel; `answer` turns each engine's answer into `EngineLoad` records,
-//! clamping or dropping what does not make sense; `records` is the drain's
-//! side: it stamps the latest reading onto every outgoing batch and decides
-//! when a `load_only` batch must go out. Invariant: the engine is polled once
-//! per interval whatever the number of subscribers, and a record is never
-//! made for a rank kvgate does not serve.
+//! `push` reads each rank's load publisher (SGLang's `LoadStat` on its own
+//! ZMQ socket, decoded by `stat`); `poller` calls the engine's `GetLoads` on
+//! a fixed cadence for the ranks whose push is silent (or for all of them,
+//! without a load publisher); both write the latest reading of every rank
+//! on one [`board`]. `answer` turns each engine's `GetLoads` answer into
+//! `EngineLoad` records, clamping or dropping what does not make sense;
+//! `records` is the drain's side: it stamps the latest reading onto every
+//! outgoing batch and decides when a `load_only` batch must go out.
+//! Invariant: the engine is polled at most once per interval whatever the
+//! number of subscribers, never while its pushes are fresh, and a record is
+//! never made for a rank kvgate does not serve.
 
 pub(crate) mod answer;
+pub mod board;
 pub(crate) mod engine;
 pub(crate) mod poller;
+pub(crate) mod push;
 pub mod records;
+pub(crate) mod stat;
 
-use std::sync::Arc;
-
-use tokio::time::Instant;
-
-use crate::proto::common::EngineLoad;
-
-/// One rank's load as the engine last answered it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Reading {
-    /// Every field the engine reported; `age_ms`, `sample` and `load_only`
-    /// are left at their defaults (they are stamped per batch).
-    pub load: EngineLoad,
-    /// When the poll behind it was sent.
-    pub polled_at: Instant,
-}
-
-/// The latest reading of each rank (index = rank), `None` where there is
-/// none: before the first answer, and for every rank once records are off.
-pub type Board = Arc<Vec<Option<Reading>>>;
-
-/// A board with no reading for any of `ranks`.
-pub fn empty_board(ranks: u32) -> Board {
-    Arc::new(vec![None; ranks as usize])
-}
+pub use board::{Board, BoardWriter, LoadSource, Reading};

@@ -1,7 +1,9 @@
 //! The one `GetLoads` poller: every `--load-poll-ms`, whatever the number of
-//! subscribers.
+//! subscribers, and only while some rank's load is not pushed.
 //!
-//! Invariants: one call in flight at a time; a call that fails or times out
+//! Invariants: no call while every rank's push is fresh (the board says
+//! which ranks are due, and takes an answer only for those); one call in
+//! flight at a time; a call that fails or times out
 //! is counted and the next comes after a growing pause (up to
 //! [`MAX_BACKOFF`]), while the readings already published keep their poll
 //! time, so every record stamped from them shows its true, growing age; an
@@ -10,15 +12,14 @@
 
 use std::time::Duration;
 
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 use tracing::{info, warn};
 
+use super::BoardWriter;
 use super::answer::{self, Faults};
 use super::engine::{EngineKind, EngineLoads, LoadService};
-use super::{Board, Reading, empty_board};
 use crate::metrics::Metrics;
 
 /// Longest pause between two polls of an engine that keeps failing.
@@ -75,8 +76,6 @@ pub struct PollerConfig {
     pub interval: Duration,
     /// `None`: detect the service by trying each one.
     pub kind: Option<EngineKind>,
-    /// Ranks kvgate serves: answers for any other rank are dropped.
-    pub ranks: u32,
 }
 
 /// Which service the engine answers `GetLoads` on.
@@ -86,12 +85,12 @@ enum Target {
     Known(LoadService),
 }
 
-/// Polls until `stop` is cancelled, publishing each answer on `board` (once
-/// records are off, it only waits for `stop`).
+/// Polls until `stop` is cancelled, writing each answer on `board` for the
+/// ranks due for a poll (once polling is off, it only waits for `stop`).
 pub async fn run(
     config: PollerConfig,
     engine: EngineLoads,
-    board: watch::Sender<Board>,
+    board: BoardWriter,
     metrics: Metrics,
     stop: CancellationToken,
 ) {
@@ -99,11 +98,10 @@ pub async fn run(
         None => Target::Detect,
         Some(Some(service)) => Target::Known(service),
         Some(None) => {
-            info!("TensorRT-LLM's gRPC service has no GetLoads; load records off");
+            info!("TensorRT-LLM's gRPC service has no GetLoads; not polling it");
             return idle_until(stop).await;
         }
     };
-    let mut readings: Vec<Option<Reading>> = vec![None; config.ranks as usize];
     let mut last_answer: Option<Instant> = None;
     let mut failures: u32 = 0;
     let mut next_poll = Instant::now();
@@ -113,6 +111,10 @@ pub async fn run(
             () = stop.cancelled() => return,
         }
         let polled_at = Instant::now();
+        if !board.any_due_for_poll(polled_at) {
+            next_poll = polled_at + config.interval;
+            continue;
+        }
         let mut faults = Faults::default();
         let answered = tokio::select! {
             answered = poll(&engine, &mut target, &mut faults) => answered,
@@ -126,22 +128,19 @@ pub async fn run(
             Ok(loads) => {
                 failures = 0;
                 last_answer = Some(polled_at);
-                let placed = answer::by_rank(loads, config.ranks, &mut faults);
-                for (slot, load) in readings.iter_mut().zip(placed) {
-                    if let Some(load) = load {
-                        *slot = Some(Reading { load, polled_at });
-                    }
-                }
-                board.send_replace(std::sync::Arc::new(readings.clone()));
+                let placed = answer::by_rank(loads, board.ranks(), &mut faults);
+                board.polled(placed, polled_at);
             }
             Err(status) if outcome == PollOutcome::Unimplemented => {
-                warn!(%status, "the engine serves no GetLoads; load records off (routers poll the engine themselves)");
-                board.send_replace(empty_board(config.ranks));
+                let status = crate::connect_error::describe_status(&status);
+                warn!(%status, "the engine serves no GetLoads; polling off (without pushed load, routers poll the engine themselves)");
+                board.polling_off();
                 return idle_until(stop).await;
             }
             Err(status) => {
                 failures = failures.saturating_add(1);
                 crate::logging::rate_limited("load_poll_failed", || {
+                    let status = crate::connect_error::describe_status(&status);
                     warn!(%status, failures, "GetLoads failed; records age until it answers again");
                 });
             }
@@ -163,7 +162,7 @@ pub async fn run(
     }
 }
 
-/// Records off: the task stays until kvgate stops, like every other task
+/// Polling off: the task stays until kvgate stops, like every other task
 /// (a supervisor takes a task that ends early for a failure).
 async fn idle_until(stop: CancellationToken) {
     stop.cancelled().await;

@@ -55,6 +55,20 @@ pub struct OutcomeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// A series per source.
+pub struct SourceLabel {
+    /// The source, from its closed set.
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// A series per bound of a replay fetch.
+pub struct BoundLabel {
+    /// The bound (`messages`, `bytes`, `time`), from its closed set.
+    pub bound: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 /// A series per reason.
 pub struct ReasonLabel {
     /// The reason, from its closed set.
@@ -114,10 +128,18 @@ pub struct ClosedLabels {
     pub connections_refused: Vec<&'static str>,
     /// `connections_closed{reason}`.
     pub connections_closed: Vec<&'static str>,
+    /// `admin_connections_closed{reason}`.
+    pub admin_connections_closed: Vec<&'static str>,
     /// `credential_reloads{result}`.
     pub credential_reloads: Vec<&'static str>,
     /// `load_polls{outcome}`.
     pub load_polls: Vec<&'static str>,
     /// `load_answer_faults{reason}`.
     pub load_answer_faults: Vec<&'static str>,
+    /// `load_push_faults{reason}`.
+    pub load_push_faults: Vec<&'static str>,
+    /// `load_records_sent{source}`.
+    pub load_record_sources: Vec<&'static str>,
+    /// `replay_fetches_bounded{bound}`.
+    pub replay_bounds: Vec<&'static str>,
 }

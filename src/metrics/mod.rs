@@ -35,8 +35,13 @@ pub struct Metrics {
     /// Engine messages fetched from a replay endpoint (gap fills and
     /// priming) rather than received live.
     pub engine_messages_recovered: Counter,
+    /// Replay fetches cut short by one of their bounds, by bound.
+    pub replay_fetches_bounded: Family<BoundLabel, Counter>,
     /// Publisher counters that went backwards (engine restarts).
     pub engine_restarts: Counter,
+    /// Publisher counters that leapt further ahead than an engine could
+    /// publish: taken as a restart, never as lost messages.
+    pub engine_sequence_jumps: Counter,
     /// Batches, events and encoded bytes handed to the hub (each encoded once,
     /// whatever the number of subscribers).
     pub batches_out: Counter,
@@ -67,6 +72,13 @@ pub struct Metrics {
     pub connections_refused: Family<ReasonLabel, Counter>,
     /// Served connections kvgate closed itself, by reason.
     pub connections_closed: Family<ReasonLabel, Counter>,
+    /// Connections open on the admin (metrics) port.
+    pub admin_connections: Gauge,
+    /// Admin port connections closed at once because
+    /// `--metrics-max-connections` were open.
+    pub admin_connections_refused: Counter,
+    /// Admin port connections kvgate closed itself, by reason.
+    pub admin_connections_closed: Family<ReasonLabel, Counter>,
     /// Snapshots served to subscribers joining with cursor 0.
     pub snapshots_served: Counter,
     /// Subscriber streams ended because they fell further behind than kvgate
@@ -80,8 +92,8 @@ pub struct Metrics {
     /// `GetLoads` polls of the engine, by outcome.
     pub load_polls: Family<OutcomeLabel, Counter>,
     /// Load records encoded onto batches (once each, whatever the number
-    /// of subscribers).
-    pub load_records_sent: Counter,
+    /// of subscribers), by the source of the reading behind them.
+    pub load_records_sent: Family<SourceLabel, Counter>,
     /// `load_only` batches encoded (changes and heartbeats).
     pub load_only_batches: Counter,
     /// Seconds since the engine last answered `GetLoads` (0 until it first
@@ -89,6 +101,10 @@ pub struct Metrics {
     pub load_poll_age_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Parts of `GetLoads` answers clamped or dropped, by reason.
     pub load_answer_faults: Family<ReasonLabel, Counter>,
+    /// Load stats the engine pushed that reached the board.
+    pub load_pushes: Counter,
+    /// Load publisher messages skipped, or stats repaired, by reason.
+    pub load_push_faults: Family<ReasonLabel, Counter>,
     /// TLS handshakes refused on the gRPC port, by reason.
     pub tls_handshake_failures: Family<ReasonLabel, Counter>,
     /// Calls refused UNAUTHENTICATED, by reason.
@@ -158,9 +174,18 @@ impl Metrics {
                 "engine_messages_recovered",
                 "Engine messages fetched from the replay endpoint (gap fills, priming)",
             ),
+            replay_fetches_bounded: r.metric(
+                "replay_fetches_bounded",
+                "Replay fetches (priming, gap fills) cut short by their message, byte or time bound",
+            ),
             engine_restarts: r.metric(
                 "engine_restarts",
                 "Engine publisher restarts (counter went backwards)",
+            ),
+            engine_sequence_jumps: r.metric(
+                "engine_sequence_jumps",
+                "Engine publisher counters that leapt more than 2^32 ahead \
+                 (taken as a restart, not counted as lost messages)",
             ),
             batches_out: r.metric("batches_out", "Batches encoded and published"),
             events_out: r.metric("events_out", "Events encoded and published"),
@@ -200,6 +225,18 @@ impl Metrics {
                 "connections_closed",
                 "Served gRPC connections kvgate closed itself, by reason",
             ),
+            admin_connections: r.metric(
+                "admin_connections",
+                "Connections open on the admin (metrics) port",
+            ),
+            admin_connections_refused: r.metric(
+                "admin_connections_refused",
+                "Admin port connections answered 503 and closed: --metrics-max-connections were open",
+            ),
+            admin_connections_closed: r.metric(
+                "admin_connections_closed",
+                "Admin port connections kvgate closed itself, by reason",
+            ),
             snapshots_served: r.metric(
                 "snapshots_served",
                 "State snapshots served to subscribers joining with cursor 0",
@@ -219,7 +256,7 @@ impl Metrics {
             load_polls: r.metric("load_polls", "GetLoads polls of the engine, by outcome"),
             load_records_sent: r.metric(
                 "load_records_sent",
-                "Load records encoded onto outgoing batches (once per batch)",
+                "Load records encoded onto outgoing batches (once per batch), by the source of their reading",
             ),
             load_only_batches: r.metric(
                 "load_only_batches",
@@ -233,6 +270,14 @@ impl Metrics {
                 "load_answer_faults",
                 "Parts of GetLoads answers clamped or dropped, by reason",
             ),
+            load_pushes: r.metric(
+                "load_pushes",
+                "Load stats the engine's load publisher pushed that were taken",
+            ),
+            load_push_faults: r.metric(
+                "load_push_faults",
+                "Load publisher messages skipped, or stats repaired, by reason",
+            ),
             tls_handshake_failures: r.metric(
                 "tls_handshake_failures",
                 "TLS handshakes refused on the gRPC port, by reason",
@@ -243,7 +288,7 @@ impl Metrics {
             ),
             credential_reloads: r.metric(
                 "credential_reloads",
-                "Reloads of TLS certificates and bearer tokens on SIGHUP, by result",
+                "Reloads of TLS certificates and bearer tokens (on SIGHUP or when --credentials-check-seconds finds a file changed), by result",
             ),
             registry: Arc::new(r.0),
             labels: Arc::new(labels),
@@ -274,7 +319,16 @@ impl Metrics {
         reasons(&self.auth_failures, &labels.auth_failures);
         reasons(&self.connections_refused, &labels.connections_refused);
         reasons(&self.connections_closed, &labels.connections_closed);
+        reasons(
+            &self.admin_connections_closed,
+            &labels.admin_connections_closed,
+        );
         reasons(&self.load_answer_faults, &labels.load_answer_faults);
+        reasons(&self.load_push_faults, &labels.load_push_faults);
+        for &source in &labels.load_record_sources {
+            self.load_records_sent
+                .get_or_create_owned(&SourceLabel { source });
+        }
         for &result in &labels.credential_reloads {
             self.credential_reloads
                 .get_or_create_owned(&ResultLabel { result });
@@ -284,6 +338,10 @@ impl Metrics {
                 self.zmq_peers_dropped
                     .get_or_create_owned(&PeerDropLabels { socket, reason });
             }
+        }
+        for &bound in &labels.replay_bounds {
+            self.replay_fetches_bounded
+                .get_or_create_owned(&BoundLabel { bound });
         }
         for &outcome in &labels.load_polls {
             self.load_polls
@@ -318,6 +376,14 @@ impl Metrics {
         debug_assert_closed(&self.labels.zmq_peers_dropped, reason);
         self.zmq_peers_dropped
             .get_or_create(&PeerDropLabels { socket, reason })
+            .inc();
+    }
+
+    /// A replay fetch stopped at its `bound`.
+    pub fn count_bounded_fetch(&self, bound: &'static str) {
+        debug_assert_closed(&self.labels.replay_bounds, bound);
+        self.replay_fetches_bounded
+            .get_or_create(&BoundLabel { bound })
             .inc();
     }
 
@@ -390,6 +456,22 @@ impl Metrics {
         debug_assert_closed(&self.labels.load_answer_faults, reason);
         self.load_answer_faults
             .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A pushed load message skipped, or a stat repaired, for `reason`.
+    pub fn count_load_push_fault(&self, reason: &'static str) {
+        debug_assert_closed(&self.labels.load_push_faults, reason);
+        self.load_push_faults
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A load record encoded from a reading of `source`.
+    pub fn count_load_record(&self, source: &'static str) {
+        debug_assert_closed(&self.labels.load_record_sources, source);
+        self.load_records_sent
+            .get_or_create(&SourceLabel { source })
             .inc();
     }
 

@@ -4,12 +4,35 @@
 //!
 //! Invariant: an acceptor runs inside the connection's own task, under the
 //! handshake timeout, so a slow or silent peer never holds up the accept
-//! loop or any other connection.
+//! loop or any other connection. A failed accept (out of file descriptors,
+//! most likely) is logged at most once a second per port and retried after
+//! a pause, so the loop neither spins nor floods the log while it lasts.
 
 use std::future::Future;
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
+use tracing::warn;
+
+/// Pause after a failed accept.
+const ACCEPT_RETRY: Duration = Duration::from_millis(250);
+
+/// The next connection `listener` accepts, on the port named `port` (for
+/// the log, and as its rate limiter's key).
+pub(crate) async fn next_connection(listener: &TcpListener, port: &'static str) -> TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => return stream,
+            Err(error) => {
+                crate::logging::rate_limited(port, || {
+                    warn!(%error, "{port}: accept failed; retrying (logged at most once a second)");
+                });
+                tokio::time::sleep(ACCEPT_RETRY).await;
+            }
+        }
+    }
+}
 
 /// Turns an accepted TCP stream into the byte stream HTTP/2 is served over.
 pub trait Acceptor: Send + Sync + 'static {

@@ -1,5 +1,6 @@
 //! The operator's HTTP port: Prometheus `/metrics`, `/healthz` for probes
-//! and a human-readable `/status`.
+//! and a human-readable `/status` (its connections' bounds are in
+//! `admin_connection`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,6 +13,7 @@ use axum::routing::get;
 use serde::Serialize;
 use tokio::net::TcpListener;
 
+use super::admin_connection::{self, AdminLimits};
 use crate::health::HealthWatch;
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
@@ -70,11 +72,11 @@ pub fn router(state: AdminState) -> Router {
 pub async fn serve(
     listener: TcpListener,
     state: AdminState,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    limits: AdminLimits,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let metrics = state.metrics.clone();
+    admin_connection::serve(listener, router(state), limits, metrics, shutdown).await;
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {

@@ -1,5 +1,9 @@
-//! Bearer tokens (`--auth-token-file`): every RPC but `grpc.health.v1` needs
-//! `authorization: Bearer <token>` with a token from the file.
+//! Bearer tokens (`--auth-token-file`): every RPC but `grpc.health.v1` and
+//! server reflection needs `authorization: Bearer <token>` with a token from
+//! the file. Reflection is open because it serves kvgate's own descriptors
+//! only (the protos of the public contract, never events, state or the
+//! engine's answers), and tools such as grpcurl ask it before any call, so a
+//! health check works without a token as probes need.
 //!
 //! Invariant: a call without a known token is answered UNAUTHENTICATED here,
 //! before any route sees it: nothing reaches the engine, no event is sent.
@@ -24,8 +28,13 @@ use crate::metrics::{Metrics, ReasonLabel};
 use crate::pem::FlagFile;
 use crate::token_file::read_tokens;
 
-/// Paths that need no token: probes must work without credentials.
-const OPEN_PREFIX: &str = "/grpc.health.v1.Health/";
+/// Paths that need no token: probes must work without credentials, and
+/// reflection holds no data (module doc).
+const OPEN_PREFIXES: [&str; 3] = [
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+];
 
 type Digest = [u8; 32];
 
@@ -194,7 +203,8 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        if request.uri().path().starts_with(OPEN_PREFIX) {
+        let path = request.uri().path();
+        if OPEN_PREFIXES.iter().any(|open| path.starts_with(open)) {
             return Either::Right(self.inner.call(request));
         }
         match self.require.tokens.check(request.headers()) {

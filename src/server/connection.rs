@@ -23,19 +23,16 @@ use std::time::Duration;
 use hyper::body::Incoming;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tower::ServiceExt;
-use tracing::{debug, warn};
+use tracing::debug;
 
-use super::accept::Acceptor;
+use super::accept::{Acceptor, next_connection};
 use super::activity::{Activity, Tracked};
 use super::preface::{NotServed, expect_preface};
 use crate::metrics::{Metrics, ReasonLabel};
-
-/// Pause after a failed accept (out of file descriptors, most likely), so
-/// the loop does not spin while the condition lasts.
-const ACCEPT_RETRY: Duration = Duration::from_millis(250);
 
 /// The bounds every connection of the gRPC port is held to.
 #[derive(Clone, Debug)]
@@ -145,19 +142,9 @@ pub(crate) async fn serve<A: Acceptor>(
     let (stop, stopped) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
     loop {
-        let accepted = tokio::select! {
+        let stream = tokio::select! {
             () = &mut shutdown => break,
-            accepted = listener.accept() => accepted,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(error) => {
-                warn!(%error, "gRPC port: accept failed; retrying");
-                tokio::select! {
-                    () = &mut shutdown => break,
-                    () = tokio::time::sleep(ACCEPT_RETRY) => continue,
-                }
-            }
+            stream = next_connection(&listener, "gRPC port") => stream,
         };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             refuse(&shared.metrics, Refusal::MaxConnections);
@@ -195,8 +182,7 @@ async fn connection<A: Acceptor>(
     mut stopped: watch::Receiver<bool>,
 ) {
     let metrics = &shared.metrics;
-    metrics.connections.inc();
-    let _open = OpenConnection(metrics);
+    let _open = Open::count(&metrics.connections);
     let handshake = async {
         let io = shared.acceptor.accept(stream).await.map_err(|error| {
             debug!(%error, "gRPC port: handshake failed");
@@ -280,11 +266,19 @@ fn is_keepalive_timeout(error: &hyper::Error) -> bool {
         .is_some_and(|source| source.to_string() == "keep-alive timed out")
 }
 
-/// Keeps the open-connections gauge right however the task ends.
-struct OpenConnection<'a>(&'a Metrics);
+/// Keeps an open-connections gauge right however the task ends.
+pub(super) struct Open<'a>(&'a Gauge);
 
-impl Drop for OpenConnection<'_> {
+impl<'a> Open<'a> {
+    /// Counts one more connection open in `gauge` until dropped.
+    pub(super) fn count(gauge: &'a Gauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for Open<'_> {
     fn drop(&mut self) {
-        self.0.connections.dec();
+        self.0.dec();
     }
 }

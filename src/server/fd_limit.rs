@@ -1,19 +1,21 @@
-//! The open-file limit, checked against the connection limit at start.
+//! The open-file limit, checked against the connection limits at start.
 //!
 //! Invariant: once kvgate is serving, the process may hold every allowed
-//! connection and still have file descriptors for everything else (engine
-//! sockets, the admin port, the pass-through connection, logs), so a flood
-//! of connections never starves `/metrics`, the engine or a new subscriber
-//! of a descriptor.
+//! connection of both ports and still have file descriptors for everything
+//! else (engine sockets, the pass-through connection, logs), so a flood of
+//! connections on either port never starves `/metrics`, the engine or a new
+//! subscriber of a descriptor.
 
-/// Descriptors kept for everything but client connections, besides two per
-/// data-parallel rank (event and replay sockets).
+/// Descriptors kept for everything but client connections on the gRPC and
+/// admin ports, besides two per data-parallel rank (event and replay
+/// sockets).
 const RESERVED: u64 = 128;
 
 /// The process may not open enough files for the connection limit.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "needs about {needed} open files ({RESERVED} more for kvgate itself, 2 per rank), \
+    "needs about {needed} open files (one a connection on either port, {RESERVED} more \
+     for kvgate itself, 2 per rank), \
      but the limit is {soft} (ulimit -n; hard limit {hard}): lower it or raise the limit"
 )]
 pub struct TooFewFiles {
@@ -22,10 +24,18 @@ pub struct TooFewFiles {
     hard: u64,
 }
 
-/// Raises the soft open-file limit as far as needed (up to the hard limit),
-/// or says how far short the system falls.
-pub fn ensure_room_for(max_connections: u32, dp_size: u32) -> Result<(), TooFewFiles> {
-    let needed = u64::from(max_connections) + 2 * u64::from(dp_size) + RESERVED;
+/// Raises the soft open-file limit as far as needed for `max_connections`
+/// on the gRPC port and `admin_connections` on the admin port (up to the
+/// hard limit), or says how far short the system falls.
+pub fn ensure_room_for(
+    max_connections: u32,
+    admin_connections: u32,
+    dp_size: u32,
+) -> Result<(), TooFewFiles> {
+    let needed = u64::from(max_connections)
+        + u64::from(admin_connections)
+        + 2 * u64::from(dp_size)
+        + RESERVED;
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,

@@ -5,6 +5,7 @@
 pub(crate) mod accept;
 mod activity;
 pub(crate) mod admin;
+pub(crate) mod admin_connection;
 pub(crate) mod auth;
 pub mod codec;
 pub(crate) mod connection;
@@ -13,6 +14,7 @@ mod health;
 mod methods;
 pub(crate) mod passthrough;
 mod preface;
+mod progress;
 pub(crate) mod reload;
 pub(crate) mod request_limit;
 pub(crate) mod subscribe;

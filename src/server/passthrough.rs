@@ -10,9 +10,19 @@
 //! A method path longer than `--pass-through-max-path-bytes` is refused
 //! before it is forwarded, and calls are counted under a label from the
 //! closed set of `methods`, never the path a client sent.
+//!
+//! Invariant: a client that stops reading never holds back another call.
+//! Unread response bytes wait in their stream's HTTP/2 receive window, and
+//! on a shared connection they also use up the connection's window; so the
+//! connection window is the stream window times the most calls forwarded at
+//! once (`PassThroughLimits`), and one call over that cap is refused rather
+//! than queued behind the stalled ones. What unread calls can hold is
+//! therefore at most that product. kvgate's own calls (`GetLoads`) ride a
+//! connection of their own, so no forwarded call can delay them.
 
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -20,6 +30,7 @@ use futures::future::BoxFuture;
 use http_body::{Body as HttpBody, Frame};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Status;
 use tonic::body::Body;
 use tower::Service;
@@ -29,10 +40,58 @@ use crate::client::{EngineTransport, TlsFlags, TlsPaths};
 use crate::metrics::Metrics;
 use crate::server::methods;
 
+/// HTTP/2's largest flow-control window (RFC 9113, section 6.9.1).
+const MAX_WINDOW: u64 = (1 << 31) - 1;
+
+/// How much forwarding may hold.
+#[derive(Clone, Copy, Debug)]
+pub struct PassThroughLimits {
+    /// Longer method paths are refused, never forwarded.
+    pub max_path_bytes: usize,
+    /// Most calls forwarded at once; one more is refused.
+    pub max_streams: u32,
+    /// Each forwarded call's receive window towards the engine: the most
+    /// response bytes it holds while its client does not read.
+    pub stream_window: u32,
+}
+
+/// Why the limits cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitsError {
+    #[error(
+        "{max_streams} streams × {stream_window} bytes of window need a connection window \
+         of {needed} bytes, over HTTP/2's largest ({MAX_WINDOW})"
+    )]
+    WindowTooLarge {
+        max_streams: u32,
+        stream_window: u32,
+        needed: u64,
+    },
+}
+
+impl PassThroughLimits {
+    /// The engine connection's window: room for every stream's window, so
+    /// that unread streams never exhaust it.
+    pub fn connection_window(&self) -> Result<u32, LimitsError> {
+        let needed = u64::from(self.max_streams) * u64::from(self.stream_window);
+        u32::try_from(needed)
+            .ok()
+            .filter(|&window| u64::from(window) <= MAX_WINDOW)
+            .ok_or(LimitsError::WindowTooLarge {
+                max_streams: self.max_streams,
+                stream_window: self.stream_window,
+                needed,
+            })
+    }
+}
+
 /// Forwards HTTP/2 gRPC requests to the engine.
 #[derive(Clone)]
 pub struct PassThrough {
+    /// Forwarded calls only.
     client: EngineTransport,
+    /// kvgate's own calls, on another connection.
+    own_calls: EngineTransport,
     /// Scheme and authority of the engine's server, put on every request.
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
@@ -41,6 +100,9 @@ pub struct PassThrough {
     target: String,
     /// Longer method paths are refused, never forwarded.
     max_path_bytes: usize,
+    /// One permit per forwarded call, held until its response ends.
+    streams: Arc<Semaphore>,
+    max_streams: u32,
     metrics: Metrics,
 }
 
@@ -53,9 +115,10 @@ impl PassThrough {
         target: &str,
         tls: &TlsPaths,
         flags: TlsFlags,
-        max_path_bytes: usize,
+        limits: PassThroughLimits,
         metrics: Metrics,
     ) -> anyhow::Result<Self> {
+        let connection_window = limits.connection_window()?;
         let uri: http::Uri = target
             .parse()
             .map_err(|error| anyhow::anyhow!("{} {target}: {error}", flags.uri))?;
@@ -69,19 +132,30 @@ impl PassThrough {
         let connector = crate::client::connector(&uri, tls, flags)?;
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
+            .http2_initial_stream_window_size(limits.stream_window)
+            .http2_initial_connection_window_size(connection_window)
+            .build(connector.clone());
+        // Each client keeps its own connection: the poller never shares one
+        // with a forwarded call.
+        let own_calls = Client::builder(TokioExecutor::new())
+            .http2_only(true)
             .build(connector);
         Ok(Self {
             client,
+            own_calls,
             scheme,
             authority,
             target: format!("{target} ({})", flags.uri),
-            max_path_bytes,
+            max_path_bytes: limits.max_path_bytes,
+            streams: Arc::new(Semaphore::new(limits.max_streams as usize)),
+            max_streams: limits.max_streams,
             metrics,
         })
     }
 
-    /// The connection pool to the engine and its origin, for kvgate's own
-    /// calls (`GetLoads`): they reach the engine exactly as forwarded ones do.
+    /// A connection pool to the engine and its origin, for kvgate's own
+    /// calls (`GetLoads`): they reach the engine as forwarded ones do, on a
+    /// connection no forwarded call uses.
     pub fn engine_transport(&self) -> (EngineTransport, http::Uri) {
         let origin = http::Uri::from_parts({
             let mut parts = http::uri::Parts::default();
@@ -91,7 +165,7 @@ impl PassThrough {
             parts
         })
         .expect("scheme and authority came from a parsed URI");
-        (self.client.clone(), origin)
+        (self.own_calls.clone(), origin)
     }
 
     /// The request's path on the engine's origin.
@@ -129,6 +203,15 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
             return Box::pin(std::future::ready(Ok(status.into_http())));
         }
         let method = methods::label(path);
+        let Ok(permit) = Arc::clone(&self.streams).try_acquire_owned() else {
+            let status = Status::resource_exhausted(format!(
+                "{} calls are already passed through to the engine \
+                 (--pass-through-max-streams)",
+                self.max_streams
+            ));
+            metrics.count_pass_through(method, status.code() as i32);
+            return Box::pin(std::future::ready(Ok(status.into_http())));
+        };
         let (mut parts, body) = request.into_parts();
         parts.uri = self.engine_uri(&parts.uri);
         let request = http::Request::from_parts(parts, Body::new(body));
@@ -136,10 +219,10 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
             let response = match client.request(request).await {
                 Ok(response) => response,
                 Err(error) => {
+                    let error = crate::connect_error::describe(&error);
                     debug!(%method, %error, "engine gRPC server unreachable");
                     let status = Status::unavailable(format!(
-                        "kvgate could not reach the engine's gRPC server at {target}: {}",
-                        crate::connect_error::describe(&error)
+                        "kvgate could not reach the engine's gRPC server at {target}: {error}"
                     ));
                     metrics.count_pass_through(method, status.code() as i32);
                     return Ok(status.into_http());
@@ -156,6 +239,7 @@ impl Service<http::Request<axum::body::Body>> for PassThrough {
                     inner: body,
                     method,
                     metrics,
+                    _permit: permit,
                 })
             }))
         })
@@ -172,6 +256,9 @@ struct CountStatus {
     inner: Body,
     method: &'static str,
     metrics: Metrics,
+    /// The call's place under `--pass-through-max-streams`, freed when the
+    /// client is done with the body (and the engine's stream is reset).
+    _permit: OwnedSemaphorePermit,
 }
 
 impl HttpBody for CountStatus {

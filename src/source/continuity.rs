@@ -11,12 +11,23 @@
 //! number lies in the primed run and its payload hashes (64 bits) like the
 //! primed one; anything else under a primed number is a restarted engine,
 //! never silently skipped.
+//!
+//! A counter that leaps further ahead than an engine could publish
+//! (`MAX_PLAUSIBLE_GAP`) did not lose those messages: its numbers no longer
+//! relate to the last one (garbage, or a publisher that started over from a
+//! number of its own). Such a jump is told apart from a gap, so a lost
+//! range is never counted larger than that bound.
 
 use std::hash::BuildHasher;
 use std::ops::RangeInclusive;
 
 use bytes::Bytes;
 use rustc_hash::FxBuildHasher;
+
+/// The most numbers a gap may skip and still be taken for lost messages:
+/// 2^32, over 49 days of an engine publishing a thousand messages a second
+/// while kvgate heard none of them.
+pub const MAX_PLAUSIBLE_GAP: u64 = 1 << 32;
 
 /// How a message's engine sequence number relates to the previous one.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,8 +36,11 @@ pub enum Continuity {
     First,
     /// Exactly the previous number + 1.
     Follows,
-    /// Numbers in `missing` never arrived.
+    /// Numbers in `missing` (at most `MAX_PLAUSIBLE_GAP`) never arrived.
     Gap { missing: RangeInclusive<u64> },
+    /// The counter leapt more than `MAX_PLAUSIBLE_GAP` ahead: no message
+    /// was lost, the numbers start over from here.
+    Jumped,
     /// The counter went backwards: the publisher (engine) restarted.
     Restarted,
     /// A primed message delivered again by the live socket.
@@ -99,6 +113,7 @@ impl PublisherCursor {
             None => Continuity::First,
             Some(last) if sequence <= last => Continuity::Restarted,
             Some(last) if sequence == last + 1 => Continuity::Follows,
+            Some(last) if sequence - last - 1 > MAX_PLAUSIBLE_GAP => Continuity::Jumped,
             Some(last) => Continuity::Gap {
                 missing: last + 1..=sequence - 1,
             },
@@ -124,6 +139,26 @@ mod tests {
         let mut cursor = PublisherCursor::default();
         cursor.observe(4, b"");
         assert_eq!(cursor.observe(8, b""), Continuity::Gap { missing: 5..=7 });
+    }
+
+    #[test]
+    fn a_leap_past_the_plausible_gap_is_a_jump_and_the_count_goes_on_from_it() {
+        let mut cursor = PublisherCursor::default();
+        cursor.observe(10, b"");
+        let farthest_gap = 10 + MAX_PLAUSIBLE_GAP + 1;
+        assert_eq!(
+            cursor.observe(farthest_gap, b""),
+            Continuity::Gap {
+                missing: 11..=farthest_gap - 1
+            }
+        );
+        assert_eq!(
+            cursor.observe(farthest_gap + MAX_PLAUSIBLE_GAP + 2, b""),
+            Continuity::Jumped
+        );
+        assert_eq!(cursor.observe(u64::MAX, b""), Continuity::Jumped);
+        assert_eq!(cursor.observe(3, b""), Continuity::Restarted);
+        assert_eq!(cursor.observe(4, b""), Continuity::Follows);
     }
 
     #[test]

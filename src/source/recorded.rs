@@ -20,13 +20,15 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::pace::{self, Pacer, Pass, Speed};
-use super::upstream::{self, Cursors, Verdict};
+use super::upstream;
+use crate::router_rules::{Cursors, Verdict};
 use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
 use crate::proto::common::{EngineLoad, KvEventBatch};
 use crate::recording::{Ending, Entry, Header, OpenError, Record, Recording};
 
-/// The bad-message reason of a recorded batch that is not a `KvEventBatch`.
+/// The bad-message reason of a recorded batch that is not a `KvEventBatch`,
+/// or is of a rank outside `0..dp_size`.
 pub const UNDECODABLE: &str = "recording_undecodable";
 
 /// Where recorded load records go, with their rank: `app` feeds them to
@@ -45,6 +47,9 @@ pub struct RecordedConfig {
     pub speed: Speed,
     /// Start over at the end, forever.
     pub looped: bool,
+    /// The ranks served are `0..dp_size`; a recorded batch of another rank
+    /// is counted as bad and skipped.
+    pub dp_size: u32,
 }
 
 impl RecordedConfig {
@@ -120,11 +125,14 @@ async fn play(
                 continue;
             }
         };
-        let Ok(batch) = KvEventBatch::decode(bytes) else {
+        let batch = KvEventBatch::decode(bytes).ok();
+        let Some((batch, rank)) = batch.and_then(|batch| {
+            let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).ok()?;
+            (rank < config.dp_size).then_some((batch, rank))
+        }) else {
             metrics.count_bad_message(UNDECODABLE);
             continue;
         };
-        let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
         if let Some(load) = &batch.load {
             loads(rank, load);
         }

@@ -1,12 +1,14 @@
 //! Fetching messages again from an engine publisher's replay ROUTER.
 //!
-//! Invariant: whatever a fetch returns is a run of consecutive engine
+//! Invariant: whatever a fetch yields is a run of consecutive engine
 //! sequence numbers inside the range asked for, carrying the configured
-//! topic, exactly as the ring holds them. It starts at the range's start
+//! topic, exactly as the ring holds them, handed over one by one as they
+//! arrive (a fetch keeps none of them). It starts at the range's start
 //! unless the ring no longer reaches back that far (the ROUTER then silently
 //! starts at its oldest message), and it ends early, never with a hole, when
-//! the ring runs out, a reply breaks the run, or the endpoint stops answering
-//! within the timeout.
+//! the ring runs out, a reply breaks the run, the endpoint stops answering
+//! within the timeout, or the fetch reaches one of its [`FetchBounds`]: an
+//! endpoint that answers forever costs at most those bounds.
 //!
 //! Protocol (engine-wire.md, "Replay ROUTER protocol"): a fresh DEALER sends
 //! `["", start as 8 bytes BE]`; the ROUTER answers every kept message with
@@ -15,7 +17,8 @@
 //! is all ones. There is no error reply, so silence is only detectable by a
 //! timeout. SGLang's ROUTER drops whatever exceeds libzmq's default send limit
 //! of 1000 messages, so long ranges are asked for in pieces of at most that
-//! many, each on its own socket.
+//! many, each on its own socket. A piece is read only as fast as the caller
+//! takes its messages: the socket reads nothing ahead.
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;
@@ -37,8 +40,61 @@ pub const MAX_PIECE: usize = 1000;
 /// the live stream back.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a whole fetch may take: a ring of 100k small messages comes
+/// back in about a second on loopback.
+pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most messages one fetch yields: ten times vLLM's default ring.
+pub const DEFAULT_MAX_MESSAGES: u64 = 100_000;
+
+/// The most payload bytes one fetch yields, unless the history is smaller.
+pub const DEFAULT_MAX_BYTES: u64 = 64 << 20;
+
 /// The seq frame of the reply that ends a replay.
 const END: u64 = u64::MAX;
+
+/// The most one fetch may cost, whatever the endpoint sends.
+#[derive(Clone, Copy, Debug)]
+pub struct FetchBounds {
+    /// Messages yielded.
+    pub messages: u64,
+    /// Payload bytes yielded.
+    pub bytes: u64,
+    /// From the first request to the last reply, over every piece.
+    pub time: Duration,
+}
+
+impl Default for FetchBounds {
+    fn default() -> Self {
+        Self {
+            messages: DEFAULT_MAX_MESSAGES,
+            bytes: DEFAULT_MAX_BYTES,
+            time: DEFAULT_FETCH_TIMEOUT,
+        }
+    }
+}
+
+/// Which of the [`FetchBounds`] a fetch reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FetchBound {
+    Messages,
+    Bytes,
+    Time,
+}
+
+impl FetchBound {
+    /// Every bound, in label order.
+    pub const ALL: [FetchBound; 3] = [Self::Messages, Self::Bytes, Self::Time];
+
+    /// The `bound` label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Messages => "messages",
+            Self::Bytes => "bytes",
+            Self::Time => "time",
+        }
+    }
+}
 
 /// Why a fetch stopped before covering the range asked for.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -60,6 +116,8 @@ pub enum ReplayError {
     BadFrames(FrameError),
     #[error("replay sent seq {got} where {expected} was due")]
     NotContiguous { expected: u64, got: u64 },
+    #[error("the fetch reached its {} bound", .0.as_str())]
+    Bounded(FetchBound),
 }
 
 impl ReplayError {
@@ -74,26 +132,18 @@ impl ReplayError {
     }
 }
 
-/// What a fetch recovered; see the module docs for what `messages` holds.
+/// What a fetch yielded, in numbers; see the module docs for the run.
 #[derive(Clone, Debug, Default)]
 pub struct Replayed {
-    /// `(engine sequence, payload)`, consecutive, oldest first.
-    pub messages: Vec<(u64, Bytes)>,
+    /// Where the yielded run begins: the start asked for, or later when the
+    /// ring had already dropped it.
+    pub first: Option<u64>,
+    pub last: Option<u64>,
+    /// Messages yielded.
+    pub count: u64,
     /// Set when the fetch ended for another reason than covering the range
     /// or reaching the ring's newest message.
     pub stopped: Option<ReplayError>,
-}
-
-impl Replayed {
-    /// Where the recovered record begins: the start asked for, or later when
-    /// the ring had already dropped it.
-    pub fn first(&self) -> Option<u64> {
-        self.messages.first().map(|(seq, _)| *seq)
-    }
-
-    pub fn last(&self) -> Option<u64> {
-        self.messages.last().map(|(seq, _)| *seq)
-    }
 }
 
 /// One rank's replay endpoint.
@@ -102,17 +152,26 @@ pub struct ReplayClient {
     address: String,
     topic: Bytes,
     timeout: Duration,
+    bounds: FetchBounds,
     max_message_bytes: usize,
 }
 
 impl ReplayClient {
     /// `address` is a connect address (`tcp://HOST:PORT`); `timeout` bounds
-    /// each piece; a reply over `max_message_bytes` drops the connection.
-    pub fn new(address: String, topic: Bytes, timeout: Duration, max_message_bytes: usize) -> Self {
+    /// each piece and `bounds` each fetch; a reply over `max_message_bytes`
+    /// drops the connection.
+    pub fn new(
+        address: String,
+        topic: Bytes,
+        timeout: Duration,
+        bounds: FetchBounds,
+        max_message_bytes: usize,
+    ) -> Self {
         Self {
             address,
             topic,
             timeout,
+            bounds,
             max_message_bytes,
         }
     }
@@ -121,51 +180,125 @@ impl ReplayClient {
         &self.address
     }
 
-    /// Fetches what the ring still holds of `wanted`; `0..=u64::MAX` asks for
-    /// the whole ring. Never fails outright: a fetch that breaks off keeps
-    /// the verified run it got so far and says why in `stopped`.
-    pub async fn fetch(&self, wanted: RangeInclusive<u64>) -> Replayed {
-        let mut collector = Collector::new(wanted, MAX_PIECE);
-        let stopped = loop {
-            if collector.is_done() {
-                break None;
-            }
-            if let Err(error) = self.piece(&mut collector).await {
-                break Some(error);
-            }
-        };
-        Replayed {
-            messages: collector.messages,
-            stopped,
+    /// Starts fetching what the ring still holds of `wanted`; `0..=u64::MAX`
+    /// asks for the whole ring. Nothing is asked before [`Fetch::next`].
+    pub fn fetch(&self, wanted: RangeInclusive<u64>) -> Fetch<'_> {
+        Fetch {
+            client: self,
+            collector: Collector::new(wanted, MAX_PIECE, self.bounds),
+            deadline: Instant::now() + self.bounds.time,
+            piece: None,
+            stopped: None,
         }
     }
 
-    /// Asks for the next piece on a fresh socket and reads it.
-    async fn piece(&self, collector: &mut Collector) -> Result<(), ReplayError> {
-        let deadline = Instant::now() + self.timeout;
+    /// Connects a fresh socket and asks from `start`; returns it with the
+    /// piece's deadline.
+    async fn open(
+        &self,
+        start: u64,
+        fetch_deadline: Instant,
+    ) -> Result<(DealerSocket, Instant), ReplayError> {
+        let until = Instant::now() + self.timeout;
+        let deadline = until.min(fetch_deadline);
         let mut dealer = DealerSocket::with_options(socket_options(self.max_message_bytes));
         // Unlike libzmq's, the zeromq crate's connect waits for the peer,
         // retrying a refused connection for up to 30 s.
         timeout_at(deadline, dealer.connect(&self.address))
             .await
-            .map_err(|_| ReplayError::ConnectTimeout(self.timeout))?
+            .map_err(|_| self.expired(until, fetch_deadline, ReplayError::ConnectTimeout))?
             .map_err(|error| ReplayError::ConnectFailed(Arc::new(error)))?;
-        timeout_at(deadline, dealer.send(request(collector.next_request())))
+        timeout_at(deadline, dealer.send(request(start)))
             .await
-            .map_err(|_| ReplayError::Timeout(self.timeout))?
+            .map_err(|_| self.expired(until, fetch_deadline, ReplayError::Timeout))?
             .map_err(|error| ReplayError::ConnectFailed(Arc::new(error)))?;
-        loop {
-            let reply = timeout_at(deadline, dealer.recv())
-                .await
-                .map_err(|_| ReplayError::Timeout(self.timeout))?
-                .map_err(ReplayError::from_recv)?;
-            let reply =
-                parse_reply(&reply.into_vec(), &self.topic).map_err(ReplayError::BadFrames)?;
-            if collector.accept(reply)? == Next::PieceDone {
-                // Dropping the socket discards whatever else the ROUTER sends.
-                return Ok(());
+        Ok((dealer, until))
+    }
+
+    /// The error for a wait that ran out: the piece's own timeout, or the
+    /// fetch's time bound when that came first.
+    fn expired(
+        &self,
+        until: Instant,
+        fetch_deadline: Instant,
+        piece: fn(Duration) -> ReplayError,
+    ) -> ReplayError {
+        if fetch_deadline <= until {
+            ReplayError::Bounded(FetchBound::Time)
+        } else {
+            piece(self.timeout)
+        }
+    }
+}
+
+/// A fetch under way: the verified run, message by message.
+pub struct Fetch<'a> {
+    client: &'a ReplayClient,
+    collector: Collector,
+    /// The fetch's time bound.
+    deadline: Instant,
+    /// The piece being read and its deadline; dropping the socket discards
+    /// whatever else the ROUTER sends.
+    piece: Option<(DealerSocket, Instant)>,
+    stopped: Option<ReplayError>,
+}
+
+impl Fetch<'_> {
+    /// The next message of the run, or `None` once the fetch has ended.
+    pub async fn next(&mut self) -> Option<(u64, Bytes)> {
+        while self.stopped.is_none() && !self.collector.is_done() {
+            match self.step().await {
+                Ok(Some(message)) => return Some(message),
+                Ok(None) => {}
+                Err(error) => {
+                    self.piece = None;
+                    self.stopped = Some(error);
+                }
             }
         }
+        self.piece = None;
+        None
+    }
+
+    /// Narrows the range to what comes before `next`, which the live socket
+    /// delivers: the fetch ends once the run reaches it.
+    pub fn end_before(&mut self, next: u64) {
+        self.collector.end_before(next);
+    }
+
+    /// What the fetch yielded and why it stopped.
+    pub fn finish(self) -> Replayed {
+        Replayed {
+            first: self.collector.first,
+            last: self.collector.last,
+            count: self.collector.count,
+            stopped: self.stopped,
+        }
+    }
+
+    /// Reads one reply, asking for a piece first if none is open.
+    async fn step(&mut self) -> Result<Option<(u64, Bytes)>, ReplayError> {
+        let (dealer, until) = match &mut self.piece {
+            Some(piece) => piece,
+            slot @ None => {
+                let start = self.collector.next_request();
+                slot.insert(self.client.open(start, self.deadline).await?)
+            }
+        };
+        let reply = timeout_at((*until).min(self.deadline), dealer.recv())
+            .await
+            .map_err(|_| {
+                self.client
+                    .expired(*until, self.deadline, ReplayError::Timeout)
+            })?
+            .map_err(ReplayError::from_recv)?;
+        let reply =
+            parse_reply(&reply.into_vec(), &self.client.topic).map_err(ReplayError::BadFrames)?;
+        let (message, next) = self.collector.accept(reply)?;
+        if next == Next::PieceDone {
+            self.piece = None;
+        }
+        Ok(message)
     }
 }
 
@@ -219,23 +352,31 @@ enum Next {
     PieceDone,
 }
 
-/// Checks replies against the range asked for and plans the pieces; the
-/// pure half of a fetch.
+/// Checks replies against the range asked for and the bounds, and plans
+/// the pieces; the pure half of a fetch.
 #[derive(Debug)]
 struct Collector {
     wanted: RangeInclusive<u64>,
     piece_size: usize,
-    messages: Vec<(u64, Bytes)>,
+    bounds: FetchBounds,
+    first: Option<u64>,
+    last: Option<u64>,
+    count: u64,
+    bytes: u64,
     in_piece: usize,
     done: bool,
 }
 
 impl Collector {
-    fn new(wanted: RangeInclusive<u64>, piece_size: usize) -> Self {
+    fn new(wanted: RangeInclusive<u64>, piece_size: usize, bounds: FetchBounds) -> Self {
         Self {
             wanted,
             piece_size,
-            messages: Vec::new(),
+            bounds,
+            first: None,
+            last: None,
+            count: 0,
+            bytes: 0,
             in_piece: 0,
             done: false,
         }
@@ -251,15 +392,16 @@ impl Collector {
         self.next_expected()
     }
 
-    fn accept(&mut self, reply: Reply) -> Result<Next, ReplayError> {
+    /// Takes a reply: the message to yield, if any, and what to do next.
+    fn accept(&mut self, reply: Reply) -> Result<(Option<(u64, Bytes)>, Next), ReplayError> {
         let Reply::Message { seq, payload } = reply else {
             self.done = true;
-            return Ok(Next::PieceDone);
+            return Ok((None, Next::PieceDone));
         };
-        let not_contiguous = match self.messages.last() {
+        let not_contiguous = match self.last {
             // A start the ring no longer holds begins at its oldest message.
             None => seq < *self.wanted.start(),
-            Some((last, _)) => seq != last + 1,
+            Some(last) => seq != last + 1,
         };
         if not_contiguous {
             self.done = true;
@@ -270,22 +412,51 @@ impl Collector {
         }
         if seq > *self.wanted.end() {
             self.done = true;
-            return Ok(Next::PieceDone);
+            return Ok((None, Next::PieceDone));
         }
-        self.messages.push((seq, payload));
+        let size = payload.len() as u64;
+        let bound = if self.count >= self.bounds.messages {
+            Some(FetchBound::Messages)
+        } else if self.bytes + size > self.bounds.bytes {
+            Some(FetchBound::Bytes)
+        } else {
+            None
+        };
+        if let Some(bound) = bound {
+            self.done = true;
+            return Err(ReplayError::Bounded(bound));
+        }
+        self.first.get_or_insert(seq);
+        self.last = Some(seq);
+        self.count += 1;
+        self.bytes += size;
         self.in_piece += 1;
         self.done = seq == *self.wanted.end();
-        Ok(if self.done || self.in_piece == self.piece_size {
+        let next = if self.done || self.in_piece == self.piece_size {
             Next::PieceDone
         } else {
             Next::Read
-        })
+        };
+        Ok((Some((seq, payload)), next))
+    }
+
+    /// Ends the range just before `next`.
+    fn end_before(&mut self, next: u64) {
+        let Some(end) = next.checked_sub(1) else {
+            self.done = true;
+            return;
+        };
+        if end >= *self.wanted.end() {
+            return;
+        }
+        self.wanted = *self.wanted.start()..=end;
+        if end < *self.wanted.start() || self.last.is_some_and(|last| last >= end) {
+            self.done = true;
+        }
     }
 
     fn next_expected(&self) -> u64 {
-        self.messages
-            .last()
-            .map_or(*self.wanted.start(), |(last, _)| last + 1)
+        self.last.map_or(*self.wanted.start(), |last| last + 1)
     }
 }
 
@@ -297,7 +468,7 @@ mod tests {
     use zeromq::RouterSocket;
 
     use super::*;
-    use kvgate_sim::{EnginePublisher, PublisherOptions};
+    use kvgate_sim::{EndlessReplay, EnginePublisher, PublisherOptions};
 
     fn unhex(hex: &Value) -> Bytes {
         let hex = hex.as_str().expect("a hex string");
@@ -319,8 +490,46 @@ mod tests {
         }
     }
 
-    fn seqs(collector: &Collector) -> Vec<u64> {
-        collector.messages.iter().map(|(seq, _)| *seq).collect()
+    /// A collector that keeps the seqs it yields.
+    struct Fed {
+        collector: Collector,
+        seqs: Vec<u64>,
+    }
+
+    impl Fed {
+        fn new(wanted: RangeInclusive<u64>, piece_size: usize) -> Self {
+            Self::bounded(wanted, piece_size, FetchBounds::default())
+        }
+
+        fn bounded(wanted: RangeInclusive<u64>, piece_size: usize, bounds: FetchBounds) -> Self {
+            Self {
+                collector: Collector::new(wanted, piece_size, bounds),
+                seqs: Vec::new(),
+            }
+        }
+
+        fn next_request(&mut self) -> u64 {
+            self.collector.next_request()
+        }
+
+        fn is_done(&self) -> bool {
+            self.collector.is_done()
+        }
+
+        fn accept(&mut self, reply: Reply) -> Result<Next, ReplayError> {
+            let (message, next) = self.collector.accept(reply)?;
+            self.seqs.extend(message.map(|(seq, _)| seq));
+            Ok(next)
+        }
+    }
+
+    /// Runs a whole fetch, keeping what it yields.
+    async fn collect(mut fetch: Fetch<'_>) -> (Vec<(u64, Bytes)>, Replayed) {
+        let mut messages = Vec::new();
+        while let Some(message) = fetch.next().await {
+            messages.push(message);
+        }
+        (messages, fetch.finish())
     }
 
     #[test]
@@ -342,7 +551,7 @@ mod tests {
                     frames(&case["dealer_sends_hex"]),
                     "{format}: request frames for {start}"
                 );
-                let mut collector = Collector::new(start..=u64::MAX, MAX_PIECE);
+                let mut collector = Fed::new(start..=u64::MAX, MAX_PIECE);
                 collector.next_request();
                 let replies = case["dealer_receives_hex"].as_array().unwrap();
                 for (n, reply) in replies.iter().enumerate() {
@@ -357,7 +566,7 @@ mod tests {
                     .iter()
                     .filter_map(Value::as_u64)
                     .collect();
-                assert_eq!(seqs(&collector), expected, "{format}: start {start}");
+                assert_eq!(collector.seqs, expected, "{format}: start {start}");
             }
         }
     }
@@ -401,18 +610,18 @@ mod tests {
 
     #[test]
     fn a_start_the_ring_no_longer_holds_begins_at_its_oldest_message() {
-        let mut collector = Collector::new(5..=9, MAX_PIECE);
+        let mut collector = Fed::new(5..=9, MAX_PIECE);
         assert_eq!(collector.next_request(), 5);
         for seq in 7..=9 {
             collector.accept(message(seq)).unwrap();
         }
         assert!(collector.is_done());
-        assert_eq!(seqs(&collector), [7, 8, 9]);
+        assert_eq!(collector.seqs, [7, 8, 9]);
     }
 
     #[test]
     fn replayed_numbers_must_run_on_and_the_run_stops_at_the_first_break() {
-        let mut collector = Collector::new(0..=u64::MAX, MAX_PIECE);
+        let mut collector = Fed::new(0..=u64::MAX, MAX_PIECE);
         collector.next_request();
         collector.accept(message(0)).unwrap();
         collector.accept(message(1)).unwrap();
@@ -424,9 +633,9 @@ mod tests {
             })
         ));
         assert!(collector.is_done());
-        assert_eq!(seqs(&collector), [0, 1]);
+        assert_eq!(collector.seqs, [0, 1]);
 
-        let mut collector = Collector::new(4..=9, MAX_PIECE);
+        let mut collector = Fed::new(4..=9, MAX_PIECE);
         collector.next_request();
         assert!(matches!(
             collector.accept(message(3)),
@@ -439,23 +648,23 @@ mod tests {
 
     #[test]
     fn a_bounded_fetch_ends_at_its_last_number_or_at_the_first_one_past_it() {
-        let mut collector = Collector::new(2..=3, MAX_PIECE);
+        let mut collector = Fed::new(2..=3, MAX_PIECE);
         collector.next_request();
         assert!(matches!(collector.accept(message(2)), Ok(Next::Read)));
         assert!(matches!(collector.accept(message(3)), Ok(Next::PieceDone)));
         assert!(collector.is_done());
 
         // The ring skips the range entirely (numbers the engine never sent).
-        let mut collector = Collector::new(2..=3, MAX_PIECE);
+        let mut collector = Fed::new(2..=3, MAX_PIECE);
         collector.next_request();
         assert!(matches!(collector.accept(message(4)), Ok(Next::PieceDone)));
         assert!(collector.is_done());
-        assert!(collector.messages.is_empty());
+        assert!(collector.seqs.is_empty());
     }
 
     #[test]
     fn long_ranges_are_asked_for_in_pieces_each_continuing_after_the_last_message() {
-        let mut collector = Collector::new(10..=u64::MAX, 3);
+        let mut collector = Fed::new(10..=u64::MAX, 3);
         assert_eq!(collector.next_request(), 10);
         assert!(matches!(collector.accept(message(10)), Ok(Next::Read)));
         assert!(matches!(collector.accept(message(11)), Ok(Next::Read)));
@@ -471,7 +680,7 @@ mod tests {
             })
         ));
 
-        let mut collector = Collector::new(10..=u64::MAX, 3);
+        let mut collector = Fed::new(10..=u64::MAX, 3);
         collector.next_request();
         for seq in 10..=12 {
             collector.accept(message(seq)).unwrap();
@@ -480,7 +689,7 @@ mod tests {
         assert!(matches!(collector.accept(message(13)), Ok(Next::Read)));
         assert!(matches!(collector.accept(Reply::End), Ok(Next::PieceDone)));
         assert!(collector.is_done());
-        assert_eq!(seqs(&collector), [10, 11, 12, 13]);
+        assert_eq!(collector.seqs, [10, 11, 12, 13]);
     }
 
     async fn ring_only_publisher(published: u64, buffer_steps: usize) -> EnginePublisher {
@@ -503,10 +712,15 @@ mod tests {
     }
 
     fn client(address: &str, timeout: Duration) -> ReplayClient {
+        bounded_client(address, timeout, FetchBounds::default())
+    }
+
+    fn bounded_client(address: &str, timeout: Duration, bounds: FetchBounds) -> ReplayClient {
         ReplayClient::new(
             address.to_owned(),
             Bytes::new(),
             timeout,
+            bounds,
             crate::source::peer::DEFAULT_MAX_MESSAGE_BYTES as usize,
         )
     }
@@ -516,27 +730,27 @@ mod tests {
         let publisher = ring_only_publisher(2500, 10_000).await;
         let replay = client(publisher.replay_endpoint().unwrap(), DEFAULT_TIMEOUT);
 
-        let all = replay.fetch(0..=u64::MAX).await;
+        let (messages, all) = collect(replay.fetch(0..=u64::MAX)).await;
         assert!(all.stopped.is_none(), "{:?}", all.stopped);
-        assert_eq!(all.messages.len(), 2500);
-        for (n, (seq, payload)) in all.messages.iter().enumerate() {
+        assert_eq!((messages.len(), all.count), (2500, 2500));
+        for (n, (seq, payload)) in messages.iter().enumerate() {
             assert_eq!(*seq, n as u64);
             assert_eq!(payload, &Bytes::from(format!("batch {n}")));
         }
 
-        let range = replay.fetch(990..=2001).await;
+        let (messages, range) = collect(replay.fetch(990..=2001)).await;
         assert!(range.stopped.is_none(), "{:?}", range.stopped);
-        assert_eq!((range.first(), range.last()), (Some(990), Some(2001)));
-        assert_eq!(range.messages.len(), 1012);
+        assert_eq!((range.first, range.last), (Some(990), Some(2001)));
+        assert_eq!((messages.len(), range.count), (1012, 1012));
     }
 
     #[tokio::test]
     async fn a_ring_smaller_than_what_was_published_starts_at_its_oldest() {
         let publisher = ring_only_publisher(30, 8).await;
         let replay = client(publisher.replay_endpoint().unwrap(), DEFAULT_TIMEOUT);
-        let primed = replay.fetch(0..=u64::MAX).await;
+        let (_, primed) = collect(replay.fetch(0..=u64::MAX)).await;
         assert!(primed.stopped.is_none(), "{:?}", primed.stopped);
-        assert_eq!((primed.first(), primed.last()), (Some(22), Some(29)));
+        assert_eq!((primed.first, primed.last), (Some(22), Some(29)));
     }
 
     #[tokio::test]
@@ -548,14 +762,13 @@ mod tests {
             .port();
         let timeout = Duration::from_millis(300);
         let started = Instant::now();
-        let replayed = client(&format!("tcp://127.0.0.1:{port}"), timeout)
-            .fetch(0..=u64::MAX)
-            .await;
+        let replay = client(&format!("tcp://127.0.0.1:{port}"), timeout);
+        let (messages, replayed) = collect(replay.fetch(0..=u64::MAX)).await;
         assert!(matches!(
             replayed.stopped,
             Some(ReplayError::ConnectTimeout(_) | ReplayError::ConnectFailed(_))
         ));
-        assert!(replayed.messages.is_empty());
+        assert!(messages.is_empty());
         assert!(started.elapsed() < timeout + Duration::from_secs(2));
     }
 
@@ -565,11 +778,118 @@ mod tests {
         let address = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         let timeout = Duration::from_millis(300);
         let started = Instant::now();
-        let replayed = client(&address, timeout).fetch(0..=u64::MAX).await;
+        let replay = client(&address, timeout);
+        let (_, replayed) = collect(replay.fetch(0..=u64::MAX)).await;
         assert!(matches!(replayed.stopped, Some(ReplayError::Timeout(t)) if t == timeout));
         assert!(started.elapsed() < timeout + Duration::from_secs(2));
         // The request did arrive, framed as the engines expect.
         let request = router.recv().await.unwrap().into_vec();
         assert_eq!(request[1..], [Bytes::new(), Bytes::from_static(&[0; 8])]);
+    }
+
+    #[test]
+    fn a_fetch_stops_at_its_message_or_byte_bound_with_the_run_it_had() {
+        let reply = |seq: u64, bytes: usize| Reply::Message {
+            seq,
+            payload: Bytes::from(vec![0; bytes]),
+        };
+        let bounds = FetchBounds {
+            messages: 2,
+            ..FetchBounds::default()
+        };
+        let mut collector = Fed::bounded(0..=u64::MAX, MAX_PIECE, bounds);
+        collector.next_request();
+        collector.accept(reply(0, 1)).unwrap();
+        collector.accept(reply(1, 1)).unwrap();
+        assert!(matches!(
+            collector.accept(reply(2, 1)),
+            Err(ReplayError::Bounded(FetchBound::Messages))
+        ));
+        assert!(collector.is_done());
+        assert_eq!(collector.seqs, [0, 1]);
+
+        let bounds = FetchBounds {
+            bytes: 10,
+            ..FetchBounds::default()
+        };
+        let mut collector = Fed::bounded(0..=u64::MAX, MAX_PIECE, bounds);
+        collector.next_request();
+        collector.accept(reply(0, 6)).unwrap();
+        assert!(matches!(
+            collector.accept(reply(1, 5)),
+            Err(ReplayError::Bounded(FetchBound::Bytes))
+        ));
+        assert_eq!(collector.seqs, [0]);
+
+        // A run that ends exactly at a bound reached no bound.
+        let mut collector = Fed::bounded(0..=u64::MAX, MAX_PIECE, bounds);
+        collector.next_request();
+        collector.accept(reply(0, 10)).unwrap();
+        collector.accept(Reply::End).unwrap();
+        assert!(collector.is_done());
+    }
+
+    #[test]
+    fn a_fetch_narrowed_to_before_a_live_number_ends_when_its_run_reaches_it() {
+        let mut collector = Fed::new(0..=u64::MAX, MAX_PIECE);
+        collector.next_request();
+        collector.accept(message(4)).unwrap();
+        collector.collector.end_before(6);
+        assert!(!collector.is_done());
+        assert!(matches!(collector.accept(message(5)), Ok(Next::PieceDone)));
+        assert!(collector.is_done());
+        assert_eq!(collector.seqs, [4, 5]);
+
+        // The run is already past the live number: nothing more to ask.
+        let mut collector = Fed::new(0..=u64::MAX, MAX_PIECE);
+        collector.next_request();
+        collector.accept(message(0)).unwrap();
+        collector.accept(message(1)).unwrap();
+        collector.collector.end_before(1);
+        assert!(collector.is_done());
+
+        // Nothing comes before 0.
+        let mut collector = Fed::new(0..=u64::MAX, MAX_PIECE);
+        collector.collector.end_before(0);
+        assert!(collector.is_done());
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_that_answers_forever_is_cut_at_the_fetchs_bounds() {
+        let endless = EndlessReplay::bind(
+            "tcp://127.0.0.1:0",
+            Bytes::new(),
+            1000,
+            Bytes::from(vec![7; 16]),
+        )
+        .await
+        .unwrap();
+        let address = endless.endpoint();
+        let bounds = FetchBounds {
+            messages: 2500,
+            ..FetchBounds::default()
+        };
+        let replay = bounded_client(address, DEFAULT_TIMEOUT, bounds);
+        let (messages, replayed) = collect(replay.fetch(0..=u64::MAX)).await;
+        assert!(matches!(
+            replayed.stopped,
+            Some(ReplayError::Bounded(FetchBound::Messages))
+        ));
+        assert_eq!((messages.len(), replayed.last), (2500, Some(2499)));
+
+        // Only the clock can stop this one.
+        let bounds = FetchBounds {
+            messages: u64::MAX,
+            bytes: u64::MAX,
+            time: Duration::from_millis(300),
+        };
+        let replay = bounded_client(address, DEFAULT_TIMEOUT, bounds);
+        let started = Instant::now();
+        let (_, replayed) = collect(replay.fetch(0..=u64::MAX)).await;
+        assert!(matches!(
+            replayed.stopped,
+            Some(ReplayError::Bounded(FetchBound::Time))
+        ));
+        assert!(started.elapsed() < Duration::from_secs(3));
     }
 }

@@ -7,7 +7,10 @@
 //! cannot honour the cursor (OUT_OF_RANGE, DATA_LOSS, a gap it cannot
 //! resume over) it starts again from 0: the upstream's snapshot then reaches
 //! kvgate's own subscribers as a resync, an ownerless clear of every rank
-//! followed by the new state, without dropping any of them.
+//! followed by the new state, without dropping any of them. The upstream
+//! never decides how many ranks kvgate tracks: a batch for a rank outside
+//! `0..dp_size` is counted and dropped before it reaches a cursor, a metric
+//! series or the drain, as the ZMQ source's one socket per rank guarantees.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -18,11 +21,16 @@ use tonic::Code;
 use tracing::{info, warn};
 
 use super::{DrainGone, SourceEvent, send};
+use crate::router_rules::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
 use crate::metrics::Metrics;
-use crate::proto::common::{KvCacheEvent, KvEventBatch};
+use crate::proto::common::KvEventBatch;
 
 /// The bad-message reason of an upstream batch kvgate cannot decode.
 pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
+
+/// The bad-message reason of an upstream batch for a rank outside
+/// `0..dp_size` (or a negative one).
+pub(crate) const UNKNOWN_RANK: &str = "upstream_unknown_rank";
 
 /// Where the upstream is, with which credentials, and which of its service
 /// names to call.
@@ -30,82 +38,8 @@ pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
 pub struct UpstreamConfig {
     pub target: crate::client::Target,
     pub service: String,
-}
-
-/// What the router's rules make of one batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// The next batch of its rank (or the first): forward it.
-    Next,
-    /// Already applied: drop it.
-    Stale,
-    /// The upstream started this rank over: clear it, then forward.
-    Restart,
-    /// Numbers were skipped: resume from the cursor.
-    Gap,
-    /// A snapshot chunk; `first` is chunk 0 (resync every rank).
-    Snapshot { first: bool },
-    /// A `load_only` batch: no events, admitted to no cursor.
-    LoadOnly,
-}
-
-/// Per-rank cursors, as a router keeps them.
-#[derive(Debug, Default)]
-pub struct Cursors {
-    last: BTreeMap<i32, u64>,
-    /// No batch received yet on the current connection.
-    fresh: bool,
-}
-
-impl Cursors {
-    /// Rank 0's cursor: what to resume from (0 = snapshot).
-    pub fn resume_from(&self) -> u64 {
-        self.last.get(&0).copied().unwrap_or(0)
-    }
-
-    pub fn connected(&mut self) {
-        self.fresh = true;
-    }
-
-    pub fn forget(&mut self) {
-        self.last.clear();
-    }
-
-    pub fn admit(&mut self, batch: &KvEventBatch) -> Verdict {
-        if batch.load.as_ref().is_some_and(|load| load.load_only) {
-            return Verdict::LoadOnly;
-        }
-        let fresh = std::mem::replace(&mut self.fresh, false);
-        let rank = batch.dp_rank.unwrap_or(0);
-        let seq = batch.sequence_number;
-        if let Some(chunk) = &batch.snapshot {
-            self.last.insert(rank, seq);
-            return Verdict::Snapshot {
-                first: chunk.index == 0,
-            };
-        }
-        let verdict = match self.last.get(&rank).copied() {
-            None => Verdict::Next,
-            Some(last) if seq == last + 1 => Verdict::Next,
-            Some(last) if seq == last => Verdict::Stale,
-            Some(last) if seq < last => {
-                let restart = batch.events.iter().any(KvCacheEvent::is_ownerless_clear)
-                    || fresh
-                    || seq <= 1
-                    || seq + 1024 <= last;
-                if restart {
-                    Verdict::Restart
-                } else {
-                    Verdict::Stale
-                }
-            }
-            Some(_) => Verdict::Gap,
-        };
-        if matches!(verdict, Verdict::Next | Verdict::Restart) {
-            self.last.insert(rank, seq);
-        }
-        verdict
-    }
+    /// The ranks served are `0..dp_size`.
+    pub dp_size: u32,
 }
 
 /// What the drain gets of a batch admitted with `verdict`: the reset the
@@ -131,11 +65,6 @@ pub(crate) fn forwarded(
     });
     reset.into_iter().chain(events)
 }
-
-/// The pause before the first retry of a lost subscription; it doubles up
-/// to [`MAX_BACKOFF`] (the recorder retries the same way).
-pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Subscribes to the upstream until `stop` is cancelled (or the drain is
 /// gone), forwarding admitted events to the drain.
@@ -188,7 +117,7 @@ enum Outcome {
 enum Interruption {
     #[error("{0:#}")]
     Connect(anyhow::Error),
-    #[error("{0}")]
+    #[error("{}", crate::connect_error::describe_status(.0))]
     Refused(tonic::Status),
     #[error("the upstream ended the stream")]
     Ended,
@@ -233,7 +162,19 @@ async fn follow(
                 return Outcome::Retry(Interruption::Refused(status));
             }
         };
-        let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+        let Some(rank) = served_rank(&batch, config.dp_size) else {
+            metrics.count_bad_message(UNKNOWN_RANK);
+            crate::logging::rate_limited(UNKNOWN_RANK, || {
+                warn!(
+                    upstream = %config.target.uri(),
+                    dp_rank = batch.dp_rank,
+                    dp_size = config.dp_size,
+                    "dropped an upstream batch for a rank kvgate does not serve \
+                     (logged at most once a second; kvgate_bad_messages_total counts them all)"
+                );
+            });
+            continue;
+        };
         messages
             .entry(rank)
             .or_insert_with(|| metrics.rank_messages(rank))
@@ -251,86 +192,9 @@ async fn follow(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::proto::common::{KvCacheCleared, KvSnapshotChunk, kv_cache_event::Data};
-
-    fn batch(rank: i32, seq: u64) -> KvEventBatch {
-        KvEventBatch {
-            sequence_number: seq,
-            dp_rank: Some(rank),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn batches_are_admitted_by_the_routers_rules() {
-        let mut cursors = Cursors::default();
-        cursors.connected();
-        assert_eq!(cursors.admit(&batch(0, 100)), Verdict::Next);
-        assert_eq!(cursors.admit(&batch(0, 101)), Verdict::Next);
-        assert_eq!(cursors.admit(&batch(0, 101)), Verdict::Stale);
-        assert_eq!(
-            cursors.admit(&batch(0, 99)),
-            Verdict::Stale,
-            "old, not a restart"
-        );
-        assert_eq!(cursors.admit(&batch(0, 103)), Verdict::Gap);
-        assert_eq!(cursors.admit(&batch(1, 7)), Verdict::Next);
-        assert_eq!(cursors.resume_from(), 101);
-        let mut clear = batch(0, 50);
-        clear.events.push(KvCacheEvent {
-            event_id: 0,
-            data: Some(Data::Cleared(KvCacheCleared::default())),
-        });
-        assert_eq!(cursors.admit(&clear), Verdict::Restart);
-        assert_eq!(cursors.resume_from(), 50);
-    }
-
-    #[test]
-    fn a_load_only_batch_moves_no_cursor_and_is_not_forwarded() {
-        let mut cursors = Cursors::default();
-        cursors.connected();
-        let mut heartbeat = batch(0, 0);
-        heartbeat.load = Some(crate::proto::common::EngineLoad {
-            load_only: true,
-            ..Default::default()
-        });
-        assert_eq!(cursors.admit(&heartbeat), Verdict::LoadOnly);
-        assert_eq!(cursors.resume_from(), 0);
-        cursors.admit(&batch(0, 100));
-        cursors.connected();
-        assert_eq!(cursors.admit(&heartbeat), Verdict::LoadOnly);
-        assert_eq!(
-            cursors.admit(&batch(0, 90)),
-            Verdict::Restart,
-            "still the connection's first real batch"
-        );
-    }
-
-    #[test]
-    fn an_old_batch_first_on_a_fresh_connection_is_a_restart() {
-        let mut cursors = Cursors::default();
-        cursors.connected();
-        cursors.admit(&batch(0, 100));
-        cursors.connected();
-        assert_eq!(cursors.admit(&batch(0, 90)), Verdict::Restart);
-    }
-
-    #[test]
-    fn a_snapshot_sets_the_cursor_of_its_rank_and_chunk_0_resyncs() {
-        let mut cursors = Cursors::default();
-        let mut chunk = batch(1, 40);
-        chunk.snapshot = Some(KvSnapshotChunk {
-            index: 0,
-            count: 2,
-            ..Default::default()
-        });
-        assert_eq!(cursors.admit(&chunk), Verdict::Snapshot { first: true });
-        chunk.snapshot.as_mut().unwrap().index = 1;
-        chunk.sequence_number = 41;
-        assert_eq!(cursors.admit(&chunk), Verdict::Snapshot { first: false });
-        assert_eq!(cursors.admit(&batch(1, 42)), Verdict::Next);
-    }
+/// The batch's rank, if it is one of `0..dp_size` (no rank is rank 0).
+fn served_rank(batch: &KvEventBatch, dp_size: u32) -> Option<u32> {
+    u32::try_from(batch.dp_rank.unwrap_or(0))
+        .ok()
+        .filter(|&rank| rank < dp_size)
 }

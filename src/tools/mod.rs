@@ -1,6 +1,11 @@
 //! Command-line clients of a gateway, `kvgate tail` and `kvgate status`, and
 //! the shell integration (completions, man page). They talk gRPC only, like
-//! any router would.
+//! any router would, and are a layer above the gateway library: no gateway
+//! module imports them (docs/architecture.md).
+//!
+//! Invariant: a failure is one line on stderr naming its cause and the flag
+//! to change; output cut short by its reader (`| head`) ends quietly with
+//! exit code 0, as Unix tools do.
 
 pub mod record;
 pub mod shell;
@@ -8,6 +13,12 @@ pub mod status;
 pub mod tail;
 
 use std::path::PathBuf;
+
+use tokio_stream::StreamExt;
+use tonic_reflection::pb::v1::ServerReflectionRequest;
+use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
 use crate::client::{Authorized, Target, TlsFlags, TlsPaths};
 use crate::pem::FlagFile;
@@ -41,15 +52,71 @@ pub struct GatewayArgs {
     pub token_file: Option<PathBuf>,
 }
 
-impl GatewayArgs {
-    /// Connects with the credentials given.
-    pub async fn connect(&self) -> anyhow::Result<Authorized> {
-        self.target()?.connect().await
+/// A gateway connected to.
+pub struct Connected {
+    /// Calls go here, with the token if one was given.
+    pub channel: Authorized,
+    /// Where it is and with which flags, to explain a failed call.
+    pub target: Target,
+}
+
+impl Connected {
+    /// `status` as the error of the command: the server's own status, or
+    /// what kept the call from reaching it and the flag to change.
+    pub fn failed(&self, what: &str, status: &tonic::Status) -> anyhow::Error {
+        anyhow::anyhow!("{what}: {}", self.target.explain_status(status))
     }
 
-    /// The gateway with its credentials loaded and checked, to connect to
-    /// (again).
-    pub fn target(&self) -> anyhow::Result<Target> {
+    /// The services the gateway's reflection lists.
+    pub async fn services(&self) -> Result<Vec<String>, tonic::Status> {
+        let mut reflection = ServerReflectionClient::new(self.channel.clone());
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut responses = reflection
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await?
+            .into_inner();
+        Ok(
+            match responses
+                .next()
+                .await
+                .transpose()?
+                .and_then(|r| r.message_response)
+            {
+                Some(MessageResponse::ListServicesResponse(list)) => list
+                    .service
+                    .into_iter()
+                    .map(|service| service.name)
+                    .collect(),
+                _ => Vec::new(),
+            },
+        )
+    }
+}
+
+/// Whether a write failed because the reader went away (`kvgate tail |
+/// head`): the output ends there, quietly and successfully.
+pub fn reader_gone(error: &std::io::Error) -> bool {
+    error.kind() == std::io::ErrorKind::BrokenPipe
+}
+
+/// Writes `text` to stdout; a reader that went away is no error.
+pub fn print(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(error) if !reader_gone(&error) => Err(error.into()),
+        _ => Ok(()),
+    }
+}
+
+impl GatewayArgs {
+    /// A channel with the credentials given; it connects at its first
+    /// call (each command stops at the first call that cannot reach the
+    /// gateway, so a refused certificate costs the server one handshake).
+    pub fn connect(&self) -> anyhow::Result<Connected> {
         let paths = TlsPaths {
             ca: self.ca.clone(),
             cert: self.cert.clone(),
@@ -59,32 +126,8 @@ impl GatewayArgs {
             .token_file
             .as_ref()
             .map(|path| FlagFile::new("--token-file", path));
-        Target::new(&self.addr, &paths, FLAGS, token)
+        let target = Target::new(&self.addr, &paths, FLAGS, token)?;
+        let channel = target.connect_lazily();
+        Ok(Connected { channel, target })
     }
-}
-
-/// A gRPC status as grpcurl shows it: the code's canonical name first
-/// (`OUT_OF_RANGE: cursor 42 is older than the history`).
-pub fn describe_status(status: &tonic::Status) -> String {
-    use tonic::Code;
-    let name = match status.code() {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
-    };
-    format!("{name}: {}", status.message())
 }

@@ -28,7 +28,7 @@ use crate::cli_values::byte_size;
 use crate::client::{Target, subscribe_requesting};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 use crate::recording::{Ending, Entry, Header, Recording, Writer, WriterLimits};
-use crate::source::upstream::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
+use crate::router_rules::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
 
 /// How often the progress line is redrawn.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
@@ -86,7 +86,7 @@ pub async fn run(args: RecordArgs, shutdown: impl Future<Output = ()>) -> anyhow
     let Some(out) = args.out.clone() else {
         anyhow::bail!("give --out FILE (where to record) or --stats FILE");
     };
-    let target = args.gateway.target()?;
+    let target = args.gateway.connect()?.target;
     let header = Header {
         kvgate_version: env!("CARGO_PKG_VERSION").into(),
         source: args.gateway.addr.clone(),
@@ -218,7 +218,7 @@ impl Recorder {
 /// What a refusal means for the recorder: a cursor refusal starts over, a
 /// credential or usage refusal ends it, anything else is retried.
 fn refused(status: Status, fatal_if_unknown: bool) -> anyhow::Result<Outcome> {
-    let described = super::describe_status(&status);
+    let described = crate::connect_error::describe_status(&status);
     match status.code() {
         Code::OutOfRange | Code::DataLoss => Ok(Outcome::Resync(described)),
         Code::Unauthenticated
@@ -340,16 +340,20 @@ pub fn print_recording(file: &Path, json: bool, limit: Option<u64>) -> anyhow::R
         if limit.is_some_and(|limit| batches >= limit) {
             return Ok(());
         }
-        match record.entry {
+        let written = match record.entry {
             Entry::Batch(bytes) => {
                 batches += 1;
                 let batch = decode(&bytes, batches)?;
-                super::tail::print_batch(&mut out, &batch, json)?;
+                super::tail::write_batch(&mut out, &batch, json)
             }
             Entry::Resync(reason) if json => {
-                writeln!(out, "{}", serde_json::json!({ "resync": reason }))?;
+                writeln!(out, "{}", serde_json::json!({ "resync": reason }))
             }
-            Entry::Resync(reason) => writeln!(out, "resync (a new snapshot follows): {reason}")?,
+            Entry::Resync(reason) => writeln!(out, "resync (a new snapshot follows): {reason}"),
+        };
+        match written {
+            Err(error) if super::reader_gone(&error) => return Ok(()),
+            written => written?,
         }
     }
     out.flush()?;

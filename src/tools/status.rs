@@ -1,22 +1,27 @@
 //! `kvgate status`: what a running gateway serves and holds, over gRPC only:
 //! health per service, the services reflection lists, and a summary of a
 //! fresh snapshot (live blocks and last sequence number per rank).
+//!
+//! Invariant: health and reflection need no token, so a gateway that wants
+//! one still shows them; the snapshot part then says the token is missing.
+//! The exit code is 0 only when the gateway as a whole is `SERVING`, so a
+//! script or probe can rely on it, and a call that cannot reach the gateway
+//! stops at once (one failed TLS handshake, not one per call).
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
-use tokio_stream::StreamExt;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_reflection::pb::v1::ServerReflectionRequest;
-use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
-use super::GatewayArgs;
+use super::{Connected, GatewayArgs};
 use crate::client::subscribe;
 use crate::proto::common::kv_cache_event::Data;
 use crate::server::SUBSCRIBE_SERVICES;
+
+/// The key of the gateway's own health (gRPC health's empty service name)
+/// in [`GatewayStatus::health`].
+pub const SERVER_HEALTH: &str = "server";
 
 #[derive(Debug, Clone, clap::Args)]
 #[allow(missing_docs)] // clap would show a doc comment as help text
@@ -34,7 +39,7 @@ pub struct StatusArgs {
 pub struct GatewayStatus {
     /// The address asked.
     pub address: String,
-    /// Health per service ("" is the server as a whole).
+    /// Health per service; the gateway as a whole is [`SERVER_HEALTH`].
     pub health: BTreeMap<String, String>,
     /// The gRPC services it serves.
     pub services: Vec<String>,
@@ -42,6 +47,10 @@ pub struct GatewayStatus {
     pub ranks: BTreeMap<i32, RankStatus>,
     /// Engine messages before kvgate's record that it never saw.
     pub unknown_before: u64,
+    /// Why no snapshot was read (a token the gateway requires, most
+    /// likely), when none was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot_refused: Option<String>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -53,61 +62,85 @@ pub struct RankStatus {
     pub blocks: u64,
 }
 
-/// `kvgate status`: collects and prints.
+impl GatewayStatus {
+    /// The gateway's own health verdict.
+    pub fn server_health(&self) -> &str {
+        self.health
+            .get(SERVER_HEALTH)
+            .map_or("UNKNOWN", String::as_str)
+    }
+}
+
+/// `kvgate status`: collects and prints; fails unless the gateway is
+/// `SERVING`.
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     let status = collect(&args.gateway).await?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+        super::print(&format!("{}\n", serde_json::to_string_pretty(&status)?))?;
     } else {
-        print!("{}", render(&status));
+        super::print(&render(&status))?;
     }
-    Ok(())
+    match status.server_health() {
+        "SERVING" => Ok(()),
+        verdict => anyhow::bail!("the gateway at {} is {verdict}", status.address),
+    }
 }
 
 /// Asks the gateway for its health, services and a snapshot.
 pub async fn collect(gateway: &GatewayArgs) -> anyhow::Result<GatewayStatus> {
-    let channel = gateway.connect().await?;
+    let connected = gateway.connect()?;
     let mut health = BTreeMap::new();
-    let mut client = HealthClient::new(channel.clone());
+    let mut client = HealthClient::new(connected.channel.clone());
     for service in std::iter::once("").chain(SUBSCRIBE_SERVICES) {
-        let verdict = match client
-            .check(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-        {
-            Ok(response) => response.into_inner().status().as_str_name().to_owned(),
-            Err(status) => format!("{:?}", status.code()),
+        let request = HealthCheckRequest {
+            service: service.into(),
         };
-        health.insert(service.to_owned(), verdict);
+        let verdict = match client.check(request).await {
+            Ok(response) => response.into_inner().status().as_str_name().to_owned(),
+            Err(status) if is_transport(&status) => {
+                return Err(connected.failed("health check", &status));
+            }
+            Err(status) => crate::connect_error::describe_status(&status),
+        };
+        let key = if service.is_empty() {
+            SERVER_HEALTH
+        } else {
+            service
+        };
+        health.insert(key.to_owned(), verdict);
     }
-
-    let mut reflection = ServerReflectionClient::new(channel.clone());
-    let request = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut responses = reflection
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await?
-        .into_inner();
-    let services = match responses
-        .next()
+    let services = connected
+        .services()
         .await
-        .transpose()?
-        .and_then(|r| r.message_response)
-    {
-        Some(MessageResponse::ListServicesResponse(list)) => list
-            .service
-            .into_iter()
-            .map(|service| service.name)
-            .collect(),
-        _ => Vec::new(),
+        .map_err(|status| connected.failed("reflection", &status))?;
+    let mut status = GatewayStatus {
+        address: gateway.addr.clone(),
+        health,
+        services,
+        ranks: BTreeMap::new(),
+        unknown_before: 0,
+        snapshot_refused: None,
     };
+    if let Err(refused) = read_snapshot(&connected, &mut status).await {
+        if is_transport(&refused) {
+            return Err(connected.failed("SubscribeKvEvents", &refused));
+        }
+        status.snapshot_refused = Some(crate::connect_error::describe_status(&refused));
+    }
+    Ok(status)
+}
 
-    let mut ranks: BTreeMap<i32, RankStatus> = BTreeMap::new();
-    let mut unknown_before = 0;
-    let mut stream = subscribe(channel, "kvgate.v1.KvGate", 0).await?;
+/// Whether the call failed on the way rather than being answered.
+fn is_transport(status: &tonic::Status) -> bool {
+    crate::connect_error::transport_failure(status).is_some()
+}
+
+/// Reads a fresh snapshot into `status`'s ranks.
+async fn read_snapshot(
+    connected: &Connected,
+    status: &mut GatewayStatus,
+) -> Result<(), tonic::Status> {
+    let mut stream = subscribe(connected.channel.clone(), "kvgate.v1.KvGate", 0).await?;
     // The snapshot comes first; a gateway that has seen nothing sends none.
     let first = tokio::time::timeout(std::time::Duration::from_secs(2), stream.message()).await;
     let mut next = match first {
@@ -116,8 +149,8 @@ pub async fn collect(gateway: &GatewayArgs) -> anyhow::Result<GatewayStatus> {
     };
     while let Some(batch) = next.take() {
         let Some(chunk) = batch.snapshot else { break };
-        unknown_before = chunk.unknown_before;
-        let rank = ranks.entry(batch.dp_rank.unwrap_or(0)).or_default();
+        status.unknown_before = chunk.unknown_before;
+        let rank = status.ranks.entry(batch.dp_rank.unwrap_or(0)).or_default();
         rank.last_sequence = batch.sequence_number;
         for event in &batch.events {
             if let Some(Data::Stored(stored)) = &event.data {
@@ -128,29 +161,25 @@ pub async fn collect(gateway: &GatewayArgs) -> anyhow::Result<GatewayStatus> {
             next = stream.message().await?;
         }
     }
-    Ok(GatewayStatus {
-        address: gateway.addr.clone(),
-        health,
-        services,
-        ranks,
-        unknown_before,
-    })
+    Ok(())
 }
 
 /// The status as `kvgate status` prints it.
 pub fn render(status: &GatewayStatus) -> String {
     let mut out = format!("kvgate at {}\n", status.address);
     out.push_str("health:\n");
-    for (service, verdict) in &status.health {
-        let name = if service.is_empty() {
-            "(server)"
-        } else {
-            service
-        };
-        out.push_str(&format!("  {name:<48} {verdict}\n"));
+    // The gateway as a whole first, then each service.
+    let mut health: Vec<(&String, &String)> = status.health.iter().collect();
+    health.sort_by_key(|(service, _)| service.as_str() != SERVER_HEALTH);
+    for (service, verdict) in health {
+        out.push_str(&format!("  {service:<48} {verdict}\n"));
     }
     out.push_str(&format!("services: {}\n", status.services.join(", ")));
-    if status.ranks.is_empty() {
+    if let Some(refused) = &status.snapshot_refused {
+        out.push_str(&format!(
+            "events: no snapshot: {refused} (a gateway with --auth-token-file needs --token-file)\n"
+        ));
+    } else if status.ranks.is_empty() {
         out.push_str("no events seen yet\n");
     }
     for (rank, figures) in &status.ranks {

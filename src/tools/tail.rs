@@ -40,43 +40,49 @@ pub struct TailArgs {
     pub file: Option<std::path::PathBuf>,
 }
 
-/// `kvgate tail`: prints the stream until it ends or is interrupted.
+/// `kvgate tail`: prints the stream until it ends, is interrupted, or its
+/// reader goes away (`| head`: a quiet, successful end).
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
     if let Some(file) = &args.file {
         return super::record::print_recording(file, args.json, args.limit);
     }
-    let channel = args.gateway.connect().await?;
+    let connected = args.gateway.connect()?;
     let request = SubscribeKvEventsRequest {
         start_sequence_number: args.from,
         load_records_before_first_batch: args.load_before_first_batch,
     };
     let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
-    let mut stream = subscribe_requesting(channel, &args.service, request, codec)
-        .await
-        .map_err(|status| {
-            anyhow::anyhow!(
-                "SubscribeKvEvents refused: {}",
-                super::describe_status(&status)
-            )
-        })?;
+    let subscribed =
+        subscribe_requesting(connected.channel.clone(), &args.service, request, codec).await;
+    let mut stream = match subscribed {
+        Ok(stream) => stream,
+        Err(status) if status.code() == tonic::Code::Unimplemented => {
+            return Err(unknown_service(&connected, &args.service, &status).await);
+        }
+        Err(status) => return Err(connected.failed("SubscribeKvEvents refused", &status)),
+    };
     let mut out = std::io::stdout().lock();
     let mut batches = 0;
     while args.limit.is_none_or(|limit| batches < limit) {
-        let Some(batch) = stream.message().await.map_err(|status| {
-            anyhow::anyhow!("stream ended: {}", super::describe_status(&status))
-        })?
+        let Some(batch) = stream
+            .message()
+            .await
+            .map_err(|status| connected.failed("stream ended", &status))?
         else {
             break;
         };
         batches += 1;
-        print_batch(&mut out, &batch, args.json)?;
-        out.flush()?;
+        match write_batch(&mut out, &batch, args.json) {
+            Err(error) if super::reader_gone(&error) => break,
+            written => written?,
+        }
     }
     Ok(())
 }
 
-/// One batch as `tail` prints it: its events as JSON lines, or its summary.
-pub(crate) fn print_batch(
+/// One batch as `tail` prints it (its events as JSON lines, or its
+/// summary), flushed.
+pub(crate) fn write_batch(
     out: &mut impl Write,
     batch: &KvEventBatch,
     json: bool,
@@ -90,7 +96,33 @@ pub(crate) fn print_batch(
     } else {
         writeln!(out, "{}", summary(batch))?;
     }
-    Ok(())
+    out.flush()
+}
+
+/// `--service` names no service serving `SubscribeKvEvents`: the error says
+/// which ones the gateway lists.
+async fn unknown_service(
+    connected: &super::Connected,
+    service: &str,
+    status: &tonic::Status,
+) -> anyhow::Error {
+    let listed = match connected.services().await {
+        Ok(services) => {
+            let subscribable: Vec<String> = services
+                .into_iter()
+                .filter(|name| !name.starts_with("grpc."))
+                .collect();
+            format!("the services it lists: {}", subscribable.join(", "))
+        }
+        Err(reflection) => format!(
+            "its reflection did not answer ({})",
+            crate::connect_error::describe_status(&reflection)
+        ),
+    };
+    anyhow::anyhow!(
+        "--service {service}: the gateway serves no {service}/SubscribeKvEvents ({}); {listed}",
+        crate::connect_error::describe_status(status)
+    )
 }
 
 /// Each event as proto3 JSON (lowerCamelCase names), with its batch's

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod pki;
 pub mod router;
 
 use std::io::{BufRead, BufReader};
@@ -38,20 +39,55 @@ impl Gateway {
     /// Starts `kvgate serve --listen <listen> <args>` and waits until it
     /// reports its address.
     pub fn start_listening(listen: &str, args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        Self::spawn(listen, args, &[], |_| {})
+    }
+
+    /// Starts `kvgate serve --listen 127.0.0.1:0 <args>` with `env` set.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn("127.0.0.1:0", args, env, |_| {})
+    }
+
+    /// Starts `kvgate serve --listen 127.0.0.1:0 <args>` with `configure`
+    /// applied to the command last (where stderr goes, limits set before
+    /// exec).
+    pub fn start_configured(args: &[&str], configure: impl FnOnce(&mut Command)) -> Self {
+        Self::spawn("127.0.0.1:0", args, &[], configure)
+    }
+
+    fn spawn(
+        listen: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        configure: impl FnOnce(&mut Command),
+    ) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+        command
             .arg("serve")
             // The banner this harness reads is on stdout in text format.
             .args(["--log-format", "text"])
             .args(["--listen", listen])
             .args(args)
+            .envs(env.iter().copied())
             .env(
                 "RUST_LOG",
                 std::env::var("KVGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("kvgate binary starts");
+            .stderr(Stdio::piped());
+        configure(&mut command);
+        let mut child = command.spawn().expect("kvgate binary starts");
+        // Through the test's own stderr, which the test harness captures
+        // (a spawned thread inherits the capture) and shows only when the
+        // test fails: the warnings a test provokes on purpose stay quiet.
+        // A test that sent stderr elsewhere reads it there.
+        if let Some(stderr) = child.stderr.take() {
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    eprintln!("kvgate: {line}");
+                }
+            });
+        }
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std_mpsc::channel();
         std::thread::spawn(move || {
@@ -132,6 +168,11 @@ impl Drop for Gateway {
     }
 }
 
+/// `VmRSS` of a live (not zombie) process, in KiB.
+pub fn live_rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
 /// Subscribes through a stock tonic client to `service`'s `SubscribeKvEvents`.
 #[allow(unused_imports)]
 pub use kvgate::client::subscribe;
@@ -202,6 +243,18 @@ pub fn removed_payload(block_hashes: &[i64], rank: u32) -> bytes::Bytes {
 /// every stream.
 pub fn fence_payload(n: u64, rank: u32) -> bytes::Bytes {
     removed_payload(&[FENCE_MARKER, n as i64], rank)
+}
+
+/// Fence `n` as a proto event, for a source that speaks gRPC.
+pub fn fence_event(n: u64) -> kvgate::proto::common::KvCacheEvent {
+    use kvgate::proto::common::{KvBlocksRemoved, KvCacheEvent, kv_cache_event::Data};
+    KvCacheEvent {
+        event_id: 0,
+        data: Some(Data::Removed(KvBlocksRemoved {
+            block_hashes: vec![FENCE_MARKER, n as i64],
+            ..Default::default()
+        })),
+    }
 }
 
 /// The fence number of `event`, if it is a fence.
@@ -420,4 +473,81 @@ pub async fn await_metric_where(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A memory figure (`VmRSS:`, `VmHWM:`, ...) of the live (not zombie)
+/// process `pid`, in KiB, from `/proc/<pid>/status`.
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the process runs");
+    let value = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("{name} in /proc/{pid}/status"))
+    };
+    assert!(!value("State:").starts_with('Z'), "the process died");
+    value(field)
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{field} in kB"))
+}
+
+/// The peak resident memory of the live process `pid`, in KiB: a burst
+/// between two samples counts too.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+/// A gateway with its admin port on a publisher that has published nothing
+/// yet, with `extra` flags.
+pub async fn gateway_on_a_publisher(extra: &[&str]) -> (Gateway, kvgate_sim::EnginePublisher) {
+    let options = kvgate_sim::PublisherOptions::default();
+    let publisher = kvgate_sim::EnginePublisher::bind("tcp://127.0.0.1:0", &options)
+        .await
+        .unwrap();
+    let mut args = vec![
+        "--zmq-endpoint",
+        publisher.endpoint(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    (Gateway::start(&args), publisher)
+}
+
+/// Runs an external checker (`promtool`, `kubernetes-validate`) in `dir`;
+/// `None` when it is not installed and this is not CI, where a missing
+/// checker fails the test (`.ci/run` installs each one; `install` says how).
+pub fn external_tool(
+    tool: &str,
+    args: &[&str],
+    dir: &std::path::Path,
+    install: &str,
+) -> Option<std::process::Output> {
+    match Command::new(tool).args(args).current_dir(dir).output() {
+        Ok(output) => Some(output),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            let in_ci = std::env::var("CI").is_ok_and(|ci| ci == "true" || ci == "1");
+            assert!(!in_ci, "{tool} is missing in CI: {install} (.ci/run does)");
+            eprintln!("SKIPPED: {tool} not found on PATH ({install}); not checked");
+            None
+        }
+        Err(error) => panic!("{tool} did not run: {error}"),
+    }
+}
+
+/// Waits for `child` (its output piped) to end and returns its output; past
+/// the deadline it is killed by its pid and the test fails.
+pub fn output_within_deadline(mut child: Child) -> std::process::Output {
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while child.try_wait().expect("wait for the child").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the child process did not end in time");
+        }
+        std::thread::park_timeout(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("the child's output")
 }

@@ -168,6 +168,27 @@ impl SimEngine {
         events
     }
 
+    /// The engine's load as SGLang's scheduler would report it after a
+    /// step that reported `step_events` events: the cache's blocks in use
+    /// against its capacity, and the step's work as running requests.
+    pub fn load_stat(&self, dp_rank: u32, step_events: usize) -> crate::LoadStat {
+        let block_size = i64::from(self.config.block_size);
+        let tokens = |blocks: usize| i64::try_from(blocks).unwrap_or(i64::MAX) * block_size;
+        let running = i64::try_from(step_events.min(64)).unwrap_or(64);
+        crate::LoadStat {
+            num_running_reqs: running,
+            num_waiting_reqs: 0,
+            num_tokens: tokens(self.blocks.len()),
+            max_total_num_tokens: tokens(self.config.capacity_blocks),
+            attn_dp_rank: Some(i64::from(dp_rank)),
+            num_waiting_uncached_tokens: 0,
+            num_total_tokens: tokens(self.blocks.len()),
+            max_running_requests: 64,
+            total_prefill_uncached_tokens: 0,
+            total_prefill_busy_us: 0,
+        }
+    }
+
     /// Hashes of the blocks the cache holds now, in no particular order.
     pub fn live_blocks(&self) -> impl Iterator<Item = u64> + '_ {
         self.blocks.keys().copied()

@@ -4,12 +4,15 @@
 //!
 //! [`payload`] encodes vLLM 0.33 batches, [`engine`] simulates the prefix
 //! cache whose changes they report, and [`publisher`] sends them the way
-//! vLLM's ZMQ publisher does. [`DemoEngine`] runs one engine and publisher per
-//! data-parallel rank on a timer. Invariant: rank `r` listens on rank 0's port
-//! plus `r` (replay likewise), the layout kvgate's source expects; a base port
-//! of 0 picks rank 0's port and the others follow it.
+//! vLLM's ZMQ publisher does; [`load`] encodes SGLang's load gauge.
+//! [`DemoEngine`] runs one engine, publisher and load publisher per
+//! data-parallel rank on a timer. Invariant: rank `r` listens on rank 0's
+//! port plus `r` (replay and load likewise), the layout kvgate's source
+//! expects; a base port of 0 picks rank 0's port and the others follow it.
 
+pub mod endless_replay;
 pub mod engine;
+pub mod load;
 pub mod payload;
 pub mod publisher;
 pub mod workload;
@@ -21,7 +24,9 @@ use zeromq::ZmqError;
 
 use kvgate_endpoint::{EndpointError, TcpEndpoint};
 
+pub use endless_replay::EndlessReplay;
 pub use engine::{ConfigError, SimConfig, SimEngine};
+pub use load::{LOAD_TOPIC, LoadStat};
 pub use payload::{SimEvent, encode_batch};
 pub use publisher::{EnginePublisher, PublisherOptions};
 pub use workload::{SteadyState, WorkloadShape};
@@ -43,6 +48,9 @@ pub struct DemoConfig {
     pub engine: SimConfig,
     /// Time between scheduler steps; every rank publishes one batch per step.
     pub interval: Duration,
+    /// Rank 0's load PUB endpoint (bound), SGLang's
+    /// `--load-publish-endpoint`; `None` publishes no load.
+    pub load_endpoint: Option<TcpEndpoint>,
 }
 
 impl DemoConfig {
@@ -54,6 +62,7 @@ impl DemoConfig {
             publisher: PublisherOptions::default(),
             engine: SimConfig::default(),
             interval: Duration::from_millis(200),
+            load_endpoint: None,
         }
     }
 }
@@ -77,6 +86,7 @@ pub struct RankEndpoints {
     pub dp_rank: u32,
     pub endpoint: String,
     pub replay_endpoint: Option<String>,
+    pub load_endpoint: Option<String>,
 }
 
 /// Bound publishers that have not started publishing: learn their endpoints
@@ -90,7 +100,18 @@ struct DemoRank {
     dp_rank: u32,
     engine: SimEngine,
     publisher: EnginePublisher,
+    load: Option<DemoLoad>,
 }
+
+/// A rank's load publisher, sending like SGLang's: a changed stat at once,
+/// an unchanged one at most once a second.
+struct DemoLoad {
+    publisher: EnginePublisher,
+    last: Option<(LoadStat, std::time::Instant)>,
+}
+
+/// SGLang's `LOAD_PUBLISH_HEARTBEAT_S`.
+const LOAD_HEARTBEAT: Duration = Duration::from_secs(1);
 
 impl DemoEngine {
     pub async fn bind(config: DemoConfig) -> Result<Self, DemoError> {
@@ -108,24 +129,39 @@ impl DemoEngine {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let ephemeral = config.endpoint.port() == 0;
-        let mut attempt = 1;
-        let publishers = loop {
-            match bind_publishers(&config).await {
-                // Another process took a port next to the ephemeral one.
-                Err(DemoError::Zmq(error)) if ephemeral && attempt < EPHEMERAL_BIND_ATTEMPTS => {
-                    tracing::debug!(%error, attempt, "consecutive demo ports taken; retrying");
-                    attempt += 1;
-                }
-                bound => break bound?,
+        let publishers = bind_publishers_retrying(&config).await?;
+        let mut loads: Vec<Option<DemoLoad>> = match &config.load_endpoint {
+            Some(endpoint) => {
+                let load = DemoConfig {
+                    endpoint: endpoint.clone(),
+                    publisher: PublisherOptions {
+                        topic: LOAD_TOPIC.to_owned(),
+                        replay_endpoint: None,
+                        ..PublisherOptions::default()
+                    },
+                    ..config.clone()
+                };
+                let publishers = bind_publishers_retrying(&load).await?;
+                publishers
+                    .into_iter()
+                    .map(|publisher| {
+                        Some(DemoLoad {
+                            publisher,
+                            last: None,
+                        })
+                    })
+                    .collect()
             }
+            None => Vec::new(),
         };
+        loads.resize_with(config.dp_ranks as usize, || None);
         let ranks = (0..)
-            .zip(engines.into_iter().zip(publishers))
-            .map(|(dp_rank, (engine, publisher))| DemoRank {
+            .zip(engines.into_iter().zip(publishers).zip(loads))
+            .map(|(dp_rank, ((engine, publisher), load))| DemoRank {
                 dp_rank,
                 engine,
                 publisher,
+                load,
             })
             .collect();
         let demo = Self {
@@ -163,6 +199,10 @@ impl DemoEngine {
                 dp_rank: rank.dp_rank,
                 endpoint: rank.publisher.endpoint().to_owned(),
                 replay_endpoint: rank.publisher.replay_endpoint().map(str::to_owned),
+                load_endpoint: rank
+                    .load
+                    .as_ref()
+                    .map(|load| load.publisher.endpoint().to_owned()),
             })
             .collect()
     }
@@ -196,8 +236,45 @@ impl DemoEngine {
                 events = events.len(),
                 "simulated step published"
             );
+            if let Some(load) = &mut rank.load {
+                let stat = rank.engine.load_stat(rank.dp_rank, events.len());
+                load.publish(stat).await?;
+            }
         }
         Ok(())
+    }
+}
+
+impl DemoLoad {
+    async fn publish(&mut self, stat: LoadStat) -> Result<(), ZmqError> {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|(last, at)| last == stat && now.duration_since(at) < LOAD_HEARTBEAT)
+        {
+            return Ok(());
+        }
+        let mut payload = Vec::new();
+        stat.encode(&mut payload);
+        self.publisher.publish(payload.into()).await?;
+        self.last = Some((stat, now));
+        Ok(())
+    }
+}
+
+/// [`bind_publishers`], trying again while another process takes a port
+/// next to an ephemeral rank-0 port.
+async fn bind_publishers_retrying(config: &DemoConfig) -> Result<Vec<EnginePublisher>, DemoError> {
+    let ephemeral = config.endpoint.port() == 0;
+    let mut attempt = 1;
+    loop {
+        match bind_publishers(config).await {
+            Err(DemoError::Zmq(error)) if ephemeral && attempt < EPHEMERAL_BIND_ATTEMPTS => {
+                tracing::debug!(%error, attempt, "consecutive demo ports taken; retrying");
+                attempt += 1;
+            }
+            bound => return bound,
+        }
     }
 }
 

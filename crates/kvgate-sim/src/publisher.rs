@@ -168,13 +168,13 @@ impl EnginePublisher {
 
 /// libzmq binds `*` to every interface; the zeromq crate would look it up as a
 /// host name.
-fn bind_address(endpoint: &str) -> String {
+pub(crate) fn bind_address(endpoint: &str) -> String {
     endpoint
         .parse::<TcpEndpoint>()
         .map_or_else(|_| endpoint.to_owned(), |tcp| tcp.bind_address())
 }
 
-fn seq_frame(seq: u64) -> Bytes {
+pub(crate) fn seq_frame(seq: u64) -> Bytes {
     Bytes::copy_from_slice(&seq.to_be_bytes())
 }
 
@@ -261,7 +261,7 @@ async fn serve_replays(mut router: RouterSocket, ring: Arc<Mutex<Ring>>, topic: 
 
 /// vLLM reads the start with `int.from_bytes(frame, "big")`: any length is
 /// accepted, and a value past u64 matches no kept message.
-fn parse_start(frame: &[u8]) -> u64 {
+pub(crate) fn parse_start(frame: &[u8]) -> u64 {
     frame
         .iter()
         .try_fold(0u64, |start, &byte| {
@@ -276,26 +276,27 @@ async fn answer(
     topic: &Bytes,
     batches: Vec<(u64, Bytes)>,
 ) -> ZmqResult<()> {
-    let reply = |frames: [Bytes; 3]| {
-        let mut message = ZmqMessage::from(identity.clone());
-        message.push_back(Bytes::new());
-        for frame in frames {
-            message.push_back(frame);
-        }
-        message
-    };
     for (seq, payload) in batches {
         router
-            .send(reply([topic.clone(), seq_frame(seq), payload]))
+            .send(reply(identity, [topic.clone(), seq_frame(seq), payload]))
             .await?;
     }
     router
-        .send(reply([
-            Bytes::new(),
-            Bytes::from_static(&END_SEQ),
-            Bytes::new(),
-        ]))
+        .send(reply(
+            identity,
+            [Bytes::new(), Bytes::from_static(&END_SEQ), Bytes::new()],
+        ))
         .await
+}
+
+/// A reply to the DEALER `identity`: `["", frames...]` as it receives it.
+pub(crate) fn reply(identity: &Bytes, frames: [Bytes; 3]) -> ZmqMessage {
+    let mut message = ZmqMessage::from(identity.clone());
+    message.push_back(Bytes::new());
+    for frame in frames {
+        message.push_back(frame);
+    }
+    message
 }
 
 #[cfg(test)]

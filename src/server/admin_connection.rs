@@ -1,0 +1,203 @@
+//! The accept loop of the admin port (`/metrics`, `/healthz`, `/status`):
+//! HTTP/1.1, every connection bounded, as the gRPC port's are.
+//!
+//! Invariants:
+//! - At most `--metrics-max-connections` connections are open; one more is
+//!   accepted, answered `503` and closed at once (counted), so a flood never
+//!   holds more descriptors than that and never waits in the kernel's
+//!   backlog. `fd_limit` reserves those descriptors beside the gRPC port's.
+//! - A request's headers must arrive whole within
+//!   `--metrics-header-timeout-ms` of the connection's turn to read them
+//!   (at its start, or after the previous response), so a half-sent request
+//!   or an idle keep-alive connection cannot hold a slot; at most
+//!   `MAX_REQUEST_HEAD_BYTES` of them are buffered.
+//! - A connection that moves no byte either way for
+//!   `--metrics-idle-timeout-ms` (a client that stopped reading its
+//!   response) is closed.
+//! - On shutdown, accepting stops and every connection finishes its
+//!   response, then closes.
+
+use std::convert::Infallible;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tower::ServiceExt;
+use tracing::debug;
+
+use super::accept::next_connection;
+use super::connection::Open;
+use super::progress::{Progress, Watched};
+use crate::metrics::{Metrics, ReasonLabel};
+
+/// Request line and headers buffered per connection (hyper's smallest
+/// buffer); a Prometheus scrape or a probe sends a few hundred bytes.
+pub const MAX_REQUEST_HEAD_BYTES: usize = 8192;
+
+/// The answer to a connection over `--metrics-max-connections`.
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
+    connection: close\r\ncontent-type: text/plain\r\ncontent-length: 49\r\n\r\n\
+    kvgate: too many connections on the metrics port\n";
+
+/// The bounds every connection of the admin port is held to.
+#[derive(Clone, Debug)]
+pub struct AdminLimits {
+    pub max_connections: u32,
+    pub header_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+/// Why kvgate closed an admin connection before its client did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdminClosure {
+    /// A request's headers did not arrive within `--metrics-header-timeout-ms`.
+    HeaderTimeout,
+    /// No byte moved for `--metrics-idle-timeout-ms`.
+    Idle,
+}
+
+impl AdminClosure {
+    pub const ALL: [Self; 2] = [Self::HeaderTimeout, Self::Idle];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HeaderTimeout => "header_timeout",
+            Self::Idle => "idle",
+        }
+    }
+}
+
+/// Serves `routes` on `listener` until `shutdown` resolves, then waits for
+/// every connection to end.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    routes: axum::Router,
+    limits: AdminLimits,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
+    let mut http1 = http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(MAX_REQUEST_HEAD_BYTES);
+    let shared = Arc::new(Shared {
+        http1,
+        routes,
+        idle_timeout: limits.idle_timeout,
+        metrics,
+    });
+    let (stop, stopped) = watch::channel(false);
+    let mut shutdown = pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            stream = next_connection(&listener, "metrics port") => stream,
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            refuse(&stream, &shared.metrics);
+            continue;
+        };
+        let shared = Arc::clone(&shared);
+        let stopped = stopped.clone();
+        tokio::spawn(async move {
+            connection(stream, &shared, stopped).await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    stop.send_replace(true);
+    // Every slot back means every connection has ended.
+    let _ = slots.acquire_many(limits.max_connections).await;
+}
+
+/// What every connection task shares.
+struct Shared {
+    http1: http1::Builder,
+    routes: axum::Router,
+    idle_timeout: Duration,
+    metrics: Metrics,
+}
+
+/// Answers `503` without waiting (a peer that does not read gets nothing)
+/// and closes the connection.
+fn refuse(stream: &TcpStream, metrics: &Metrics) {
+    debug!("metrics port: connection refused, --metrics-max-connections are open");
+    metrics.admin_connections_refused.inc();
+    let _ = stream.try_write(BUSY);
+}
+
+/// Serves one accepted connection to its end.
+async fn connection(stream: TcpStream, shared: &Shared, mut stopped: watch::Receiver<bool>) {
+    let metrics = &shared.metrics;
+    let _open = Open::count(&metrics.admin_connections);
+    let progress = Progress::new();
+    let io = Watched {
+        io: stream,
+        progress: progress.clone(),
+    };
+    let routes = shared.routes.clone();
+    let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+        let call = routes.clone().oneshot(request);
+        async move { Ok::<_, Infallible>(call.await.unwrap_or_else(|never| match never {})) }
+    });
+    let mut served = pin!(shared.http1.serve_connection(TokioIo::new(io), service));
+    let ended = tokio::select! {
+        ended = served.as_mut() => Some(ended),
+        _ = stopped.wait_for(|stopped| *stopped) => None,
+        () = progress.stalled_for(shared.idle_timeout) => {
+            return close(metrics, AdminClosure::Idle);
+        }
+    };
+    let ended = match ended {
+        Some(ended) => ended,
+        None => {
+            served.as_mut().graceful_shutdown();
+            tokio::select! {
+                ended = served.as_mut() => ended,
+                () = progress.stalled_for(shared.idle_timeout) => Ok(()),
+            }
+        }
+    };
+    if let Err(error) = ended {
+        if error.is_timeout() {
+            close(metrics, AdminClosure::HeaderTimeout);
+        }
+        debug!(%error, "metrics port: connection ended with an error");
+    }
+}
+
+fn close(metrics: &Metrics, closure: AdminClosure) {
+    debug!(
+        reason = closure.as_str(),
+        "metrics port: closing a connection"
+    );
+    metrics
+        .admin_connections_closed
+        .get_or_create(&ReasonLabel {
+            reason: closure.as_str(),
+        })
+        .inc();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_busy_answer_states_the_length_of_its_body() {
+        let answer = std::str::from_utf8(BUSY).unwrap();
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        let length = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length: "))
+            .unwrap();
+        assert_eq!(length.parse::<usize>().unwrap(), body.len());
+    }
+}

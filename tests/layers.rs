@@ -1,0 +1,87 @@
+//! The client-side commands (`src/tools/`: `kvgate tail`, `status`,
+//! completions, the man page) are one layer above the gateway library: the
+//! command line (`src/cli.rs`) names their arguments and `src/main.rs` runs
+//! them, and no gateway module imports them; they, in turn, import no part of
+//! the command line or the gateway's wiring. docs/architecture.md states the
+//! rule; this scans the source for a path that breaks it.
+
+use std::path::{Path, PathBuf};
+
+fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, found);
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            found.push(path);
+        }
+    }
+}
+
+/// Every (file relative to src/, line number, line) of the library's code,
+/// comments left out.
+fn code_lines() -> Vec<(String, usize, String)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut lines = Vec::new();
+    for file in files {
+        let name = file
+            .strip_prefix(&src)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        for (number, line) in std::fs::read_to_string(&file).unwrap().lines().enumerate() {
+            if !line.trim_start().starts_with("//") {
+                lines.push((name.clone(), number + 1, line.to_owned()));
+            }
+        }
+    }
+    assert!(lines.len() > 1000, "found too little source under src/");
+    lines
+}
+
+/// Whether `line` names the module `path` (`crate::cli`, not
+/// `crate::client`; `tools::tail`, not `devtools::`).
+fn names_module(line: &str, path: &str) -> bool {
+    let identifier = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    line.match_indices(path).any(|(at, _)| {
+        !line[..at].ends_with(identifier) && !line[at + path.len()..].starts_with(identifier)
+    })
+}
+
+#[test]
+fn no_gateway_module_imports_the_client_side_commands() {
+    // lib.rs declares the module; cli.rs names the commands' arguments.
+    let allowed =
+        |file: &str| file.starts_with("tools/") || ["cli.rs", "main.rs", "lib.rs"].contains(&file);
+    let offending: Vec<String> = code_lines()
+        .into_iter()
+        .filter(|(file, _, line)| !allowed(file) && names_module(line, "tools"))
+        .map(|(file, number, line)| format!("src/{file}:{number}: {}", line.trim()))
+        .collect();
+    assert!(
+        offending.is_empty(),
+        "gateway modules import src/tools/:\n{}",
+        offending.join("\n")
+    );
+}
+
+#[test]
+fn the_client_side_commands_import_neither_the_command_line_nor_the_gateways_wiring() {
+    let offending: Vec<String> = code_lines()
+        .into_iter()
+        .filter(|(file, _, line)| {
+            file.starts_with("tools/")
+                && ["crate::cli", "crate::app", "crate::usage", "kvgate::cli"]
+                    .iter()
+                    .any(|path| names_module(line, path))
+        })
+        .map(|(file, number, line)| format!("src/{file}:{number}: {}", line.trim()))
+        .collect();
+    assert!(
+        offending.is_empty(),
+        "src/tools/ imports the layer above it:\n{}",
+        offending.join("\n")
+    );
+}
