@@ -365,13 +365,13 @@ pub struct ServeArgs {
 
     /// How fast --replay-file or --trace-file plays: a factor of recorded
     /// time (1 as recorded, 10 ten times faster, 0.001 to 1000000) or max.
-    #[arg(long, env = "KVGATE_REPLAY_SPEED", default_value = "1", value_name = "SPEED",
+    #[arg(long, env = "KVGATE_REPLAY_SPEED", default_value = "1.0", value_name = "SPEED",
           value_parser = crate::cli::parse_speed)]
     pub replay_speed: crate::source::pace::Speed,
 
     /// Play --replay-file or --trace-file again and again, each pass after
     /// an ownerless clear (as after an engine restart).
-    #[arg(long, env = "KVGATE_REPLAY_LOOP")]
+    #[arg(long, env = "KVGATE_REPLAY_LOOP", value_parser = BoolishValueParser::new())]
     pub replay_loop: bool,
 
     /// Blocks each rank's simulated prefix cache holds (--trace-file); the
@@ -461,6 +461,11 @@ pub struct ServeArgs {
     pub pass_through_stream_window_bytes: u64,
 }
 
+/// `--replay-speed`: a factor or `max`.
+fn parse_speed(text: &str) -> Result<crate::source::pace::Speed, String> {
+    text.parse()
+}
+
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
@@ -508,9 +513,4 @@ mod tests {
             }
         }
     }
-}
-
-/// `--replay-speed`: a factor or `max`.
-fn parse_speed(text: &str) -> Result<crate::source::pace::Speed, String> {
-    text.parse()
 }

@@ -27,7 +27,10 @@ pub enum Verdict {
     /// Numbers were skipped: resume from the cursor.
     Gap,
     /// A snapshot chunk; `first` is chunk 0 (resync every rank).
-    Snapshot { first: bool },
+    Snapshot {
+        /// Chunk 0: every rank starts over.
+        first: bool,
+    },
     /// A `load_only` batch: no events, admitted to no cursor.
     LoadOnly,
 }
@@ -46,14 +49,18 @@ impl Cursors {
         self.last.get(&0).copied().unwrap_or(0)
     }
 
+    /// A new connection starts: its first batch may be a restart.
     pub fn connected(&mut self) {
         self.fresh = true;
     }
 
+    /// Drops every cursor, as on `OUT_OF_RANGE` or `DATA_LOSS`.
     pub fn forget(&mut self) {
         self.last.clear();
     }
 
+    /// What the rules make of `batch`; the cursor of its rank moves when
+    /// it is admitted.
     pub fn admit(&mut self, batch: &KvEventBatch) -> Verdict {
         if batch.load.as_ref().is_some_and(|load| load.load_only) {
             return Verdict::LoadOnly;

@@ -21,11 +21,11 @@ use tracing::{info, warn};
 
 use super::pace::{self, Pacer, Pass, Speed};
 use super::upstream;
-use crate::router_rules::{Cursors, Verdict};
 use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
 use crate::proto::common::{EngineLoad, KvEventBatch};
 use crate::recording::{Ending, Entry, Header, OpenError, Record, Recording};
+use crate::router_rules::{Cursors, Verdict};
 
 /// The bad-message reason of a recorded batch that is not a `KvEventBatch`,
 /// or is of a rank outside `0..dp_size`.

@@ -13,7 +13,6 @@
 //! series or the drain, as the ZMQ source's one socket per rank guarantees.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -21,9 +20,9 @@ use tonic::Code;
 use tracing::{info, warn};
 
 use super::{DrainGone, SourceEvent, send};
-use crate::router_rules::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
 use crate::metrics::Metrics;
 use crate::proto::common::KvEventBatch;
+use crate::router_rules::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
 
 /// The bad-message reason of an upstream batch kvgate cannot decode.
 pub(crate) const UNDECODABLE: &str = "upstream_undecodable";
