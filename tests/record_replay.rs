@@ -245,10 +245,11 @@ async fn a_recording_across_a_restart_and_a_disconnect_replays_to_the_same_state
     assert_eq!(ending, Some(Ending::Closed), "SIGTERM closes the file");
     let (states, admissions) = recorded_states(&entries, 2);
     assert!(
-        admissions
-            .iter()
-            .all(|admission| matches!(admission, Admission::Applied | Admission::SnapshotChunk)),
-        "no batch twice, none skipped, no restart: {admissions:?}"
+        admissions.iter().all(|admission| matches!(
+            admission,
+            Admission::Applied | Admission::SnapshotChunk | Admission::LoadOnly
+        )),
+        "no batch twice, none skipped, no restart (load records beside): {admissions:?}"
     );
     let mut stats_recording = Recording::open(std::slice::from_ref(&out)).unwrap();
     let stats = kvgate::tools::record::Stats::of(&mut stats_recording).unwrap();
@@ -271,7 +272,10 @@ async fn a_recording_across_a_restart_and_a_disconnect_replays_to_the_same_state
             .expect("the replay reaches the recording's last state");
         let admission = view.admit(&batch);
         assert!(
-            matches!(admission, Admission::Applied | Admission::SnapshotChunk),
+            matches!(
+                admission,
+                Admission::Applied | Admission::SnapshotChunk | Admission::LoadOnly
+            ),
             "{admission:?}"
         );
         if batch
@@ -324,9 +328,10 @@ async fn a_killed_recorders_file_reads_back_to_its_last_intact_record() {
     );
     let (_, admissions) = recorded_states(&entries, 1);
     assert!(
-        admissions
-            .iter()
-            .all(|admission| matches!(admission, Admission::Applied | Admission::SnapshotChunk)),
+        admissions.iter().all(|admission| matches!(
+            admission,
+            Admission::Applied | Admission::SnapshotChunk | Admission::LoadOnly
+        )),
         "{admissions:?}"
     );
     let printed = kvgate_cli(&["tail", "--file", out.to_str().unwrap()]);
@@ -604,7 +609,10 @@ async fn trace_stream(args: &[&str], done: impl Fn(&RouterView) -> bool) -> Trac
             .expect("the trace plays to its end");
         let admission = trace.view.admit(&batch);
         assert!(
-            matches!(admission, Admission::Applied | Admission::SnapshotChunk),
+            matches!(
+                admission,
+                Admission::Applied | Admission::SnapshotChunk | Admission::LoadOnly
+            ),
             "{admission:?}"
         );
         let rank = batch.dp_rank.unwrap_or(0);
