@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint fuzz bench load fan-out flamegraphs benchmarks image
+.PHONY: run test lint fuzz bench load fan-out peer flamegraphs benchmarks image
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed),
 # on loopback only: a demo faces no network.
@@ -47,6 +47,20 @@ fan-out:
 	cargo bench --locked --bench memory
 	cargo bench --locked --bench zmq_ingest
 	cargo bench --locked --bench loopback_write
+
+# Issue 22: kvgate against smg 1.13's Rust relay, alternating run by run,
+# and the libzmq floor beside kvgate's cost per subscriber. PEER_PYTHON is a
+# Python with smg, pyzmq, msgpack and grpcio (see benchmarks/smg-peer.py).
+PEER_PYTHON ?= python3
+PEER = --peer '$(PEER_PYTHON) benchmarks/smg-peer.py {port} {zmq}' --peer-name smg
+peer:
+	cargo build --release --locked --workspace --bins
+	target/release/kvgate-bench --subscribers 1,8 --rate 20000 --rounds 2 $(PEER) \
+		--json benchmarks/peer.json
+	target/release/kvgate-bench --subscribers 32 --rate 5000 --rounds 2 $(PEER) \
+		--json benchmarks/peer-32x5k.json
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 1,8,64
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 --processes 1
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:

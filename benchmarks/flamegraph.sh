@@ -27,7 +27,7 @@ sleep 4
 perf record -F 499 -g --call-graph dwarf,16384 -p "$pid" -o "$work/perf.data" -- sleep 5 \
     > /dev/null 2>&1
 wait "$bench"
-grep -A2 '^ subs' "$work/bench.txt"
+grep -A2 '^relay ' "$work/bench.txt"
 perf script -i "$work/perf.data" 2> /dev/null | inferno-collapse-perf > "$work/folded"
 inferno-flamegraph --minwidth 0.2 \
     --title "kvgate, $subscribers subscribers x 20k events/s" < "$work/folded" > "$out.svg"

@@ -1,9 +1,11 @@
 //! The sweep as an SVG chart: delivered events/s per subscriber and latency
-//! against the number of subscribers, side by side.
+//! against the number of subscribers, side by side; kvgate's runs only (a
+//! peer's are in the table and the JSON).
 
 use std::fmt::Write;
 
-use super::report::Report;
+use super::report::{Report, RunReport};
+use super::subject::KVGATE;
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 430.0;
@@ -15,14 +17,14 @@ const RED: &str = "#d62728";
 const GREY: &str = "#888888";
 
 pub fn render(report: &Report) -> String {
-    let labels: Vec<String> = report
+    let runs: Vec<&RunReport> = report
         .runs
         .iter()
-        .map(|run| run.subscribers.to_string())
+        .filter(|run| run.subject == KVGATE)
         .collect();
-    let column = |pick: fn(&super::report::RunReport) -> f64| -> Vec<f64> {
-        report.runs.iter().map(pick).collect()
-    };
+    let labels: Vec<String> = runs.iter().map(|run| run.subscribers.to_string()).collect();
+    let column =
+        |pick: fn(&RunReport) -> f64| -> Vec<f64> { runs.iter().map(|run| pick(run)).collect() };
     let published = column(|run| run.published_events_per_s);
     let mean = column(|run| run.delivered_events_per_s_mean);
     let min = column(|run| run.delivered_events_per_s_min);

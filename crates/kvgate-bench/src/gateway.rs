@@ -1,13 +1,17 @@
-//! kvgate under test, as a child process: started like an operator would,
-//! measured through `/proc`, killed by pid however the run ends.
+//! The relay under test (kvgate, or a peer in its place), as a child
+//! process: started like an operator would, measured through `/proc`,
+//! killed by pid however the run ends.
 
 use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// How long kvgate may take to report its address.
+/// How long the relay may take to report its address or accept connections.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How often a peer's port is tried while it starts.
+const START_POLL: Duration = Duration::from_millis(20);
 /// The line kvgate prints on stdout once it serves.
 const SERVING: &str = "kvgate: serving gRPC on ";
 
@@ -70,6 +74,39 @@ impl Gateway {
         Ok(gateway)
     }
 
+    /// Runs `argv` (a peer relay told to serve on `port`) and waits until
+    /// `port` accepts connections: a peer prints no line kvgate-bench knows.
+    pub async fn start_peer(argv: &[String], port: u16) -> anyhow::Result<Self> {
+        let (program, args) = argv
+            .split_first()
+            .ok_or_else(|| anyhow::anyhow!("--peer is an empty command"))?;
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|error| anyhow::anyhow!("cannot start the peer {program}: {error}"))?;
+        // From here on, dropping `gateway` kills the child.
+        let mut gateway = Self {
+            child,
+            address: format!("127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        while TcpStream::connect(&gateway.address).is_err() {
+            if let Some(status) = gateway.child.try_wait()? {
+                anyhow::bail!("the peer {program} exited before serving: {status}");
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the peer {program} did not accept connections on {} within {START_TIMEOUT:?}",
+                gateway.address
+            );
+            tokio::time::sleep(START_POLL).await;
+        }
+        Ok(gateway)
+    }
+
     pub fn address(&self) -> &str {
         &self.address
     }
@@ -84,4 +121,13 @@ impl Drop for Gateway {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A loopback port free now, for a peer that cannot be told to pick its own
+/// (`127.0.0.1:0`) and report it; another process could take it before the
+/// peer binds it, which fails that run at start, never silently.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
 }

@@ -10,6 +10,9 @@
 //! engine stamps each payload, kvgate passes the stamp on as the batch
 //! timestamp), kvgate's CPU and memory from `/proc`, and the tool's own CPU
 //! — where that approaches kvgate's, the run measures the tool.
+//!
+//! With `--peer`, a peer relay is measured the same way, alternating with
+//! kvgate run by run, so both see the same machine at the same time.
 
 mod chart;
 mod gateway;
@@ -17,11 +20,12 @@ mod histogram;
 mod procfs;
 mod publisher;
 mod report;
+mod subject;
 mod subscriber;
 mod worker;
 mod workload;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,7 +34,8 @@ use anyhow::Context;
 use gateway::Gateway;
 use histogram::Histogram;
 use publisher::{Mode, Publisher};
-use report::{Config, KvgateCost, Latency, Report, RunReport, ToolCost};
+use report::{Config, KvgateCost, Latency, PeerConfig, Report, RunReport, ToolCost};
+use subject::{Peer, Subject};
 use subscriber::{Delivery, Subscribers, Window};
 use workload::Workload;
 
@@ -96,6 +101,31 @@ struct LoadArgs {
     #[arg(long, value_name = "PATH")]
     kvgate: Option<PathBuf>,
 
+    /// A peer relay to measure as well, alternating with kvgate: its command
+    /// (words split on whitespace, no shell), where `{port}` (or `{address}`,
+    /// `127.0.0.1:PORT`) is where it must serve gRPC and `{zmq}` the
+    /// engine's ZMQ endpoint, e.g. `python benchmarks/smg-peer.py {port} {zmq}`.
+    #[arg(long, value_name = "COMMAND")]
+    peer: Option<String>,
+
+    /// The peer's `SubscribeKvEvents` method path.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents"
+    )]
+    peer_method: String,
+
+    /// The peer's name in the report.
+    #[arg(long, value_name = "NAME", default_value = "peer")]
+    peer_name: String,
+
+    /// Runs per subscriber count and subject; with `--peer`, kvgate and the
+    /// peer take turns.
+    #[arg(long, default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
+
     /// Extra `kvgate serve` flags, after `--` (e.g. `-- --max-batch-events 256`).
     #[arg(last = true, value_name = "SERVE_ARGS")]
     serve_args: Vec<String>,
@@ -134,22 +164,41 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
         Some(path) => path.clone(),
         None => sibling_kvgate()?,
     };
+    let peer = args
+        .peer
+        .clone()
+        .map(|command| Peer::new(args.peer_name.clone(), command, &args.peer_method))
+        .transpose()?;
+    let mut subjects = vec![Subject::Kvgate {
+        binary: binary.clone(),
+        serve_args: args.serve_args.clone(),
+    }];
+    subjects.extend(peer.clone().map(Subject::Peer));
     let shape = WorkloadShape {
         blocks_per_store: args.blocks_per_store as usize,
         ..WorkloadShape::default()
     };
-    let mut runs = Vec::with_capacity(args.subscribers.len());
+    let mut runs = Vec::new();
     for &subscribers in &args.subscribers {
         let subscribers = subscribers as usize;
-        eprintln!("kvgate-bench: {subscribers} subscriber(s)...");
-        let run = measure(&args, &binary, shape, subscribers)
-            .await
-            .with_context(|| format!("the run with {subscribers} subscriber(s)"))?;
-        eprintln!(
-            "kvgate-bench: {subscribers} subscriber(s): {:.0} events/s delivered per subscriber, p99 {:.2} ms",
-            run.delivered_events_per_s_mean, run.latency_ms.p99
-        );
-        runs.push(run);
+        for _ in 0..args.rounds {
+            for subject in &subjects {
+                let name = subject.name();
+                eprintln!("kvgate-bench: {name}, {subscribers} subscriber(s)...");
+                let run = measure(&args, subject, shape, subscribers)
+                    .await
+                    .with_context(|| {
+                        format!("the run of {name} with {subscribers} subscriber(s)")
+                    })?;
+                eprintln!(
+                    "kvgate-bench: {name}, {subscribers} subscriber(s): {:.0} events/s delivered per subscriber, p99 {:.2} ms, {:.2} µs CPU per event delivered",
+                    run.delivered_events_per_s_mean,
+                    run.latency_ms.p99,
+                    run.kvgate.cpu_us_per_event_delivered
+                );
+                runs.push(run);
+            }
+        }
     }
     let config = Config {
         rate_events_per_s: args.rate,
@@ -164,6 +213,11 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
             .map(|file| file.display().to_string()),
         kvgate: binary.display().to_string(),
         serve_args: args.serve_args.clone(),
+        peer: peer.map(|peer| PeerConfig {
+            name: peer.name,
+            command: peer.command,
+            method: args.peer_method.clone(),
+        }),
     };
     let report = Report::new(procfs::machine(), config, runs);
     print!("{}", report.table());
@@ -211,17 +265,17 @@ impl Reading {
 /// One run; everything it started is stopped however it ends.
 async fn measure(
     args: &LoadArgs,
-    binary: &Path,
+    subject: &Subject,
     shape: WorkloadShape,
     count: usize,
 ) -> anyhow::Result<RunReport> {
     let delivery = Delivery::new(count);
     let workload = Workload::new(shape, publisher::SEED, args.workload.as_deref())?;
     let mut publisher = Publisher::start(workload, args.rate, Arc::clone(&delivery)).await?;
-    let gateway = Gateway::start(binary, publisher.endpoint(), &args.serve_args).await?;
+    let gateway = subject.start(publisher.endpoint()).await?;
     tokio::time::sleep(IDLE_SETTLE).await;
     let idle = procfs::memory(gateway.pid())?;
-    let subscribers = Subscribers::connect(gateway.address(), &delivery).await?;
+    let subscribers = Subscribers::connect(gateway.address(), subject.service(), &delivery).await?;
 
     // ZMQ's slow joiner: the PUB drops everything until kvgate's SUB has
     // joined, so publish slowly until every subscriber sees data, then let
@@ -261,6 +315,7 @@ async fn measure(
     drop(gateway);
     let windows = subscribers.finish().await?;
     Ok(Measured {
+        subject: subject.name().to_owned(),
         subscribers: count,
         start,
         end,
@@ -275,6 +330,7 @@ async fn measure(
 
 /// A run's raw figures.
 struct Measured {
+    subject: String,
     subscribers: usize,
     start: Reading,
     end: Reading,
@@ -302,6 +358,7 @@ impl Measured {
             .map(|window| window.events as f64 / window_s)
             .collect();
         let batches: u64 = self.windows.iter().map(|window| window.batches).sum();
+        let events: u64 = self.windows.iter().map(|window| window.events).sum();
         let kvgate_cpu = end.kvgate_cpu - start.kvgate_cpu;
         let subscribers_cpu = end.subscribers_cpu - start.subscribers_cpu;
         let publisher_cpu = end.publisher_cpu - start.publisher_cpu;
@@ -309,6 +366,7 @@ impl Measured {
         let cpus = std::thread::available_parallelism().map_or(1, usize::from) as f64;
         let of_machine = |cpu_s: f64| 100.0 * cpu_s / (window_s * cpus);
         RunReport {
+            subject: self.subject,
             subscribers: self.subscribers,
             window_s,
             published_events_per_s: (end.published - start.published) as f64 / window_s,
@@ -334,6 +392,7 @@ impl Measured {
                 cpu_s: kvgate_cpu,
                 cpu_percent_of_one_core: 100.0 * kvgate_cpu / window_s,
                 cpu_us_per_batch_delivered: 1e6 * kvgate_cpu / (batches as f64).max(1.0),
+                cpu_us_per_event_delivered: 1e6 * kvgate_cpu / (events as f64).max(1.0),
                 idle_rss_mb: self.idle.rss_mb,
                 peak_rss_mb: self.peak.peak_rss_mb,
             },
@@ -418,7 +477,7 @@ mod tests {
     }
 
     #[test]
-    fn cpu_per_batch_delivered_divides_kvgate_cpu_by_the_batches_of_every_subscriber() {
+    fn cpu_per_delivery_divides_kvgate_cpu_by_the_batches_and_events_of_every_subscriber() {
         let start = Instant::now();
         let memory = procfs::Memory {
             rss_mb: 10.0,
@@ -426,9 +485,11 @@ mod tests {
         };
         let window = |batches| Window {
             batches,
+            events: 4 * batches,
             ..Window::default()
         };
         let measured = Measured {
+            subject: "kvgate".to_owned(),
             subscribers: 2,
             start: reading(start, 1.0),
             end: reading(start + Duration::from_secs(10), 1.5),
@@ -441,5 +502,6 @@ mod tests {
         // 0.5 s of kvgate CPU over 25,000 deliveries.
         let report = measured.report();
         assert!((report.kvgate.cpu_us_per_batch_delivered - 20.0).abs() < 1e-9);
+        assert!((report.kvgate.cpu_us_per_event_delivered - 5.0).abs() < 1e-9);
     }
 }

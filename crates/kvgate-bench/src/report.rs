@@ -1,12 +1,14 @@
 //! A load sweep's figures: per run, what was published, what each
-//! subscriber received and how late, and what kvgate and the tool itself
-//! cost; rendered as a table, JSON and the issue's targets.
+//! subscriber received and how late, and what the relay under test (kvgate
+//! or a peer) and the tool itself cost; rendered as a table, JSON and the
+//! issues' targets, kvgate against the peer where one ran.
 
 use std::fmt::Write;
 
 use serde::Serialize;
 
 use super::procfs::Machine;
+use super::subject::KVGATE;
 
 /// The rate the latency targets are stated at.
 const TARGET_RATE: u64 = 20_000;
@@ -15,6 +17,10 @@ const SATURATED_PERCENT: f64 = 90.0;
 /// Other processes or the hypervisor taking more than this of the CPUs
 /// make a run's figures noisy.
 const DISTURBED_PERCENT: f64 = 10.0;
+/// Subscriber counts the comparison with a peer is stated at (issue 22).
+const PEER_COUNTS: [usize; 3] = [1, 8, 32];
+/// How many times less CPU per delivered event than the peer kvgate aims at.
+const PEER_CPU_RATIO: f64 = 3.0;
 
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -39,10 +45,21 @@ pub struct Config {
     pub workload: Option<String>,
     pub kvgate: String,
     pub serve_args: Vec<String>,
+    /// The peer measured alternately with kvgate, if any.
+    pub peer: Option<PeerConfig>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PeerConfig {
+    pub name: String,
+    pub command: String,
+    pub method: String,
 }
 
 #[derive(Debug, Serialize)]
 pub struct RunReport {
+    /// `kvgate`, or the peer's name.
+    pub subject: String,
     pub subscribers: usize,
     pub window_s: f64,
     pub published_events_per_s: f64,
@@ -61,6 +78,8 @@ pub struct RunReport {
     /// Streams that ended before the run did, and the first reason.
     pub streams_ended_early: usize,
     pub first_stream_error: Option<String>,
+    /// What the subject cost (named `kvgate` since the tool measured only
+    /// kvgate; a peer's run reports the peer's process here).
     pub kvgate: KvgateCost,
     pub tool: ToolCost,
     /// CPU used by kvgate and the tool together, as a share of all CPUs.
@@ -86,6 +105,8 @@ pub struct KvgateCost {
     /// kvgate's CPU time over the window divided by the batches delivered,
     /// summed over subscribers: what one delivery costs, ingest included.
     pub cpu_us_per_batch_delivered: f64,
+    /// The same per event: batches differ in size between relays.
+    pub cpu_us_per_event_delivered: f64,
     pub idle_rss_mb: f64,
     pub peak_rss_mb: f64,
 }
@@ -152,20 +173,22 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "{:>5} {:>12} {:>22} {:>24} {:>32} {:>18} {:>22} {:>13} {:>8}",
+            "{:<8} {:>5} {:>12} {:>22} {:>24} {:>41} {:>18} {:>22} {:>13} {:>8}",
+            "",
             "",
             "published",
             "delivered/s per sub",
             "latency ms",
-            "kvgate CPU",
-            "kvgate RSS MB",
+            "relay CPU",
+            "relay RSS MB",
             "tool CPU s",
             "CPUs busy %",
             "missing"
         );
         let _ = writeln!(
             out,
-            "{:>5} {:>12} {:>11} {:>10} {:>7} {:>7} {:>8} {:>8} {:>13} {:>9} {:>8} {:>8} {:>21} {:>13} {:>8}",
+            "{:<8} {:>5} {:>12} {:>11} {:>10} {:>7} {:>7} {:>8} {:>8} {:>13} {:>9} {:>8} {:>8} {:>8} {:>21} {:>13} {:>8}",
+            "relay",
             "subs",
             "events/s",
             "mean",
@@ -176,6 +199,7 @@ impl Report {
             "s",
             "% of a core",
             "µs/batch",
+            "µs/event",
             "idle",
             "peak",
             "subscribers publisher",
@@ -185,7 +209,8 @@ impl Report {
         for run in &self.runs {
             let _ = writeln!(
                 out,
-                "{:>5} {:>12.0} {:>11.0} {:>10.0} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>13.0} {:>9.1} {:>8.1} {:>8.1} {:>11.2} {:>9.2} {:>5.0} {:>7.0} {:>8}",
+                "{:<8} {:>5} {:>12.0} {:>11.0} {:>10.0} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>13.0} {:>9.1} {:>8.2} {:>8.1} {:>8.1} {:>11.2} {:>9.2} {:>5.0} {:>7.0} {:>8}",
+                run.subject,
                 run.subscribers,
                 run.published_events_per_s,
                 run.delivered_events_per_s_mean,
@@ -196,6 +221,7 @@ impl Report {
                 run.kvgate.cpu_s,
                 run.kvgate.cpu_percent_of_one_core,
                 run.kvgate.cpu_us_per_batch_delivered,
+                run.kvgate.cpu_us_per_event_delivered,
                 run.kvgate.idle_rss_mb,
                 run.kvgate.peak_rss_mb,
                 run.tool.subscribers_cpu_s,
@@ -239,7 +265,10 @@ fn rate_label(rate: u64) -> String {
 }
 
 fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
-    let run = |subscribers| runs.iter().find(|run| run.subscribers == subscribers);
+    let run = |subscribers| {
+        runs.iter()
+            .find(|run| run.subject == KVGATE && run.subscribers == subscribers)
+    };
     let rate_note = (config.rate_events_per_s != TARGET_RATE).then(|| {
         format!(
             "stated at {TARGET_RATE} events/s; this sweep ran at {}",
@@ -270,6 +299,7 @@ fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
     });
     let idle = runs
         .iter()
+        .filter(|run| run.subject == KVGATE)
         .map(|run| run.kvgate.idle_rss_mb)
         .reduce(f64::max);
     checks.push(TargetCheck {
@@ -278,6 +308,57 @@ fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
         met: idle.map(|mb| mb <= 30.0),
         note: None,
     });
+    if let Some(peer) = &config.peer {
+        checks.extend(against_peer(&peer.name, runs));
+    }
+    checks
+}
+
+/// Issue 22's comparison at each count both subjects ran: the peer's figure
+/// over kvgate's, each the mean of its rounds.
+fn against_peer(peer: &str, runs: &[RunReport]) -> Vec<TargetCheck> {
+    let mean = |subject: &str, subscribers: usize, pick: fn(&RunReport) -> f64| {
+        let picked: Vec<f64> = runs
+            .iter()
+            .filter(|run| run.subject == subject && run.subscribers == subscribers)
+            .map(pick)
+            .collect();
+        (!picked.is_empty()).then(|| picked.iter().sum::<f64>() / picked.len() as f64)
+    };
+    let ratio = |subscribers, pick: fn(&RunReport) -> f64| {
+        mean(peer, subscribers, pick)
+            .zip(mean(KVGATE, subscribers, pick))
+            .map(|(peer, kvgate)| peer / kvgate)
+    };
+    let mut checks = Vec::new();
+    for subscribers in PEER_COUNTS {
+        let cpu = ratio(subscribers, |run| run.kvgate.cpu_us_per_event_delivered);
+        checks.push(TargetCheck {
+            target: format!(
+                "{peer}'s CPU per event delivered >= {PEER_CPU_RATIO}x kvgate's with \
+                 {subscribers} subscribers (x)"
+            ),
+            measured: cpu,
+            met: cpu.map(|ratio| ratio >= PEER_CPU_RATIO),
+            note: None,
+        });
+        let p99 = ratio(subscribers, |run| run.latency_ms.p99);
+        checks.push(TargetCheck {
+            target: format!("{peer}'s p99 over kvgate's with {subscribers} subscribers (x, > 1)"),
+            measured: p99,
+            met: p99.map(|ratio| ratio > 1.0),
+            note: None,
+        });
+        let rss = ratio(subscribers, |run| run.kvgate.peak_rss_mb);
+        checks.push(TargetCheck {
+            target: format!(
+                "{peer}'s peak RSS over kvgate's with {subscribers} subscribers (x, > 1)"
+            ),
+            measured: rss,
+            met: rss.map(|ratio| ratio > 1.0),
+            note: None,
+        });
+    }
     checks
 }
 
@@ -291,9 +372,9 @@ fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
         .find(|run| !run.tool.subscribers_cheaper_than_kvgate)
     {
         Some(run) => notes.push(format!(
-            "from {} subscribers on, the subscribers used as much CPU as kvgate or more \
-             ({:.2} s vs {:.2} s): figures there measure the tool as much as kvgate",
-            run.subscribers, run.tool.subscribers_cpu_s, run.kvgate.cpu_s
+            "from {} subscribers on, the subscribers used as much CPU as {} or more \
+             ({:.2} s vs {:.2} s): figures there measure the tool as much as the relay",
+            run.subscribers, run.subject, run.tool.subscribers_cpu_s, run.kvgate.cpu_s
         )),
         None if !runs.is_empty() => {
             notes.push("in every run the subscribers used less CPU than kvgate".to_owned());
@@ -325,9 +406,9 @@ fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
         .filter(|run| run.others_busy_percent + run.steal_percent > DISTURBED_PERCENT)
     {
         notes.push(format!(
-            "during the {}-subscriber run other processes used {:.0}% of the CPUs and the \
-             hypervisor took {:.0}%: its figures are noisy",
-            run.subscribers, run.others_busy_percent, run.steal_percent
+            "during the {}-subscriber run of {} other processes used {:.0}% of the CPUs and \
+             the hypervisor took {:.0}%: its figures are noisy",
+            run.subscribers, run.subject, run.others_busy_percent, run.steal_percent
         ));
     }
     for run in runs
@@ -335,16 +416,17 @@ fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
         .filter(|run| run.missing_events > 0 || run.sequence_gaps > 0)
     {
         notes.push(format!(
-            "with {} subscribers, {} events never arrived and {} batch sequence numbers \
-             were skipped",
-            run.subscribers, run.missing_events, run.sequence_gaps
+            "with {} subscribers, {} events never arrived from {} and {} batch sequence \
+             numbers were skipped",
+            run.subscribers, run.subject, run.missing_events, run.sequence_gaps
         ));
     }
     for run in runs.iter().filter(|run| run.streams_ended_early > 0) {
         notes.push(format!(
-            "{} of {} streams ended early with {} subscribers: {}",
+            "{} of {} streams of {} ended early with {} subscribers: {}",
             run.streams_ended_early,
             run.subscribers,
+            run.subject,
             run.subscribers,
             run.first_stream_error
                 .as_deref()
@@ -360,6 +442,7 @@ pub(super) mod tests {
 
     pub fn run(subscribers: usize, p99: f64, delivered: f64, subscribers_cpu_s: f64) -> RunReport {
         RunReport {
+            subject: KVGATE.to_owned(),
             subscribers,
             window_s: 10.0,
             published_events_per_s: 20_000.0,
@@ -380,6 +463,7 @@ pub(super) mod tests {
                 cpu_s: 2.0,
                 cpu_percent_of_one_core: 20.0,
                 cpu_us_per_batch_delivered: 20.0,
+                cpu_us_per_event_delivered: 1.0,
                 idle_rss_mb: 9.5,
                 peak_rss_mb: 40.0,
             },
@@ -406,6 +490,7 @@ pub(super) mod tests {
             workload: None,
             kvgate: "kvgate".to_owned(),
             serve_args: Vec::new(),
+            peer: None,
         }
     }
 
@@ -461,5 +546,55 @@ pub(super) mod tests {
             report.notes,
             ["in every run the subscribers used less CPU than kvgate"]
         );
+    }
+
+    #[test]
+    fn a_peer_is_judged_by_the_mean_of_its_rounds_against_kvgates() {
+        let peer = |subscribers, cpu_us, p99, rss| {
+            let mut run = run(subscribers, p99, 20_000.0, 0.5);
+            run.subject = "smg".to_owned();
+            run.kvgate.cpu_us_per_event_delivered = cpu_us;
+            run.kvgate.peak_rss_mb = rss;
+            run
+        };
+        let runs = vec![
+            run(1, 0.5, 20_000.0, 0.5),
+            peer(1, 2.0, 0.5, 130.0),
+            run(1, 0.5, 20_000.0, 0.5),
+            peer(1, 4.0, 1.0, 130.0),
+            run(8, 1.0, 20_000.0, 0.5),
+            peer(8, 2.0, 2.0, 30.0),
+        ];
+        let mut config = config(20_000);
+        config.peer = Some(PeerConfig {
+            name: "smg".to_owned(),
+            command: "smg {port} {zmq}".to_owned(),
+            method: "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents".to_owned(),
+        });
+        let report = Report::new(machine(), config, runs);
+        let verdicts: Vec<_> = report
+            .targets
+            .iter()
+            .filter(|target| target.target.starts_with("smg's"))
+            .map(|target| (target.measured, target.met))
+            .collect();
+        assert_eq!(
+            verdicts,
+            [
+                // 1 subscriber: (2 + 4) / 2 over 1 µs; p99 0.75 over 0.5; 130 over 40 MB.
+                (Some(3.0), Some(true)),
+                (Some(1.5), Some(true)),
+                (Some(3.25), Some(true)),
+                (Some(2.0), Some(false)),
+                (Some(2.0), Some(true)),
+                (Some(0.75), Some(false)),
+                (None, None),
+                (None, None),
+                (None, None),
+            ]
+        );
+        // kvgate's own targets read kvgate's runs only.
+        assert_eq!(report.targets[0].measured, Some(1.0));
+        assert!(report.table().contains("smg "));
     }
 }

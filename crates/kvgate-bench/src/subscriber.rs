@@ -22,8 +22,6 @@ use kvgate::client::{Authorized, Target, TlsFlags, TlsPaths, subscribe_with};
 use kvgate::clock::unix_now;
 use kvgate::proto::common::SubscribeKvEventsRequest;
 
-const SERVICE: &str = "kvgate.v1.KvGate";
-
 /// What a subscriber needs of a `KvEventBatch`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BatchScan {
@@ -149,18 +147,23 @@ pub struct Subscribers {
 
 impl Subscribers {
     /// Opens a stream per subscriber of `delivery` from
-    /// `start_sequence_number` 0, each over its own connection.
-    pub async fn connect(address: &str, delivery: &Arc<Delivery>) -> anyhow::Result<Self> {
+    /// `start_sequence_number` 0 on `service`'s `SubscribeKvEvents`, each
+    /// over its own connection.
+    pub async fn connect(
+        address: &str,
+        service: &str,
+        delivery: &Arc<Delivery>,
+    ) -> anyhow::Result<Self> {
         let count = delivery.subscribers();
         let worker = Worker::start("bench-subscribers")?;
-        let address = address.to_owned();
+        let (address, service) = (address.to_owned(), service.to_owned());
         // Connections drive themselves from tasks on the runtime that opens them.
         let streams = worker
             .spawn(async move {
                 let mut streams = Vec::with_capacity(count);
                 for _ in 0..count {
                     let channel = connect_plaintext("the gateway under test at", &address).await?;
-                    let stream = subscribe_with(channel, SERVICE, 0, RawBatches)
+                    let stream = subscribe_with(channel, &service, 0, RawBatches)
                         .await
                         .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;
                     streams.push(stream);
