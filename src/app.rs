@@ -293,7 +293,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);
     let health = HealthWatch::new(supervisor.lifecycle(), ready_rx);
-    start_source(
+    let replayed_loads = start_source(
         source_config,
         events_tx,
         metrics.clone(),
@@ -301,7 +301,12 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         supervisor,
     )
     .await?;
-    let load_records = start_load(supervisor, &args, load_push, load_engine, &metrics).await?;
+    // The engine's own load, when it is reachable, or else what the
+    // recording played carries.
+    let heartbeat = Duration::from_millis(args.load_heartbeat_ms);
+    let load_records = start_load(supervisor, &args, load_push, load_engine, &metrics)
+        .await?
+        .or_else(|| replayed_loads.map(|feed| LoadRecords::new(feed, heartbeat)));
     spawn_drain(
         supervisor,
         &args,

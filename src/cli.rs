@@ -42,8 +42,11 @@ pub struct Cli {
 pub enum Command {
     /// Drain an engine's KV events and serve them to any number of routers.
     Serve(Box<ServeArgs>),
-    /// Print a gateway's event stream.
+    /// Print a gateway's event stream (or a recording's, with --file).
     Tail(crate::tools::tail::TailArgs),
+    /// Record a gateway's event stream to a file, to replay it later
+    /// (`serve --replay-file`); --stats summarises a recording.
+    Record(Box<crate::tools::record::RecordArgs>),
     /// Summarise a running gateway: health, services, blocks per rank.
     Status(crate::tools::status::StatusArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
@@ -181,8 +184,10 @@ pub struct ServeArgs {
     /// Keep the history, the live state and the numbering in DIR, so a
     /// restarted kvgate continues where the old process stopped: routers'
     /// cursors resume, snapshots hold what the old process knew (contract
-    /// section 8). Off by default. One kvgate per DIR.
-    #[arg(long, env = "KVGATE_STATE_DIR", value_name = "DIR")]
+    /// section 8). Off by default. One kvgate per DIR. Not with
+    /// --replay-file or --trace-file: a played file starts over anyway.
+    #[arg(long, env = "KVGATE_STATE_DIR", value_name = "DIR",
+          conflicts_with_all = ["replay_file", "trace_file"])]
     pub state_dir: Option<PathBuf>,
 
     /// Milliseconds between fsyncs of the --state-dir log: after a machine
@@ -374,6 +379,48 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_DEMO", value_parser = BoolishValueParser::new())]
     pub demo: bool,
 
+    /// Play a recording (`kvgate record --out FILE`) as the engine: one
+    /// file and its parts FILE.1, ..., or the parts listed in order.
+    #[arg(long, env = "KVGATE_REPLAY_FILE", value_name = "FILE", value_delimiter = ',',
+          conflicts_with_all = ["zmq_endpoint", "demo", "upstream_grpc", "trace_file"])]
+    pub replay_file: Vec<PathBuf>,
+
+    /// Play a Mooncake trace (JSON lines: timestamp, input_length,
+    /// output_length, hash_ids) through a simulated prefix cache as the
+    /// engine.
+    #[arg(long, env = "KVGATE_TRACE_FILE", value_name = "FILE",
+          conflicts_with_all = ["zmq_endpoint", "demo", "upstream_grpc"])]
+    pub trace_file: Option<PathBuf>,
+
+    /// How fast --replay-file or --trace-file plays: a factor of recorded
+    /// time (1 as recorded, 10 ten times faster, 0.001 to 1000000) or max.
+    #[arg(long, env = "KVGATE_REPLAY_SPEED", default_value = "1.0", value_name = "SPEED",
+          value_parser = crate::cli::parse_speed)]
+    pub replay_speed: crate::source::pace::Speed,
+
+    /// Play --replay-file or --trace-file again and again, each pass after
+    /// an ownerless clear (as after an engine restart).
+    #[arg(long, env = "KVGATE_REPLAY_LOOP", value_parser = BoolishValueParser::new())]
+    pub replay_loop: bool,
+
+    /// Blocks each rank's simulated prefix cache holds (--trace-file); the
+    /// least recently used are evicted beyond it.
+    #[arg(long, env = "KVGATE_TRACE_CACHE_BLOCKS", default_value_t = 16_384,
+          value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub trace_cache_blocks: u64,
+
+    /// Tokens per simulated block (--trace-file): 512 (the trace's own) or
+    /// a divisor of it, each trace block then counting as several.
+    #[arg(long, env = "KVGATE_TRACE_BLOCK_TOKENS", default_value_t = 512,
+          value_parser = clap::value_parser!(u32).range(1..=512))]
+    pub trace_block_tokens: u32,
+
+    /// Longest trace line read (--trace-file); a longer one is counted as
+    /// malformed and skipped.
+    #[arg(long, env = "KVGATE_TRACE_MAX_LINE_BYTES", default_value = "1MiB", value_name = "SIZE",
+          value_parser = byte_size(4096..=(64 << 20)))]
+    pub trace_max_line_bytes: u64,
+
     /// Most connections open on the gRPC port; one more is accepted and
     /// closed at once.
     #[arg(long, env = "KVGATE_MAX_CONNECTIONS", default_value_t = 512,
@@ -441,6 +488,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_PASS_THROUGH_STREAM_WINDOW_BYTES", default_value = "256KiB",
           value_name = "SIZE", value_parser = byte_size((256 << 10)..=(16 << 20)))]
     pub pass_through_stream_window_bytes: u64,
+}
+
+/// `--replay-speed`: a factor or `max`.
+fn parse_speed(text: &str) -> Result<crate::source::pace::Speed, String> {
+    text.parse()
 }
 
 #[cfg(test)]

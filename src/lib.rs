@@ -30,6 +30,8 @@ pub mod logging;
 pub mod metrics;
 pub mod pem;
 pub mod proto;
+pub mod recording;
+pub mod router_rules;
 pub mod server;
 pub mod source;
 pub mod state;

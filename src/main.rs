@@ -21,6 +21,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Serve(args) => kvgate::app::serve(*args, shutdown_signal()).await,
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
+            Command::Record(args) => kvgate::tools::record::run(*args, shutdown_signal()).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,
             Command::Completions(args) => kvgate::tools::shell::completions(args, Cli::command()),
             Command::Man(args) => kvgate::tools::shell::man(args, Cli::command()),

@@ -28,6 +28,10 @@ pub enum TaskName {
     SourceRank(u32),
     /// The subscription to an upstream `SubscribeKvEvents` server.
     Upstream,
+    /// A recording played as the source (`--replay-file`).
+    RecordingReplay,
+    /// A trace played through a simulated prefix cache (`--trace-file`).
+    TraceReplay,
     Drain,
     GrpcServer,
     AdminServer,
@@ -46,6 +50,8 @@ impl fmt::Display for TaskName {
         match self {
             Self::SourceRank(rank) => write!(f, "ZMQ source of rank {rank}"),
             Self::Upstream => f.write_str("upstream source"),
+            Self::RecordingReplay => f.write_str("recording replay"),
+            Self::TraceReplay => f.write_str("trace replay"),
             Self::Drain => f.write_str("drain"),
             Self::GrpcServer => f.write_str("gRPC server"),
             Self::AdminServer => f.write_str("admin HTTP server"),

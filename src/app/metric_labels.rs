@@ -17,6 +17,7 @@ use crate::source::FrameError;
 use crate::source::peer::{PeerDropReason, PeerSocket};
 use crate::source::replay::FetchBound;
 use crate::source::upstream::{UNDECODABLE, UNKNOWN_RANK};
+use crate::source::{recorded, trace};
 use crate::state::tier::Tier;
 use crate::store::Damage;
 
@@ -38,7 +39,12 @@ pub fn closed_labels() -> ClosedLabels {
             .map(FrameError::as_str)
             .into_iter()
             .chain(PayloadError::REASONS)
-            .chain([UNDECODABLE, UNKNOWN_RANK])
+            .chain([
+                UNDECODABLE,
+                UNKNOWN_RANK,
+                recorded::UNDECODABLE,
+                trace::MALFORMED_LINE,
+            ])
             .collect(),
         zmq_peer_sockets: PeerSocket::ALL.map(PeerSocket::as_str).into(),
         zmq_peers_dropped: PeerDropReason::ALL.map(PeerDropReason::as_str).into(),

@@ -1,6 +1,7 @@
 //! Which event source the flags name: the engine's ZMQ publishers (one per
-//! data-parallel rank), a simulated engine started here (`--demo`), or
-//! another gateway upstream. Flag names live here, not in `source/`.
+//! data-parallel rank), a simulated engine started here (`--demo`),
+//! another gateway upstream, a recording (`--replay-file`) or a Mooncake
+//! trace (`--trace-file`). Flag names live here, not in `source/`.
 
 use std::time::Duration;
 
@@ -13,11 +14,15 @@ use tokio::sync::{mpsc, watch};
 use crate::cli::ServeArgs;
 use crate::client::{Target, TlsFlags, TlsPaths};
 use crate::load::push::PushConfig;
+use crate::load::{Board, BoardWriter};
 use crate::metrics::Metrics;
 use crate::pem::FlagFile;
+use crate::proto::common::EngineLoad;
 use crate::source::SourceEvent;
 use crate::source::continuity::ResumePoint;
+use crate::source::recorded::{self, LoadSink, RecordedConfig};
 use crate::source::replay::{self, FetchBounds};
+use crate::source::trace::{self, TraceConfig};
 use crate::source::upstream::{self, UpstreamConfig};
 use crate::source::zmq::{StartError, ZmqSourceConfig};
 use crate::supervisor::{Supervisor, TaskName};
@@ -37,6 +42,10 @@ pub(super) enum SourceConfig {
     /// The simulated engine started here (`--demo`).
     Demo(ZmqSourceConfig),
     Upstream(UpstreamConfig),
+    /// A recording played (`--replay-file`).
+    Recorded(RecordedConfig),
+    /// A trace played through a simulated cache (`--trace-file`).
+    Trace(TraceConfig),
 }
 
 impl SourceConfig {
@@ -45,6 +54,8 @@ impl SourceConfig {
         match self {
             Self::Zmq(config) | Self::Demo(config) => config.dp_size,
             Self::Upstream(config) => config.dp_size,
+            Self::Recorded(config) => config.dp_size,
+            Self::Trace(config) => config.dp_size,
         }
     }
 }
@@ -56,15 +67,45 @@ impl std::fmt::Display for SourceConfig {
                 write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size)
             }
             Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
+            Self::Recorded(config) => {
+                let files: Vec<String> = config
+                    .files
+                    .iter()
+                    .map(|file| file.display().to_string())
+                    .collect();
+                write!(f, "recording {} at {}", files.join(","), config.speed)?;
+                if config.looped {
+                    f.write_str(", looped")?;
+                }
+                Ok(())
+            }
+            Self::Trace(config) => {
+                write!(
+                    f,
+                    "trace {} at {}, {} blocks of {} tokens per rank ({} rank(s))",
+                    config.file.display(),
+                    config.speed,
+                    config.cache_blocks,
+                    config.block_tokens,
+                    config.dp_size
+                )?;
+                if config.looped {
+                    f.write_str(", looped")?;
+                }
+                Ok(())
+            }
         }
     }
 }
 
 /// Exactly one of `--zmq-endpoint`, `--demo` (a simulated engine started
-/// here) and `--upstream-grpc`.
+/// here), `--upstream-grpc`, `--replay-file` and `--trace-file`.
 pub(super) async fn choose_source(
     args: &ServeArgs,
 ) -> anyhow::Result<(SourceConfig, Option<DemoEngine>)> {
+    if let Some(config) = played_source(args)? {
+        return Ok((config, None));
+    }
     let replay_bounds = replay_bounds(args)?;
     let zmq = |endpoint, replay_endpoint| ZmqSourceConfig {
         endpoint,
@@ -133,6 +174,46 @@ pub(super) async fn choose_source(
         check_rank_ports(publisher, replay_base, args.dp_size).map_err(UsageError)?;
     }
     Ok((SourceConfig::Zmq(zmq(endpoint, replay)), None))
+}
+
+/// A recording or a trace, checked (a file that cannot be played fails
+/// the start naming its flag), or `None` when neither flag is given.
+fn played_source(args: &ServeArgs) -> anyhow::Result<Option<SourceConfig>> {
+    if !args.replay_file.is_empty() {
+        let mut config = RecordedConfig {
+            files: args.replay_file.clone(),
+            speed: args.replay_speed,
+            looped: args.replay_loop,
+            dp_size: args.dp_size,
+        };
+        let header = config
+            .check()
+            .map_err(|error| UsageError(format!("--replay-file: {error}")))?;
+        // The recorder's header says how many ranks the engine had.
+        config.dp_size = header.dp_size.clamp(1, 1024).max(args.dp_size);
+        return Ok(Some(SourceConfig::Recorded(config)));
+    }
+    let Some(file) = &args.trace_file else {
+        return Ok(None);
+    };
+    let config = TraceConfig {
+        file: file.clone(),
+        speed: args.replay_speed,
+        looped: args.replay_loop,
+        cache_blocks: usize::try_from(args.trace_cache_blocks).unwrap_or(usize::MAX),
+        block_tokens: args.trace_block_tokens,
+        dp_size: args.dp_size,
+        max_line_bytes: usize::try_from(args.trace_max_line_bytes).unwrap_or(usize::MAX),
+    };
+    config.check().map_err(|what| {
+        let flag = if what.contains("tokens does not divide") {
+            "--trace-block-tokens"
+        } else {
+            "--trace-file"
+        };
+        UsageError(format!("{flag}: {what}"))
+    })?;
+    Ok(Some(SourceConfig::Trace(config)))
 }
 
 /// The engine's load publishers, as `--zmq-load-endpoint` names them (with
@@ -244,19 +325,20 @@ impl SourceConfig {
     pub(super) fn resume(&mut self, points: std::collections::BTreeMap<u32, ResumePoint>) {
         match self {
             Self::Zmq(config) | Self::Demo(config) => config.resume = points,
-            Self::Upstream(_) => {}
+            Self::Upstream(_) | Self::Recorded(_) | Self::Trace(_) => {}
         }
     }
 }
 
-/// Starts the configured source's tasks.
+/// Starts the configured source's tasks; a recording's load records come
+/// back for the drain to stamp.
 pub(super) async fn start_source(
     config: SourceConfig,
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
     ready: watch::Sender<bool>,
     supervisor: &Supervisor,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<watch::Receiver<Board>>> {
     metrics.prepare_ranks(config.dp_size());
     match config {
         SourceConfig::Zmq(config) => {
@@ -267,21 +349,80 @@ pub(super) async fn start_source(
                 .map_err(|error| {
                     let context = flags_of(&flags, &error);
                     anyhow::Error::new(error).context(context)
-                })
+                })?;
+            Ok(None)
         }
-        SourceConfig::Demo(config) => config
-            .start(events, metrics, ready, supervisor)
-            .await
-            .context("the demo engine"),
+        SourceConfig::Demo(config) => {
+            config
+                .start(events, metrics, ready, supervisor)
+                .await
+                .context("the demo engine")?;
+            Ok(None)
+        }
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {
                 upstream::run(config, events, metrics, ready, stop).await;
                 Ok(())
             });
-            Ok(())
+            Ok(None)
+        }
+        SourceConfig::Recorded(config) => {
+            let (board, feed) = BoardWriter::new(config.dp_size, None);
+            let stop = supervisor.stopping();
+            supervisor.spawn(TaskName::RecordingReplay, async move {
+                recorded::run(config, events, metrics, ready, replayed_loads(board), stop).await;
+                Ok(())
+            });
+            Ok(Some(feed))
+        }
+        SourceConfig::Trace(config) => {
+            let stop = supervisor.stopping();
+            supervisor.spawn(TaskName::TraceReplay, async move {
+                trace::run(config, events, metrics, ready, stop).await;
+                Ok(())
+            });
+            Ok(None)
         }
     }
+}
+
+/// A recording's load records as if the engine pushed them when recorded:
+/// a `load_only` record brings every field, an event batch's the routing
+/// core, which updates the fields it carries.
+fn replayed_loads(board: BoardWriter) -> LoadSink {
+    let last = std::sync::Mutex::new(vec![None::<EngineLoad>; board.ranks() as usize]);
+    Box::new(move |rank, recorded: &EngineLoad| {
+        let Ok(mut last) = last.lock() else { return };
+        let Some(slot) = last.get_mut(rank as usize) else {
+            return;
+        };
+        let mut load = match (recorded.load_only, slot.as_ref()) {
+            (false, Some(full)) => EngineLoad {
+                running_requests: recorded.running_requests,
+                waiting_requests: recorded.waiting_requests,
+                waiting_uncached_tokens: recorded.waiting_uncached_tokens,
+                token_usage: recorded.token_usage,
+                active_token_usage: recorded.active_token_usage,
+                gen_throughput: recorded.gen_throughput,
+                max_running_requests: recorded.max_running_requests,
+                ..full.clone()
+            },
+            _ => recorded.clone(),
+        };
+        // Stamped again per batch by the drain.
+        load.sample = 0;
+        load.age_ms = 0;
+        load.load_only = false;
+        if slot.as_ref() == Some(&load) {
+            return;
+        }
+        *slot = Some(load.clone());
+        let taken_at = tokio::time::Instant::now()
+            .checked_sub(std::time::Duration::from_millis(u64::from(recorded.age_ms)))
+            .unwrap_or_else(tokio::time::Instant::now);
+        board.pushed(rank, load, taken_at);
+    })
 }
 
 #[cfg(test)]

@@ -3,11 +3,18 @@
 //!
 //! A source never decodes payloads (the drain converts them); it checks the
 //! framing, follows each publisher's counter and reports what that counter
-//! says about lost messages and engine restarts.
+//! says about lost messages and engine restarts. Besides live engines, a
+//! recording (`recorded`) or a Mooncake trace played through a simulated
+//! prefix cache (`trace`, `prefix_cache`) can stand in for one, paced by
+//! `pace`.
 
 pub(crate) mod continuity;
+pub mod pace;
 pub(crate) mod peer;
+pub mod prefix_cache;
+pub mod recorded;
 pub(crate) mod replay;
+pub mod trace;
 pub(crate) mod upstream;
 pub(crate) mod zmq;
 

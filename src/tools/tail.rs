@@ -34,11 +34,18 @@ pub struct TailArgs {
     /// Stop after this many batches.
     #[arg(long)]
     pub limit: Option<u64>,
+    /// Print a recording (`kvgate record --out FILE`, with its parts
+    /// FILE.1, ...) instead of a gateway's stream.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["from", "load_before_first_batch"])]
+    pub file: Option<std::path::PathBuf>,
 }
 
 /// `kvgate tail`: prints the stream until it ends, is interrupted, or its
 /// reader goes away (`| head`: a quiet, successful end).
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.file {
+        return super::record::print_recording(file, args.json, args.limit);
+    }
     let connected = args.gateway.connect()?;
     let request = SubscribeKvEventsRequest {
         start_sequence_number: args.from,
@@ -73,7 +80,13 @@ pub async fn run(args: TailArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_batch(out: &mut impl Write, batch: &KvEventBatch, json: bool) -> std::io::Result<()> {
+/// One batch as `tail` prints it (its events as JSON lines, or its
+/// summary), flushed.
+pub(crate) fn write_batch(
+    out: &mut impl Write,
+    batch: &KvEventBatch,
+    json: bool,
+) -> std::io::Result<()> {
     if json {
         for line in event_lines(batch).into_iter().chain(load_line(batch)) {
             writeln!(out, "{line}")?;

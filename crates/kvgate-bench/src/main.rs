@@ -23,6 +23,7 @@ mod report;
 mod subject;
 mod subscriber;
 mod worker;
+mod workload;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -36,6 +37,7 @@ use publisher::{Mode, Publisher};
 use report::{Config, KvgateCost, Latency, PeerConfig, Report, RunReport, ToolCost};
 use subject::{Peer, Subject};
 use subscriber::{Delivery, Subscribers, Window};
+use workload::Workload;
 
 use clap::Parser;
 use kvgate_sim::WorkloadShape;
@@ -80,6 +82,11 @@ struct LoadArgs {
     #[arg(long, default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     blocks_per_store: u32,
+
+    /// Publish the traffic of a recording (`kvgate record`) or a Mooncake
+    /// trace instead of the steady mix, in a loop, at --rate.
+    #[arg(long, value_name = "FILE")]
+    workload: Option<PathBuf>,
 
     /// Write the report as JSON here.
     #[arg(long, value_name = "PATH")]
@@ -200,6 +207,10 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
         blocks_per_store: shape.blocks_per_store,
         block_size: shape.block_size,
         live_blocks: shape.live_blocks,
+        workload: args
+            .workload
+            .as_ref()
+            .map(|file| file.display().to_string()),
         kvgate: binary.display().to_string(),
         serve_args: args.serve_args.clone(),
         peer: peer.map(|peer| PeerConfig {
@@ -259,7 +270,8 @@ async fn measure(
     count: usize,
 ) -> anyhow::Result<RunReport> {
     let delivery = Delivery::new(count);
-    let mut publisher = Publisher::start(shape, args.rate, Arc::clone(&delivery)).await?;
+    let workload = Workload::new(shape, publisher::SEED, args.workload.as_deref())?;
+    let mut publisher = Publisher::start(workload, args.rate, Arc::clone(&delivery)).await?;
     let gateway = subject.start(publisher.endpoint()).await?;
     tokio::time::sleep(IDLE_SETTLE).await;
     let idle = procfs::memory(gateway.pid())?;

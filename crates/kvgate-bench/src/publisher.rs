@@ -11,8 +11,9 @@ use tokio::time::MissedTickBehavior;
 
 use super::subscriber::Delivery;
 use super::worker::Worker;
+use super::workload::Workload;
 use kvgate::clock::unix_now;
-use kvgate_sim::{EnginePublisher, PublisherOptions, SteadyState, WorkloadShape, encode_batch};
+use kvgate_sim::{EnginePublisher, PublisherOptions, encode_batch};
 
 /// Gap between payloads while waiting for kvgate's SUB to join.
 const PRIME_EVERY: Duration = Duration::from_millis(10);
@@ -31,7 +32,7 @@ const MAX_BURST: usize = 1024;
 /// rate is mostly time spent queued inside this window.
 const IN_FLIGHT: u64 = 32_768;
 /// Fixed, so every run publishes the same traffic.
-const SEED: u64 = 7;
+pub const SEED: u64 = 7;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -80,7 +81,7 @@ pub struct Publisher {
 impl Publisher {
     /// Binds a PUB on an ephemeral loopback port and waits, quiet.
     pub async fn start(
-        shape: WorkloadShape,
+        workload: Workload,
         rate: u64,
         delivery: Arc<Delivery>,
     ) -> anyhow::Result<Self> {
@@ -95,7 +96,7 @@ impl Publisher {
         let control = Arc::new(Control::default());
         let task = worker.spawn(publish(
             socket,
-            SteadyState::new(shape, SEED),
+            workload,
             Arc::clone(&control),
             Pace::new(rate, delivery),
         ));
@@ -193,7 +194,7 @@ impl Pace {
 
 async fn publish(
     mut socket: EnginePublisher,
-    mut workload: SteadyState,
+    mut workload: Workload,
     control: Arc<Control>,
     mut pace: Pace,
 ) -> anyhow::Result<EnginePublisher> {
@@ -225,7 +226,7 @@ async fn publish(
 
 async fn publish_one(
     socket: &mut EnginePublisher,
-    workload: &mut SteadyState,
+    workload: &mut Workload,
     control: &Control,
 ) -> anyhow::Result<()> {
     let events = workload.next_events();

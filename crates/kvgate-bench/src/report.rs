@@ -41,6 +41,8 @@ pub struct Config {
     pub blocks_per_store: usize,
     pub block_size: u32,
     pub live_blocks: usize,
+    /// The recording or trace published instead of the steady mix.
+    pub workload: Option<String>,
     pub kvgate: String,
     pub serve_args: Vec<String>,
     /// The peer measured alternately with kvgate, if any.
@@ -150,14 +152,19 @@ impl Report {
         let config = &self.config;
         let machine = &self.machine;
         let mut out = String::new();
+        let traffic = match &config.workload {
+            Some(file) => format!("the traffic of {file}"),
+            None => format!(
+                "stores of {} blocks x {} tokens",
+                config.blocks_per_store, config.block_size
+            ),
+        };
         let _ = writeln!(
             out,
-            "kvgate-bench: {}, {} s measured after {} s warm-up, stores of {} blocks x {} tokens",
+            "kvgate-bench: {}, {} s measured after {} s warm-up, {traffic}",
             self.rate_label(),
             config.duration_s,
             config.warmup_s,
-            config.blocks_per_store,
-            config.block_size,
         );
         let _ = writeln!(
             out,
@@ -480,6 +487,7 @@ pub(super) mod tests {
             blocks_per_store: 16,
             block_size: 16,
             live_blocks: 65_536,
+            workload: None,
             kvgate: "kvgate".to_owned(),
             serve_args: Vec::new(),
             peer: None,
