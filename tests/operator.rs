@@ -701,3 +701,25 @@ async fn tail_of_a_service_the_gateway_lacks_names_the_services_it_has() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_state_dir_beside_a_played_file_fails_at_start_naming_both_flags() {
+    // A played recording or trace starts over at every start, so a state
+    // directory could only restore a state the file is about to rebuild.
+    let dir = std::env::temp_dir().join(format!("kvgate-state-beside-file-{}", std::process::id()));
+    let dir = dir.to_str().expect("a UTF-8 temp dir");
+    for (flag, file) in [
+        ("--replay-file", "tests/fixtures/no-such-recording"),
+        ("--trace-file", "tests/fixtures/no-such-trace"),
+    ] {
+        let stderr = serve_fails(&["--state-dir", dir, flag, file]);
+        assert!(
+            stderr.contains("--state-dir") && stderr.contains(flag),
+            "{stderr}"
+        );
+    }
+    assert!(
+        !std::path::Path::new(dir).exists(),
+        "nothing is created before the flags are checked"
+    );
+}
