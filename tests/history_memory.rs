@@ -30,14 +30,7 @@ async fn wait_for_stores(gateway: &Gateway, stores: u64) {
 }
 
 fn resident_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| value.trim().strip_suffix("kB"))
-        .and_then(|value| value.trim().parse().ok())
-        .expect("VmRSS in /proc/<pid>/status");
-    kib * 1024
+    common::live_rss_kib(pid) * 1024
 }
 
 /// One engine message that kvgate turns into one ~100 KB batch: 96 blocks

@@ -100,11 +100,11 @@ async fn every_counter_is_exported_from_the_start_at_zero_with_every_closed_labe
         );
         assert!(has(&series), "{series} missing: {exposition}");
     }
-    for reason in kvgate::app::metric_labels::closed_labels().bad_messages {
+    let labels = kvgate::app::metric_labels::closed_labels();
+    for reason in labels.bad_messages {
         let series = format!("kvgate_bad_messages_total{{reason=\"{reason}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }
-    let labels = kvgate::app::metric_labels::closed_labels();
     for reason in labels.load_push_faults {
         let series = format!("kvgate_load_push_faults_total{{reason=\"{reason}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
@@ -113,8 +113,12 @@ async fn every_counter_is_exported_from_the_start_at_zero_with_every_closed_labe
         let series = format!("kvgate_load_records_sent_total{{source=\"{source}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }
-    for bound in kvgate::app::metric_labels::closed_labels().replay_bounds {
+    for bound in labels.replay_bounds {
         let series = format!("kvgate_replay_fetches_bounded_total{{bound=\"{bound}\"}}");
+        assert!(has(&series), "{series} missing: {exposition}");
+    }
+    for reason in labels.state_damaged {
+        let series = format!("kvgate_state_damaged_total{{reason=\"{reason}\"}}");
         assert!(has(&series), "{series} missing: {exposition}");
     }
     for rank in 0..2 {
@@ -152,12 +156,7 @@ async fn build_info_names_the_version_and_commit_and_process_metrics_describe_th
     };
     #[cfg(target_os = "linux")]
     {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", gateway.pid())).unwrap();
-        let vm_rss_kib: f64 = status
-            .lines()
-            .find_map(|line| line.strip_prefix("VmRSS:"))
-            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-            .expect("VmRSS");
+        let vm_rss_kib = common::live_rss_kib(gateway.pid()) as f64;
         let rss = value("kvgate_process_resident_memory_bytes").expect("RSS exported");
         // Same process, read a moment apart: the same order of magnitude.
         assert!(

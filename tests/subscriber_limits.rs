@@ -28,14 +28,7 @@ async fn publisher() -> EnginePublisher {
 
 /// kvgate's resident memory in bytes.
 fn rss(gateway: &Gateway) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", gateway.pid()))
-        .expect("kvgate's /proc status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .expect("a VmRSS line");
-    kib * 1024
+    common::live_rss_kib(gateway.pid()) * 1024
 }
 
 /// A vLLM payload removing `hashes` blocks nobody stored: a batch of about
