@@ -1,5 +1,5 @@
-//! Wall-clock time, read in one place: batch timestamps and the first
-//! sequence number of a process incarnation.
+//! Wall-clock time, read in one place: batch timestamps, recordings' receive
+//! times and the first sequence number of a process incarnation.
 //!
 //! Invariant: a clock set before 1970 reads as 0 rather than failing; the
 //! seed is never 0 (the router reads 0 as "no cursor").
@@ -12,6 +12,14 @@ pub fn unix_now() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map(|elapsed| elapsed.as_secs_f64())
         .unwrap_or(0.0)
+}
+
+/// Unix microseconds now, as recordings stamp their records.
+pub fn unix_micros_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
 }
 
 /// The first number of every rank in this process: Unix milliseconds at

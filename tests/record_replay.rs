@@ -28,7 +28,7 @@ impl Scratch {
         let dir = std::env::temp_dir().join(format!(
             "record-test-{name}-{}-{}",
             std::process::id(),
-            kvgate::recording::unix_micros_now()
+            kvgate::clock::unix_micros_now()
         ));
         std::fs::create_dir_all(&dir).unwrap();
         Self(dir)

@@ -132,13 +132,5 @@ pub fn parts(files: &[PathBuf]) -> Vec<PathBuf> {
     }
 }
 
-/// Unix microseconds now (0 before 1970).
-pub fn unix_micros_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|elapsed| u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
 #[cfg(test)]
 mod tests;

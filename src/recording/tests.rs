@@ -12,7 +12,7 @@ impl Scratch {
         let dir = std::env::temp_dir().join(format!(
             "record-unit-{name}-{}-{}",
             std::process::id(),
-            unix_micros_now()
+            crate::clock::unix_micros_now()
         ));
         std::fs::create_dir_all(&dir).unwrap();
         Self(dir)

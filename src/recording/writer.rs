@@ -93,7 +93,7 @@ impl Writer {
     /// Closes the recording cleanly: an `End` record, the last frame, and
     /// the data synced to disk.
     pub fn finish(mut self) -> anyhow::Result<()> {
-        self.append(super::unix_micros_now(), Kind::End, &[]);
+        self.append(crate::clock::unix_micros_now(), Kind::End, &[]);
         self.write_frame()?;
         self.file
             .sync_all()
@@ -155,7 +155,7 @@ impl Writer {
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())
             .unwrap_or_default();
-        self.append(super::unix_micros_now(), Kind::Next, name.as_bytes());
+        self.append(crate::clock::unix_micros_now(), Kind::Next, name.as_bytes());
         self.write_frame()?;
         self.file
             .sync_all()

@@ -91,7 +91,7 @@ pub async fn run(args: RecordArgs, shutdown: impl Future<Output = ()>) -> anyhow
         kvgate_version: env!("CARGO_PKG_VERSION").into(),
         source: args.gateway.addr.clone(),
         service: args.service.clone(),
-        started_unix_ms: crate::recording::unix_micros_now() / 1000,
+        started_unix_ms: crate::clock::unix_micros_now() / 1000,
         dp_size: args.dp_size,
         part: 0,
     };
@@ -150,7 +150,7 @@ impl Recorder {
                 Outcome::Resync(reason) => {
                     warn!(%reason, "the gateway refused the cursor; recording a new snapshot");
                     self.writer
-                        .resync(crate::recording::unix_micros_now(), &reason)?;
+                        .resync(crate::clock::unix_micros_now(), &reason)?;
                     self.cursors.forget();
                     backoff = FIRST_BACKOFF;
                 }
@@ -209,7 +209,7 @@ impl Recorder {
                 }
             }
             self.writer
-                .batch(crate::recording::unix_micros_now(), &raw.bytes)?;
+                .batch(crate::clock::unix_micros_now(), &raw.bytes)?;
             self.progress.batch(raw.batch.events.len());
         }
     }
