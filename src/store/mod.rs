@@ -178,6 +178,31 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         .numbering
         .as_ref()
         .map_or(fresh_seed, |(seed, _)| *seed);
+    // Until this process's first sync, the old process's record must not
+    // vouch for a log this one goes on writing: a crash before then would
+    // read as its clean end and reuse the numbers announced since.
+    background::write_synced(
+        &config.dir,
+        records::SyncedRecord {
+            boot_id: boot_id.clone(),
+            seed,
+            through: restored.next_position - 1,
+            clean: false,
+        },
+    )
+    .map_err(io)?;
+    // A pause before this process's first segment opens marks this one.
+    let newest_segment = files::list(&config.dir)
+        .map_err(io)?
+        .iter()
+        .filter_map(|file| match file.named {
+            files::Named::Segment {
+                first_position,
+                unfinished: false,
+            } if file.is_file => Some(first_position),
+            _ => None,
+        })
+        .max();
     let shared = Arc::new(Shared::default());
     let (sync_jobs, sync_receiver) = sync_channel(SYNC_QUEUE);
     let (checkpoint_jobs, checkpoint_receiver) = sync_channel(CHECKPOINT_QUEUE);
@@ -218,6 +243,7 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         checkpoint_jobs,
         sync_thread,
         restored.needs_checkpoint,
+        newest_segment,
     );
     Ok(Opened {
         restored,
@@ -225,4 +251,126 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         writer,
         status,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::ClosedLabels;
+    use crate::wire::OpenBatch;
+    use format::{FileKind, file_header, put_record};
+    use records::{BatchRecord, CycleRecord, SegmentHeader, SyncedRecord, kind};
+    use restore::Outcome;
+
+    const HISTORY: HistoryLimits = HistoryLimits {
+        batches: 100,
+        bytes: 1 << 20,
+    };
+    const SEED: u64 = 1000;
+
+    struct Dir(PathBuf);
+
+    impl Dir {
+        /// A directory an old process (numbering from `SEED`, on the boot
+        /// `boot_id`) left with batches 1 to 3 logged.
+        fn left_by(name: &str, boot_id: &[u8]) -> Self {
+            let path =
+                std::env::temp_dir().join(format!("continuity-open-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).unwrap();
+            let mut out = file_header(FileKind::Segment).to_vec();
+            let header = SegmentHeader {
+                boot_id: boot_id.to_vec(),
+                seed: SEED,
+                first_position: 1,
+            };
+            put_record(&mut out, kind::SEGMENT_HEADER, &[&header.encode()]);
+            for position in 1..=3 {
+                let sequence = SEED + position - 1;
+                let encoded = OpenBatch::with_timestamp(1.0).encode(0, sequence, None);
+                let header = BatchRecord::header(position, 0, sequence);
+                put_record(&mut out, kind::BATCH, &[&header, &encoded]);
+                let cycle = CycleRecord {
+                    position,
+                    marks: Marks::new(),
+                };
+                put_record(&mut out, kind::CYCLE, &[&cycle.encode()]);
+            }
+            std::fs::write(path.join(files::segment_name(1)), out).unwrap();
+            Self(path)
+        }
+
+        fn clean_shutdown_at(&self, through: u64) {
+            background::write_synced(
+                &self.0,
+                SyncedRecord {
+                    boot_id: b"old".to_vec(),
+                    seed: SEED,
+                    through,
+                    clean: true,
+                },
+            )
+            .unwrap();
+        }
+
+        fn open(&self) -> Opened {
+            let config = StoreConfig {
+                dir: self.0.clone(),
+                sync_interval: Duration::from_secs(3600),
+                limits: StoreLimits {
+                    segment_bytes: 1 << 20,
+                    checkpoint_bytes: 1 << 20,
+                },
+                history: HISTORY,
+            };
+            open(config, &Metrics::new(ClosedLabels::default()), 1).unwrap()
+        }
+
+        /// What a restart after a crash (on `boot_id`) reads back.
+        fn restart_on(&self, boot_id: &[u8]) -> Outcome {
+            restore::restore(&self.0, boot_id, HISTORY, &mut |_, _| {})
+                .unwrap()
+                .report
+                .outcome
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_disk_failing_before_the_first_segment_opens_leaves_the_numbering_unproven() {
+        let boot_id = records::boot_id();
+        let dir = Dir::left_by("first-segment-fails", &boot_id);
+        let mut opened = dir.open();
+        assert_eq!(opened.restored.report.outcome, Outcome::Continued);
+        assert_eq!(opened.restored.next_position, 4);
+        // The first segment cannot be created: the batch is announced
+        // unlogged.
+        std::fs::create_dir(dir.0.join(files::segment_name(4))).unwrap();
+        let encoded = OpenBatch::with_timestamp(1.0).encode(0, SEED + 3, None);
+        opened
+            .writer
+            .append_cycle(4, &[(0, SEED + 3, encoded)], &Marks::new());
+        assert_eq!(
+            dir.restart_on(&boot_id),
+            Outcome::Renumbered,
+            "position 4 was announced and is not in the log"
+        );
+    }
+
+    #[test]
+    fn a_crash_before_the_first_sync_does_not_continue_on_the_old_clean_shutdown() {
+        let dir = Dir::left_by("old-clean-sync", b"old");
+        dir.clean_shutdown_at(3);
+        let opened = dir.open();
+        assert_eq!(opened.restored.report.outcome, Outcome::Continued);
+        // Batches may have been announced since, in the page cache only:
+        // the machine crashes before this process's first sync.
+        drop(opened);
+        assert_eq!(dir.restart_on(b"new"), Outcome::Renumbered);
+    }
 }

@@ -309,6 +309,9 @@ pub fn restore(
         Outcome::Empty => {}
         Outcome::Fresh => restored.next_position = scan.highest + 1,
         Outcome::Renumbered => {
+            // Past every number a file names, so the new numbering's first
+            // segment is never named like one left from the old.
+            restored.next_position = scan.highest + 1;
             restored.state = scan.state;
             restored.marks = marks;
         }
@@ -688,6 +691,22 @@ mod tests {
             "positions 6 to 8 are missing and no checkpoint covers them"
         );
         assert_eq!(restored.next_position, 11);
+    }
+
+    #[test]
+    fn a_renumbered_log_goes_on_past_every_number_a_file_names() {
+        let dir = Dir::new("renumber-past");
+        dir.segment(b"boot", 1000, 1, 5);
+        // The old process opened segment 6 and could not write to it.
+        dir.segment(b"boot", 1000, 6, 0);
+        std::fs::rename(
+            dir.0.join(files::segment_name(6)),
+            dir.0.join(files::unfinished_name(6)),
+        )
+        .unwrap();
+        let restored = dir.restore(b"boot");
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
+        assert_eq!(restored.next_position, 7);
     }
 
     #[test]

@@ -67,6 +67,10 @@ pub struct StoreWriter {
     /// checkpoint cut short is only a temporary file).
     pub(super) sync_thread: Option<std::thread::JoinHandle<()>>,
     segment: Option<OpenSegment>,
+    /// With no segment open: the first position of the newest segment on
+    /// disk not yet marked unfinished (the one restored, or the last one
+    /// written), which a pause marks instead so no restart trusts its end.
+    newest_closed: Option<u64>,
     /// When persistence paused, and when to try again.
     paused: Option<Instant>,
     /// The next checkpoint should be taken at the first chance.
@@ -89,6 +93,7 @@ impl StoreWriter {
         checkpoint_jobs: SyncSender<CheckpointJob>,
         sync_thread: std::thread::JoinHandle<()>,
         checkpoint_due: bool,
+        newest_segment: Option<u64>,
     ) -> Self {
         Self {
             dir,
@@ -101,6 +106,7 @@ impl StoreWriter {
             checkpoint_jobs,
             sync_thread: Some(sync_thread),
             segment: None,
+            newest_closed: newest_segment,
             paused: None,
             checkpoint_due,
             logged_since_checkpoint: 0,
@@ -187,6 +193,10 @@ impl StoreWriter {
             return Err(std::io::Error::other("the sync thread is not keeping up"));
         }
         let resumed = self.segment.is_none() && self.metrics.state_paused.get() == 1;
+        self.newest_closed = None;
+        self.shared
+            .open_segment
+            .store(first_position, Ordering::Release);
         self.segment = Some(OpenSegment {
             file,
             first_position,
@@ -204,8 +214,9 @@ impl StoreWriter {
         Ok(())
     }
 
-    /// Stops logging until `PAUSE_RETRY` has passed; the open segment is
-    /// marked unfinished so no restart trusts its end.
+    /// Stops logging until `PAUSE_RETRY` has passed; the open segment (or,
+    /// with none open, the newest on disk) is marked unfinished so no
+    /// restart trusts its end.
     fn pause(&mut self, failed: Option<(&str, std::io::Error)>) {
         if let Some((what, error)) = failed {
             self.shared.fail(what, &error);
@@ -214,14 +225,19 @@ impl StoreWriter {
         self.metrics.state_write_failures.inc();
         self.metrics.state_paused.set(1);
         self.paused = Some(Instant::now());
-        if let Some(segment) = self.segment.take() {
-            let from = self.dir.join(files::segment_name(segment.first_position));
-            let to = self
-                .dir
-                .join(files::unfinished_name(segment.first_position));
-            if let Err(error) =
-                std::fs::rename(&from, &to).and_then(|()| files::sync_dir(&self.dir))
-            {
+        // Not fsynced here (the drain never waits for the disk): a rename
+        // lost to a machine crash is still caught, as after a reboot only
+        // a clean `synced` record continues the numbering.
+        let newest = self
+            .segment
+            .take()
+            .map(|segment| segment.first_position)
+            .or(self.newest_closed.take());
+        self.shared.open_segment.store(0, Ordering::Release);
+        if let Some(first_position) = newest {
+            let from = self.dir.join(files::segment_name(first_position));
+            let to = self.dir.join(files::unfinished_name(first_position));
+            if let Err(error) = std::fs::rename(&from, &to) {
                 warn!(%error, segment = %from.display(), "cannot mark the log segment unfinished");
             }
         }
@@ -278,7 +294,10 @@ impl StoreWriter {
     /// after what was written (unless persistence is paused: then the log
     /// cannot vouch for its end).
     pub fn close(mut self) {
-        if self.segment.is_some() && self.paused.is_none() {
+        if self.segment.is_some()
+            && self.paused.is_none()
+            && !self.shared.fault.load(Ordering::Acquire)
+        {
             let _ = self.sync_jobs.send(SyncJob::Stop);
         }
         drop(self.sync_jobs);
