@@ -258,94 +258,30 @@ mod tests {
     use super::*;
     use crate::metrics::ClosedLabels;
     use crate::wire::OpenBatch;
-    use format::{FileKind, file_header, put_record};
-    use records::{BatchRecord, CycleRecord, SegmentHeader, SyncedRecord, kind};
     use restore::Outcome;
+    use restore::tests::{Dir, LIMITS};
 
-    const HISTORY: HistoryLimits = HistoryLimits {
-        batches: 100,
-        bytes: 1 << 20,
-    };
     const SEED: u64 = 1000;
 
-    struct Dir(PathBuf);
-
-    impl Dir {
-        /// A directory an old process (numbering from `SEED`, on the boot
-        /// `boot_id`) left with batches 1 to 3 logged.
-        fn left_by(name: &str, boot_id: &[u8]) -> Self {
-            let path =
-                std::env::temp_dir().join(format!("continuity-open-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&path);
-            std::fs::create_dir_all(&path).unwrap();
-            let mut out = file_header(FileKind::Segment).to_vec();
-            let header = SegmentHeader {
-                boot_id: boot_id.to_vec(),
-                seed: SEED,
-                first_position: 1,
-            };
-            put_record(&mut out, kind::SEGMENT_HEADER, &[&header.encode()]);
-            for position in 1..=3 {
-                let sequence = SEED + position - 1;
-                let encoded = OpenBatch::with_timestamp(1.0).encode(0, sequence, None);
-                let header = BatchRecord::header(position, 0, sequence);
-                put_record(&mut out, kind::BATCH, &[&header, &encoded]);
-                let cycle = CycleRecord {
-                    position,
-                    marks: Marks::new(),
-                };
-                put_record(&mut out, kind::CYCLE, &[&cycle.encode()]);
-            }
-            std::fs::write(path.join(files::segment_name(1)), out).unwrap();
-            Self(path)
-        }
-
-        fn clean_shutdown_at(&self, through: u64) {
-            background::write_synced(
-                &self.0,
-                SyncedRecord {
-                    boot_id: b"old".to_vec(),
-                    seed: SEED,
-                    through,
-                    clean: true,
-                },
-            )
-            .unwrap();
-        }
-
-        fn open(&self) -> Opened {
-            let config = StoreConfig {
-                dir: self.0.clone(),
-                sync_interval: Duration::from_secs(3600),
-                limits: StoreLimits {
-                    segment_bytes: 1 << 20,
-                    checkpoint_bytes: 1 << 20,
-                },
-                history: HISTORY,
-            };
-            open(config, &Metrics::new(ClosedLabels::default()), 1).unwrap()
-        }
-
-        /// What a restart after a crash (on `boot_id`) reads back.
-        fn restart_on(&self, boot_id: &[u8]) -> Outcome {
-            restore::restore(&self.0, boot_id, HISTORY, &mut |_, _| {})
-                .unwrap()
-                .report
-                .outcome
-        }
-    }
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    fn open_store(dir: &Dir) -> Opened {
+        let config = StoreConfig {
+            dir: dir.0.clone(),
+            sync_interval: Duration::from_secs(3600),
+            limits: StoreLimits {
+                segment_bytes: 1 << 20,
+                checkpoint_bytes: 1 << 20,
+            },
+            history: LIMITS,
+        };
+        open(config, &Metrics::new(ClosedLabels::default()), 1).unwrap()
     }
 
     #[test]
     fn a_disk_failing_before_the_first_segment_opens_leaves_the_numbering_unproven() {
         let boot_id = records::boot_id();
-        let dir = Dir::left_by("first-segment-fails", &boot_id);
-        let mut opened = dir.open();
+        let dir = Dir::new("first-segment-fails");
+        dir.segment(&boot_id, SEED, 1, 3);
+        let mut opened = open_store(&dir);
         assert_eq!(opened.restored.report.outcome, Outcome::Continued);
         assert_eq!(opened.restored.next_position, 4);
         // The first segment cannot be created: the batch is announced
@@ -356,7 +292,7 @@ mod tests {
             .writer
             .append_cycle(4, &[(0, SEED + 3, encoded)], &Marks::new());
         assert_eq!(
-            dir.restart_on(&boot_id),
+            dir.restore(&boot_id).report.outcome,
             Outcome::Renumbered,
             "position 4 was announced and is not in the log"
         );
@@ -364,13 +300,14 @@ mod tests {
 
     #[test]
     fn a_crash_before_the_first_sync_does_not_continue_on_the_old_clean_shutdown() {
-        let dir = Dir::left_by("old-clean-sync", b"old");
-        dir.clean_shutdown_at(3);
-        let opened = dir.open();
+        let dir = Dir::new("old-clean-sync");
+        dir.segment(b"old", SEED, 1, 3);
+        dir.synced(SEED, 3, true);
+        let opened = open_store(&dir);
         assert_eq!(opened.restored.report.outcome, Outcome::Continued);
         // Batches may have been announced since, in the page cache only:
         // the machine crashes before this process's first sync.
         drop(opened);
-        assert_eq!(dir.restart_on(b"new"), Outcome::Renumbered);
+        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Renumbered);
     }
 }
