@@ -5,9 +5,10 @@
 //! Invariants: a batch's position is announced only after its record and
 //! its cycle's end were handed to the kernel (a write into the page cache,
 //! no fsync), so every announced batch survives a killed process. When a
-//! write fails, persistence pauses: the open segment is renamed
-//! `….unfinished` (a rename needs no free space), which tells a restart
-//! that the log may lack announced batches, and serving goes on. Every
+//! write fails, persistence pauses: the open segment (or, before the
+//! first one opened, the newest on disk) is renamed `….unfinished` (a
+//! rename needs no free space), which tells a restart that the log may
+//! lack announced batches, and serving goes on. Every
 //! `PAUSE_RETRY` a new segment is tried; once one opens, a checkpoint is
 //! asked for at once, so the log is whole again from there.
 
