@@ -249,7 +249,20 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             ),
             None => format!("--max-connections {}", args.max_connections),
         })?;
+    // Before anything binds: a second kvgate on the same directory fails
+    // naming it and its holder, not a port the first one holds.
+    let history_limits = HistoryLimits {
+        batches: args.history_batches as usize,
+        bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
+    };
+    let store = match &args.state_dir {
+        Some(dir) => Some(open_store(&args, dir, history_limits, &metrics).await?),
+        None => None,
+    };
     let (mut source_config, demo) = choose_source(&args).await?;
+    if let Some(opened) = &store {
+        source_config.resume(opened.resume_points());
+    }
     let load_push = choose_load_push(&args, demo.as_ref())?;
     let source: Arc<str> = source_config.to_string().into();
 
@@ -277,18 +290,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             )
         });
 
-    let history_limits = HistoryLimits {
-        batches: args.history_batches as usize,
-        bytes: usize::try_from(args.history_bytes).unwrap_or(usize::MAX),
-    };
     let (hub_writer, hub_reader) = hub(args.live_buffer_batches as usize, history_limits);
-    let store = match &args.state_dir {
-        Some(dir) => Some(open_store(&args, dir, history_limits, &metrics).await?),
-        None => None,
-    };
-    if let Some(opened) = &store {
-        source_config.resume(opened.resume_points());
-    }
     let store_status = store.as_ref().map(store::Opened::status);
     let (events_tx, events_rx) = mpsc::channel(SOURCE_QUEUE);
     let (ready_tx, ready_rx) = watch::channel(false);

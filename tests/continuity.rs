@@ -6,12 +6,12 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use common::router::{Admission, RouterView};
 use common::{
-    DEADLINE, Gateway, await_metric_where, http_get, metric_sample, next_batch, subscribe,
-    sync_streams_observing, true_blocks,
+    DEADLINE, Gateway, await_metric_where, http_get, metric_sample, next_batch,
+    output_within_deadline, subscribe, sync_streams_observing, true_blocks,
 };
 use kvgate::proto::common::KvEventBatch;
 use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine, encode_batch};
@@ -327,20 +327,29 @@ async fn a_gap_the_engine_can_no_longer_replay_is_counted_and_the_cursor_still_r
 }
 
 #[tokio::test]
-async fn a_second_kvgate_on_the_same_state_dir_exits_naming_the_dir_and_the_holder() {
+async fn a_second_kvgate_on_the_same_state_dir_and_ports_exits_naming_the_dir_and_the_holder() {
     let scratch = ScratchDir::new("owner");
     let engine = Engine::new(100, 1).await;
     let first = engine.gateway(&scratch.state());
+    // The first one holds the ports too: the directory is what is named.
     let second = Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--demo", "--state-dir"])
+        .args(["serve", "--demo", "--listen"])
+        .arg(first.address.to_string())
+        .arg("--metrics-listen")
+        .arg(first.admin.expect("an admin port").to_string())
+        .arg("--state-dir")
         .arg(scratch.state())
         .env("RUST_LOG", "off")
-        .output()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let second = output_within_deadline(second);
     assert_eq!(second.status.code(), Some(1), "{second:?}");
     let error = String::from_utf8_lossy(&second.stderr);
     assert!(error.contains(scratch.state().to_str().unwrap()), "{error}");
     assert!(error.contains(&first.pid().to_string()), "{error}");
+    assert!(!error.contains("cannot listen"), "{error}");
 }
 
 /// Runs kvgate on `dir` until what the engine published is logged and

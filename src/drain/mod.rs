@@ -184,10 +184,13 @@ impl Drain {
                 }
             }
         }
-        if let Some(store) = self.store.take() {
-            store.close();
-        }
         self.hub.close();
+        // The last fsync waits for the disk: never on an async worker.
+        if let Some(store) = self.store.take()
+            && let Err(error) = tokio::task::spawn_blocking(move || store.close()).await
+        {
+            warn!(%error, "state directory: the last sync did not finish");
+        }
     }
 
     fn answer(&mut self, request: CutRequest) {

@@ -34,6 +34,9 @@ pub struct Shared {
     /// The oldest position the hub's history holds: segments before it are
     /// not needed to refill the history at a restart.
     pub history_oldest: AtomicU64,
+    /// The first position of the segment the drain writes to, 0 while
+    /// none is open: never deleted, whatever a checkpoint covers.
+    pub open_segment: AtomicU64,
     /// A checkpoint is being written.
     pub checkpoint_busy: AtomicBool,
     /// The last checkpoint failed: the drain asks for another soon.
@@ -143,16 +146,23 @@ impl Syncer {
         for segment in segments {
             segment.sync_data()?;
         }
-        let mut out = file_header(FileKind::Synced).to_vec();
-        let record = SyncedRecord {
-            boot_id: self.boot_id.clone(),
-            seed: self.seed,
-            through,
-            clean,
-        };
-        put_record(&mut out, kind::SYNCED, &[&record.encode()]);
-        files::replace(&self.dir, files::SYNCED_FILE, &out)
+        write_synced(
+            &self.dir,
+            SyncedRecord {
+                boot_id: self.boot_id.clone(),
+                seed: self.seed,
+                through,
+                clean,
+            },
+        )
     }
+}
+
+/// Replaces the `synced` record (fsynced, atomically).
+pub fn write_synced(dir: &Path, record: SyncedRecord) -> std::io::Result<()> {
+    let mut out = file_header(FileKind::Synced).to_vec();
+    put_record(&mut out, kind::SYNCED, &[&record.encode()]);
+    files::replace(dir, files::SYNCED_FILE, &out)
 }
 
 /// A checkpoint to write: the cut and what goes with it.
@@ -250,31 +260,73 @@ impl Checkpointer {
         let history_oldest = self.shared.history_oldest.load(Ordering::Acquire);
         let needed_from = (position + 1).min(history_oldest.max(1));
         let listed = files::list(&self.dir)?;
-        let segments: Vec<(u64, &Path)> = listed
+        let open = self.shared.open_segment.load(Ordering::Acquire);
+        let segments: Vec<(u64, bool, &Path)> = listed
             .iter()
             .filter_map(|file| match file.named {
-                Named::Segment { first_position, .. } if file.is_file => {
-                    Some((first_position, file.path.as_path()))
-                }
+                Named::Segment {
+                    first_position,
+                    unfinished,
+                } if file.is_file => Some((first_position, unfinished, file.path.as_path())),
                 _ => None,
             })
             .collect();
         // A segment's batches end where the next one's begin; the newest
-        // is still being written.
-        for pair in segments.windows(2) {
-            let ((_, path), (next_first, _)) = (pair[0], pair[1]);
-            if next_first <= needed_from {
-                std::fs::remove_file(path)?;
+        // is still being written, and so is the open one whatever sorts
+        // after it.
+        let mut obsolete: Vec<&Path> = segments
+            .windows(2)
+            .filter(|pair| {
+                let ((first, unfinished, _), (next_first, ..)) = (pair[0], pair[1]);
+                next_first <= needed_from && (unfinished || first != open)
+            })
+            .map(|pair| pair[0].2)
+            .collect();
+        obsolete.extend(listed.iter().filter_map(|file| match file.named {
+            Named::Checkpoint { position: older } if older < position && file.is_file => {
+                Some(file.path.as_path())
             }
-        }
-        for file in &listed {
-            if let Named::Checkpoint { position: older } = file.named
-                && older < position
-                && file.is_file
-            {
-                std::fs::remove_file(&file.path)?;
+            _ => None,
+        }));
+        // One file that cannot go must not keep the others.
+        for path in obsolete {
+            if let Err(error) = std::fs::remove_file(path) {
+                warn!(%error, file = %path.display(), "state directory: cannot delete an obsolete file");
             }
         }
         files::sync_dir(&self.dir)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::ClosedLabels;
+
+    #[test]
+    fn a_checkpoint_never_deletes_the_segment_being_written() {
+        let dir = std::env::temp_dir().join(format!("continuity-delete-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let names = [
+            files::segment_name(1),
+            files::unfinished_name(6),
+            files::segment_name(6),
+        ];
+        for name in &names {
+            std::fs::write(dir.join(name), b"").unwrap();
+        }
+        let shared = Arc::new(Shared::default());
+        shared.open_segment.store(6, Ordering::Release);
+        shared.history_oldest.store(100, Ordering::Release);
+        let checkpointer = Checkpointer {
+            dir: dir.clone(),
+            shared,
+            metrics: Metrics::new(ClosedLabels::default()),
+        };
+        checkpointer.delete_covered(20).unwrap();
+        let left: Vec<bool> = names.iter().map(|name| dir.join(name).exists()).collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(left, [false, true, true], "{names:?}");
     }
 }

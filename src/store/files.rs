@@ -105,7 +105,12 @@ pub fn list(dir: &Path) -> io::Result<Vec<Listed>> {
             continue;
         };
         // Not followed: a symlink where a file belongs is not a file.
-        let metadata = fs::symlink_metadata(entry.path())?;
+        let metadata = match fs::symlink_metadata(entry.path()) {
+            Ok(metadata) => metadata,
+            // Deleted since it was listed (a checkpoint's clean-up).
+            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(error),
+        };
         listed.push(Listed {
             named,
             path: entry.path(),

@@ -72,7 +72,7 @@ impl Damage {
         Self::Malformed,
     ];
 
-    /// The `kind` label of `state_damaged_total`.
+    /// The `reason` label of `state_damaged_total`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Checksum => "checksum",
@@ -160,6 +160,11 @@ impl<R: Read> RecordReader<R> {
         }
         let field = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().expect("4 bytes"));
         let (len, len_check, crc) = (field(0), field(4), field(8));
+        // A file system may extend a file before the data lands: after a
+        // power loss its tail reads as zeros, a write cut short.
+        if header == [0; RECORD_HEADER_BYTES] && only_zeros_left(&mut self.input)? {
+            return Ok(Next::Torn);
+        }
         if crc32c::crc32c(&header[..4]) != len_check {
             return Ok(Next::Damaged(Damage::Checksum));
         }
@@ -177,6 +182,20 @@ impl<R: Read> RecordReader<R> {
         self.offset += (RECORD_HEADER_BYTES + len) as u64;
         let kind = body.remove(0);
         Ok(Next::Record(kind, body))
+    }
+}
+
+/// Whether `input` holds nothing but zero bytes to its end.
+fn only_zeros_left(input: &mut impl Read) -> io::Result<bool> {
+    let mut buffer = [0; 4096];
+    loop {
+        match input.read(&mut buffer) {
+            Ok(0) => return Ok(true),
+            Ok(read) if buffer[..read].iter().any(|&byte| byte != 0) => return Ok(false),
+            Ok(_) => {}
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
     }
 }
 
@@ -313,6 +332,21 @@ mod tests {
                 "cut at {cut}: {end:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_zero_filled_tail_is_a_torn_write_and_zeros_before_data_are_damage() {
+        let mut bytes = file(&[(1, b"one")]);
+        bytes.extend_from_slice(&[0; 3 * RECORD_HEADER_BYTES + 5]);
+        let (records, end) = read_all(&bytes);
+        assert_eq!(records, vec![(1, b"one".to_vec())]);
+        assert!(matches!(end, Next::Torn), "{end:?}");
+
+        let last = bytes.len() - 1;
+        bytes[last] = 1;
+        let (records, end) = read_all(&bytes);
+        assert_eq!(records.len(), 1);
+        assert!(matches!(end, Next::Damaged(Damage::Checksum)), "{end:?}");
     }
 
     #[test]

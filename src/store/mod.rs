@@ -178,6 +178,31 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         .numbering
         .as_ref()
         .map_or(fresh_seed, |(seed, _)| *seed);
+    // Until this process's first sync, the old process's record must not
+    // vouch for a log this one goes on writing: a crash before then would
+    // read as its clean end and reuse the numbers announced since.
+    background::write_synced(
+        &config.dir,
+        records::SyncedRecord {
+            boot_id: boot_id.clone(),
+            seed,
+            through: restored.next_position - 1,
+            clean: false,
+        },
+    )
+    .map_err(io)?;
+    // A pause before this process's first segment opens marks this one.
+    let newest_segment = files::list(&config.dir)
+        .map_err(io)?
+        .iter()
+        .filter_map(|file| match file.named {
+            files::Named::Segment {
+                first_position,
+                unfinished: false,
+            } if file.is_file => Some(first_position),
+            _ => None,
+        })
+        .max();
     let shared = Arc::new(Shared::default());
     let (sync_jobs, sync_receiver) = sync_channel(SYNC_QUEUE);
     let (checkpoint_jobs, checkpoint_receiver) = sync_channel(CHECKPOINT_QUEUE);
@@ -218,6 +243,7 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         checkpoint_jobs,
         sync_thread,
         restored.needs_checkpoint,
+        newest_segment,
     );
     Ok(Opened {
         restored,
@@ -225,4 +251,63 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         writer,
         status,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::ClosedLabels;
+    use crate::wire::OpenBatch;
+    use restore::Outcome;
+    use restore::tests::{Dir, LIMITS};
+
+    const SEED: u64 = 1000;
+
+    fn open_store(dir: &Dir) -> Opened {
+        let config = StoreConfig {
+            dir: dir.0.clone(),
+            sync_interval: Duration::from_secs(3600),
+            limits: StoreLimits {
+                segment_bytes: 1 << 20,
+                checkpoint_bytes: 1 << 20,
+            },
+            history: LIMITS,
+        };
+        open(config, &Metrics::new(ClosedLabels::default()), 1).unwrap()
+    }
+
+    #[test]
+    fn a_disk_failing_before_the_first_segment_opens_leaves_the_numbering_unproven() {
+        let boot_id = records::boot_id();
+        let dir = Dir::new("first-segment-fails");
+        dir.segment(&boot_id, SEED, 1, 3);
+        let mut opened = open_store(&dir);
+        assert_eq!(opened.restored.report.outcome, Outcome::Continued);
+        assert_eq!(opened.restored.next_position, 4);
+        // The first segment cannot be created: the batch is announced
+        // unlogged.
+        std::fs::create_dir(dir.0.join(files::segment_name(4))).unwrap();
+        let encoded = OpenBatch::with_timestamp(1.0).encode(0, SEED + 3, None);
+        opened
+            .writer
+            .append_cycle(4, &[(0, SEED + 3, encoded)], &Marks::new());
+        assert_eq!(
+            dir.restore(&boot_id).report.outcome,
+            Outcome::Renumbered,
+            "position 4 was announced and is not in the log"
+        );
+    }
+
+    #[test]
+    fn a_crash_before_the_first_sync_does_not_continue_on_the_old_clean_shutdown() {
+        let dir = Dir::new("old-clean-sync");
+        dir.segment(b"old", SEED, 1, 3);
+        dir.synced(SEED, 3, true);
+        let opened = open_store(&dir);
+        assert_eq!(opened.restored.report.outcome, Outcome::Continued);
+        // Batches may have been announced since, in the page cache only:
+        // the machine crashes before this process's first sync.
+        drop(opened);
+        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Renumbered);
+    }
 }

@@ -309,6 +309,9 @@ pub fn restore(
         Outcome::Empty => {}
         Outcome::Fresh => restored.next_position = scan.highest + 1,
         Outcome::Renumbered => {
+            // Past every number a file names, so the new numbering's first
+            // segment is never named like one left from the old.
+            restored.next_position = scan.highest + 1;
             restored.state = scan.state;
             restored.marks = marks;
         }
@@ -567,21 +570,22 @@ impl Scan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::store::format::{file_header, put_record};
     use crate::store::records::{BatchRecord, SyncedRecord};
     use crate::wire::OpenBatch;
 
-    const LIMITS: HistoryLimits = HistoryLimits {
+    pub(in crate::store) const LIMITS: HistoryLimits = HistoryLimits {
         batches: 100,
         bytes: 1 << 20,
     };
 
-    struct Dir(PathBuf);
+    /// A scratch directory for the store's tests, removed when dropped.
+    pub(in crate::store) struct Dir(pub(in crate::store) PathBuf);
 
     impl Dir {
-        fn new(name: &str) -> Self {
+        pub(in crate::store) fn new(name: &str) -> Self {
             let path = std::env::temp_dir()
                 .join(format!("continuity-restore-{name}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&path);
@@ -591,7 +595,7 @@ mod tests {
 
         /// A segment from `first` holding `count` rank-0 batches numbered
         /// from `seed`, each followed by its cycle's end.
-        fn segment(&self, boot_id: &[u8], seed: u64, first: u64, count: u64) {
+        pub(in crate::store) fn segment(&self, boot_id: &[u8], seed: u64, first: u64, count: u64) {
             let mut out = file_header(FileKind::Segment).to_vec();
             let header = SegmentHeader {
                 boot_id: boot_id.to_vec(),
@@ -612,7 +616,16 @@ mod tests {
             std::fs::write(self.0.join(files::segment_name(first)), out).unwrap();
         }
 
-        fn synced(&self, seed: u64, through: u64, clean: bool) {
+        /// As a process does when a write to the segment at `first` fails.
+        pub(in crate::store) fn mark_unfinished(&self, first: u64) {
+            std::fs::rename(
+                self.0.join(files::segment_name(first)),
+                self.0.join(files::unfinished_name(first)),
+            )
+            .unwrap();
+        }
+
+        pub(in crate::store) fn synced(&self, seed: u64, through: u64, clean: bool) {
             let mut out = file_header(FileKind::Synced).to_vec();
             let record = SyncedRecord {
                 boot_id: b"old".to_vec(),
@@ -624,7 +637,7 @@ mod tests {
             std::fs::write(self.0.join(files::SYNCED_FILE), out).unwrap();
         }
 
-        fn restore(&self, boot_id: &[u8]) -> Restored {
+        pub(in crate::store) fn restore(&self, boot_id: &[u8]) -> Restored {
             restore(&self.0, boot_id, LIMITS, &mut |_, _| {}).unwrap()
         }
     }
@@ -670,11 +683,7 @@ mod tests {
     fn an_unfinished_newest_segment_renumbers_and_a_hole_in_the_log_starts_fresh() {
         let dir = Dir::new("unfinished");
         dir.segment(b"boot", 1000, 1, 5);
-        std::fs::rename(
-            dir.0.join(files::segment_name(1)),
-            dir.0.join(files::unfinished_name(1)),
-        )
-        .unwrap();
+        dir.mark_unfinished(1);
         let restored = dir.restore(b"boot");
         assert_eq!(restored.report.outcome, Outcome::Renumbered);
         assert!(restored.history.is_empty());
@@ -688,6 +697,18 @@ mod tests {
             "positions 6 to 8 are missing and no checkpoint covers them"
         );
         assert_eq!(restored.next_position, 11);
+    }
+
+    #[test]
+    fn a_renumbered_log_goes_on_past_every_number_a_file_names() {
+        let dir = Dir::new("renumber-past");
+        dir.segment(b"boot", 1000, 1, 5);
+        // The old process opened segment 6 and could not write to it.
+        dir.segment(b"boot", 1000, 6, 0);
+        dir.mark_unfinished(6);
+        let restored = dir.restore(b"boot");
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
+        assert_eq!(restored.next_position, 7);
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! Invariants: a batch's position is announced only after its record and
 //! its cycle's end were handed to the kernel (a write into the page cache,
 //! no fsync), so every announced batch survives a killed process. When a
-//! write fails, persistence pauses: the open segment is renamed
-//! `….unfinished` (a rename needs no free space), which tells a restart
-//! that the log may lack announced batches, and serving goes on. Every
+//! write fails, persistence pauses: the open segment (or, before the
+//! first one opened, the newest on disk) is renamed `….unfinished` (a
+//! rename needs no free space), which tells a restart that the log may
+//! lack announced batches, and serving goes on. Every
 //! `PAUSE_RETRY` a new segment is tried; once one opens, a checkpoint is
 //! asked for at once, so the log is whole again from there.
 
@@ -67,6 +68,10 @@ pub struct StoreWriter {
     /// checkpoint cut short is only a temporary file).
     pub(super) sync_thread: Option<std::thread::JoinHandle<()>>,
     segment: Option<OpenSegment>,
+    /// With no segment open: the first position of the newest segment on
+    /// disk not yet marked unfinished (the one restored, or the last one
+    /// written), which a pause marks instead so no restart trusts its end.
+    newest_closed: Option<u64>,
     /// When persistence paused, and when to try again.
     paused: Option<Instant>,
     /// The next checkpoint should be taken at the first chance.
@@ -89,6 +94,7 @@ impl StoreWriter {
         checkpoint_jobs: SyncSender<CheckpointJob>,
         sync_thread: std::thread::JoinHandle<()>,
         checkpoint_due: bool,
+        newest_segment: Option<u64>,
     ) -> Self {
         Self {
             dir,
@@ -101,6 +107,7 @@ impl StoreWriter {
             checkpoint_jobs,
             sync_thread: Some(sync_thread),
             segment: None,
+            newest_closed: newest_segment,
             paused: None,
             checkpoint_due,
             logged_since_checkpoint: 0,
@@ -187,6 +194,10 @@ impl StoreWriter {
             return Err(std::io::Error::other("the sync thread is not keeping up"));
         }
         let resumed = self.segment.is_none() && self.metrics.state_paused.get() == 1;
+        self.newest_closed = None;
+        self.shared
+            .open_segment
+            .store(first_position, Ordering::Release);
         self.segment = Some(OpenSegment {
             file,
             first_position,
@@ -204,8 +215,9 @@ impl StoreWriter {
         Ok(())
     }
 
-    /// Stops logging until `PAUSE_RETRY` has passed; the open segment is
-    /// marked unfinished so no restart trusts its end.
+    /// Stops logging until `PAUSE_RETRY` has passed; the open segment (or,
+    /// with none open, the newest on disk) is marked unfinished so no
+    /// restart trusts its end.
     fn pause(&mut self, failed: Option<(&str, std::io::Error)>) {
         if let Some((what, error)) = failed {
             self.shared.fail(what, &error);
@@ -214,14 +226,19 @@ impl StoreWriter {
         self.metrics.state_write_failures.inc();
         self.metrics.state_paused.set(1);
         self.paused = Some(Instant::now());
-        if let Some(segment) = self.segment.take() {
-            let from = self.dir.join(files::segment_name(segment.first_position));
-            let to = self
-                .dir
-                .join(files::unfinished_name(segment.first_position));
-            if let Err(error) =
-                std::fs::rename(&from, &to).and_then(|()| files::sync_dir(&self.dir))
-            {
+        // Not fsynced here (the drain never waits for the disk): a rename
+        // lost to a machine crash is still caught, as after a reboot only
+        // a clean `synced` record continues the numbering.
+        let newest = self
+            .segment
+            .take()
+            .map(|segment| segment.first_position)
+            .or(self.newest_closed.take());
+        self.shared.open_segment.store(0, Ordering::Release);
+        if let Some(first_position) = newest {
+            let from = self.dir.join(files::segment_name(first_position));
+            let to = self.dir.join(files::unfinished_name(first_position));
+            if let Err(error) = std::fs::rename(&from, &to) {
                 warn!(%error, segment = %from.display(), "cannot mark the log segment unfinished");
             }
         }
@@ -278,7 +295,10 @@ impl StoreWriter {
     /// after what was written (unless persistence is paused: then the log
     /// cannot vouch for its end).
     pub fn close(mut self) {
-        if self.segment.is_some() && self.paused.is_none() {
+        if self.segment.is_some()
+            && self.paused.is_none()
+            && !self.shared.fault.load(Ordering::Acquire)
+        {
             let _ = self.sync_jobs.send(SyncJob::Stop);
         }
         drop(self.sync_jobs);
