@@ -1,5 +1,6 @@
 //! Wall-clock time, read in one place: batch timestamps, recordings' receive
-//! times and the first sequence number of a process incarnation.
+//! times, damaged files' names and the first sequence number of a process
+//! incarnation.
 //!
 //! Invariant: a clock set before 1970 reads as 0 rather than failing; the
 //! seed is never 0 (the router reads 0 as "no cursor").
@@ -14,7 +15,8 @@ pub fn unix_now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Unix microseconds now, as recordings stamp their records.
+/// Unix microseconds now, as recordings stamp their records (and the
+/// state directory names what it sets aside).
 pub fn unix_micros_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

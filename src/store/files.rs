@@ -147,10 +147,7 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 
 /// The name a damaged file is kept under.
 pub fn damaged_path(path: &Path, damage: Damage) -> PathBuf {
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_millis())
-        .unwrap_or(0);
+    let stamp = crate::clock::unix_micros_now() / 1000;
     let mut name = path.file_name().unwrap_or_default().to_owned();
     name.push(format!(".damaged-{}-{stamp}", damage.as_str()));
     path.with_file_name(name)
