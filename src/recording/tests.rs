@@ -267,3 +267,52 @@ fn a_foreign_file_and_a_future_version_are_refused_naming_the_file() {
         "{error}"
     );
 }
+
+/// Rewrites the header of the part at `path` to claim part number `part`,
+/// with a checksum that matches: a crafted header, not a damaged one.
+fn claim_part(path: &Path, part: u32) {
+    let file = std::fs::read(path).unwrap();
+    let json_len = u32::from_le_bytes(file[10..14].try_into().unwrap()) as usize;
+    let mut header: Header = serde_json::from_slice(&file[14..14 + json_len]).unwrap();
+    header.part = part;
+    let json = serde_json::to_vec(&header).unwrap();
+    let mut crafted = file[..10].to_vec();
+    crafted.extend_from_slice(&u32::try_from(json.len()).unwrap().to_le_bytes());
+    crafted.extend_from_slice(&json);
+    crafted.extend_from_slice(&crc32c::crc32c(&json).to_le_bytes());
+    crafted.extend_from_slice(&file[18 + json_len..]);
+    std::fs::write(path, crafted).unwrap();
+}
+
+#[test]
+fn a_part_numbered_last_that_says_the_recording_goes_on_cuts_the_reading_and_never_panics() {
+    let scratch = Scratch::new("last-part-number");
+    let path = scratch.file();
+    let limits = WriterLimits {
+        rotate_bytes: 200,
+        frame_bytes: 64 << 10,
+    };
+    write(&path, 100, limits, true);
+    claim_part(&path, u32::MAX);
+    let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
+    assert_eq!(batches(&mut recording).len(), 10, "part 0 only");
+    let ending = recording.ending().unwrap().to_string();
+    assert!(ending.contains("past the last part number"), "{ending}");
+
+    claim_part(&path, 0);
+    claim_part(&part_path(&path, 1), u32::MAX);
+    let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
+    assert_eq!(batches(&mut recording).len(), 10, "part 0 only");
+    let ending = recording.ending().unwrap().to_string();
+    assert!(
+        ending.contains(&format!("part {} where part 1 was expected", u32::MAX)),
+        "{ending}"
+    );
+}
+
+#[test]
+fn no_file_at_all_is_refused_as_such() {
+    let error = Recording::open(&[]).err().unwrap();
+    assert!(matches!(error, OpenError::NoFile), "{error}");
+    assert_eq!(error.to_string(), "no recording file given");
+}
