@@ -295,7 +295,9 @@ impl PartReader {
             let received_unix_micros = body.get_u64_le();
             let kind = body.get_u8();
             let entry = match Kind::from_byte(kind) {
-                Some(Kind::Batch) => Entry::Batch(body),
+                // A copy: a slice would pin the whole decompressed frame
+                // (up to 64 MiB) for as long as the batch waits to be played.
+                Some(Kind::Batch) => Entry::Batch(Bytes::copy_from_slice(&body)),
                 Some(Kind::Resync) => Entry::Resync(String::from_utf8_lossy(&body).into_owned()),
                 Some(Kind::End) => {
                     self.end = Some(PartEnd::End);

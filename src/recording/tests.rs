@@ -316,3 +316,15 @@ fn no_file_at_all_is_refused_as_such() {
     assert!(matches!(error, OpenError::NoFile), "{error}");
     assert_eq!(error.to_string(), "no recording file given");
 }
+
+#[test]
+fn a_batch_read_back_holds_its_own_bytes_not_its_frame() {
+    let scratch = Scratch::new("own-bytes");
+    let path = scratch.file();
+    // All ten in one frame: slices of it would share its buffer.
+    let written = write(&path, 10, LIMITS, true);
+    let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
+    let read = batches(&mut recording);
+    assert_eq!(read, written);
+    assert!(read.iter().all(Bytes::is_unique));
+}
