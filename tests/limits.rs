@@ -408,7 +408,6 @@ async fn a_method_path_over_the_bound_is_refused_with_resource_exhausted_and_nev
 
 #[test]
 fn an_open_file_limit_without_room_for_each_ranks_load_socket_fails_at_start_naming_the_limit() {
-    use std::os::unix::process::CommandExt;
     const RANKS: u16 = 64;
     const CONNECTIONS: u64 = 64;
     // Room for every connection, the 128 descriptors kvgate keeps for
@@ -428,21 +427,7 @@ fn an_open_file_limit_without_room_for_each_ranks_load_socket_fails_at_start_nam
         .arg(format!("tcp://127.0.0.1:{}", base + RANKS))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    // SAFETY: between fork and exec only setrlimit runs, which allocates
-    // nothing and takes no lock.
-    unsafe {
-        command.pre_exec(|| {
-            let limit = libc::rlimit {
-                rlim_cur: FILE_LIMIT,
-                rlim_max: FILE_LIMIT,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error())
-            }
-        });
-    }
+    common::limit_open_files(&mut command, FILE_LIMIT);
     let output = common::output_within_deadline(command.spawn().expect("kvgate runs"));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "{stderr}");
