@@ -45,6 +45,12 @@ const LIMITS: WriterLimits = WriterLimits {
     frame_bytes: 64 << 10,
 };
 
+/// A part every ten batches or so.
+const ROTATING: WriterLimits = WriterLimits {
+    rotate_bytes: 200,
+    ..LIMITS
+};
+
 /// Writes `batches` batches of distinct bytes (a frame every 10) and
 /// returns them.
 fn write(path: &Path, batches: u64, limits: WriterLimits, finish: bool) -> Vec<Bytes> {
@@ -112,11 +118,7 @@ fn a_closed_recording_reads_back_every_batch_and_marker_in_order() {
 fn a_recording_rotates_into_numbered_parts_that_read_back_as_one() {
     let scratch = Scratch::new("rotate");
     let path = scratch.file();
-    let limits = WriterLimits {
-        rotate_bytes: 200,
-        frame_bytes: 64 << 10,
-    };
-    let written = write(&path, 100, limits, true);
+    let written = write(&path, 100, ROTATING, true);
     assert!(part_path(&path, 3).exists(), "several parts");
     assert_eq!(
         part_path(&path, 2).file_name().unwrap(),
@@ -134,11 +136,7 @@ fn a_recording_rotates_into_numbered_parts_that_read_back_as_one() {
 fn a_missing_part_cuts_the_reading_naming_it() {
     let scratch = Scratch::new("missing-part");
     let path = scratch.file();
-    let limits = WriterLimits {
-        rotate_bytes: 200,
-        frame_bytes: 64 << 10,
-    };
-    write(&path, 100, limits, true);
+    write(&path, 100, ROTATING, true);
     std::fs::remove_file(part_path(&path, 2)).unwrap();
     let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
     assert_eq!(batches(&mut recording).len(), 20, "parts 0 and 1");
@@ -288,11 +286,7 @@ fn claim_part(path: &Path, part: u32) {
 fn a_part_numbered_last_that_says_the_recording_goes_on_cuts_the_reading_and_never_panics() {
     let scratch = Scratch::new("last-part-number");
     let path = scratch.file();
-    let limits = WriterLimits {
-        rotate_bytes: 200,
-        frame_bytes: 64 << 10,
-    };
-    write(&path, 100, limits, true);
+    write(&path, 100, ROTATING, true);
     claim_part(&path, u32::MAX);
     let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
     assert_eq!(batches(&mut recording).len(), 10, "part 0 only");
