@@ -246,7 +246,6 @@ async fn closed_by_kvgate(stream: &mut tokio::net::TcpStream) -> bool {
 #[tokio::test(flavor = "multi_thread")]
 async fn half_sent_requests_on_the_metrics_port_under_a_low_file_limit_starve_neither_healthz_nor_a_subscriber()
  {
-    use std::os::unix::process::CommandExt as _;
     use tokio::io::AsyncWriteExt;
     // Below the flood: without its own cap, the admin port would hold every
     // descriptor kvgate may open.
@@ -276,21 +275,7 @@ async fn half_sent_requests_on_the_metrics_port_under_a_low_file_limit_starve_ne
         ],
         |command| {
             command.stderr(log_file);
-            // SAFETY: between fork and exec only setrlimit runs, which
-            // allocates nothing and takes no lock.
-            unsafe {
-                command.pre_exec(|| {
-                    let limit = libc::rlimit {
-                        rlim_cur: FILE_LIMIT,
-                        rlim_max: FILE_LIMIT,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
-                        Ok(())
-                    } else {
-                        Err(std::io::Error::last_os_error())
-                    }
-                });
-            }
+            common::limit_open_files(command, FILE_LIMIT);
         },
     );
     let started = std::time::Instant::now();

@@ -405,3 +405,36 @@ async fn a_method_path_over_the_bound_is_refused_with_resource_exhausted_and_nev
         "only the short call reached the engine"
     );
 }
+
+#[test]
+fn an_open_file_limit_without_room_for_each_ranks_load_socket_fails_at_start_naming_the_limit() {
+    const RANKS: u16 = 64;
+    const CONNECTIONS: u64 = 64;
+    // Room for every connection, the 128 descriptors kvgate keeps for
+    // itself and each rank's event and replay sockets, but not for the
+    // load socket each rank adds.
+    const FILE_LIMIT: u64 = CONNECTIONS + 128 + 2 * RANKS as u64;
+    let base = common::free_ports(2 * RANKS);
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--dp-size"])
+        .arg(RANKS.to_string())
+        .arg("--max-connections")
+        .arg(CONNECTIONS.to_string())
+        .arg("--zmq-endpoint")
+        .arg(format!("tcp://127.0.0.1:{base}"))
+        .arg("--zmq-load-endpoint")
+        .arg(format!("tcp://127.0.0.1:{}", base + RANKS))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    common::limit_open_files(&mut command, FILE_LIMIT);
+    let output = common::output_within_deadline(command.spawn().expect("kvgate runs"));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("--max-connections 64"), "{stderr}");
+    assert!(stderr.contains("3 per rank"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("the limit is {FILE_LIMIT}")),
+        "{stderr}"
+    );
+}

@@ -29,6 +29,9 @@ use crate::supervisor::{Supervisor, TaskName};
 /// The topic SGLang's load publisher sends under (`LOAD_TOPIC`).
 pub const LOAD_TOPIC: &str = "load";
 
+/// Who is at the other end of the load sockets, for the logs.
+const LOAD_PUBLISHER: &str = "the engine's load publisher";
+
 /// How kvgate reaches the engine's load publishers.
 #[derive(Clone, Debug)]
 pub struct PushConfig {
@@ -57,7 +60,7 @@ impl PushConfig {
             bind: self.bind,
             max_message_bytes: self.max_message_bytes,
             task_name: TaskName::LoadPush,
-            peer: "the engine's load publisher",
+            peer: LOAD_PUBLISHER,
         };
         sockets
             .open(
@@ -92,7 +95,7 @@ impl RankSocketTask for PushReceiver {
     async fn run(mut self, mut socket: SubSocket, stop: CancellationToken) {
         loop {
             tokio::select! {
-                message = next_message(&mut socket, &self.endpoint, &self.metrics) => {
+                message = next_message(&mut socket, &self.endpoint, LOAD_PUBLISHER, &self.metrics) => {
                     self.take(message, Instant::now());
                 }
                 () = stop.cancelled() => break,

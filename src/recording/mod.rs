@@ -77,6 +77,16 @@ pub struct Record {
     pub entry: Entry,
 }
 
+impl Record {
+    /// The bytes its entry holds.
+    pub fn size(&self) -> usize {
+        match &self.entry {
+            Entry::Batch(bytes) => bytes.len(),
+            Entry::Resync(reason) => reason.len(),
+        }
+    }
+}
+
 /// A record's content.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Entry {

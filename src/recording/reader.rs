@@ -28,6 +28,9 @@ const WINDOW_LOG_MAX: u32 = 23;
 /// Why a part cannot be read at all.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
+    /// No file was given.
+    #[error("no recording file given")]
+    NoFile,
     /// The file cannot be opened or read.
     #[error("{path}: {source}")]
     Io {
@@ -292,7 +295,9 @@ impl PartReader {
             let received_unix_micros = body.get_u64_le();
             let kind = body.get_u8();
             let entry = match Kind::from_byte(kind) {
-                Some(Kind::Batch) => Entry::Batch(body),
+                // A copy: a slice would pin the whole decompressed frame
+                // (up to 64 MiB) for as long as the batch waits to be played.
+                Some(Kind::Batch) => Entry::Batch(Bytes::copy_from_slice(&body)),
                 Some(Kind::Resync) => Entry::Resync(String::from_utf8_lossy(&body).into_owned()),
                 Some(Kind::End) => {
                     self.end = Some(PartEnd::End);
@@ -348,7 +353,8 @@ impl Recording {
     /// must be readable.
     pub fn open(files: &[PathBuf]) -> Result<Self, OpenError> {
         let parts = super::parts(files);
-        let reader = PartReader::open(&parts[0])?;
+        let first = parts.first().ok_or(OpenError::NoFile)?;
+        let reader = PartReader::open(first)?;
         Ok(Self {
             header: reader.header.clone(),
             parts,
@@ -369,15 +375,22 @@ impl Recording {
     }
 
     fn next_part(&mut self) -> Result<(), Ending> {
+        let here = |what: String| Ending::Cut {
+            path: self.reader.path.clone(),
+            offset: self.reader.offset,
+            what,
+        };
+        let Some(expected) = self.reader.header.part.checked_add(1) else {
+            return Err(here(format!(
+                "part {} says the recording goes on, past the last part number",
+                u32::MAX
+            )));
+        };
         let Some(path) = self.parts.get(self.index + 1) else {
-            return Err(Ending::Cut {
-                path: self.reader.path.clone(),
-                offset: self.reader.offset,
-                what: format!(
-                    "the part says the recording goes on in {}, which is missing",
-                    super::part_path(&self.parts[0], self.reader.header.part + 1).display()
-                ),
-            });
+            return Err(here(format!(
+                "the part says the recording goes on in {}, which is missing",
+                super::part_path(&self.parts[0], expected).display()
+            )));
         };
         let cut = |what: String| Ending::Cut {
             path: path.display().to_string(),
@@ -385,11 +398,10 @@ impl Recording {
             what,
         };
         let reader = PartReader::open(path).map_err(|error| cut(error.to_string()))?;
-        if reader.header.part != self.reader.header.part + 1 {
+        if reader.header.part != expected {
             return Err(cut(format!(
-                "part {} where part {} was expected",
-                reader.header.part,
-                self.reader.header.part + 1
+                "part {} where part {expected} was expected",
+                reader.header.part
             )));
         }
         self.index += 1;

@@ -45,6 +45,12 @@ const LIMITS: WriterLimits = WriterLimits {
     frame_bytes: 64 << 10,
 };
 
+/// A part every ten batches or so.
+const ROTATING: WriterLimits = WriterLimits {
+    rotate_bytes: 200,
+    ..LIMITS
+};
+
 /// Writes `batches` batches of distinct bytes (a frame every 10) and
 /// returns them.
 fn write(path: &Path, batches: u64, limits: WriterLimits, finish: bool) -> Vec<Bytes> {
@@ -112,11 +118,7 @@ fn a_closed_recording_reads_back_every_batch_and_marker_in_order() {
 fn a_recording_rotates_into_numbered_parts_that_read_back_as_one() {
     let scratch = Scratch::new("rotate");
     let path = scratch.file();
-    let limits = WriterLimits {
-        rotate_bytes: 200,
-        frame_bytes: 64 << 10,
-    };
-    let written = write(&path, 100, limits, true);
+    let written = write(&path, 100, ROTATING, true);
     assert!(part_path(&path, 3).exists(), "several parts");
     assert_eq!(
         part_path(&path, 2).file_name().unwrap(),
@@ -134,11 +136,7 @@ fn a_recording_rotates_into_numbered_parts_that_read_back_as_one() {
 fn a_missing_part_cuts_the_reading_naming_it() {
     let scratch = Scratch::new("missing-part");
     let path = scratch.file();
-    let limits = WriterLimits {
-        rotate_bytes: 200,
-        frame_bytes: 64 << 10,
-    };
-    write(&path, 100, limits, true);
+    write(&path, 100, ROTATING, true);
     std::fs::remove_file(part_path(&path, 2)).unwrap();
     let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
     assert_eq!(batches(&mut recording).len(), 20, "parts 0 and 1");
@@ -266,4 +264,61 @@ fn a_foreign_file_and_a_future_version_are_refused_naming_the_file() {
             .contains("damaged recording header at offset 10"),
         "{error}"
     );
+}
+
+/// Rewrites the header of the part at `path` to claim part number `part`,
+/// with a checksum that matches: a crafted header, not a damaged one.
+fn claim_part(path: &Path, part: u32) {
+    let file = std::fs::read(path).unwrap();
+    let json_len = u32::from_le_bytes(file[10..14].try_into().unwrap()) as usize;
+    let mut header: Header = serde_json::from_slice(&file[14..14 + json_len]).unwrap();
+    header.part = part;
+    let json = serde_json::to_vec(&header).unwrap();
+    let mut crafted = file[..10].to_vec();
+    crafted.extend_from_slice(&u32::try_from(json.len()).unwrap().to_le_bytes());
+    crafted.extend_from_slice(&json);
+    crafted.extend_from_slice(&crc32c::crc32c(&json).to_le_bytes());
+    crafted.extend_from_slice(&file[18 + json_len..]);
+    std::fs::write(path, crafted).unwrap();
+}
+
+#[test]
+fn a_part_numbered_last_that_says_the_recording_goes_on_cuts_the_reading_and_never_panics() {
+    let scratch = Scratch::new("last-part-number");
+    let path = scratch.file();
+    write(&path, 100, ROTATING, true);
+    claim_part(&path, u32::MAX);
+    let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
+    assert_eq!(batches(&mut recording).len(), 10, "part 0 only");
+    let ending = recording.ending().unwrap().to_string();
+    assert!(ending.contains("past the last part number"), "{ending}");
+
+    claim_part(&path, 0);
+    claim_part(&part_path(&path, 1), u32::MAX);
+    let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
+    assert_eq!(batches(&mut recording).len(), 10, "part 0 only");
+    let ending = recording.ending().unwrap().to_string();
+    assert!(
+        ending.contains(&format!("part {} where part 1 was expected", u32::MAX)),
+        "{ending}"
+    );
+}
+
+#[test]
+fn no_file_at_all_is_refused_as_such() {
+    let error = Recording::open(&[]).err().unwrap();
+    assert!(matches!(error, OpenError::NoFile), "{error}");
+    assert_eq!(error.to_string(), "no recording file given");
+}
+
+#[test]
+fn a_batch_read_back_holds_its_own_bytes_not_its_frame() {
+    let scratch = Scratch::new("own-bytes");
+    let path = scratch.file();
+    // All ten in one frame: slices of it would share its buffer.
+    let written = write(&path, 10, LIMITS, true);
+    let mut recording = Recording::open(std::slice::from_ref(&path)).unwrap();
+    let read = batches(&mut recording);
+    assert_eq!(read, written);
+    assert!(read.iter().all(Bytes::is_unique));
 }

@@ -7,15 +7,20 @@
 //! subscriber of a descriptor.
 
 /// Descriptors kept for everything but client connections on the gRPC and
-/// admin ports, besides two per data-parallel rank (event and replay
-/// sockets).
+/// admin ports and the engine sockets of each rank.
 const RESERVED: u64 = 128;
+
+/// Engine sockets a data-parallel rank may hold: the KV-event SUB, the
+/// replay DEALER and the load SUB (`--zmq-load-endpoint`). Counted whether
+/// or not load push is on: a spare descriptor a rank costs less than
+/// telling this module which sockets the sources open.
+const SOCKETS_PER_RANK: u64 = 3;
 
 /// The process may not open enough files for the connection limit.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "needs about {needed} open files (one a connection on either port, {RESERVED} more \
-     for kvgate itself, 2 per rank), \
+     for kvgate itself, {SOCKETS_PER_RANK} per rank), \
      but the limit is {soft} (ulimit -n; hard limit {hard}): lower it or raise the limit"
 )]
 pub struct TooFewFiles {
@@ -34,7 +39,7 @@ pub fn ensure_room_for(
 ) -> Result<(), TooFewFiles> {
     let needed = u64::from(max_connections)
         + u64::from(admin_connections)
-        + 2 * u64::from(dp_size)
+        + SOCKETS_PER_RANK * u64::from(dp_size)
         + RESERVED;
     let mut limit = libc::rlimit {
         rlim_cur: 0,

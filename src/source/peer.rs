@@ -32,7 +32,8 @@ pub fn socket_options(max_message_bytes: usize) -> SocketOptions {
 /// Which of kvgate's sockets a dropped peer was on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PeerSocket {
-    /// A rank's SUB, bound or connected to the engine's publisher.
+    /// A rank's SUB, bound or connected to one of the engine's publishers
+    /// (KV events or load).
     Sub,
     /// A DEALER asking the engine's replay ROUTER for lost messages.
     Replay,

@@ -13,9 +13,10 @@
 //! would an engine's.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use prost::Message as _;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -37,6 +38,11 @@ pub type LoadSink = Box<dyn Fn(u32, &EngineLoad) + Send + Sync>;
 
 /// Records read ahead of the pacer.
 const READ_AHEAD: usize = 1024;
+
+/// Bytes those records may hold (above the largest record, 16 MiB, so
+/// every record fits): what a paced recording holds in memory beyond the
+/// frame being read, however its records are sized.
+const READ_AHEAD_BYTES: u32 = 64 << 20;
 
 /// Which recording to play, and how.
 #[derive(Clone, Debug)]
@@ -102,20 +108,28 @@ async fn play(
     metrics: &Metrics,
     loads: &LoadSink,
 ) -> Result<Ending, DrainGone> {
-    let (records, mut receive) = mpsc::channel::<Record>(READ_AHEAD);
+    let (records, mut receive) = mpsc::channel::<(Record, OwnedSemaphorePermit)>(READ_AHEAD);
+    // Each record read ahead holds permits for its bytes until it is played.
+    let room = Arc::new(Semaphore::new(READ_AHEAD_BYTES as usize));
+    let runtime = tokio::runtime::Handle::current();
     let files = config.files.clone();
     // File reads and decompression stay off the runtime's workers.
     let reader = tokio::task::spawn_blocking(move || {
         let mut recording = Recording::open(&files)?;
         for record in recording.by_ref() {
-            if records.blocking_send(record).is_err() {
+            let bytes = u32::try_from(record.size())
+                .map_or(READ_AHEAD_BYTES, |bytes| bytes.min(READ_AHEAD_BYTES));
+            let Ok(held) = runtime.block_on(Arc::clone(&room).acquire_many_owned(bytes)) else {
+                break;
+            };
+            if records.blocking_send((record, held)).is_err() {
                 break;
             }
         }
         Ok::<_, OpenError>(recording.ending().cloned())
     });
     let mut cursors = Cursors::default();
-    while let Some(record) = receive.recv().await {
+    while let Some((record, _held)) = receive.recv().await {
         pacer.wait_for(record.received_unix_micros).await;
         let bytes = match record.entry {
             Entry::Batch(bytes) => bytes,

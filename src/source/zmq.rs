@@ -19,10 +19,10 @@
 //! and then goes on live from that message. A task that resumes an earlier
 //! kvgate process's record (`--state-dir`) asks the ring for that record's
 //! last message instead: the same bytes mean the same publisher, and only
-//! what follows is forwarded; other bytes mean the engine restarted
-//! meanwhile (its rank is cleared, then primed as usual); a ring that no
-//! longer reaches it leaves the live socket's counter to tell a gap from a
-//! restart. Then, whenever a live message
+//! what follows is forwarded, up to the first live message as in priming;
+//! other bytes mean the engine restarted meanwhile (its rank is cleared,
+//! then primed as usual); a ring that no longer reaches it leaves the live
+//! socket's counter to tell a gap from a restart. Then, whenever a live message
 //! reveals a hole before it (a gap, or numbers the SUB missed after it
 //! joined or after the engine restarted), the task forwards what replay
 //! still holds of the hole first. Replayed messages go to the drain as they
@@ -47,7 +47,7 @@ use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqError, ZmqMessage};
 
 use super::continuity::{Continuity, MAX_PLAUSIBLE_GAP, PublisherCursor, ResumePoint};
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
-use super::replay::{FetchBounds, ReplayClient, ReplayError, Replayed};
+use super::replay::{Fetch, FetchBounds, ReplayClient, ReplayError, Replayed};
 use super::{DrainGone, EngineMessage, FrameError, SourceEvent, parse_sequence, send};
 use prometheus_client::metrics::counter::Counter;
 
@@ -133,7 +133,7 @@ impl ZmqSourceConfig {
             bind: config.bind,
             max_message_bytes: config.max_message_bytes,
             task_name: TaskName::SourceRank,
-            peer: "the engine",
+            peer: ENGINE,
         };
         let up = move || ranks_up.one_more();
         sockets
@@ -247,7 +247,7 @@ impl RankSockets<'_> {
                 info!(rank, "waiting for {peer} at {address}");
                 supervisor.spawn(name, async move {
                     tokio::select! {
-                        () = connect_until_up(&mut socket, &address, &metrics) => {
+                        () = connect_until_up(&mut socket, &address, peer, &metrics) => {
                             info!(rank, %address, "{peer} connected");
                             up();
                             rank_task.run(socket, stop).await;
@@ -262,11 +262,11 @@ impl RankSockets<'_> {
     }
 }
 
-/// Counts a read error of a SUB socket, then pauses so that a persistently
-/// failing socket cannot spin.
-pub(crate) async fn socket_error(error: ZmqError, endpoint: &str, metrics: &Metrics) {
+/// Counts a read error of a SUB socket reading `peer`, then pauses so that
+/// a persistently failing socket cannot spin.
+async fn socket_error(error: ZmqError, endpoint: &str, peer: &str, metrics: &Metrics) {
     if !record_dropped_peer(metrics, PeerSocket::Sub, endpoint, &error) {
-        debug!(%endpoint, %error, "engine socket error; still listening");
+        debug!(%endpoint, %error, "socket error reading {peer}; still listening");
     }
     tokio::time::sleep(ERROR_BACKOFF).await;
 }
@@ -277,12 +277,13 @@ pub(crate) async fn socket_error(error: ZmqError, endpoint: &str, metrics: &Metr
 pub(crate) async fn next_message(
     socket: &mut SubSocket,
     endpoint: &str,
+    peer: &str,
     metrics: &Metrics,
 ) -> ZmqMessage {
     loop {
         match socket.recv().await {
             Ok(message) => return message,
-            Err(error) => socket_error(error, endpoint, metrics).await,
+            Err(error) => socket_error(error, endpoint, peer, metrics).await,
         }
     }
 }
@@ -306,14 +307,14 @@ impl RanksUp {
 /// crate waits out refused connections by itself but gives up on a failed
 /// handshake, and a publisher that once fails one must not cost the rank.
 /// After this, the socket reconnects on its own.
-async fn connect_until_up(socket: &mut SubSocket, address: &str, metrics: &Metrics) {
+async fn connect_until_up(socket: &mut SubSocket, address: &str, peer: &str, metrics: &Metrics) {
     let mut backoff = CONNECT_BACKOFF_MIN;
     loop {
         match socket.connect(address).await {
             Ok(()) => return,
             Err(error) => {
                 if !record_dropped_peer(metrics, PeerSocket::Sub, address, &error) {
-                    warn!(%address, %error, "cannot connect to the engine publisher; retrying");
+                    warn!(%address, %error, "cannot connect to {peer}; retrying");
                 }
             }
         }
@@ -372,11 +373,15 @@ struct RankTask {
 
 /// How resuming an earlier record went.
 enum Resumed {
-    /// The publisher is the one the record followed.
-    Continued,
+    /// The publisher is the one the record followed; the first live
+    /// message, if one ended the ring's run, is not yet forwarded.
+    Continued { first_live: Option<(u64, Bytes)> },
     /// The engine restarted since: the rank was cleared, prime it afresh.
     EngineRestarted,
 }
+
+/// Who is at the other end of the KV-event sockets, for the logs.
+const ENGINE: &str = "the engine";
 
 /// Pause after a socket error so a persistently failing socket cannot spin.
 const ERROR_BACKOFF: Duration = Duration::from_millis(50);
@@ -456,7 +461,7 @@ impl RankTask {
             return gone;
         }
         loop {
-            let message = next_message(socket, &self.endpoint, &self.metrics).await;
+            let message = next_message(socket, &self.endpoint, ENGINE, &self.metrics).await;
             if let Some((engine_sequence, payload)) = self.parse(message)
                 && let Err(gone) = self.forward(engine_sequence, payload).await
             {
@@ -467,15 +472,13 @@ impl RankTask {
 
     /// Forwards the replay ring's content so the state covers what the
     /// engine stored before kvgate joined, or, resuming an earlier record,
-    /// what the engine published since. The SUB is read meanwhile up to
-    /// its first message, which ends priming there: live delivery picks up
-    /// from it, so however long the ring (or an endpoint that never stops
-    /// answering), live messages wait for no more than what precedes them.
-    /// Returns that first live message, not yet forwarded.
+    /// what the engine published since. The first message the SUB delivers
+    /// meanwhile ends priming there (see [`Self::fetch_beside_live`]) and
+    /// is returned, not yet forwarded.
     async fn prime(&mut self, socket: &mut SubSocket) -> Result<Option<(u64, Bytes)>, DrainGone> {
         if let Some(point) = self.resume.take() {
-            match self.resume_from(point).await? {
-                Resumed::Continued => return Ok(None),
+            match self.resume_from(point, socket).await? {
+                Resumed::Continued { first_live } => return Ok(first_live),
                 Resumed::EngineRestarted => {}
             }
         }
@@ -483,32 +486,8 @@ impl RankTask {
             return Ok(None);
         };
         let mut fetch = replay.fetch(0..=u64::MAX);
-        // The cursor tells the live copies of these from a restarted
-        // engine's messages by their payloads; the fetch's byte bound
-        // bounds them.
         let mut run = Vec::new();
-        let mut first_live = None;
-        loop {
-            tokio::select! {
-                replayed = fetch.next() => {
-                    let Some((engine_sequence, payload)) = replayed else {
-                        break;
-                    };
-                    run.push((engine_sequence, payload.clone()));
-                    self.metrics.engine_messages_recovered.inc();
-                    self.send_message(engine_sequence, payload).await?;
-                }
-                received = socket.recv(), if first_live.is_none() => match received {
-                    Ok(message) => {
-                        if let Some((engine_sequence, payload)) = self.parse(message) {
-                            fetch.end_before(engine_sequence);
-                            first_live = Some((engine_sequence, payload));
-                        }
-                    }
-                    Err(error) => socket_error(error, &self.endpoint, &self.metrics).await,
-                },
-            }
-        }
+        let first_live = self.fetch_beside_live(&mut fetch, &mut run, socket).await?;
         let primed = fetch.finish();
         if let Some(error) = &primed.stopped {
             self.count_replay_stop(error);
@@ -528,15 +507,21 @@ impl RankTask {
         Ok(first_live)
     }
 
-    /// Continues the record that ended at `point`. The SUB waits meanwhile
-    /// (its publisher queues): the fetch is bounded like any other.
-    async fn resume_from(&mut self, point: ResumePoint) -> Result<Resumed, DrainGone> {
+    /// Continues the record that ended at `point`. Once the ring proves the
+    /// publisher is the same, what follows is forwarded like priming's run:
+    /// up to the first live message, returned not yet forwarded.
+    async fn resume_from(
+        &mut self,
+        point: ResumePoint,
+        socket: &mut SubSocket,
+    ) -> Result<Resumed, DrainGone> {
         let Some(replay) = &self.replay else {
             self.cursor.resume(point.last);
-            return Ok(Resumed::Continued);
+            return Ok(Resumed::Continued { first_live: None });
         };
         let mut fetch = replay.fetch(point.last..=u64::MAX);
         let mut run = Vec::new();
+        let mut first_live = None;
         match fetch.next().await {
             Some((sequence, payload)) if sequence == point.last => {
                 if !point.is(sequence, &payload) {
@@ -554,11 +539,7 @@ impl RankTask {
                     return Ok(Resumed::EngineRestarted);
                 }
                 run.push((sequence, payload));
-                while let Some((sequence, payload)) = fetch.next().await {
-                    run.push((sequence, payload.clone()));
-                    self.metrics.engine_messages_recovered.inc();
-                    self.send_message(sequence, payload).await?;
-                }
+                first_live = self.fetch_beside_live(&mut fetch, &mut run, socket).await?;
                 info!(
                     rank = self.rank,
                     last = point.last,
@@ -575,7 +556,44 @@ impl RankTask {
         if let Some(error) = &fetch.finish().stopped {
             self.count_replay_stop(error);
         }
-        Ok(Resumed::Continued)
+        Ok(Resumed::Continued { first_live })
+    }
+
+    /// Forwards `fetch`'s run as it arrives, keeping it in `run` (the
+    /// cursor tells the live copies of these from a restarted engine's
+    /// messages by their payloads; the fetch's byte bound bounds them).
+    /// The SUB is read meanwhile up to its first message, which ends the
+    /// fetch before it: however long the ring (or an endpoint that never
+    /// stops answering), live messages wait for no more than what precedes
+    /// them. Returns that first live message, not yet forwarded.
+    async fn fetch_beside_live(
+        &self,
+        fetch: &mut Fetch<'_>,
+        run: &mut Vec<(u64, Bytes)>,
+        socket: &mut SubSocket,
+    ) -> Result<Option<(u64, Bytes)>, DrainGone> {
+        let mut first_live = None;
+        loop {
+            tokio::select! {
+                replayed = fetch.next() => {
+                    let Some((engine_sequence, payload)) = replayed else {
+                        return Ok(first_live);
+                    };
+                    run.push((engine_sequence, payload.clone()));
+                    self.metrics.engine_messages_recovered.inc();
+                    self.send_message(engine_sequence, payload).await?;
+                }
+                received = socket.recv(), if first_live.is_none() => match received {
+                    Ok(message) => {
+                        if let Some((engine_sequence, payload)) = self.parse(message) {
+                            fetch.end_before(engine_sequence);
+                            first_live = Some((engine_sequence, payload));
+                        }
+                    }
+                    Err(error) => socket_error(error, &self.endpoint, ENGINE, &self.metrics).await,
+                },
+            }
+        }
     }
 
     /// The message's engine sequence and payload, or `None` (counted and
@@ -820,7 +838,13 @@ mod tests {
         }
 
         fn start(&mut self, replay: Option<ReplayClient>) {
-            let task = RankTask::new(
+            self.start_resuming(replay, None);
+        }
+
+        /// Starts the task as a restarted kvgate would, continuing a record
+        /// that ended at `resume`.
+        fn start_resuming(&mut self, replay: Option<ReplayClient>, resume: Option<ResumePoint>) {
+            let mut task = RankTask::new(
                 0,
                 self.publisher.endpoint().to_owned(),
                 Bytes::new(),
@@ -828,6 +852,7 @@ mod tests {
                 self.sender.clone(),
                 self.metrics.clone(),
             );
+            task.resume = resume;
             let socket = self.socket.take().expect("started once");
             tokio::spawn(task.run_rank(socket, self.stop.clone()));
         }
@@ -927,6 +952,45 @@ mod tests {
         let b = harness.publisher.publish(payload("b")).await.unwrap();
         let filled = harness.until(b).await;
         assert_eq!(numbers(&filled), (a + 1..=b).map(Some).collect::<Vec<_>>());
+        assert_eq!(harness.metrics.engine_messages_lost.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_resumed_rank_whose_replay_endpoint_never_stops_answering_holds_back_no_live_message()
+    {
+        let mut harness = Harness::new().await;
+        let junk = payload("junk");
+        let endless = EndlessReplay::bind("tcp://127.0.0.1:0", Bytes::new(), 1000, junk.clone())
+            .await
+            .unwrap();
+        let bounds = FetchBounds {
+            time: Duration::from_secs(60),
+            ..FetchBounds::default()
+        };
+        // The earlier record ended at message 0, which the ring proves by
+        // its bytes; the SUB holds `a`, thousands of messages later, so the
+        // ring's run cannot reach it before the SUB delivers it.
+        harness.publisher.skip(5_000);
+        let a = harness.publisher.publish(payload("a")).await.unwrap();
+        harness.start_resuming(
+            Some(ReplayClient::new(
+                endless.endpoint().to_owned(),
+                Bytes::new(),
+                crate::source::replay::DEFAULT_TIMEOUT,
+                bounds,
+                TEST_MAX_MESSAGE_BYTES,
+            )),
+            Some(ResumePoint::of(0, &junk)),
+        );
+        // What follows the record comes from the ring up to where the live
+        // messages begin, long before the bound; then `a` itself, live.
+        let resumed = harness.until(a).await;
+        assert_eq!(numbers(&resumed), (1..=a).map(Some).collect::<Vec<_>>());
+        assert_eq!(resumed.last(), Some(&Seen::Message(a, payload("a"))));
+
+        let b = harness.publisher.publish(payload("b")).await.unwrap();
+        assert_eq!(harness.until(b).await, [Seen::Message(b, payload("b"))]);
+        assert_eq!(harness.metrics.engine_restarts.get(), 0);
         assert_eq!(harness.metrics.engine_messages_lost.get(), 0);
     }
 

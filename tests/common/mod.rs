@@ -538,6 +538,27 @@ pub fn external_tool(
     }
 }
 
+/// Makes `command`'s process start with at most `limit` open files (soft
+/// and hard), so it cannot raise the limit itself.
+pub fn limit_open_files(command: &mut Command, limit: u64) {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: between fork and exec only setrlimit runs, which allocates
+    // nothing and takes no lock.
+    unsafe {
+        command.pre_exec(move || {
+            let limit = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: limit,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+}
+
 /// Waits for `child` (its output piped) to end and returns its output; past
 /// the deadline it is killed by its pid and the test fails.
 pub fn output_within_deadline(mut child: Child) -> std::process::Output {
