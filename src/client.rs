@@ -373,6 +373,40 @@ where
     subscribe_with(channel, service, start_sequence_number, codec).await
 }
 
+/// A `SubscribeKvEvents` codec that hands each batch over as the bytes it
+/// came in (a view of tonic's receive buffer, not a copy), for readers that
+/// keep or measure the bytes rather than the messages.
+#[derive(Clone, Copy, Default)]
+pub struct RawBatches;
+
+impl Codec for RawBatches {
+    type Encode = SubscribeKvEventsRequest;
+    type Decode = bytes::Bytes;
+    type Encoder = tonic_prost::ProstEncoder<SubscribeKvEventsRequest>;
+    type Decoder = RawBatches;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstEncoder::default()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        RawBatches
+    }
+}
+
+impl tonic::codec::Decoder for RawBatches {
+    type Item = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<bytes::Bytes>, tonic::Status> {
+        use bytes::Buf as _;
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
+}
+
 /// Opens `SubscribeKvEvents` on `service`, reading the batches with `codec`.
 pub async fn subscribe_with<T, C>(
     channel: T,

@@ -16,16 +16,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use bytes::{Buf as _, Bytes};
 use prost::Message as _;
-use tonic::codec::{Codec, DecodeBuf, Decoder};
 use tonic::{Code, Status};
-use tonic_prost::ProstEncoder;
 use tracing::warn;
 
 use super::GatewayArgs;
 use crate::cli_values::byte_size;
-use crate::client::{Target, subscribe_requesting};
+use crate::client::{RawBatches, Target, subscribe_requesting};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
 use crate::recording::{Ending, Entry, Header, Recording, Writer, WriterLimits};
 use crate::router_rules::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
@@ -197,20 +194,28 @@ impl Recorder {
                     continue;
                 }
             };
-            let raw = match received {
-                Ok(Some(raw)) => raw,
+            let bytes = match received {
+                Ok(Some(bytes)) => bytes,
                 Ok(None) => return Ok(Outcome::Retry("the gateway ended the stream".into())),
                 Err(status) => return refused(status, false),
             };
-            match self.cursors.admit(&raw.batch) {
+            // The bytes go to the file as they came; the cursors need the
+            // batch's numbers.
+            let batch = match KvEventBatch::decode(bytes.clone()) {
+                Ok(batch) => batch,
+                Err(error) => {
+                    let status = Status::internal(format!("undecodable batch: {error}"));
+                    return refused(status, false);
+                }
+            };
+            match self.cursors.admit(&batch) {
                 Verdict::Stale => continue,
                 Verdict::Gap => return Ok(Outcome::Retry("a gap in the numbers".into())),
                 Verdict::Next | Verdict::Restart | Verdict::Snapshot { .. } | Verdict::LoadOnly => {
                 }
             }
-            self.writer
-                .batch(crate::clock::unix_micros_now(), &raw.bytes)?;
-            self.progress.batch(raw.batch.events.len());
+            self.writer.batch(crate::clock::unix_micros_now(), &bytes)?;
+            self.progress.batch(batch.events.len());
         }
     }
 }
@@ -229,43 +234,6 @@ fn refused(status: Status, fatal_if_unknown: bool) -> anyhow::Result<Outcome> {
             anyhow::bail!("SubscribeKvEvents refused: {described}")
         }
         _ => Ok(Outcome::Retry(described)),
-    }
-}
-
-/// A batch as received: its bytes for the file, decoded for the cursors.
-struct RawBatch {
-    bytes: Bytes,
-    batch: KvEventBatch,
-}
-
-/// Requests encoded by prost; each response kept as its bytes and decoded.
-#[derive(Clone, Copy, Default)]
-struct RawBatches;
-
-impl Codec for RawBatches {
-    type Encode = SubscribeKvEventsRequest;
-    type Decode = RawBatch;
-    type Encoder = ProstEncoder<SubscribeKvEventsRequest>;
-    type Decoder = RawBatches;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        ProstEncoder::default()
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        RawBatches
-    }
-}
-
-impl Decoder for RawBatches {
-    type Item = RawBatch;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<RawBatch>, Status> {
-        let bytes = src.copy_to_bytes(src.remaining());
-        let batch = KvEventBatch::decode(bytes.clone())
-            .map_err(|error| Status::internal(format!("undecodable batch: {error}")))?;
-        Ok(Some(RawBatch { bytes, batch }))
     }
 }
 

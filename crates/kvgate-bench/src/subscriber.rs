@@ -12,15 +12,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use bytes::{Buf, Bytes};
 use prost::encoding::{DecodeContext, decode_key, double, skip_field, uint64};
 use tokio::task::JoinHandle;
-use tonic::Status;
-use tonic::codec::{Codec, DecodeBuf, Decoder, Streaming};
-use tonic_prost::ProstEncoder;
+use tonic::codec::Streaming;
 
 use super::histogram::Histogram;
 use super::worker::Worker;
-use kvgate::client::{Authorized, Target, TlsFlags, TlsPaths, subscribe_with};
+use kvgate::client::{Authorized, RawBatches, Target, TlsFlags, TlsPaths, subscribe_with};
 use kvgate::clock::unix_now;
-use kvgate::proto::common::SubscribeKvEventsRequest;
 
 /// What a subscriber needs of a `KvEventBatch`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -49,35 +46,6 @@ pub fn scan(mut message: &[u8]) -> Result<BatchScan, prost::DecodeError> {
         }
     }
     Ok(batch)
-}
-
-/// Requests encoded by prost; responses handed over as their raw bytes.
-#[derive(Clone, Copy, Default)]
-pub struct RawBatches;
-
-impl Codec for RawBatches {
-    type Encode = SubscribeKvEventsRequest;
-    type Decode = Bytes;
-    type Encoder = ProstEncoder<SubscribeKvEventsRequest>;
-    type Decoder = RawBatches;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        ProstEncoder::default()
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        RawBatches
-    }
-}
-
-impl Decoder for RawBatches {
-    type Item = Bytes;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
-        // A view of tonic's receive buffer, not a copy.
-        Ok(Some(src.copy_to_bytes(src.remaining())))
-    }
 }
 
 /// Live (not snapshot) events each subscriber has received so far, and
