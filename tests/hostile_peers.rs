@@ -174,17 +174,8 @@ async fn an_upstream_batch_for_a_rank_outside_dp_size_is_refused_and_counted_and
 async fn wild_publisher_sequence_numbers_never_wrap_the_lost_message_count_and_the_stream_goes_on()
 {
     use bytes::Bytes;
-    use kvgate_sim::{EnginePublisher, PublisherOptions};
     const WILD: u64 = 2015;
-    let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
-        .await
-        .unwrap();
-    let gateway = Gateway::start(&[
-        "--zmq-endpoint",
-        publisher.endpoint(),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
+    let (gateway, mut publisher) = common::gateway_on_a_publisher(&[]).await;
     let admin = gateway.admin.unwrap();
     let mut streams = vec![synced_subscriber(&gateway, &mut publisher).await];
 

@@ -390,15 +390,7 @@ async fn sigterm_under_load_ends_subscriber_streams_cleanly_and_exits_with_zero(
 /// A gateway with the admin port, synced past the slow joiner, holding the
 /// blocks of the `stored-int-root` fixture.
 async fn gateway_holding_two_blocks() -> (Gateway, EnginePublisher) {
-    let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
-        .await
-        .unwrap();
-    let gateway = Gateway::start(&[
-        "--zmq-endpoint",
-        publisher.endpoint(),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
+    let (gateway, mut publisher) = common::gateway_on_a_publisher(&[]).await;
     let mut streams = vec![
         subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
             .await
