@@ -108,7 +108,7 @@ impl<'cut> PathWriter<'cut> {
                 chunker.push_piece(piece);
             }
             let fields = Arc::clone(record.fields());
-            let piece = StorePiece::new(&fields, record.parent());
+            let piece = chunker.piece(&fields, record.parent());
             self.store = Some((fields, piece));
         }
         let (fields, piece) = self.store.as_mut().expect("a store is open");
@@ -126,7 +126,7 @@ impl<'cut> PathWriter<'cut> {
         for block in self.copied.drain(..) {
             let &(hash, ref record) = block.entry;
             for _ in 1..block.copies {
-                let mut piece = StorePiece::new(record.fields(), record.parent());
+                let mut piece = chunker.piece(record.fields(), record.parent());
                 chunker.extend_store(record.fields(), &mut piece, hash, record);
                 chunker.push_piece(piece);
             }
