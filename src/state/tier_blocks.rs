@@ -399,6 +399,59 @@ mod tests {
     }
 
     #[test]
+    fn any_mix_of_stores_copies_and_removals_walks_as_the_live_blocks_in_store_order_and_cuts_keep_theirs()
+     {
+        // A model: live hashes in store order with their copies.
+        let mut model: Vec<(i64, u8)> = Vec::new();
+        let mut spare = SpareTokens::default();
+        let mut tier = TierBlocks::default();
+        let mut cuts: Vec<(TierBlocks, Vec<(i64, u8)>)> = Vec::new();
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |bound: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % bound
+        };
+        for step in 0..60_000 {
+            let hash = next(6000) as i64;
+            // Stores and removals alike, so pages empty, thin out and merge.
+            if next(2) == 0 {
+                insert(&mut tier, hash);
+                match model.iter_mut().find(|(live, _)| *live == hash) {
+                    Some((_, copies)) => *copies += 1,
+                    None => model.push((hash, 1)),
+                }
+            } else {
+                let at = model.iter().position(|(live, _)| *live == hash);
+                assert_eq!(tier.remove_copy(hash, &mut spare), at.is_some());
+                if let Some(at) = at {
+                    model[at].1 -= 1;
+                    if model[at].1 == 0 {
+                        model.remove(at);
+                    }
+                }
+            }
+            if step % 7_000 == 0 {
+                cuts.push((tier.clone(), model.clone()));
+            }
+        }
+        assert_eq!(live(&tier), model);
+        for &(hash, copies) in &model {
+            assert_eq!(tier.get(hash).map(|block| block.copies), Some(copies));
+        }
+        for (cut, then) in &cuts {
+            assert_eq!(&live(cut), then, "a cut walks as the state was");
+        }
+        let pages = tier.order.len();
+        assert!(
+            pages <= 4 * model.len().div_ceil(PAGE) + 1,
+            "{pages} pages for {} live blocks",
+            model.len()
+        );
+    }
+
+    #[test]
     fn removed_blocks_leave_the_walk_and_emptied_or_sparse_pages_are_merged_away() {
         let mut spare = SpareTokens::default();
         let mut tier = TierBlocks::default();
