@@ -30,7 +30,7 @@ use cow_map::Found;
 use snapshot::lone_block_entry_len;
 use spare_tokens::SpareTokens;
 use tier::{PerTier, Tier, TierCounts};
-use tier_blocks::{LiveBlocks, TierBlocks};
+use tier_blocks::TierBlocks;
 
 use crate::proto::common::{
     KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data,
@@ -205,17 +205,12 @@ pub struct RankBlocks {
 impl RankBlocks {
     /// Live blocks of `tier`, in store order.
     pub fn tier(&self, tier: Tier) -> impl Iterator<Item = (i64, &BlockRecord)> {
-        self.live(tier).map(|block| (block.entry.0, &block.entry.1))
+        self.tiers[tier]
+            .live()
+            .map(|block| (block.entry.0, &block.entry.1))
     }
 
-    /// Live blocks of `tier` in store order, as the tier holds them, with
-    /// their copies: a walk keeps such a reference instead of looking the
-    /// block up again.
-    pub(crate) fn live(&self, tier: Tier) -> LiveBlocks<'_> {
-        self.tiers[tier].live()
-    }
-
-    /// The blocks of `tier`.
+    /// The blocks of `tier`, for a walk that keeps references into them.
     pub(crate) fn tier_blocks(&self, tier: Tier) -> &TierBlocks {
         &self.tiers[tier]
     }

@@ -136,6 +136,9 @@ impl TierBlocks {
 
     /// The copies of `hash` for writing, or, if it is not live, `make()`
     /// appended as its record with one copy.
+    ///
+    /// Inlined into the store loop with `make`, as `CowMap`'s is: out of
+    /// line, that loop's ingest was 10-15% slower.
     #[inline]
     pub(crate) fn find_or_insert_with(
         &mut self,
