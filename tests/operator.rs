@@ -275,6 +275,10 @@ fn a_bad_value_fails_at_start_naming_its_flag() {
             "--engine-grpc",
         ),
         (
+            vec!["--zmq-endpoint", "tcp://*:5557", "--worker-threads", "0"],
+            "--worker-threads",
+        ),
+        (
             vec!["--upstream-grpc", "ftp://127.0.0.1:50051"],
             "--upstream-grpc",
         ),
@@ -306,6 +310,7 @@ fn a_bad_environment_variable_fails_at_start_naming_the_variable_and_its_value()
         ("KVGATE_HISTORY_BYTES", "lots", "--history-bytes"),
         ("KVGATE_LISTEN", "nowhere", "--listen"),
         ("KVGATE_ENGINE_GRPC", "engine:50051", "--engine-grpc"),
+        ("KVGATE_WORKER_THREADS", "257", "--worker-threads"),
     ] {
         let message =
             serve_fails_with_env(&["--zmq-endpoint", "tcp://*:5557"], &[(variable, value)]);
