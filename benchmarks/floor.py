@@ -21,7 +21,10 @@ script measures that cost and kvgate's, the same way, on this machine:
   kvgate's;
 * each count runs after a run with no receiver, alternating, and the cost
   per delivery is CPU(N) - CPU(0) over the messages delivered in the window
-  (from /proc/PID/stat).
+  (from /proc/PID/stat). kvgate puts payloads that queued up while its
+  drain was busy into one batch, so it may deliver fewer, larger messages
+  than libzmq: the cost per payload delivered (CPU(N) - CPU(0) over N times
+  the payloads published in the window) compares the same work.
 
 Needs pyzmq, msgpack and grpcio (e.g. the venv of smg-peer.py):
 
@@ -312,7 +315,7 @@ def measure(kind, count, args, payloads):
         def reading():
             receivers_cpu = sum(cpu_seconds(child.pid) for child in receivers.children)
             return (cpu_seconds(pid), receivers.count(), machine_busy(), time.monotonic(),
-                    cpu_seconds(os.getpid()) + receivers_cpu)
+                    cpu_seconds(os.getpid()) + receivers_cpu, payloads.sequence)
 
         before = reading()
         publisher.run(args.rate, args.duration)
@@ -323,6 +326,7 @@ def measure(kind, count, args, payloads):
         return {
             "cpu_s": after[0] - before[0],
             "delivered": after[1] - before[1],
+            "published": after[5] - before[5],
             "seconds": seconds,
             "others_percent": others_percent(before[2], after[2], ours, seconds),
         }
@@ -362,7 +366,7 @@ def main():
           f"windows, {arrangement}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'relay':<7} {'N':>4} {'cpu(N) s':>9} {'cpu(0) s':>9} {'delivered':>10} "
-          f"{'us/delivery':>12} {'others %':>9}")
+          f"{'us/delivery':>12} {'us/payload':>11} {'others %':>9}")
     for count in [int(c) for c in args.counts.split(",")]:
         for _ in range(args.rounds):
             for kind in kinds:
@@ -370,8 +374,9 @@ def main():
                 busy = measure(kind, count, args, payloads)
                 extra = busy["cpu_s"] - idle["cpu_s"] * busy["seconds"] / idle["seconds"]
                 per = 1e6 * extra / max(1, busy["delivered"])
+                per_payload = 1e6 * extra / max(1, count * busy["published"])
                 print(f"{kind:<7} {count:>4} {busy['cpu_s']:>9.2f} {idle['cpu_s']:>9.2f} "
-                      f"{busy['delivered']:>10} {per:>12.2f} "
+                      f"{busy['delivered']:>10} {per:>12.2f} {per_payload:>11.2f} "
                       f"{max(idle['others_percent'], busy['others_percent']):>9.0f}",
                       flush=True)
 
