@@ -230,10 +230,10 @@ pub struct ServeArgs {
 
     /// Threads that run kvgate's tasks (ingest, connections, streams). One
     /// keeps each delivery on one thread, with no wake-up of another: the
-    /// least CPU per event and the lowest latency while kvgate keeps up;
-    /// more spread the connections over cores, for many subscribers fed at
-    /// full speed. Snapshot encodes and the state directory have threads of
-    /// their own.
+    /// least CPU per event, and as much throughput from 8 subscribers on;
+    /// two let ingest and the writes run in parallel, for a single
+    /// subscriber fed at full speed. Snapshot encodes and the state
+    /// directory have threads of their own.
     #[arg(long, env = "KVGATE_WORKER_THREADS", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub worker_threads: u32,

@@ -11,6 +11,9 @@ fn main() -> std::process::ExitCode {
     let cli = kvgate::usage::parse_cli();
     kvgate::logging::init(cli.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
+    // The gateway's runtime shape is measured (issue 22: a wake-up of
+    // another worker per delivery cost more than the parallelism gave);
+    // the client commands keep tokio's one worker per core.
     if let Command::Serve(args) = &cli.command {
         builder.worker_threads(args.worker_threads as usize);
     }
