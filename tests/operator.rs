@@ -580,10 +580,41 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     assert_eq!(code, 200);
     let status: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status["source_ready"], true);
+    assert_eq!(status["worker_threads"], 1);
     assert_eq!(status["engine"]["messages_lost"], 0);
     assert_eq!(status["ranks"][0]["blocks"]["device"], 2);
     assert_eq!(status["ranks"][0]["blocks"]["external"], 0);
     assert!(status["history"]["batches"].as_u64().unwrap() >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kvgate_worker_threads_sizes_the_runtime_and_every_subscriber_is_served_on_it() {
+    let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let gateway = Gateway::start_with_env(
+        &[
+            "--zmq-endpoint",
+            publisher.endpoint(),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+        &[("KVGATE_WORKER_THREADS", "3")],
+    );
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        streams.push(
+            subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+                .await
+                .unwrap(),
+        );
+    }
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+    let admin = gateway.admin.expect("admin port reported");
+    let (code, body) = common::http_get(admin, "/status").await;
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["worker_threads"], 3, "{body}");
 }
 
 #[test]
