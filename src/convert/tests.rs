@@ -1351,7 +1351,9 @@ fn a_removal_with_every_field_at_its_widest_transcodes_to_prost_s_bytes() {
             ("ownership", s(&"o".repeat(200))),
         ],
     );
-    let many: Vec<u64> = (0..300u64).map(|i| i.wrapping_mul(0x0123_4567_89ab_cdef)).collect();
+    let many: Vec<u64> = (0..300u64)
+        .map(|i| i.wrapping_mul(0x0123_4567_89ab_cdef))
+        .collect();
     let payloads = [
         batch(vec![wide]),
         batch(vec![removed(&many, &[("medium", s("gpu"))])]),
