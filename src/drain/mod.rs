@@ -629,6 +629,71 @@ mod tests {
         assert_eq!(sent, 2, "the blocks around it were sent");
     }
 
+    #[test]
+    fn a_removal_over_the_batch_byte_limit_is_cut_into_removals_and_removes_every_block() {
+        use kvgate_sim::SimEvent;
+        let (writer, reader) = hub(
+            64,
+            HistoryLimits {
+                batches: 100,
+                bytes: 64 << 20,
+            },
+        );
+        let mut drain = Drain::new(
+            BatchLimits {
+                max_events: 1024,
+                max_bytes: 4096,
+            },
+            1,
+            writer,
+            Metrics::default(),
+        );
+        // 1,000 blocks, then one removal naming them all: about 10 kB of
+        // hashes, more than a batch may hold.
+        let hashes: Vec<u64> = (1..=1000u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        let mut events: Vec<SimEvent> = hashes
+            .chunks(100)
+            .map(|chunk| SimEvent::Stored {
+                hashes: chunk.to_vec(),
+                parent: None,
+                tokens: vec![7; chunk.len()],
+                block_size: 1,
+            })
+            .collect();
+        events.push(SimEvent::Removed { hashes });
+        for (engine_sequence, events) in [(0, &events[..10]), (1, &events[10..])] {
+            let mut payload = Vec::new();
+            kvgate_sim::encode_batch(1.0, events, Some(0), &mut payload);
+            drain.ingest(SourceEvent::Message(EngineMessage {
+                rank: 0,
+                engine_sequence,
+                payload: payload.into(),
+            }));
+            drain.flush();
+        }
+        assert!(held(&drain.cut()).is_empty(), "every block removed");
+        assert!(
+            replayed(&reader).is_empty(),
+            "every block removed on the wire"
+        );
+        let (oldest, newest) = reader.history().span();
+        let removals = (oldest..=newest)
+            .flat_map(|position| {
+                let batch = reader.history().get(position).unwrap();
+                assert!(
+                    batch.encoded.len() <= 4096 + 64,
+                    "{} bytes",
+                    batch.encoded.len()
+                );
+                KvEventBatch::decode(batch.encoded.clone()).unwrap().events
+            })
+            .filter(|event| matches!(event.data, Some(Data::Removed(_))))
+            .count();
+        assert!(removals > 1, "cut into {removals} removals");
+    }
+
     /// The live blocks, with their tokens, that the batches in the history
     /// leave when replayed in order; every removal names a live block of
     /// the engine's medium.

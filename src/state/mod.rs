@@ -475,6 +475,55 @@ pub(crate) fn stored_event(
     }
 }
 
+/// Removals as the drain has them from the converter (their `tier` and
+/// hashes, the event already encoded): looked up and applied as a
+/// `KvBlocksRemoved` of that tier and those hashes would be.
+impl LiveState {
+    /// Brings into the cache what removing these blocks will read, in the
+    /// two passes of [`LiveState::prefetch`].
+    pub fn prefetch_removals<'h>(
+        &self,
+        rank: u32,
+        removals: impl Iterator<Item = (Option<i32>, &'h [i64])> + Clone,
+    ) {
+        let Some(blocks) = self.ranks.get(&rank) else {
+            return;
+        };
+        let visit_all = |visit: &dyn Fn(&BlockMap, i64)| {
+            for (tier, hashes) in removals.clone() {
+                let map = &blocks.tiers[Tier::of_event(tier)];
+                hashes.iter().for_each(|&hash| visit(map, hash));
+            }
+        };
+        visit_all(&|map, hash| map.prefetch_shard(hash));
+        visit_all(&|map, hash| {
+            if let Some((_, record)) = map.entry(hash) {
+                prefetch::prefetch(record.tokens.ptr());
+            }
+        });
+    }
+
+    /// Records that `rank`'s blocks `hashes` of tier `tier` were removed.
+    pub fn remove_blocks(&mut self, rank: u32, tier: Option<i32>, hashes: &[i64]) {
+        let Some(blocks) = self.ranks.get_mut(&rank) else {
+            return;
+        };
+        let tier = Tier::of_event(tier);
+        let map = &mut blocks.tiers[tier];
+        for hash in hashes {
+            if let Some(live) = map.get_mut(*hash) {
+                live.copies -= 1;
+                blocks.copies[tier] -= 1;
+                if live.copies == 0
+                    && let Some(record) = map.remove(*hash)
+                {
+                    self.spare_tokens.keep(record.tokens);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -742,54 +791,5 @@ mod tests {
             ..StoreFields::default()
         });
         assert!(kept.iter().any(|k| Arc::ptr_eq(k, &again)));
-    }
-}
-
-/// Removals as the drain has them from the converter (their `tier` and
-/// hashes, the event already encoded): looked up and applied as a
-/// `KvBlocksRemoved` of that tier and those hashes would be.
-impl LiveState {
-    /// Brings into the cache what removing these blocks will read, in the
-    /// two passes of [`LiveState::prefetch`].
-    pub fn prefetch_removals<'h>(
-        &self,
-        rank: u32,
-        removals: impl Iterator<Item = (Option<i32>, &'h [i64])> + Clone,
-    ) {
-        let Some(blocks) = self.ranks.get(&rank) else {
-            return;
-        };
-        let visit_all = |visit: &dyn Fn(&BlockMap, i64)| {
-            for (tier, hashes) in removals.clone() {
-                let map = &blocks.tiers[Tier::of_event(tier)];
-                hashes.iter().for_each(|&hash| visit(map, hash));
-            }
-        };
-        visit_all(&|map, hash| map.prefetch_shard(hash));
-        visit_all(&|map, hash| {
-            if let Some((_, record)) = map.entry(hash) {
-                prefetch::prefetch(record.tokens.ptr());
-            }
-        });
-    }
-
-    /// Records that `rank`'s blocks `hashes` of tier `tier` were removed.
-    pub fn remove_blocks(&mut self, rank: u32, tier: Option<i32>, hashes: &[i64]) {
-        let Some(blocks) = self.ranks.get_mut(&rank) else {
-            return;
-        };
-        let tier = Tier::of_event(tier);
-        let map = &mut blocks.tiers[tier];
-        for hash in hashes {
-            if let Some(live) = map.get_mut(*hash) {
-                live.copies -= 1;
-                blocks.copies[tier] -= 1;
-                if live.copies == 0
-                    && let Some(record) = map.remove(*hash)
-                {
-                    self.spare_tokens.keep(record.tokens);
-                }
-            }
-        }
     }
 }
