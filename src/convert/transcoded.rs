@@ -148,8 +148,21 @@ impl TranscodedPayload {
         drop(built);
         self.encoded.clear();
         self.hashes.clear();
+        // What an outsized payload needed is not kept for good.
+        self.order.shrink_to(KEPT_EVENTS);
+        self.built.shrink_to(KEPT_EVENTS);
+        self.encoded.shrink_to(KEPT_BYTES);
+        self.hashes.shrink_to(KEPT_BYTES / size_of::<i64>());
     }
 }
+
+/// Events a payload's buffers keep room for between payloads: more than
+/// engines put in one (vLLM's 3,000-event batches are the largest seen).
+const KEPT_EVENTS: usize = 4096;
+
+/// Bytes the removals' buffers keep between payloads: 4,096 one-block
+/// removals take about 160 kB of bytes and 32 kB of hashes.
+const KEPT_BYTES: usize = 256 << 10;
 
 /// A range of a payload's buffers (a `Range` is not `Copy`).
 type Span = (usize, usize);
@@ -160,4 +173,52 @@ fn span(range: Range<usize>) -> Span {
 
 fn range((start, end): Span) -> Range<usize> {
     start..end
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::convert::{Converter, Tally};
+    use kvgate_sim::SimEvent;
+
+    fn removals(count: u64) -> Vec<u8> {
+        let events: Vec<SimEvent> = (1..=count)
+            .map(|hash| SimEvent::Removed { hashes: vec![hash] })
+            .collect();
+        let mut payload = Vec::new();
+        kvgate_sim::encode_batch(1.0, &events, Some(0), &mut payload);
+        payload
+    }
+
+    fn capacities(payload: &TranscodedPayload) -> [usize; 4] {
+        [
+            payload.order.capacity(),
+            payload.built.capacity(),
+            payload.encoded.capacity(),
+            payload.hashes.capacity() * size_of::<i64>(),
+        ]
+    }
+
+    #[test]
+    fn an_outsized_payload_s_buffers_are_given_back_once_it_is_drained() {
+        let mut converter = Converter::new();
+        let mut payload = TranscodedPayload::default();
+        let mut handed_out = 0;
+        let mut transcode_and_drain = |payload: &mut TranscodedPayload, bytes: &[u8]| {
+            converter
+                .transcode(0, bytes, &mut Tally::default(), payload)
+                .unwrap();
+            payload.drain(|_| handed_out += 1);
+        };
+        transcode_and_drain(&mut payload, &removals(100_000));
+        let [order, built, encoded, hashes] = capacities(&payload);
+        assert!(order <= KEPT_EVENTS && built <= KEPT_EVENTS);
+        assert!(encoded <= KEPT_BYTES && hashes <= KEPT_BYTES);
+        // An ordinary payload's room is kept: the next one allocates nothing.
+        transcode_and_drain(&mut payload, &removals(64));
+        let kept = capacities(&payload);
+        transcode_and_drain(&mut payload, &removals(64));
+        assert_eq!(capacities(&payload), kept);
+        assert_eq!(handed_out, 100_128);
+    }
 }

@@ -629,25 +629,24 @@ mod tests {
         assert_eq!(sent, 2, "the blocks around it were sent");
     }
 
+    /// A drain on a hub of its own, batches of at most `max_bytes`.
+    fn drain_batching_up_to(max_bytes: usize) -> (Drain, crate::hub::HubReader) {
+        let history = HistoryLimits {
+            batches: 100,
+            bytes: 64 << 20,
+        };
+        let (writer, reader) = hub(64, history);
+        let limits = BatchLimits {
+            max_events: 1024,
+            max_bytes,
+        };
+        (Drain::new(limits, 1, writer, Metrics::default()), reader)
+    }
+
     #[test]
     fn a_removal_over_the_batch_byte_limit_is_cut_into_removals_and_removes_every_block() {
         use kvgate_sim::SimEvent;
-        let (writer, reader) = hub(
-            64,
-            HistoryLimits {
-                batches: 100,
-                bytes: 64 << 20,
-            },
-        );
-        let mut drain = Drain::new(
-            BatchLimits {
-                max_events: 1024,
-                max_bytes: 4096,
-            },
-            1,
-            writer,
-            Metrics::default(),
-        );
+        let (mut drain, reader) = drain_batching_up_to(4096);
         // 1,000 blocks, then one removal naming them all: about 10 kB of
         // hashes, more than a batch may hold.
         let hashes: Vec<u64> = (1..=1000u64)
@@ -734,22 +733,7 @@ mod tests {
     fn the_state_and_a_cut_taken_midway_hold_exactly_the_sent_blocks_while_buffers_serve_later_events()
      {
         use kvgate_sim::{SteadyState, WorkloadShape};
-        let (writer, reader) = hub(
-            64,
-            HistoryLimits {
-                batches: 100,
-                bytes: 64 << 20,
-            },
-        );
-        let mut drain = Drain::new(
-            BatchLimits {
-                max_events: 1024,
-                max_bytes: 1 << 20,
-            },
-            1,
-            writer,
-            Metrics::default(),
-        );
+        let (mut drain, reader) = drain_batching_up_to(1 << 20);
         // An engine that evicts from its 5th payload on: every later one
         // stores 8 new blocks and removes 8, one removal event each.
         let shape = WorkloadShape {
