@@ -143,10 +143,17 @@ impl Converter {
         out: &mut TranscodedPayload,
     ) -> Result<(), PayloadError> {
         out.clear();
-        let (timestamp, dp_rank) = self.convert_undoably(rank, payload, tally, out)?;
-        out.timestamp = timestamp;
-        out.dp_rank = dp_rank;
-        Ok(())
+        match self.convert_undoably(rank, payload, tally, out) {
+            Ok((timestamp, dp_rank)) => {
+                out.timestamp = timestamp;
+                out.dp_rank = dp_rank;
+                Ok(())
+            }
+            Err(error) => {
+                out.clear();
+                Err(error)
+            }
+        }
     }
 
     /// Converts a payload into `sink`, or undoes everything it did.

@@ -1293,6 +1293,7 @@ fn transcoded_as_built(payloads: &[Vec<u8>]) -> usize {
         assert_eq!(built_tally, transcoded_tally);
         let Ok(built) = built else {
             assert_eq!(transcoded.unwrap_err(), built.unwrap_err());
+            out.drain(|event| panic!("a failed payload left {event:?}"));
             continue;
         };
         transcoded.expect("transcoded as it converts");
@@ -1360,6 +1361,9 @@ fn a_removal_with_every_field_at_its_widest_transcodes_to_prost_s_bytes() {
         batch(vec![a([s("BlockRemoved"), ints([3]), s("NVME"), V::U(2)])]),
     ];
     assert_eq!(transcoded_as_built(&payloads), 3);
+    // Cut after its first removal: the payload fails whole, both ways.
+    let whole = batch(vec![removed(&[1], &[]), removed(&[2], &[])]);
+    assert_eq!(transcoded_as_built(&[whole[..whole.len() - 4].to_vec()]), 0);
 }
 
 /// A removal (or now and then a store or a clear) with any mix of the
