@@ -293,13 +293,7 @@ impl LiveState {
         let Some(blocks) = self.ranks.get(&rank) else {
             return;
         };
-        for_each_block_touched(blocks, events, |tier, hash| tier.prefetch_shard(hash));
-        for_each_block_touched(blocks, events, |tier, hash| tier.prefetch_record(hash));
-        for_each_block_touched(blocks, events, |tier, hash| {
-            if let Some(tokens) = tier.record(hash).and_then(|record| record.tokens.as_ref()) {
-                prefetch::prefetch(tokens.ptr());
-            }
-        });
+        prefetch_passes(|visit| for_each_block_touched(blocks, events, visit));
     }
 
     /// Records `event`, already completed, for `rank`.
@@ -370,16 +364,7 @@ impl LiveState {
     }
 
     fn remove(&mut self, rank: u32, removed: &KvBlocksRemoved) {
-        let Some(blocks) = self.ranks.get_mut(&rank) else {
-            return;
-        };
-        let tier = Tier::of_event(removed.tier);
-        let map = &mut blocks.tiers[tier];
-        for &hash in &removed.block_hashes {
-            if map.remove_copy(hash, &mut self.spare_tokens) {
-                blocks.copies[tier] -= 1;
-            }
-        }
+        self.remove_blocks(rank, removed.tier, &removed.block_hashes);
     }
 }
 
@@ -411,6 +396,19 @@ fn for_each_block_touched(
             Some(Data::Cleared(_)) | None => {}
         }
     }
+}
+
+/// The passes of [`LiveState::prefetch`] over the blocks `for_each_block`
+/// visits: every shard's header, then every record, then the tokens of each
+/// block found.
+fn prefetch_passes(for_each_block: impl Fn(&mut dyn FnMut(&TierBlocks, i64))) {
+    for_each_block(&mut |tier, hash| tier.prefetch_shard(hash));
+    for_each_block(&mut |tier, hash| tier.prefetch_record(hash));
+    for_each_block(&mut |tier, hash| {
+        if let Some(tokens) = tier.record(hash).and_then(|record| record.tokens.as_ref()) {
+            prefetch::prefetch(tokens.ptr());
+        }
+    });
 }
 
 /// At least as many bytes as any block of `stored`, whose fields take
@@ -477,6 +475,43 @@ pub(crate) fn stored_event(
             tier: Some(tier as i32),
             ..Default::default()
         })),
+    }
+}
+
+/// Removals as the drain has them from the converter (their `tier` and
+/// hashes, the event already encoded): looked up and applied as a
+/// `KvBlocksRemoved` of that tier and those hashes would be.
+impl LiveState {
+    /// Brings into the cache what removing these blocks will read, in the
+    /// passes of [`LiveState::prefetch`].
+    pub fn prefetch_removals<'h>(
+        &self,
+        rank: u32,
+        removals: impl Iterator<Item = (Option<i32>, &'h [i64])> + Clone,
+    ) {
+        let Some(blocks) = self.ranks.get(&rank) else {
+            return;
+        };
+        prefetch_passes(|visit| {
+            for (tier, hashes) in removals.clone() {
+                let map = &blocks.tiers[Tier::of_event(tier)];
+                hashes.iter().for_each(|&hash| visit(map, hash));
+            }
+        });
+    }
+
+    /// Records that `rank`'s blocks `hashes` of tier `tier` were removed.
+    pub fn remove_blocks(&mut self, rank: u32, tier: Option<i32>, hashes: &[i64]) {
+        let Some(blocks) = self.ranks.get_mut(&rank) else {
+            return;
+        };
+        let tier = Tier::of_event(tier);
+        let map = &mut blocks.tiers[tier];
+        for &hash in hashes {
+            if map.remove_copy(hash, &mut self.spare_tokens) {
+                blocks.copies[tier] -= 1;
+            }
+        }
     }
 }
 
