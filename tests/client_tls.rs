@@ -279,6 +279,7 @@ async fn without_a_token_reflection_and_health_answer_as_grpcurl_asks_them_and_e
     };
     assert!(!files_of.file_descriptor_proto.is_empty());
 
+    gateway.await_serving("").await;
     let channel = gateway.channel().await;
     let health = tonic_health::pb::health_client::HealthClient::new(channel.clone())
         .check(tonic_health::pb::HealthCheckRequest::default())
@@ -296,6 +297,7 @@ async fn without_a_token_reflection_and_health_answer_as_grpcurl_asks_them_and_e
 async fn status_without_a_token_shows_health_and_says_the_snapshot_needs_one() {
     let files = Files::new();
     let gateway = token_gateway(&files);
+    gateway.await_serving("").await;
     let address = gateway.address.to_string();
     let output = kvgate(&["status", "--addr", &address]);
     let stdout = String::from_utf8_lossy(&output.stdout);

@@ -20,28 +20,9 @@ async fn gateway_with_publisher() -> (Gateway, EnginePublisher) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn health_reports_serving_once_the_engine_source_is_up() {
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let (gateway, _publisher) = gateway_with_publisher().await;
-    let mut health = HealthClient::new(gateway.channel().await);
     for service in std::iter::once("").chain(SUBSCRIBE_SERVICES) {
-        let mut watch = health
-            .watch(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        loop {
-            let status = tokio::time::timeout(common::DEADLINE, watch.next())
-                .await
-                .expect("a status before the deadline")
-                .expect("an open watch")
-                .unwrap();
-            if status.status == ServingStatus::Serving as i32 {
-                break;
-            }
-        }
+        gateway.await_serving(service).await;
     }
 }
 

@@ -137,6 +137,31 @@ impl Gateway {
     }
 
     /// Sends SIGTERM and waits (bounded) for the exit status.
+    /// Waits (bounded) until gRPC health says SERVING for `service` (""
+    /// for the whole server): kvgate announces its address before its
+    /// source is up, and health follows the source.
+    pub async fn await_serving(&self, service: &str) {
+        use tonic_health::pb::health_check_response::ServingStatus;
+        use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+        let mut watch = HealthClient::new(self.channel().await)
+            .watch(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .expect("health needs no token")
+            .into_inner();
+        loop {
+            let status = tokio::time::timeout(DEADLINE, watch.message())
+                .await
+                .expect("a status before the deadline")
+                .expect("a good status")
+                .expect("an open watch");
+            if status.status == ServingStatus::Serving as i32 {
+                return;
+            }
+        }
+    }
+
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("still running");
         let pid = child.id().to_string();
