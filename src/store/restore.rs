@@ -34,6 +34,13 @@ use crate::proto::common::KvEventBatch;
 use crate::state::LiveState;
 use crate::wire::Batch;
 
+/// The most of one cycle's batches held while reading it back (a cycle is
+/// taken whole or not at all, so its batches wait for its end): beside the
+/// history, the most a restore holds of the log is this and one record.
+/// The drain writes cycles of at most 256 engine messages, far below it;
+/// a longer run of batches with no end is set aside as malformed.
+pub const MAX_CYCLE_BYTES: usize = 64 << 20;
+
 /// How the directory's content was taken up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -75,6 +82,9 @@ pub struct Restored {
     pub history: Vec<Arc<Batch>>,
     /// The position the next published batch takes.
     pub next_position: u64,
+    /// The highest sequence number or numbering seed any file names: a
+    /// new numbering starts above it, whatever the clock says.
+    pub highest_number: u64,
     pub state: LiveState,
     /// Each engine publisher's record as of the state.
     pub marks: Marks,
@@ -137,6 +147,8 @@ struct Scan {
     end: u64,
     /// The highest position any file names.
     highest: u64,
+    /// The highest sequence number or seed any file names.
+    highest_number: u64,
     seed: Option<u64>,
     last_sequences: BTreeMap<u32, u64>,
     history: RestoredHistory,
@@ -229,6 +241,11 @@ pub fn restore(
         batches_replayed: 0,
         end: 0,
         highest: state_through,
+        highest_number: base_meta.as_ref().map_or(0, |meta| {
+            meta.last_sequences
+                .values()
+                .fold(meta.seed, |highest, &sequence| highest.max(sequence))
+        }),
         seed: None,
         last_sequences: BTreeMap::new(),
         history: RestoredHistory {
@@ -300,6 +317,9 @@ pub fn restore(
         numbering: None,
         history: Vec::new(),
         next_position: end + 1,
+        highest_number: scan
+            .highest_number
+            .max(synced.as_ref().map_or(0, |synced| synced.seed)),
         state: LiveState::default(),
         marks: Marks::new(),
         needs_checkpoint: !damaged.is_empty()
@@ -478,6 +498,7 @@ impl Scan {
                 return Ok(Err(Damage::Malformed));
             }
         };
+        self.highest_number = self.highest_number.max(header.seed);
         if self.seed != Some(header.seed) {
             // Another numbering: the history and cursors of the old one
             // mean nothing in it.
@@ -486,12 +507,18 @@ impl Scan {
             self.last_sequences.clear();
         }
         let mut pending = Vec::new();
+        let mut pending_bytes = 0;
         let mut committed = false;
         let outcome = loop {
             match reader.next()? {
                 Next::Record(kind::BATCH, payload) => match BatchRecord::decode(payload) {
                     Ok(record) => {
                         self.highest = self.highest.max(record.position);
+                        self.highest_number = self.highest_number.max(record.sequence);
+                        pending_bytes += record.encoded.len();
+                        if pending_bytes > MAX_CYCLE_BYTES {
+                            break Err(Damage::Malformed);
+                        }
                         pending.push(record);
                     }
                     Err(damage) => break Err(damage),
@@ -499,6 +526,7 @@ impl Scan {
                 Next::Record(kind::CYCLE, payload) => match CycleRecord::decode(&payload) {
                     Ok(cycle) => {
                         committed |= !pending.is_empty();
+                        pending_bytes = 0;
                         if let Err(damage) = self.commit(std::mem::take(&mut pending)) {
                             break Err(damage);
                         }
