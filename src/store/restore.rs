@@ -37,8 +37,9 @@ use crate::wire::Batch;
 /// The most of one cycle's batches held while reading it back (a cycle is
 /// taken whole or not at all, so its batches wait for its end): beside the
 /// history, the most a restore holds of the log is this and one record.
-/// The drain writes cycles of at most 256 engine messages, far below it;
-/// a longer run of batches with no end is set aside as malformed.
+/// The drain's cycles (at most 256 engine messages) are normally far
+/// smaller; a longer run of batches is set aside as malformed (and the
+/// restart then renumbers, as after any damage at the log's end).
 pub const MAX_CYCLE_BYTES: usize = 64 << 20;
 
 /// How the directory's content was taken up.
@@ -600,7 +601,7 @@ impl Scan {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::store::format::{file_header, put_record};
+    use crate::store::format::{MAX_RECORD_BYTES, file_header, put_record};
     use crate::store::records::{BatchRecord, SyncedRecord};
     use crate::wire::OpenBatch;
 
@@ -737,6 +738,26 @@ pub(super) mod tests {
         let restored = dir.restore(b"boot");
         assert_eq!(restored.report.outcome, Outcome::Renumbered);
         assert_eq!(restored.next_position, 7);
+    }
+
+    #[test]
+    fn a_run_of_batches_longer_than_any_cycle_is_damage_and_not_held_whole() {
+        let dir = Dir::new("endless-cycle");
+        dir.segment(b"boot", 1000, 1, 3);
+        let path = dir.0.join(files::segment_name(1));
+        let mut bytes = std::fs::read(&path).unwrap();
+        let filler = vec![0; MAX_RECORD_BYTES - 64];
+        for position in 4..=4 + (MAX_CYCLE_BYTES / filler.len()) as u64 {
+            let header = BatchRecord::header(position, 0, 999 + position);
+            put_record(&mut bytes, kind::BATCH, &[&header, &filler]);
+        }
+        std::fs::write(&path, bytes).unwrap();
+        let restored = dir.restore(b"boot");
+        assert_eq!(restored.report.set_aside.len(), 1, "{:?}", restored.report);
+        assert!(restored.report.set_aside[0].ends_with("malformed"));
+        // What verified before the run is still used; the numbering is not.
+        assert_eq!(restored.report.batches_replayed, 3);
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
     }
 
     #[test]

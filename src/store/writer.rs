@@ -6,11 +6,10 @@
 //! its cycle's end were handed to the kernel (a write into the page cache,
 //! no fsync), so every announced batch survives a killed process. The
 //! batches' own bytes are written (`writev`), never copied into a record
-//! buffer first. When a
-//! write fails, persistence pauses: the open segment (or, before the
-//! first one opened, the newest on disk) is renamed `….unfinished` (a
-//! rename needs no free space), which tells a restart that the log may
-//! lack announced batches, and serving goes on. Every
+//! buffer first. When a write fails, persistence pauses: the open segment
+//! (or, before the first one opened, the newest on disk) is renamed
+//! `….unfinished` (a rename needs no free space), which tells a restart
+//! that the log may lack announced batches, and serving goes on. Every
 //! `PAUSE_RETRY` a new segment is tried; once one opens, a checkpoint is
 //! asked for at once, so the log is whole again from there.
 
