@@ -61,6 +61,8 @@ peer:
 		--json benchmarks/peer-32x5k.json
 	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 1,8,64
 	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 --processes 1
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 --rounds 2 \
+		--rust-receivers target/release/kvgate-bench
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:

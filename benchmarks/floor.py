@@ -10,7 +10,10 @@ script measures that cost and kvgate's, the same way, on this machine:
   at --rate messages/s;
 * N receivers, their sockets spread over --processes receiving processes
   (2 by default; 1 puts them all in one process, as kvgate-bench's
-  subscribers are);
+  subscribers are); or, with --rust-receivers KVGATE_BENCH, all on one
+  thread of one `kvgate-bench --floor-receivers` process, which keeps up
+  at 64 where Python's fall behind (a receiver that is behind is written
+  several messages at a time, so its cost is no longer per delivery);
 * `zmq`: the receivers are SUB sockets on the PUB, and the CPU measured is
   the publishing process's (its libzmq I/O thread does the writes);
   `kvgate`: the PUB feeds a kvgate process, the receivers are Python gRPC
@@ -18,11 +21,16 @@ script measures that cost and kvgate's, the same way, on this machine:
   kvgate's;
 * each count runs after a run with no receiver, alternating, and the cost
   per delivery is CPU(N) - CPU(0) over the messages delivered in the window
-  (from /proc/PID/stat).
+  (from /proc/PID/stat). kvgate puts payloads that queued up while its
+  drain was busy into one batch, so it may deliver fewer, larger messages
+  than libzmq: the cost per payload delivered (CPU(N) - CPU(0) over N times
+  the payloads published in the window) compares the same work.
 
 Needs pyzmq, msgpack and grpcio (e.g. the venv of smg-peer.py):
 
     python benchmarks/floor.py --kvgate target/release/kvgate --counts 1,8,64
+    python benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 \
+        --rust-receivers target/release/kvgate-bench
 """
 
 import argparse
@@ -177,15 +185,21 @@ def serve_commands(counts):
 # ---- the measurement (parent) ---------------------------------------------
 
 class Receivers:
-    def __init__(self, kind, target, count, processes):
+    def __init__(self, kind, target, count, args):
         self.children = []
-        share = [count // processes + (i < count % processes) for i in range(processes)]
-        for sockets in share:
-            if sockets:
-                self.children.append(subprocess.Popen(
-                    [sys.executable, __file__, "--receiver", kind, target, str(sockets)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                ))
+        if args.rust_receivers:
+            scheme = "zmq" if kind == "zmq" else "grpc"
+            commands = [[args.rust_receivers, "--floor-receivers", f"{scheme}:{target}",
+                         "--floor-count", str(count)]] if count else []
+        else:
+            processes = args.processes
+            share = [count // processes + (i < count % processes) for i in range(processes)]
+            commands = [[sys.executable, __file__, "--receiver", kind, target, str(sockets)]
+                        for sockets in share if sockets]
+        for command in commands:
+            self.children.append(subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            ))
 
     def ask(self, command):
         answers = []
@@ -293,7 +307,7 @@ def measure(kind, count, args, payloads):
         else:
             target = publisher.endpoint
             pid = os.getpid()
-        receivers = Receivers(kind, target, count, args.processes)
+        receivers = Receivers(kind, target, count, args)
         if count:
             publisher.prime_until(receivers.ready, "every receiver")
         publisher.run(args.rate, args.warmup)
@@ -301,7 +315,7 @@ def measure(kind, count, args, payloads):
         def reading():
             receivers_cpu = sum(cpu_seconds(child.pid) for child in receivers.children)
             return (cpu_seconds(pid), receivers.count(), machine_busy(), time.monotonic(),
-                    cpu_seconds(os.getpid()) + receivers_cpu)
+                    cpu_seconds(os.getpid()) + receivers_cpu, payloads.sequence)
 
         before = reading()
         publisher.run(args.rate, args.duration)
@@ -312,6 +326,7 @@ def measure(kind, count, args, payloads):
         return {
             "cpu_s": after[0] - before[0],
             "delivered": after[1] - before[1],
+            "published": after[5] - before[5],
             "seconds": seconds,
             "others_percent": others_percent(before[2], after[2], ours, seconds),
         }
@@ -333,6 +348,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counts", default="1,8,64")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--rust-receivers", metavar="KVGATE_BENCH",
+                        help="a kvgate-bench binary: its --floor-receivers, all on one "
+                             "thread, instead of Python receivers")
     parser.add_argument("--rate", type=float, default=1250.0)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
@@ -342,11 +360,13 @@ def main():
     kinds = ["zmq"] + (["kvgate"] if args.kvgate else [])
     payloads = Payloads()
     size = sum(map(len, payloads.pool)) // len(payloads.pool)
+    arrangement = ("Rust receivers on one thread" if args.rust_receivers
+                   else f"receivers over {args.processes} process(es)")
     print(f"floor.py: {args.rate:.0f} messages/s of {size} bytes, {args.duration} s "
-          f"windows, receivers over {args.processes} process(es), "
+          f"windows, {arrangement}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'relay':<7} {'N':>4} {'cpu(N) s':>9} {'cpu(0) s':>9} {'delivered':>10} "
-          f"{'us/delivery':>12} {'others %':>9}")
+          f"{'us/delivery':>12} {'us/payload':>11} {'others %':>9}")
     for count in [int(c) for c in args.counts.split(",")]:
         for _ in range(args.rounds):
             for kind in kinds:
@@ -354,8 +374,9 @@ def main():
                 busy = measure(kind, count, args, payloads)
                 extra = busy["cpu_s"] - idle["cpu_s"] * busy["seconds"] / idle["seconds"]
                 per = 1e6 * extra / max(1, busy["delivered"])
+                per_payload = 1e6 * extra / max(1, count * busy["published"])
                 print(f"{kind:<7} {count:>4} {busy['cpu_s']:>9.2f} {idle['cpu_s']:>9.2f} "
-                      f"{busy['delivered']:>10} {per:>12.2f} "
+                      f"{busy['delivered']:>10} {per:>12.2f} {per_payload:>11.2f} "
                       f"{max(idle['others_percent'], busy['others_percent']):>9.0f}",
                       flush=True)
 

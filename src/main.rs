@@ -10,7 +10,14 @@ const RUNTIME_EXIT_GRACE: Duration = Duration::from_millis(500);
 fn main() -> std::process::ExitCode {
     let cli = kvgate::usage::parse_cli();
     kvgate::logging::init(cli.log_format);
-    let runtime = match tokio::runtime::Runtime::new() {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    // The gateway's runtime shape is measured (issue 22: a wake-up of
+    // another worker per delivery cost more than the parallelism gave);
+    // the client commands keep tokio's one worker per core.
+    if let Command::Serve(args) = &cli.command {
+        builder.worker_threads(args.worker_threads as usize);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("kvgate: cannot start the async runtime: {error}");

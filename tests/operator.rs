@@ -275,6 +275,10 @@ fn a_bad_value_fails_at_start_naming_its_flag() {
             "--engine-grpc",
         ),
         (
+            vec!["--zmq-endpoint", "tcp://*:5557", "--worker-threads", "0"],
+            "--worker-threads",
+        ),
+        (
             vec!["--upstream-grpc", "ftp://127.0.0.1:50051"],
             "--upstream-grpc",
         ),
@@ -306,6 +310,7 @@ fn a_bad_environment_variable_fails_at_start_naming_the_variable_and_its_value()
         ("KVGATE_HISTORY_BYTES", "lots", "--history-bytes"),
         ("KVGATE_LISTEN", "nowhere", "--listen"),
         ("KVGATE_ENGINE_GRPC", "engine:50051", "--engine-grpc"),
+        ("KVGATE_WORKER_THREADS", "257", "--worker-threads"),
     ] {
         let message =
             serve_fails_with_env(&["--zmq-endpoint", "tcp://*:5557"], &[(variable, value)]);
@@ -575,10 +580,41 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
     assert_eq!(code, 200);
     let status: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status["source_ready"], true);
+    assert_eq!(status["worker_threads"], 1);
     assert_eq!(status["engine"]["messages_lost"], 0);
     assert_eq!(status["ranks"][0]["blocks"]["device"], 2);
     assert_eq!(status["ranks"][0]["blocks"]["external"], 0);
     assert!(status["history"]["batches"].as_u64().unwrap() >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kvgate_worker_threads_sizes_the_runtime_and_every_subscriber_is_served_on_it() {
+    let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let gateway = Gateway::start_with_env(
+        &[
+            "--zmq-endpoint",
+            publisher.endpoint(),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+        &[("KVGATE_WORKER_THREADS", "3")],
+    );
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        streams.push(
+            subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
+                .await
+                .unwrap(),
+        );
+    }
+    common::sync_streams(&mut publisher, 0, &mut streams).await;
+    let admin = gateway.admin.expect("admin port reported");
+    let (code, body) = common::http_get(admin, "/status").await;
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["worker_threads"], 3, "{body}");
 }
 
 #[test]

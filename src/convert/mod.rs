@@ -14,10 +14,15 @@
 //! the envelope are ignored: the envelope itself is complete, and engines
 //! never send any, so they cost nothing to tolerate.
 //!
+//! Two outputs share that one pass: [`Converter::convert`] builds every
+//! event as a `KvCacheEvent`; [`Converter::transcode`], the drain's, writes
+//! each removal straight into its protobuf bytes instead (`transcoded.rs`),
+//! the same bytes prost writes for the event `convert` builds.
+//!
 //! Files: `msgpack.rs` reads bytes, `event.rs` reads one event, `normalize.rs`
 //! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts,
 //! `spare_buffers.rs` keeps sent events' token, hash and text buffers for the
-//! next events.
+//! next events, `transcoded.rs` holds a payload with its removals as bytes.
 
 mod event;
 mod hash;
@@ -27,11 +32,14 @@ mod spare_buffers;
 mod tally;
 #[cfg(test)]
 mod tests;
+mod transcoded;
 
 pub use tally::{DropReason, EventKind, Tally};
+pub use transcoded::{Forwarded, TranscodedPayload};
 
 use crate::proto::common::KvCacheEvent;
 use msgpack::{Item, Reader};
+use normalize::{Normalized, Normalizer};
 
 /// The smallest event that can be forwarded, `["AllBlocksCleared"]`: the
 /// output never needs room for more events than the payload has bytes for.
@@ -42,7 +50,7 @@ const MIN_FORWARDED_EVENT_BYTES: usize = 18;
 pub struct Converter {
     /// The id the next decoded engine event gets (forwarded or dropped).
     next_event_id: u64,
-    normalizer: normalize::Normalizer,
+    normalizer: Normalizer,
     scratch: event::Scratch,
 }
 
@@ -99,7 +107,7 @@ impl Converter {
     pub fn new() -> Self {
         Converter {
             next_event_id: 1,
-            normalizer: normalize::Normalizer::default(),
+            normalizer: Normalizer::default(),
             scratch: event::Scratch::default(),
         }
     }
@@ -115,9 +123,50 @@ impl Converter {
         payload: &[u8],
         tally: &mut Tally,
     ) -> Result<ConvertedPayload, PayloadError> {
+        let mut events = Vec::new();
+        let (timestamp, dp_rank) = self.convert_undoably(rank, payload, tally, &mut events)?;
+        Ok(ConvertedPayload {
+            timestamp,
+            dp_rank,
+            events,
+        })
+    }
+
+    /// Converts one payload as [`Converter::convert`] does into `out`
+    /// (emptied first), its removals written as their encoded events. On a
+    /// payload error `out` holds nothing to send.
+    pub fn transcode(
+        &mut self,
+        rank: u32,
+        payload: &[u8],
+        tally: &mut Tally,
+        out: &mut TranscodedPayload,
+    ) -> Result<(), PayloadError> {
+        out.clear();
+        match self.convert_undoably(rank, payload, tally, out) {
+            Ok((timestamp, dp_rank)) => {
+                out.timestamp = timestamp;
+                out.dp_rank = dp_rank;
+                Ok(())
+            }
+            Err(error) => {
+                out.clear();
+                Err(error)
+            }
+        }
+    }
+
+    /// Converts a payload into `sink`, or undoes everything it did.
+    fn convert_undoably(
+        &mut self,
+        rank: u32,
+        payload: &[u8],
+        tally: &mut Tally,
+        sink: &mut impl Sink,
+    ) -> Result<(f64, Option<u32>), PayloadError> {
         let first_event_id = self.next_event_id;
         let mut counted = Tally::default();
-        let converted = self.convert_payload(rank, payload, &mut counted);
+        let converted = self.convert_payload(rank, payload, &mut counted, sink);
         if converted.is_ok() {
             tally.add(&counted);
             self.normalizer.commit();
@@ -141,13 +190,15 @@ impl Converter {
     }
 
     /// Reads the envelope `[ts, events, dp_rank, ...]` and its events in one
-    /// pass; any error leaves the caller to undo what the events did.
+    /// pass, returning `ts` and `dp_rank`; any error leaves the caller to
+    /// undo what the events did.
     fn convert_payload(
         &mut self,
         rank: u32,
         payload: &[u8],
         tally: &mut Tally,
-    ) -> Result<ConvertedPayload, PayloadError> {
+        sink: &mut impl Sink,
+    ) -> Result<(f64, Option<u32>), PayloadError> {
         let mut r = Reader::new(payload);
         let slots = match r.item()? {
             Item::Array(slots) if slots >= 2 => slots,
@@ -162,19 +213,16 @@ impl Converter {
         let Item::Array(count) = r.item()? else {
             return Err(PayloadError::BadEnvelope("events is not an array"));
         };
-        let mut events = Vec::with_capacity(r.room_for(count, MIN_FORWARDED_EVENT_BYTES));
+        sink.reserve(r.room_for(count, MIN_FORWARDED_EVENT_BYTES));
         for _ in 0..count {
             let event_id = self.next_event_id;
             self.next_event_id += 1;
             let converted = event::read(&mut r, &mut self.scratch)?
                 .and_then(|event| self.normalizer.normalize(rank, event));
             match converted {
-                Ok((kind, data)) => {
+                Ok((kind, event)) => {
                     tally.count_forwarded(kind);
-                    events.push(KvCacheEvent {
-                        event_id,
-                        data: Some(data),
-                    });
+                    sink.forward(&mut self.normalizer, event_id, event);
                 }
                 Err(reason) => tally.count_dropped(reason),
             }
@@ -192,10 +240,40 @@ impl Converter {
             None
         };
         r.skip_values(u64::from(slots).saturating_sub(3))?;
-        Ok(ConvertedPayload {
-            timestamp,
-            dp_rank,
-            events,
-        })
+        Ok((timestamp, dp_rank))
+    }
+}
+
+/// Where a payload's forwarded events go.
+trait Sink {
+    /// Room for `events` more events.
+    fn reserve(&mut self, events: usize);
+    fn forward(&mut self, normalizer: &mut Normalizer, event_id: u64, event: Normalized<'_>);
+}
+
+impl Sink for Vec<KvCacheEvent> {
+    fn reserve(&mut self, events: usize) {
+        Vec::reserve(self, events);
+    }
+
+    fn forward(&mut self, normalizer: &mut Normalizer, event_id: u64, event: Normalized<'_>) {
+        let data = match event {
+            Normalized::Built(data) => data,
+            Normalized::Removed(removed) => normalizer.removed_data(&removed),
+        };
+        self.push(KvCacheEvent {
+            event_id,
+            data: Some(data),
+        });
+    }
+}
+
+impl Sink for TranscodedPayload {
+    fn reserve(&mut self, events: usize) {
+        TranscodedPayload::reserve(self, events);
+    }
+
+    fn forward(&mut self, _: &mut Normalizer, event_id: u64, event: Normalized<'_>) {
+        self.push(event_id, event);
     }
 }

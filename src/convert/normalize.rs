@@ -16,6 +16,15 @@ use crate::proto::common::{
     KvBlock, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality, KvCacheTier,
     kv_block_extra_key::Key, kv_cache_event::Data,
 };
+use crate::wire::event::RemovedFields;
+
+/// A forwarded event: built, or a removal given by its fields, which the
+/// caller builds or writes straight into bytes.
+#[derive(Debug)]
+pub(crate) enum Normalized<'e> {
+    Built(Data),
+    Removed(RemovedFields<'e>),
+}
 
 /// Medium names (compared ignoring ASCII case) and their tiers.
 const MEDIUM_TIERS: [(&str, KvCacheTier); 13] = [
@@ -107,20 +116,20 @@ impl Normalizer {
         }
     }
 
-    pub(crate) fn normalize(
+    pub(crate) fn normalize<'e>(
         &mut self,
         rank: u32,
-        event: Event<'_, '_>,
-    ) -> Result<(EventKind, Data), DropReason> {
+        event: Event<'e, 'e>,
+    ) -> Result<(EventKind, Normalized<'e>), DropReason> {
         match event {
             Event::Stored(stored) => {
                 let tier = self.admit(rank, &stored.placement)?;
                 self.stored(stored, tier)
-                    .map(|data| (EventKind::Stored, data))
+                    .map(|data| (EventKind::Stored, Normalized::Built(data)))
             }
             Event::Removed(removed) => {
                 let tier = self.admit(rank, &removed.placement)?;
-                Ok((EventKind::Removed, self.removed_data(removed, tier)))
+                Ok((EventKind::Removed, removed_fields(removed, tier)))
             }
             Event::Cleared { ownership } => {
                 if ownership.is_some_and(is_kvcr) {
@@ -129,7 +138,10 @@ impl Normalizer {
                 let cleared = KvCacheCleared {
                     ownership: ownership.map(str::to_owned),
                 };
-                Ok((EventKind::Cleared, Data::Cleared(cleared)))
+                Ok((
+                    EventKind::Cleared,
+                    Normalized::Built(Data::Cleared(cleared)),
+                ))
             }
         }
     }
@@ -253,19 +265,34 @@ impl Normalizer {
         }))
     }
 
-    fn removed_data(&mut self, removed: Removed<'_, '_>, tier: KvCacheTier) -> Data {
-        let Removed { placement, hashes } = removed;
+    /// Builds a removal as a proto event, in spare buffers.
+    pub(crate) fn removed_data(&mut self, removed: &RemovedFields<'_>) -> Data {
         let spare_buffers = &mut self.spare_buffers;
         Data::Removed(KvBlocksRemoved {
-            block_hashes: spare_buffers.hashes(hashes),
-            cache_level: cache_level(tier),
-            tier: Some(tier.into()),
-            medium: spare_buffers.text(placement.medium),
-            group_idx: placement.group_idx,
-            locality: Some(KvCacheLocality::Local.into()),
-            ownership: spare_buffers.text(placement.ownership),
+            block_hashes: spare_buffers.hashes(removed.hashes),
+            cache_level: removed.cache_level,
+            tier: removed.tier,
+            medium: spare_buffers.text(removed.medium),
+            group_idx: removed.group_idx,
+            locality: removed.locality,
+            ownership: spare_buffers.text(removed.ownership),
         })
     }
+}
+
+/// What a forwarded removal carries: its blocks' tier (and the matching
+/// `cache_level`), local, and the engine's medium, group and owner.
+fn removed_fields<'e>(removed: Removed<'e, 'e>, tier: KvCacheTier) -> Normalized<'e> {
+    let Removed { placement, hashes } = removed;
+    Normalized::Removed(RemovedFields {
+        hashes,
+        cache_level: cache_level(tier),
+        tier: Some(tier.into()),
+        medium: placement.medium,
+        group_idx: placement.group_idx,
+        locality: Some(KvCacheLocality::Local.into()),
+        ownership: placement.ownership,
+    })
 }
 
 /// vLLM puts the cache salt among block 0's extra keys, after the LoRA name;

@@ -1273,3 +1273,160 @@ proptest! {
         check_total(&payload);
     }
 }
+
+// ---- transcoding: the drain's path gives the bytes of the built events ----
+
+/// Converts `payloads` in order both ways, each with its own converter:
+/// every removal `transcode` wrote is, byte for byte, prost's encoding of
+/// the event `convert` built (with that event's tier and hashes), every
+/// other event is the same, and so are the tallies. Returns the removals
+/// compared.
+fn transcoded_as_built(payloads: &[Vec<u8>]) -> usize {
+    use prost::Message;
+    let (mut building, mut transcoding) = (Converter::new(), Converter::new());
+    let mut out = TranscodedPayload::default();
+    let mut removals = 0;
+    for payload in payloads {
+        let (mut built_tally, mut transcoded_tally) = (Tally::default(), Tally::default());
+        let built = building.convert(0, payload, &mut built_tally);
+        let transcoded = transcoding.transcode(0, payload, &mut transcoded_tally, &mut out);
+        assert_eq!(built_tally, transcoded_tally);
+        let Ok(built) = built else {
+            assert_eq!(transcoded.unwrap_err(), built.unwrap_err());
+            out.drain(|event| panic!("a failed payload left {event:?}"));
+            continue;
+        };
+        transcoded.expect("transcoded as it converts");
+        assert_eq!(out.timestamp.to_bits(), built.timestamp.to_bits());
+        assert_eq!(out.dp_rank, built.dp_rank);
+        let mut expected = built.events.into_iter();
+        out.drain(|event| {
+            let built = expected.next().expect("no more events than built");
+            match event {
+                Forwarded::Event(event) => assert_eq!(event, built),
+                Forwarded::Removal { body, tier, hashes } => {
+                    removals += 1;
+                    assert!(body == built.encode_to_vec(), "{built:?}");
+                    let Some(Data::Removed(removed)) = &built.data else {
+                        panic!("written as a removal: {built:?}");
+                    };
+                    assert_eq!(tier, removed.tier);
+                    assert_eq!(hashes, removed.block_hashes);
+                }
+            }
+        });
+        assert!(expected.next().is_none(), "as many events as built");
+    }
+    removals
+}
+
+#[test]
+fn every_golden_payload_transcodes_to_the_bytes_of_the_events_it_converts_to() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wire");
+    let mut payloads = Vec::new();
+    for dir in std::fs::read_dir(root).unwrap() {
+        let dir = dir.unwrap().path();
+        if dir.is_dir() {
+            for file in std::fs::read_dir(dir).unwrap() {
+                let path = file.unwrap().path();
+                if path.extension().is_some_and(|e| e == "msgpack") {
+                    payloads.push(std::fs::read(path).unwrap());
+                }
+            }
+        }
+    }
+    assert!(payloads.len() > 40, "fixtures found: {}", payloads.len());
+    let removals = transcoded_as_built(&payloads);
+    assert!(removals > 1000, "{removals} removals compared");
+}
+
+#[test]
+fn a_removal_with_every_field_at_its_widest_transcodes_to_prost_s_bytes() {
+    let wide = removed(
+        &[u64::MAX, 0, 1 << 63, 127, 128],
+        &[
+            ("medium", s("CPU_TIER2")),
+            ("group_idx", V::U(u64::from(u32::MAX))),
+            ("kv_cache_spec_kind", s("full_attention")),
+            ("locality", s("local")),
+            ("ownership", s(&"o".repeat(200))),
+        ],
+    );
+    let many: Vec<u64> = (0..300u64)
+        .map(|i| i.wrapping_mul(0x0123_4567_89ab_cdef))
+        .collect();
+    let payloads = [
+        batch(vec![wide]),
+        batch(vec![removed(&many, &[("medium", s("gpu"))])]),
+        batch(vec![a([s("BlockRemoved"), ints([3]), s("NVME"), V::U(2)])]),
+    ];
+    assert_eq!(transcoded_as_built(&payloads), 3);
+    // Cut after its first removal: the payload fails whole, both ways.
+    let whole = batch(vec![removed(&[1], &[]), removed(&[2], &[])]);
+    assert_eq!(transcoded_as_built(&[whole[..whole.len() - 4].to_vec()]), 0);
+}
+
+/// A removal (or now and then a store or a clear) with any mix of the
+/// fields a removal may carry, valid or not.
+fn any_event() -> impl Strategy<Value = V> {
+    let hash = prop_oneof![
+        any::<u64>().prop_map(V::U),
+        any::<i64>().prop_map(V::I),
+        proptest::collection::vec(any::<u8>(), 0..33).prop_map(V::B),
+    ];
+    let text = |names: &'static [&'static str]| {
+        prop_oneof![
+            Just(V::Nil),
+            proptest::sample::select(names).prop_map(s),
+            any::<u8>().prop_map(|n| V::U(n.into())),
+        ]
+    };
+    (
+        proptest::collection::vec(hash, 0..5),
+        text(&[
+            "GPU",
+            "cpu",
+            "Cpu_Pinned",
+            "disk",
+            "NVME",
+            "remote",
+            "tape",
+            "",
+        ]),
+        prop_oneof![Just(V::Nil), (0u64..4).prop_map(V::U), Just(V::I(-1))],
+        text(&["full_attention", "sliding_window", "MLA_ATTENTION"]),
+        text(&["LOCAL", "local", "peer"]),
+        text(&["kvcr", "engine", "a-long-owner-name-of-some-length"]),
+        0u8..10,
+    )
+        .prop_map(|(hashes, medium, group, kind, locality, ownership, pick)| {
+            let fields = [
+                ("medium", medium),
+                ("group_idx", group),
+                ("kv_cache_spec_kind", kind),
+                ("locality", locality),
+                ("ownership", ownership),
+            ];
+            match pick {
+                0 => stored(&[1, 2], &fields[..2]),
+                1 => m(&[("type", s("AllBlocksCleared")), fields[4].clone()]),
+                _ => {
+                    let mut event = vec![("type", s("BlockRemoved")), ("block_hashes", a(hashes))];
+                    event.extend(fields);
+                    V::M(event.into_iter().map(|(k, v)| (s(k), v)).collect())
+                }
+            }
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    #[test]
+    fn any_payload_transcodes_to_the_bytes_of_the_events_it_converts_to(
+        payloads in proptest::collection::vec(proptest::collection::vec(any_event(), 0..20), 1..4),
+    ) {
+        let payloads: Vec<Vec<u8>> = payloads.into_iter().map(batch).collect();
+        transcoded_as_built(&payloads);
+    }
+}

@@ -100,6 +100,25 @@ impl Batcher {
         self.encoded.shrink_to(self.max_bytes);
     }
 
+    /// Adds an event given as its encoded body (a removal the converter
+    /// wrote), handing `out` the batch it completes. Returns `false`, having
+    /// done nothing, when the event is over `max_bytes`: it must go through
+    /// [`Batcher::push`] to be cut.
+    pub fn push_encoded(
+        &mut self,
+        body: &[u8],
+        timestamp: f64,
+        out: &mut impl FnMut(Output<'_>),
+    ) -> bool {
+        let entry = EventLen::of_body(body.len()).entry;
+        if entry > self.max_bytes {
+            return false;
+        }
+        self.make_room(entry, out);
+        self.open.push_encoded(body, timestamp);
+        true
+    }
+
     /// Hands over the batch being filled, if it has any event.
     pub fn close(&mut self) -> Option<OpenBatch> {
         (!self.open.is_empty()).then(|| self.open.take_exact())
@@ -114,10 +133,15 @@ impl Batcher {
     /// Appends the encoded event to the open batch, first handing the open
     /// batch over if the event would not fit in it.
     fn append(&mut self, entry: usize, timestamp: f64, out: &mut impl FnMut(Output<'_>)) {
+        self.make_room(entry, out);
+        self.open.push_encoded(&self.encoded, timestamp);
+    }
+
+    /// Hands the open batch over if an event of `entry` bytes would not fit.
+    fn make_room(&mut self, entry: usize, out: &mut impl FnMut(Output<'_>)) {
         if !self.open.fits(self.max_events, self.max_bytes, entry) {
             out(Output::Batch(self.open.take_exact()));
         }
-        self.open.push_encoded(&self.encoded, timestamp);
     }
 
     /// An encoded event over `max_bytes` goes alone, after the batch being

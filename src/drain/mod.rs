@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::clock::unix_now;
-use crate::convert::{Converter, Tally};
+use crate::convert::{Converter, Forwarded, Tally, TranscodedPayload};
 use crate::hub::{CutRequest, HubWriter, RankReport};
 use crate::load::LoadSource;
 use crate::load::records::LoadRecords;
@@ -46,6 +46,7 @@ use crate::store::{Marks, RankMark, StoreWriter};
 use crate::wire::OpenBatch;
 use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use batcher::{BatchLimits, Batcher, Output};
+use prost::Message;
 pub use rank_counters::DROPPED_EVENTS;
 use rank_counters::RankCounters;
 
@@ -61,6 +62,8 @@ const MAX_MESSAGES_PER_CYCLE: usize = 256;
 /// The one task that numbers, batches and publishes every engine event.
 pub struct Drain {
     converter: Converter,
+    /// The payload being ingested (its buffers reused from one to the next).
+    transcoded: TranscodedPayload,
     sequencer: Sequencer,
     limits: BatchLimits,
     batchers: BTreeMap<u32, Batcher>,
@@ -98,6 +101,7 @@ impl Drain {
     pub fn new(limits: BatchLimits, sequence_seed: u64, hub: HubWriter, metrics: Metrics) -> Self {
         Self {
             converter: Converter::new(),
+            transcoded: TranscodedPayload::default(),
             sequencer: Sequencer::new(sequence_seed),
             limits,
             batchers: BTreeMap::new(),
@@ -262,23 +266,24 @@ impl Drain {
                 .insert(rank, (message.engine_sequence, message.payload.clone()));
         }
         let mut tally = Tally::default();
-        let converted = self.converter.convert(rank, &message.payload, &mut tally);
+        let mut transcoded = std::mem::take(&mut self.transcoded);
+        let converted =
+            self.converter
+                .transcode(rank, &message.payload, &mut tally, &mut transcoded);
         let metrics = &self.metrics;
         self.rank_counters
             .entry(rank)
             .or_insert_with(|| RankCounters::new(metrics, rank))
             .record(&tally, metrics);
-        let converted = match converted {
-            Ok(converted) => converted,
-            Err(error) => {
-                self.metrics.count_bad_message(error.reason());
-                crate::logging::rate_limited(error.reason(), || {
-                    warn!(rank, engine_sequence = message.engine_sequence, %error, "engine payload skipped");
-                });
-                return;
-            }
-        };
-        if let Some(claimed) = converted.dp_rank.filter(|claimed| *claimed != rank) {
+        if let Err(error) = converted {
+            self.transcoded = transcoded;
+            self.metrics.count_bad_message(error.reason());
+            crate::logging::rate_limited(error.reason(), || {
+                warn!(rank, engine_sequence = message.engine_sequence, %error, "engine payload skipped");
+            });
+            return;
+        }
+        if let Some(claimed) = transcoded.dp_rank.filter(|claimed| *claimed != rank) {
             crate::logging::rate_limited("rank_mismatch", || {
                 warn!(
                     rank,
@@ -287,17 +292,55 @@ impl Drain {
                 );
             });
         }
-        self.push_events(rank, converted.events, converted.timestamp);
+        self.push_transcoded(rank, &mut transcoded);
+        self.transcoded = transcoded;
+    }
+
+    /// Batches one payload's events as `push_events` does; its removals,
+    /// already encoded, go into the batch as they are.
+    fn push_transcoded(&mut self, rank: u32, payload: &mut TranscodedPayload) {
+        let timestamp = payload.timestamp;
+        self.pay_owed_clear(rank, payload.starts_with_ownerless_clear(), timestamp);
+        self.state.prefetch(rank, payload.built());
+        self.state.prefetch_removals(rank, payload.removals());
+        payload.drain(|event| match event {
+            Forwarded::Event(event) => self.push_event(rank, event, timestamp),
+            Forwarded::Removal { body, tier, hashes } => {
+                let ready = &mut self.ready;
+                let sent = batcher_of(&mut self.batchers, rank, self.limits).push_encoded(
+                    body,
+                    timestamp,
+                    &mut |output| {
+                        if let Output::Batch(batch) = output {
+                            ready.push((rank, batch));
+                        }
+                    },
+                );
+                if sent {
+                    self.state.remove_blocks(rank, tier, hashes);
+                } else {
+                    // Over `--max-batch-bytes`: built again to be cut.
+                    let event =
+                        KvCacheEvent::decode(body).expect("a removal the converter wrote decodes");
+                    self.push_event(rank, event, timestamp);
+                }
+            }
+        });
+    }
+
+    /// Sends the clear a restarted rank owes before its first events,
+    /// unless they start with one.
+    fn pay_owed_clear(&mut self, rank: u32, starts_with_clear: bool, timestamp: f64) {
+        if self.owe_clear.remove(&rank) && !starts_with_clear {
+            self.push_event(rank, KvCacheEvent::ownerless_clear(), timestamp);
+        }
     }
 
     /// Batches one message's events, after the clear a restarted rank owes,
     /// with the state's lookups for all of them fetched first.
     fn push_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
-        if self.owe_clear.remove(&rank)
-            && !events.first().is_some_and(KvCacheEvent::is_ownerless_clear)
-        {
-            self.push_event(rank, KvCacheEvent::ownerless_clear(), timestamp);
-        }
+        let starts_with_clear = events.first().is_some_and(KvCacheEvent::is_ownerless_clear);
+        self.pay_owed_clear(rank, starts_with_clear, timestamp);
         self.state.prefetch(rank, &events);
         for event in events {
             self.push_event(rank, event, timestamp);
@@ -316,10 +359,8 @@ impl Drain {
             &mut self.converter,
             &self.metrics,
         );
-        self.batchers
-            .entry(rank)
-            .or_insert_with(|| Batcher::new(limits))
-            .push(event, timestamp, &mut |output| match output {
+        batcher_of(&mut self.batchers, rank, limits).push(event, timestamp, &mut |output| {
+            match output {
                 Output::Batch(batch) => ready.push((rank, batch)),
                 Output::Sent(event) => {
                     state.record(rank, event);
@@ -337,7 +378,8 @@ impl Drain {
                         );
                     });
                 }
-            });
+            }
+        });
     }
 
     fn close_batch(&mut self, rank: u32) {
@@ -486,6 +528,15 @@ impl Drain {
     }
 }
 
+/// `rank`'s batcher, made on its first event.
+fn batcher_of(
+    batchers: &mut BTreeMap<u32, Batcher>,
+    rank: u32,
+    limits: BatchLimits,
+) -> &mut Batcher {
+    batchers.entry(rank).or_insert_with(|| Batcher::new(limits))
+}
+
 /// Each publisher's mark: where kvgate's record of it begins and ends.
 fn marks(
     first_engine_sequence: &BTreeMap<u32, u64>,
@@ -578,6 +629,70 @@ mod tests {
         assert_eq!(sent, 2, "the blocks around it were sent");
     }
 
+    /// A drain on a hub of its own, batches of at most `max_bytes`.
+    fn drain_batching_up_to(max_bytes: usize) -> (Drain, crate::hub::HubReader) {
+        let history = HistoryLimits {
+            batches: 100,
+            bytes: 64 << 20,
+        };
+        let (writer, reader) = hub(64, history);
+        let limits = BatchLimits {
+            max_events: 1024,
+            max_bytes,
+        };
+        (Drain::new(limits, 1, writer, Metrics::default()), reader)
+    }
+
+    #[test]
+    fn a_removal_over_the_batch_byte_limit_is_cut_into_removals_and_removes_every_block() {
+        use kvgate_sim::SimEvent;
+        let (mut drain, reader) = drain_batching_up_to(4096);
+        // 1,000 blocks, then one removal naming them all: about 10 kB of
+        // hashes, more than a batch may hold.
+        let hashes: Vec<u64> = (1..=1000u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        let mut events: Vec<SimEvent> = hashes
+            .chunks(100)
+            .map(|chunk| SimEvent::Stored {
+                hashes: chunk.to_vec(),
+                parent: None,
+                tokens: vec![7; chunk.len()],
+                block_size: 1,
+            })
+            .collect();
+        events.push(SimEvent::Removed { hashes });
+        for (engine_sequence, events) in [(0, &events[..10]), (1, &events[10..])] {
+            let mut payload = Vec::new();
+            kvgate_sim::encode_batch(1.0, events, Some(0), &mut payload);
+            drain.ingest(SourceEvent::Message(EngineMessage {
+                rank: 0,
+                engine_sequence,
+                payload: payload.into(),
+            }));
+            drain.flush();
+        }
+        assert!(held(&drain.cut()).is_empty(), "every block removed");
+        assert!(
+            replayed(&reader).is_empty(),
+            "every block removed on the wire"
+        );
+        let (oldest, newest) = reader.history().span();
+        let removals = (oldest..=newest)
+            .flat_map(|position| {
+                let batch = reader.history().get(position).unwrap();
+                assert!(
+                    batch.encoded.len() <= 4096 + 64,
+                    "{} bytes",
+                    batch.encoded.len()
+                );
+                KvEventBatch::decode(batch.encoded.clone()).unwrap().events
+            })
+            .filter(|event| matches!(event.data, Some(Data::Removed(_))))
+            .count();
+        assert!(removals > 1, "cut into {removals} removals");
+    }
+
     /// The live blocks, with their tokens, that the batches in the history
     /// leave when replayed in order; every removal names a live block of
     /// the engine's medium.
@@ -618,22 +733,7 @@ mod tests {
     fn the_state_and_a_cut_taken_midway_hold_exactly_the_sent_blocks_while_buffers_serve_later_events()
      {
         use kvgate_sim::{SteadyState, WorkloadShape};
-        let (writer, reader) = hub(
-            64,
-            HistoryLimits {
-                batches: 100,
-                bytes: 64 << 20,
-            },
-        );
-        let mut drain = Drain::new(
-            BatchLimits {
-                max_events: 1024,
-                max_bytes: 1 << 20,
-            },
-            1,
-            writer,
-            Metrics::default(),
-        );
+        let (mut drain, reader) = drain_batching_up_to(1 << 20);
         // An engine that evicts from its 5th payload on: every later one
         // stores 8 new blocks and removes 8, one removal event each.
         let shape = WorkloadShape {

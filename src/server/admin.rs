@@ -35,6 +35,8 @@ pub struct AdminState {
 struct Status {
     version: &'static str,
     uptime_seconds: u64,
+    /// The runtime's workers (`--worker-threads`), as tokio has them.
+    worker_threads: usize,
     source: String,
     source_ready: bool,
     /// What `/healthz` says.
@@ -113,6 +115,7 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
     Json(Status {
         version: env!("CARGO_PKG_VERSION"),
         uptime_seconds: state.started.elapsed().as_secs(),
+        worker_threads: tokio::runtime::Handle::current().metrics().num_workers(),
         source: state.source.to_string(),
         source_ready: state.health.source_ready(),
         health: state.health.now().to_string(),

@@ -3,10 +3,11 @@
 //! Invariants: the drain is the only writer; a block is keyed by
 //! (rank, tier, hash) and counts its physical copies (a hash stored again
 //! while live is a second copy, capped at 8); each record keeps what its
-//! first store carried, so a snapshot can re-issue that store. Maps are
-//! copy-on-write by shard (`CowMap`), so `cut` costs a few microseconds
-//! however large the state is, and the drain goes on mutating while a
-//! subscriber walks the cut.
+//! first store carried, so a snapshot can re-issue that store. Each tier
+//! keeps its records in store order (`TierBlocks`), in pages shared
+//! copy-on-write like its index (`CowMap`), so `cut` costs well under a
+//! millisecond however large the state is, the drain goes on mutating while
+//! a subscriber walks the cut, and a snapshot reads the records in order.
 //!
 //! The store-wide fields (tier, medium, LoRA, salt, …) are interned: blocks
 //! of one store share one `Arc`, which keeps a record small.
@@ -16,6 +17,7 @@ mod prefetch;
 pub mod snapshot;
 mod spare_tokens;
 pub(crate) mod tier;
+mod tier_blocks;
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -24,10 +26,11 @@ use std::sync::Arc;
 use triomphe::ThinArc;
 
 use crate::wire::event::BlockFields;
-use cow_map::{CowMap, Found};
+use cow_map::Found;
 use snapshot::lone_block_entry_len;
 use spare_tokens::SpareTokens;
 use tier::{PerTier, Tier, TierCounts};
+use tier_blocks::TierBlocks;
 
 use crate::proto::common::{
     KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data,
@@ -35,8 +38,6 @@ use crate::proto::common::{
 
 /// Copies counted per block; more stores of a live hash are still forwarded.
 pub const MAX_COPIES: u8 = 8;
-
-type BlockMap = CowMap<BlockRecord>;
 
 /// Everything a store carried besides its blocks (and each block's hash,
 /// tokens and extra keys).
@@ -132,14 +133,18 @@ impl StoreFields {
 
 /// One live block, kept small: a million of them is a normal cache.
 ///
-/// Cloning must not allocate (a snapshot cut makes the drain clone whole
-/// shards of records), hence the shared token buffer; a thin one, since a
-/// fat pointer would cost 8 more bytes per block.
+/// Cloning must not allocate (the drain clones the page it appends to
+/// while a cut shares it), hence the shared token buffer; a thin one, since
+/// a fat pointer would cost 8 more bytes per block. Its live copies are
+/// kept beside it in its page, which a removal writes without copying
+/// records.
 #[derive(Clone, Debug)]
 pub struct BlockRecord {
     /// Meaningful only with `has_parent` (an `Option<i64>` would take 16 bytes).
     parent: i64,
-    tokens: ThinArc<(), u32>,
+    /// `None` once the block is gone and no cut holds its page: the buffer
+    /// went to the next new record.
+    tokens: Option<ThinArc<(), u32>>,
     /// Rare (LoRA names, multimodal items, salts): one pointer when absent.
     extra_keys: Option<Box<ExtraKeys>>,
     fields: Arc<StoreFields>,
@@ -148,7 +153,6 @@ pub struct BlockRecord {
     /// in this order instead of chasing parent links).
     order: u64,
     block_size: i32,
-    copies: u8,
     has_parent: bool,
 }
 
@@ -171,17 +175,12 @@ impl BlockRecord {
         self.order
     }
 
-    /// Physical copies of the block that are live (at most `MAX_COPIES`).
-    pub fn copies(&self) -> u8 {
-        self.copies
-    }
-
     /// The block's fields, for encoding it without building a `KvBlock`
     /// (a snapshot encodes a million of them).
     pub fn block_fields(&self, hash: i64) -> BlockFields<'_> {
         BlockFields {
             hash,
-            tokens: &self.tokens.slice,
+            tokens: self.tokens.as_ref().map_or(&[], |tokens| &tokens.slice),
             block_size: self.block_size,
             lora_id: self.fields.lora_id,
             cache_level: self.fields.cache_level,
@@ -193,7 +192,7 @@ impl BlockRecord {
 /// The live blocks of one rank, per tier.
 #[derive(Clone, Debug, Default)]
 pub struct RankBlocks {
-    tiers: PerTier<BlockMap>,
+    tiers: PerTier<TierBlocks>,
     /// Live copies per tier, kept as blocks come and go (for metrics and
     /// snapshot headers without a walk).
     copies: TierCounts,
@@ -204,20 +203,16 @@ pub struct RankBlocks {
 }
 
 impl RankBlocks {
-    /// Live blocks of `tier`.
+    /// Live blocks of `tier`, in store order.
     pub fn tier(&self, tier: Tier) -> impl Iterator<Item = (i64, &BlockRecord)> {
-        self.tiers[tier].iter()
+        self.tiers[tier]
+            .live()
+            .map(|block| (block.entry.0, &block.entry.1))
     }
 
-    /// Live blocks of `tier` as the map holds them: a walk keeps such a
-    /// reference instead of looking the block up again.
-    pub(crate) fn tier_entries(&self, tier: Tier) -> impl Iterator<Item = &(i64, BlockRecord)> {
-        self.tiers[tier].entries()
-    }
-
-    /// The live block `hash` of `tier`, as the map holds it.
-    pub(crate) fn entry(&self, tier: Tier, hash: i64) -> Option<&(i64, BlockRecord)> {
-        self.tiers[tier].entry(hash)
+    /// The blocks of `tier`, for a walk that keeps references into them.
+    pub(crate) fn tier_blocks(&self, tier: Tier) -> &TierBlocks {
+        &self.tiers[tier]
     }
 
     /// Live blocks per tier, each copy counted.
@@ -268,7 +263,7 @@ impl LiveState {
         let parent = stored.parent_block_hash.and_then(|hash| {
             self.ranks
                 .get(&rank)
-                .and_then(|blocks| blocks.tiers[tier].get(hash))
+                .and_then(|blocks| blocks.tiers[tier].record(hash))
         });
         if let Some(parent) = parent {
             if stored.lora_name.is_none() {
@@ -283,13 +278,14 @@ impl LiveState {
     /// Brings into the cache what applying `events` to `rank` will read.
     ///
     /// Block hashes are random, so each block's lookup is a chain of cache
-    /// misses (its shard's header, then the control bytes and the entry),
-    /// and applying events one by one waits for each chain in turn. Two
-    /// read-only passes over the payload's blocks first put many chains in
-    /// flight at once: one fetches every shard's header, the next looks
-    /// every block up (and fetches the tokens of each block found, which a
-    /// removal frees) while the CPU overlaps the misses of neighbouring
-    /// lookups. A full engine's steady state (stores of new blocks,
+    /// misses (its shard's header, then the control bytes and the index
+    /// entry, then the record and its copy count), and applying events one
+    /// by one waits for each chain in turn. Three read-only passes over the
+    /// payload's blocks first put many chains in flight at once: one
+    /// fetches every shard's header, the next looks every block up and
+    /// fetches its record, the last fetches the tokens of each block found
+    /// (which a removal frees), while the CPU overlaps the misses of
+    /// neighbouring lookups. A full engine's steady state (stores of new blocks,
     /// evictions) ingests about 30% faster, a replay of live blocks no
     /// slower (BENCHMARKS.md). A hint only: nothing is written, so no shard
     /// a cut shares is copied.
@@ -297,12 +293,7 @@ impl LiveState {
         let Some(blocks) = self.ranks.get(&rank) else {
             return;
         };
-        for_each_block_touched(blocks, events, |map, hash| map.prefetch_shard(hash));
-        for_each_block_touched(blocks, events, |map, hash| {
-            if let Some((_, record)) = map.entry(hash) {
-                prefetch::prefetch(record.tokens.ptr());
-            }
-        });
+        prefetch_passes(|visit| for_each_block_touched(blocks, events, visit));
     }
 
     /// Records `event`, already completed, for `rank`.
@@ -352,18 +343,17 @@ impl LiveState {
             let found = map.find_or_insert_with(hash, || BlockRecord {
                 parent: parent.unwrap_or_default(),
                 has_parent: parent.is_some(),
-                tokens: spare_tokens.filled(&block.token_ids),
+                tokens: Some(spare_tokens.filled(&block.token_ids)),
                 extra_keys: (!block.extra_keys.is_empty())
                     .then(|| Box::new(ExtraKeys(block.extra_keys.clone()))),
                 fields: Arc::clone(&fields),
                 order,
                 block_size: block.block_size,
-                copies: 1,
             });
             match found {
                 Found::Inserted => *copies += 1,
-                Found::Existing(live) if live.copies < MAX_COPIES => {
-                    live.copies += 1;
+                Found::Existing(live) if *live < MAX_COPIES => {
+                    *live += 1;
                     *copies += 1;
                 }
                 Found::Existing(_) => {}
@@ -374,32 +364,17 @@ impl LiveState {
     }
 
     fn remove(&mut self, rank: u32, removed: &KvBlocksRemoved) {
-        let Some(blocks) = self.ranks.get_mut(&rank) else {
-            return;
-        };
-        let tier = Tier::of_event(removed.tier);
-        let map = &mut blocks.tiers[tier];
-        for hash in &removed.block_hashes {
-            if let Some(live) = map.get_mut(*hash) {
-                live.copies -= 1;
-                blocks.copies[tier] -= 1;
-                if live.copies == 0
-                    && let Some(record) = map.remove(*hash)
-                {
-                    self.spare_tokens.keep(record.tokens);
-                }
-            }
-        }
+        self.remove_blocks(rank, removed.tier, &removed.block_hashes);
     }
 }
 
-/// Calls `visit` with the map and hash of every block that applying
+/// Calls `visit` with the tier and hash of every block that applying
 /// `events` looks up: stored blocks and their store's parent (`complete`
 /// reads it), and removed blocks.
 fn for_each_block_touched(
     blocks: &RankBlocks,
     events: &[KvCacheEvent],
-    mut visit: impl FnMut(&BlockMap, i64),
+    mut visit: impl FnMut(&TierBlocks, i64),
 ) {
     for event in events {
         match &event.data {
@@ -421,6 +396,19 @@ fn for_each_block_touched(
             Some(Data::Cleared(_)) | None => {}
         }
     }
+}
+
+/// The passes of [`LiveState::prefetch`] over the blocks `for_each_block`
+/// visits: every shard's header, then every record, then the tokens of each
+/// block found.
+fn prefetch_passes(for_each_block: impl Fn(&mut dyn FnMut(&TierBlocks, i64))) {
+    for_each_block(&mut |tier, hash| tier.prefetch_shard(hash));
+    for_each_block(&mut |tier, hash| tier.prefetch_record(hash));
+    for_each_block(&mut |tier, hash| {
+        if let Some(tokens) = tier.record(hash).and_then(|record| record.tokens.as_ref()) {
+            prefetch::prefetch(tokens.ptr());
+        }
+    });
 }
 
 /// At least as many bytes as any block of `stored`, whose fields take
@@ -487,6 +475,43 @@ pub(crate) fn stored_event(
             tier: Some(tier as i32),
             ..Default::default()
         })),
+    }
+}
+
+/// Removals as the drain has them from the converter (their `tier` and
+/// hashes, the event already encoded): looked up and applied as a
+/// `KvBlocksRemoved` of that tier and those hashes would be.
+impl LiveState {
+    /// Brings into the cache what removing these blocks will read, in the
+    /// passes of [`LiveState::prefetch`].
+    pub fn prefetch_removals<'h>(
+        &self,
+        rank: u32,
+        removals: impl Iterator<Item = (Option<i32>, &'h [i64])> + Clone,
+    ) {
+        let Some(blocks) = self.ranks.get(&rank) else {
+            return;
+        };
+        prefetch_passes(|visit| {
+            for (tier, hashes) in removals.clone() {
+                let map = &blocks.tiers[Tier::of_event(tier)];
+                hashes.iter().for_each(|&hash| visit(map, hash));
+            }
+        });
+    }
+
+    /// Records that `rank`'s blocks `hashes` of tier `tier` were removed.
+    pub fn remove_blocks(&mut self, rank: u32, tier: Option<i32>, hashes: &[i64]) {
+        let Some(blocks) = self.ranks.get_mut(&rank) else {
+            return;
+        };
+        let tier = Tier::of_event(tier);
+        let map = &mut blocks.tiers[tier];
+        for &hash in hashes {
+            if map.remove_copy(hash, &mut self.spare_tokens) {
+                blocks.copies[tier] -= 1;
+            }
+        }
     }
 }
 
@@ -580,7 +605,7 @@ mod tests {
     fn as_stored(record: &BlockRecord, hash: i64) -> KvBlock {
         KvBlock {
             block_hash: hash,
-            token_ids: record.tokens.slice.to_vec(),
+            token_ids: record.block_fields(hash).tokens.to_vec(),
             block_size: record.block_size,
             lora_id: record.fields.lora_id,
             cache_level: record.fields.cache_level,
@@ -606,9 +631,14 @@ mod tests {
         assert_eq!(live(&state, 0, Tier::Device), vec![1, 3]);
         assert_eq!(live(&state, 0, Tier::Host), vec![1]);
         assert_eq!(live(&state, 1, Tier::Device), vec![9]);
-        let (_, record) = state.rank(0).unwrap().entry(Tier::Device, 3).unwrap();
+        let block = state
+            .rank(0)
+            .unwrap()
+            .tier_blocks(Tier::Device)
+            .get(3)
+            .unwrap();
         assert_eq!(
-            record.parent(),
+            block.entry.1.parent(),
             Some(2),
             "a block's parent is the block before it in its store"
         );
@@ -702,15 +732,21 @@ mod tests {
             }
             event
         };
-        let record =
-            |blocks: &RankBlocks, hash| blocks.entry(Tier::Device, hash).unwrap().1.clone();
+        let record = |blocks: &RankBlocks, hash| {
+            blocks
+                .tier_blocks(Tier::Device)
+                .record(hash)
+                .unwrap()
+                .clone()
+        };
+        let tokens = |record: &BlockRecord| record.tokens.clone().unwrap();
         let mut state = LiveState::default();
         state.apply(0, &mut stored_with(1, 10));
         let cut = state.cut();
         state.apply(0, &mut remove(&[1], Tier::Device));
         state.apply(0, &mut stored_with(2, 20));
         assert_eq!(
-            record(&cut[&0], 1).tokens.slice,
+            tokens(&record(&cut[&0], 1)).slice,
             [10, 10],
             "the cut keeps its tokens"
         );
@@ -719,19 +755,19 @@ mod tests {
             0,
             "block 1's buffer stays the cut's"
         );
-        let buffer_of_2 = record(state.rank(0).unwrap(), 2).tokens.ptr();
+        let buffer_of_2 = tokens(&record(state.rank(0).unwrap(), 2)).ptr();
         state.apply(0, &mut remove(&[2], Tier::Device));
         assert_eq!(state.spare_tokens.len(), 1);
         state.apply(0, &mut stored_with(3, 30));
         assert_eq!(state.spare_tokens.len(), 0);
         let record_3 = record(state.rank(0).unwrap(), 3);
-        assert_eq!(record_3.tokens.slice, [30, 30]);
+        assert_eq!(tokens(&record_3).slice, [30, 30]);
         assert_eq!(
-            record_3.tokens.ptr(),
+            tokens(&record_3).ptr(),
             buffer_of_2,
             "block 2's buffer, refilled"
         );
-        assert_eq!(record(&cut[&0], 1).tokens.slice, [10, 10]);
+        assert_eq!(tokens(&record(&cut[&0], 1)).slice, [10, 10]);
     }
 
     #[test]

@@ -3,17 +3,22 @@
 //! Invariant: what is written decodes (with prost, or any protobuf decoder)
 //! to exactly the event given. Blocks are written here because prost's
 //! generic varint writer pushes one byte at a time and block tokens are most
-//! of every batch; everything else is prost's own encoding. Fields may come
-//! in another order than prost's (protobuf allows any order).
+//! of every batch; a removal is written here whole, from the fields the
+//! converter read, because a full engine sends one per evicted block and
+//! building a `KvCacheEvent` for each cost more than the rest of its way.
+//! Everything else is prost's own encoding. Fields may come in another
+//! order than prost's (protobuf allows any order); blocks and removals are
+//! byte for byte prost's.
 
 use prost::Message;
 use prost::encoding::{self, WireType};
 
 use crate::proto::common::{KvBlock, KvBlockExtraKey, KvCacheEvent, kv_cache_event::Data};
 
-/// `KvCacheEvent.event_id`, `.stored`, and `KvBlocksStored.blocks`.
+/// `KvCacheEvent.event_id`, `.stored`, `.removed`, and `KvBlocksStored.blocks`.
 const EVENT_ID_FIELD: u32 = 1;
 pub(crate) const STORED_FIELD: u32 = 2;
+const REMOVED_FIELD: u32 = 3;
 pub(crate) const BLOCKS_FIELD: u32 = 1;
 
 /// The fields of one `KvBlock`, wherever they live.
@@ -114,6 +119,68 @@ impl BlockFields<'_> {
     }
 }
 
+/// The fields of one `KvBlocksRemoved`, borrowed from wherever they live
+/// (the engine's payload and the converter's scratch, on the hot path).
+#[derive(Clone, Copy, Debug)]
+pub struct RemovedFields<'a> {
+    pub hashes: &'a [i64],
+    pub cache_level: Option<i32>,
+    pub tier: Option<i32>,
+    pub medium: Option<&'a str>,
+    pub group_idx: Option<u32>,
+    pub locality: Option<i32>,
+    pub ownership: Option<&'a str>,
+}
+
+impl RemovedFields<'_> {
+    /// Appends the body of the `KvCacheEvent` numbered `event_id` that
+    /// carries this removal, byte for byte as prost writes it.
+    pub fn encode_event(&self, event_id: u64, out: &mut Vec<u8>) {
+        if event_id != 0 {
+            put_varint_field(EVENT_ID_FIELD, event_id, out);
+        }
+        let hashes_guess = self.hashes.len() * WIDEST_HASH_BYTES;
+        let width_guess = length_width_guess(hashes_guess + REMOVAL_FIELDS_BYTES);
+        write_delimited(REMOVED_FIELD, width_guess, out, |out| {
+            if !self.hashes.is_empty() {
+                write_delimited(1, length_width_guess(hashes_guess), out, |out| {
+                    out.reserve(hashes_guess);
+                    for &hash in self.hashes {
+                        put_varint(hash as u64, out);
+                    }
+                });
+            }
+            // `int32` and enum values are written sign-extended, as prost does.
+            if let Some(cache_level) = self.cache_level {
+                put_varint_field(2, i64::from(cache_level) as u64, out);
+            }
+            if let Some(tier) = self.tier {
+                put_varint_field(3, i64::from(tier) as u64, out);
+            }
+            if let Some(medium) = self.medium {
+                put_str_field(4, medium, out);
+            }
+            if let Some(group_idx) = self.group_idx {
+                put_varint_field(5, u64::from(group_idx), out);
+            }
+            if let Some(locality) = self.locality {
+                put_varint_field(6, i64::from(locality) as u64, out);
+            }
+            if let Some(ownership) = self.ownership {
+                put_str_field(7, ownership, out);
+            }
+        });
+    }
+}
+
+/// A hash at its widest (a negative `int64`, 10 varint bytes; engines'
+/// random hashes are negative half the time).
+const WIDEST_HASH_BYTES: usize = 10;
+
+/// About what a removal's fields besides its hashes take (tier, locality,
+/// a short medium name), to guess its length.
+const REMOVAL_FIELDS_BYTES: usize = 16;
+
 /// Writes the body of `event` into `out` (cleared first). The blocks of a
 /// store are set aside while prost writes the store's other fields, so the
 /// event is borrowed mutably but left as it was.
@@ -194,6 +261,13 @@ fn put_varint_field(field: u32, value: u64, buf: &mut Vec<u8>) {
 fn one_byte_key(field: u32, wire_type: WireType) -> u8 {
     assert!(field < 16, "field {field} needs a longer key");
     (field << 3 | wire_type as u32) as u8
+}
+
+/// Writes a string field: its key, its length and its bytes.
+fn put_str_field(field: u32, text: &str, buf: &mut Vec<u8>) {
+    buf.push(one_byte_key(field, WireType::LengthDelimited));
+    put_varint(text.len() as u64, buf);
+    buf.extend_from_slice(text.as_bytes());
 }
 
 fn put_varint(mut value: u64, buf: &mut Vec<u8>) {

@@ -15,6 +15,7 @@
 //! kvgate run by run, so both see the same machine at the same time.
 
 mod chart;
+mod floor;
 mod gateway;
 mod histogram;
 mod procfs;
@@ -126,6 +127,18 @@ struct LoadArgs {
           value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
 
+    /// Instead of a load run, be `benchmarks/floor.py`'s receivers: connect
+    /// --floor-count of them to `zmq:ENDPOINT` (SUB sockets) or
+    /// `grpc:HOST:PORT` (kvgate's streams), all on one thread, and answer
+    /// floor.py's `ready?` and `count` on stdin.
+    #[arg(long, value_name = "TARGET", requires = "floor_count")]
+    floor_receivers: Option<floor::FloorTarget>,
+
+    /// How many receivers --floor-receivers connects.
+    #[arg(long, value_name = "N", requires = "floor_receivers",
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    floor_count: Option<u32>,
+
     /// Extra `kvgate serve` flags, after `--` (e.g. `-- --max-batch-events 256`).
     #[arg(last = true, value_name = "SERVE_ARGS")]
     serve_args: Vec<String>,
@@ -141,6 +154,13 @@ fn seconds(text: &str) -> Result<Duration, String> {
 
 fn main() -> anyhow::Result<()> {
     let args = LoadArgs::parse();
+    if let (Some(target), Some(count)) = (args.floor_receivers.clone(), args.floor_count) {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")?
+            .block_on(floor::serve(target, count as usize));
+    }
     tokio::runtime::Runtime::new()
         .context("cannot start the async runtime")?
         .block_on(run(args))

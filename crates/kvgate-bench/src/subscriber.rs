@@ -222,7 +222,7 @@ async fn receive(
 
 /// Connects to `address` (`host:port` or `http://host:port`) in plaintext,
 /// without a token; errors call the address `described_as`.
-async fn connect_plaintext(
+pub async fn connect_plaintext(
     described_as: &'static str,
     address: &str,
 ) -> anyhow::Result<Authorized> {

@@ -54,10 +54,16 @@ pub(super) fn blocks_alone_end_chunks(lone_entry_len: usize) -> bool {
         .is_some_and(|chunk| chunk <= MAX_CHUNK_BYTES)
 }
 
+/// Room before a store's bytes for the event's key and the store's length,
+/// written once the store is complete: the event is handed to the chunk
+/// from where it starts, never copied into an event buffer first.
+const EVENT_PREFIX_ROOM: usize = encoding::key_len(STORED_FIELD) + 10;
+
 /// One store event being encoded straight from block records: the store's
 /// own fields first, then its blocks (field order is free in protobuf).
 pub(super) struct StorePiece {
-    store: Vec<u8>,
+    /// `EVENT_PREFIX_ROOM` bytes, then the store's.
+    event: Vec<u8>,
     /// Bytes of blocks counted but not written (`Output::Boundaries`).
     unwritten: usize,
     blocks: usize,
@@ -65,11 +71,13 @@ pub(super) struct StorePiece {
 }
 
 impl StorePiece {
-    pub(super) fn new(fields: &StoreFields, parent: Option<i64>) -> Self {
-        let mut store = Vec::new();
-        fields.to_store(parent).encode_raw(&mut store);
+    /// A store of no blocks yet in `buffer`, whose bytes are dropped.
+    fn new(mut buffer: Vec<u8>, fields: &StoreFields, parent: Option<i64>) -> Self {
+        buffer.clear();
+        buffer.resize(EVENT_PREFIX_ROOM, 0);
+        fields.to_store(parent).encode_raw(&mut buffer);
         Self {
-            store,
+            event: buffer,
             unwritten: 0,
             blocks: 0,
             last_hash: None,
@@ -82,9 +90,9 @@ impl StorePiece {
             + block_len;
         match output {
             Output::Encoded => {
-                encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, &mut self.store);
-                encoding::encode_varint(block_len as u64, &mut self.store);
-                block.encode(&mut self.store);
+                encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, &mut self.event);
+                encoding::encode_varint(block_len as u64, &mut self.event);
+                block.encode(&mut self.event);
             }
             Output::Boundaries => self.unwritten += len,
         }
@@ -94,7 +102,7 @@ impl StorePiece {
 
     /// The store's encoded length, blocks written or not.
     fn store_len(&self) -> usize {
-        self.store.len() + self.unwritten
+        self.event.len() - EVENT_PREFIX_ROOM + self.unwritten
     }
 
     /// The `KvCacheEvent` body's length for a store of `store` bytes.
@@ -112,13 +120,15 @@ impl StorePiece {
         EventLen::of_body(Self::event_len(store)).entry
     }
 
-    /// The `KvCacheEvent` body (`event_id` 0 is the default: not written).
-    fn into_event(self) -> Vec<u8> {
-        let mut event = Vec::with_capacity(Self::event_len(self.store.len()));
-        encoding::encode_key(STORED_FIELD, WireType::LengthDelimited, &mut event);
-        encoding::encode_varint(self.store.len() as u64, &mut event);
-        event.extend_from_slice(&self.store);
-        event
+    /// The `KvCacheEvent` body (`event_id` 0 is the default: not written),
+    /// its prefix written into the room left for it.
+    fn event(&mut self) -> &[u8] {
+        let store = self.store_len();
+        let start = EVENT_PREFIX_ROOM - (Self::event_len(store) - store);
+        let mut prefix = &mut self.event[start..EVENT_PREFIX_ROOM];
+        encoding::encode_key(STORED_FIELD, WireType::LengthDelimited, &mut prefix);
+        encoding::encode_varint(store as u64, &mut prefix);
+        &self.event[start..]
     }
 }
 
@@ -139,6 +149,10 @@ pub(super) struct Chunker {
     open_len: usize,
     open_blocks: usize,
     pub(super) blocks_total: u64,
+    /// The buffer of the store pushed last, for the next one: a store can
+    /// grow to a whole chunk, and a new buffer of that size each time costs
+    /// the kernel's page faults.
+    spare_piece: Vec<u8>,
 }
 
 impl Chunker {
@@ -152,7 +166,13 @@ impl Chunker {
             open_len: 0,
             open_blocks: 0,
             blocks_total: 0,
+            spare_piece: Vec::new(),
         }
+    }
+
+    /// A store of `fields` under `parent`, with no blocks yet.
+    pub(super) fn piece(&mut self, fields: &StoreFields, parent: Option<i64>) -> StorePiece {
+        StorePiece::new(std::mem::take(&mut self.spare_piece), fields, parent)
     }
 
     fn room(&self, blocks: usize, bytes: usize) -> bool {
@@ -205,7 +225,7 @@ impl Chunker {
         let block_len = block.encoded_len();
         let grown = piece.entry_len_with(block_len);
         if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
-            let next = StorePiece::new(fields, piece.last_hash);
+            let next = self.piece(fields, piece.last_hash);
             self.push_piece(std::mem::replace(piece, next));
         }
         if piece.blocks == 0
@@ -217,11 +237,14 @@ impl Chunker {
         piece.add(&block, block_len, self.output);
     }
 
-    pub(super) fn push_piece(&mut self, piece: StorePiece) {
+    pub(super) fn push_piece(&mut self, mut piece: StorePiece) {
         let len = EventLen::of_body(StorePiece::event_len(piece.store_len()));
         self.admit(len, piece.blocks);
         if self.output == Output::Encoded {
-            self.open.push_encoded(&piece.into_event(), self.timestamp);
+            self.open.push_encoded(piece.event(), self.timestamp);
+        }
+        if piece.event.capacity() > self.spare_piece.capacity() {
+            self.spare_piece = piece.event;
         }
     }
 

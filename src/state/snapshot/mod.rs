@@ -20,19 +20,18 @@
 //!
 //! A snapshot is encoded lazily, one chunk per call, from a cut that shares
 //! the state: what it holds besides the cut is one chunk being filled, the
-//! chain being walked and a window of the next blocks in store order (an
-//! eighth of a tier at most, 16 bytes a block), never the whole snapshot. The
-//! chunk count goes in every header. For a rank none of whose chunks can
-//! fill by bytes before it holds `MAX_CHUNK_BLOCKS` blocks (the state keeps
-//! a bound on the bytes of any block a rank stored), every chunk but the
-//! rank's last is full, so its count follows from its block count. The
-//! other ranks' chunk boundaries are found by a first pass over those ranks
-//! alone, counting the blocks' bytes without writing them, before the first
-//! chunk is handed out; that pass runs to its end in one call, so it takes
-//! the whole tier's store order in one scan instead of eight. The
-//! encoder owns its cut and the walk borrows from it (`self_cell`), so a
-//! block taken into a window is never looked up by hash again (each lookup
-//! is a chain of cache misses).
+//! chain being walked and its place in the tier's records, never the whole
+//! snapshot. The state keeps each tier's records in store order, so the walk
+//! reads them in the order they sit in memory: no sort, and no lookup by
+//! hash but for a parent stored again after its child (each lookup is a
+//! chain of cache misses). The chunk count goes in every header. For a rank
+//! none of whose chunks can fill by bytes before it holds
+//! `MAX_CHUNK_BLOCKS` blocks (the state keeps a bound on the bytes of any
+//! block a rank stored), every chunk but the rank's last is full, so its
+//! count follows from its block count. The other ranks' chunk boundaries
+//! are found by a first pass over those ranks alone, counting the blocks'
+//! bytes without writing them, before the first chunk is handed out. The
+//! encoder owns its cut and the walk borrows from it (`self_cell`).
 
 mod chunker;
 mod tier_walk;
@@ -48,7 +47,7 @@ use crate::proto::common::{KvCacheEvent, KvSnapshotChunk};
 use crate::wire::OpenBatch;
 pub(crate) use chunker::lone_block_entry_len;
 use chunker::{Chunker, Output, blocks_alone_end_chunks};
-use tier_walk::{Reach, TierWalk};
+use tier_walk::TierWalk;
 
 /// Most blocks in one snapshot chunk.
 pub const MAX_CHUNK_BLOCKS: usize = 2048;
@@ -241,20 +240,13 @@ impl RawChunks {
 #[derive(Clone, Copy, Debug)]
 enum Pass {
     /// Finds where every chunk ends, for the headers' count: runs to its
-    /// end within one call, under an encode slot.
+    /// end within one call, under an encode slot, and writes no bytes.
     Planning,
     /// Encodes the chunks one at a time as a subscriber reads them.
     Reading,
 }
 
 impl Pass {
-    fn reach(self) -> Reach {
-        match self {
-            Pass::Planning => Reach::Whole,
-            Pass::Reading => Reach::Eighth,
-        }
-    }
-
     fn output(self) -> Output {
         match self {
             Pass::Planning => Output::Boundaries,
@@ -263,8 +255,8 @@ impl Pass {
     }
 }
 
-/// Where the walk of a cut has got to, borrowing the blocks it has taken
-/// into its windows from the cut.
+/// Where the walk of a cut has got to, borrowing the tier it walks from the
+/// cut.
 struct ChunkWalk<'cut> {
     timestamp: f64,
     pass: Pass,
@@ -312,35 +304,41 @@ impl<'cut> ChunkWalk<'cut> {
 /// One rank's walk: an ownerless clear, then every live block, tier by tier.
 struct RankWalk<'cut> {
     rank: u32,
-    /// Tiers walked so far, in `Tier::ALL` order.
-    tiers_done: usize,
-    tier_walk: TierWalk<'cut>,
+    /// Tiers begun so far, in `Tier::ALL` order.
+    tiers_begun: usize,
+    tier_walk: Option<TierWalk<'cut>>,
     chunker: Chunker,
     finished: bool,
 }
 
-impl<'cut> RankWalk<'cut> {
+impl RankWalk<'_> {
     fn new(rank: u32, timestamp: f64, pass: Pass) -> Self {
         let mut chunker = Chunker::new(timestamp, pass.output());
         chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
         Self {
             rank,
-            tiers_done: 0,
-            tier_walk: TierWalk::new(pass.reach()),
+            tiers_begun: 0,
+            tier_walk: None,
             chunker,
             finished: false,
         }
     }
+}
 
+impl<'cut> RankWalk<'cut> {
     /// Walks on until a chunk is full or the rank is done.
     fn advance(&mut self, blocks: Option<&'cut RankBlocks>) {
         while self.chunker.done.is_empty() {
-            match (blocks, Tier::ALL.get(self.tiers_done)) {
+            if let Some(walk) = &mut self.tier_walk {
+                if !walk.step(&mut self.chunker) {
+                    self.tier_walk = None;
+                }
+                continue;
+            }
+            match (blocks, Tier::ALL.get(self.tiers_begun)) {
                 (Some(blocks), Some(&tier)) => {
-                    if !self.tier_walk.step(blocks, tier, &mut self.chunker) {
-                        self.tiers_done += 1;
-                        self.tier_walk = TierWalk::new(self.tier_walk.reach);
-                    }
+                    self.tier_walk = Some(TierWalk::new(blocks.tier_blocks(tier)));
+                    self.tiers_begun += 1;
                 }
                 _ => {
                     self.chunker.finish();
@@ -525,12 +523,12 @@ mod tests {
         assert_eq!(batches[0].snapshot.unwrap().blocks, 3);
     }
 
-    /// Every chunk `reach` and `output` make of rank 0's device tier.
-    fn tier_chunks(state: &LiveState, reach: Reach, output: Output) -> Vec<Bytes> {
+    /// Every chunk `output` makes of rank 0's device tier.
+    fn tier_chunks(state: &LiveState, output: Output) -> Vec<Bytes> {
         let blocks = state.rank(0).unwrap();
         let mut chunker = Chunker::new(1.0, output);
-        let mut walk = TierWalk::new(reach);
-        while walk.step(blocks, KvCacheTier::Device, &mut chunker) {}
+        let mut walk = TierWalk::new(blocks.tier_blocks(KvCacheTier::Device));
+        while walk.step(&mut chunker) {}
         chunker.finish();
         chunker
             .done
@@ -542,14 +540,14 @@ mod tests {
     #[test]
     fn the_planning_walk_ends_its_chunks_exactly_where_the_reading_walk_does() {
         let mut state = LiveState::default();
-        // 400 chains of 50: several windows of the reading walk.
+        // 400 chains of 50: many chunks, over several pages of records.
         let chains: Vec<i64> = (0..400).map(|chain| chain * 100).collect();
         for &first in &chains {
             let hashes: Vec<i64> = (first..first + 50).collect();
             store(&mut state, 0, None, &hashes, 4);
         }
         // Roots evicted and stored again after their chains (their
-        // children pull them out ahead of their turn), across windows; and
+        // children pull them out ahead of their turn), across pages; and
         // extra copies.
         for &first in chains.iter().step_by(7) {
             evict(&mut state, 0, first);
@@ -558,15 +556,13 @@ mod tests {
         for &first in chains.iter().step_by(5) {
             store(&mut state, 0, None, &[first + 10], 4);
         }
-        let whole = tier_chunks(&state, Reach::Whole, Output::Encoded);
-        let windowed = tier_chunks(&state, Reach::Eighth, Output::Encoded);
-        assert!(whole.len() > 5, "{} chunks", whole.len());
-        assert!(whole == windowed, "the same chunks, byte for byte");
-        let planned = tier_chunks(&state, Reach::Whole, Output::Boundaries);
-        assert_eq!(planned.len(), windowed.len());
+        let encoded = tier_chunks(&state, Output::Encoded);
+        assert!(encoded.len() > 5, "{} chunks", encoded.len());
+        let planned = tier_chunks(&state, Output::Boundaries);
+        assert_eq!(planned.len(), encoded.len());
 
         let batches = snapshot_of(&state, &[(0, 100_000)]);
-        assert_eq!(batches.len(), windowed.len());
+        assert_eq!(batches.len(), encoded.len());
         let blocks: usize = batches
             .iter()
             .flat_map(stored_hashes)

@@ -1,0 +1,118 @@
+//! `--floor-receivers`: the receivers of `benchmarks/floor.py`, in Rust and
+//! all on one thread, for libzmq's side (SUB sockets on the engine's PUB)
+//! and kvgate's (gRPC subscribers) alike.
+//!
+//! The floor is a cost per delivery, which holds only while every receiver
+//! keeps up: one that falls behind is written several messages at a time,
+//! by libzmq as by kvgate. Python's receivers fell behind at 64; these read
+//! as `kvgate-bench`'s subscribers do (raw bytes, nothing decoded, one
+//! thread), so both sides are arranged alike at any count.
+//!
+//! floor.py drives it with its receivers' line protocol on stdin: `ready?`
+//! answers 1 once every receiver has had a message (else 0), `count` the
+//! messages received so far; the end of stdin ends the process.
+
+use std::io::{BufRead, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::Context;
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+use super::subscriber::connect_plaintext;
+use kvgate::client::{RawBatches, subscribe_with};
+
+/// Who is read, with its address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FloorTarget {
+    /// SUB sockets on a ZMQ PUB (`zmq:tcp://HOST:PORT`).
+    Zmq(String),
+    /// kvgate's `SubscribeKvEvents` streams, one connection each
+    /// (`grpc:HOST:PORT`).
+    Grpc(String),
+}
+
+impl std::str::FromStr for FloorTarget {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.split_once(':') {
+            Some(("zmq", endpoint)) if !endpoint.is_empty() => Ok(Self::Zmq(endpoint.to_owned())),
+            Some(("grpc", address)) if !address.is_empty() => Ok(Self::Grpc(address.to_owned())),
+            _ => Err(format!(
+                "{text:?} is neither zmq:ENDPOINT nor grpc:HOST:PORT"
+            )),
+        }
+    }
+}
+
+/// Connects `count` receivers to `target` on this (current-thread) runtime,
+/// then answers floor.py until its stdin ends.
+pub async fn serve(target: FloorTarget, count: usize) -> anyhow::Result<()> {
+    let counts: Arc<Vec<AtomicU64>> = Arc::new((0..count).map(|_| AtomicU64::new(0)).collect());
+    for index in 0..count {
+        let counts = Arc::clone(&counts);
+        match &target {
+            FloorTarget::Zmq(endpoint) => {
+                let mut socket = SubSocket::new();
+                socket
+                    .connect(endpoint)
+                    .await
+                    .with_context(|| format!("SUB socket to {endpoint}"))?;
+                socket.subscribe("").await?;
+                tokio::spawn(async move {
+                    while socket.recv().await.is_ok() {
+                        counts[index].fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+            FloorTarget::Grpc(address) => {
+                let channel = connect_plaintext("the gateway at", address).await?;
+                let mut stream = subscribe_with(channel, "kvgate.v1.KvGate", 0, RawBatches)
+                    .await
+                    .map_err(|status| anyhow::anyhow!("SubscribeKvEvents refused: {status}"))?;
+                tokio::spawn(async move {
+                    while let Ok(Some(_)) = stream.message().await {
+                        counts[index].fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        }
+    }
+    // Blocking reads of stdin stay off the receivers' thread.
+    tokio::task::spawn_blocking(move || answer(&counts)).await?
+}
+
+fn answer(counts: &[AtomicU64]) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    for line in std::io::stdin().lock().lines() {
+        let reply = match line?.trim() {
+            "ready?" => u64::from(counts.iter().all(|c| c.load(Ordering::Relaxed) > 0)),
+            "count" => counts.iter().map(|c| c.load(Ordering::Relaxed)).sum(),
+            other => anyhow::bail!("unknown command {other:?} (ready? or count)"),
+        };
+        writeln!(stdout, "{reply}")?;
+        stdout.flush()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FloorTarget;
+
+    #[test]
+    fn a_floor_target_names_its_kind() {
+        assert_eq!(
+            "zmq:tcp://127.0.0.1:5557".parse(),
+            Ok(FloorTarget::Zmq("tcp://127.0.0.1:5557".to_owned()))
+        );
+        assert_eq!(
+            "grpc:127.0.0.1:50061".parse(),
+            Ok(FloorTarget::Grpc("127.0.0.1:50061".to_owned()))
+        );
+        for bad in ["tcp://127.0.0.1:5557", "zmq:", "http:x"] {
+            assert!(bad.parse::<FloorTarget>().is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,486 @@
+//! One tier's live blocks: their records in store order, a page at a time,
+//! and an index from a block's hash to its record.
+//!
+//! Invariant: records sit in pages in the order they were stored, within a
+//! page and from one page to the next, so a walk in store order reads
+//! memory in order, with no sort and no lookup by hash; each record's live
+//! copies sit beside it in its page (0 once the block is gone: the dead
+//! record stays until its page is merged or emptied); the index holds
+//! exactly the live records. Pages and index are copy-on-write: a clone
+//! shares them, and the first write to a shared page copies its copy counts
+//! (1 KiB), or, for the page being appended to, its records; no removal
+//! copies records. A page whose live records fall below a quarter of it is
+//! merged with a neighbour they fit beside, so dead records hold a bounded
+//! share of the memory.
+
+use std::slice;
+
+// Not std's: its uniqueness check is a compare-and-swap, one per write here.
+use triomphe::Arc;
+
+use super::BlockRecord;
+use super::cow_map::{CowMap, Found};
+use super::prefetch::prefetch;
+use super::spare_tokens::SpareTokens;
+
+/// Records per page: a page appended to while a cut shares it is copied
+/// whole, once, so it stays small; a cut clones one handle per page, so it
+/// does not stay too small.
+const PAGE: usize = 1024;
+/// How far ahead of a walk each record's tokens are fetched: the records
+/// are read in order (the CPU fetches them unasked), their tokens are not.
+const PREFETCH_TOKENS: usize = 8;
+
+/// A block as a tier holds it: its hash beside its record.
+pub(crate) type Entry = (i64, BlockRecord);
+
+/// Where a record is: its page and its place in the page.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    page: u32,
+    offset: u32,
+}
+
+#[derive(Clone, Debug)]
+struct Page {
+    /// In store order; never more than `PAGE`.
+    records: Arc<Vec<Entry>>,
+    /// Each record's live copies; 0 once it is gone.
+    copies: Arc<Vec<u8>>,
+    /// Records with copies.
+    live: usize,
+}
+
+impl Page {
+    fn new() -> Self {
+        Self {
+            records: Arc::new(Vec::with_capacity(PAGE)),
+            copies: Arc::new(Vec::with_capacity(PAGE)),
+            live: 0,
+        }
+    }
+}
+
+/// A live block of a tier and its copies.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LiveBlock<'a> {
+    pub(crate) entry: &'a Entry,
+    pub(crate) copies: u8,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct TierBlocks {
+    index: CowMap<Slot>,
+    /// By page id; `None` for an id free to reuse.
+    pages: Vec<Option<Page>>,
+    free_ids: Vec<u32>,
+    /// Page ids in store order: records are appended to the last.
+    order: Vec<u32>,
+}
+
+impl TierBlocks {
+    fn page(&self, id: u32) -> &Page {
+        self.pages[id as usize]
+            .as_ref()
+            .expect("the index and the order name live pages")
+    }
+
+    fn page_mut(&mut self, id: u32) -> &mut Page {
+        self.pages[id as usize]
+            .as_mut()
+            .expect("the index and the order name live pages")
+    }
+
+    /// The live block `hash`.
+    pub(crate) fn get(&self, hash: i64) -> Option<LiveBlock<'_>> {
+        let slot = *self.index.get(hash)?;
+        let page = self.page(slot.page);
+        let offset = slot.offset as usize;
+        Some(LiveBlock {
+            entry: &page.records[offset],
+            copies: page.copies[offset],
+        })
+    }
+
+    /// The live record of `hash`.
+    pub(crate) fn record(&self, hash: i64) -> Option<&BlockRecord> {
+        self.get(hash).map(|block| &block.entry.1)
+    }
+
+    /// Asks the CPU to fetch the index's shard header for `hash`.
+    pub(crate) fn prefetch_shard(&self, hash: i64) {
+        self.index.prefetch_shard(hash);
+    }
+
+    /// Asks the CPU to fetch the record of `hash` and its copy count, once
+    /// the index is in the cache.
+    pub(crate) fn prefetch_record(&self, hash: i64) {
+        if let Some(slot) = self.index.get(hash) {
+            let page = self.page(slot.page);
+            let offset = slot.offset as usize;
+            prefetch(page.records.as_ptr().wrapping_add(offset));
+            prefetch(page.copies.as_ptr().wrapping_add(offset));
+        }
+    }
+
+    /// Every live block, in store order.
+    pub(crate) fn live(&self) -> LiveBlocks<'_> {
+        LiveBlocks {
+            tier: self,
+            pages: self.order.iter(),
+            records: &[],
+            copies: &[],
+            next: 0,
+        }
+    }
+
+    /// The copies of `hash` for writing, or, if it is not live, `make()`
+    /// appended as its record with one copy.
+    ///
+    /// Inlined into the store loop with `make`, as `CowMap`'s is: out of
+    /// line, that loop's ingest was 10-15% slower.
+    #[inline]
+    pub(crate) fn find_or_insert_with(
+        &mut self,
+        hash: i64,
+        make: impl FnOnce() -> BlockRecord,
+    ) -> Found<'_, u8> {
+        let tail = self.tail_slot();
+        let existing = match self.index.find_or_insert_with(hash, || tail) {
+            Found::Inserted => None,
+            Found::Existing(slot) => Some(*slot),
+        };
+        match existing {
+            Some(slot) => {
+                let page = self.page_mut(slot.page);
+                Found::Existing(&mut Arc::make_mut(&mut page.copies)[slot.offset as usize])
+            }
+            None => {
+                let page = self.page_mut(tail.page);
+                Arc::make_mut(&mut page.records).push((hash, make()));
+                Arc::make_mut(&mut page.copies).push(1);
+                page.live += 1;
+                Found::Inserted
+            }
+        }
+    }
+
+    /// Where the next record goes: the last page, or a new one once it is
+    /// full.
+    fn tail_slot(&mut self) -> Slot {
+        if let Some(&id) = self.order.last() {
+            let len = self.page(id).records.len();
+            if len < PAGE {
+                return Slot {
+                    page: id,
+                    offset: len as u32,
+                };
+            }
+        }
+        let page = Some(Page::new());
+        let id = match self.free_ids.pop() {
+            Some(id) => {
+                self.pages[id as usize] = page;
+                id
+            }
+            None => {
+                self.pages.push(page);
+                u32::try_from(self.pages.len() - 1).expect("fewer than 2^32 pages")
+            }
+        };
+        self.order.push(id);
+        Slot {
+            page: id,
+            offset: 0,
+        }
+    }
+
+    /// Removes one copy of `hash`; false if it is not live. The last copy's
+    /// token buffer goes to `spare` once no cut shares it.
+    pub(crate) fn remove_copy(&mut self, hash: i64, spare: &mut SpareTokens) -> bool {
+        let Some(&slot) = self.index.get(hash) else {
+            return false;
+        };
+        let offset = slot.offset as usize;
+        let page = self.page_mut(slot.page);
+        let copies = &mut Arc::make_mut(&mut page.copies)[offset];
+        *copies -= 1;
+        if *copies > 0 {
+            return true;
+        }
+        page.live -= 1;
+        if let Some(records) = Arc::get_mut(&mut page.records) {
+            // No cut holds the page: what the dead record holds is freed now.
+            free_record(&mut records[offset].1, spare);
+        }
+        let live = page.live;
+        self.index.remove(hash);
+        if live == 0 {
+            self.drop_page(slot.page, spare);
+        } else if live == PAGE / 4 - 1 || (live < PAGE / 4 && live.is_power_of_two()) {
+            // Tried as it falls below a quarter and at each halving after,
+            // not at every removal: each try looks for the page in the order.
+            self.merge(slot.page, spare);
+        }
+        true
+    }
+
+    fn position(&self, id: u32) -> usize {
+        self.order
+            .iter()
+            .position(|&page| page == id)
+            .expect("a live page is in the order")
+    }
+
+    fn drop_page(&mut self, id: u32, spare: &mut SpareTokens) {
+        let position = self.position(id);
+        self.order.remove(position);
+        let page = self.pages[id as usize].take().expect("a live page");
+        self.free_ids.push(id);
+        if let Ok(mut records) = Arc::try_unwrap(page.records) {
+            for (_, record) in &mut records {
+                free_record(record, spare);
+            }
+        }
+    }
+
+    /// Merges the sparse page `id` with the next page, or else the one
+    /// before, if their live records fit in one page. The last page is
+    /// left to fill.
+    fn merge(&mut self, id: u32, spare: &mut SpareTokens) {
+        let position = self.position(id);
+        if position + 1 == self.order.len() {
+            return;
+        }
+        let live = |position: usize| self.page(self.order[position]).live;
+        let fits = |other: usize| live(position) + live(other) <= PAGE;
+        let first = if fits(position + 1) {
+            position
+        } else if position > 0 && fits(position - 1) {
+            position - 1
+        } else {
+            return;
+        };
+        let (kept_id, merged_id) = (self.order[first], self.order[first + 1]);
+        let mut records = Vec::with_capacity(PAGE);
+        let mut copies = Vec::with_capacity(PAGE);
+        for id in [kept_id, merged_id] {
+            let page = self.pages[id as usize].take().expect("a live page");
+            match Arc::try_unwrap(page.records) {
+                Ok(owned) => {
+                    for (mut entry, &count) in owned.into_iter().zip(page.copies.iter()) {
+                        if count > 0 {
+                            records.push(entry);
+                            copies.push(count);
+                        } else {
+                            free_record(&mut entry.1, spare);
+                        }
+                    }
+                }
+                Err(shared) => {
+                    for (entry, &count) in shared.iter().zip(page.copies.iter()) {
+                        if count > 0 {
+                            records.push(entry.clone());
+                            copies.push(count);
+                        }
+                    }
+                }
+            }
+        }
+        for (offset, (hash, _)) in records.iter().enumerate() {
+            *self.index.get_mut(*hash).expect("a live record is indexed") = Slot {
+                page: kept_id,
+                offset: offset as u32,
+            };
+        }
+        self.pages[kept_id as usize] = Some(Page {
+            live: records.len(),
+            records: Arc::new(records),
+            copies: Arc::new(copies),
+        });
+        self.free_ids.push(merged_id);
+        self.order.remove(first + 1);
+    }
+}
+
+/// Frees what a dead record holds, keeping its token buffer for a new one.
+fn free_record(record: &mut BlockRecord, spare: &mut SpareTokens) {
+    if let Some(tokens) = record.tokens.take() {
+        spare.keep(tokens);
+    }
+    record.extra_keys = None;
+}
+
+/// A tier's live blocks in store order.
+pub(crate) struct LiveBlocks<'a> {
+    tier: &'a TierBlocks,
+    pages: slice::Iter<'a, u32>,
+    records: &'a [Entry],
+    copies: &'a [u8],
+    next: usize,
+}
+
+impl<'a> Iterator for LiveBlocks<'a> {
+    type Item = LiveBlock<'a>;
+
+    fn next(&mut self) -> Option<LiveBlock<'a>> {
+        loop {
+            let at = self.next;
+            if let Some(entry) = self.records.get(at) {
+                self.next += 1;
+                if let Some((_, ahead)) = self.records.get(at + PREFETCH_TOKENS)
+                    && let Some(tokens) = &ahead.tokens
+                {
+                    // `ptr`, not the slice: the slice's length is read from
+                    // the very allocation being fetched.
+                    prefetch(tokens.ptr());
+                }
+                let copies = self.copies[at];
+                if copies > 0 {
+                    return Some(LiveBlock { entry, copies });
+                }
+                continue;
+            }
+            let page = self.tier.page(*self.pages.next()?);
+            self.records = &page.records;
+            self.copies = &page.copies;
+            self.next = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::StoreFields;
+
+    fn record(order: u64) -> BlockRecord {
+        BlockRecord {
+            parent: 0,
+            tokens: Some(triomphe::ThinArc::from_header_and_iter(
+                (),
+                [1, 2].into_iter(),
+            )),
+            extra_keys: None,
+            fields: std::sync::Arc::new(StoreFields::default()),
+            order,
+            block_size: 2,
+            has_parent: false,
+        }
+    }
+
+    /// Stores `hash` as the state does: a new record, or one more copy.
+    fn insert(tier: &mut TierBlocks, hash: i64) {
+        if let Found::Existing(copies) = tier.find_or_insert_with(hash, || record(hash as u64)) {
+            *copies += 1;
+        }
+    }
+
+    fn live(tier: &TierBlocks) -> Vec<(i64, u8)> {
+        tier.live()
+            .map(|block| (block.entry.0, block.copies))
+            .collect()
+    }
+
+    #[test]
+    fn blocks_come_back_in_store_order_with_their_copies() {
+        let mut tier = TierBlocks::default();
+        let hashes: Vec<i64> = (0..3000).map(|n| (n * 7919) % 3001).collect();
+        for &hash in &hashes {
+            insert(&mut tier, hash);
+        }
+        insert(&mut tier, hashes[5]);
+        let expected: Vec<(i64, u8)> = hashes
+            .iter()
+            .map(|&hash| (hash, if hash == hashes[5] { 2 } else { 1 }))
+            .collect();
+        let walked = live(&tier);
+        let first_difference = walked.iter().zip(&expected).position(|(a, b)| a != b);
+        assert_eq!(first_difference, None);
+        assert_eq!(walked.len(), expected.len());
+        assert_eq!(tier.get(hashes[5]).unwrap().copies, 2);
+    }
+
+    #[test]
+    fn any_mix_of_stores_copies_and_removals_walks_as_the_live_blocks_in_store_order_and_cuts_keep_theirs()
+     {
+        // A model: live hashes in store order with their copies.
+        let mut model: Vec<(i64, u8)> = Vec::new();
+        let mut spare = SpareTokens::default();
+        let mut tier = TierBlocks::default();
+        let mut cuts: Vec<(TierBlocks, Vec<(i64, u8)>)> = Vec::new();
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |bound: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % bound
+        };
+        for step in 0..60_000 {
+            let hash = next(6000) as i64;
+            // Stores and removals alike, so pages empty, thin out and merge.
+            if next(2) == 0 {
+                insert(&mut tier, hash);
+                match model.iter_mut().find(|(live, _)| *live == hash) {
+                    Some((_, copies)) => *copies += 1,
+                    None => model.push((hash, 1)),
+                }
+            } else {
+                let at = model.iter().position(|(live, _)| *live == hash);
+                assert_eq!(tier.remove_copy(hash, &mut spare), at.is_some());
+                if let Some(at) = at {
+                    model[at].1 -= 1;
+                    if model[at].1 == 0 {
+                        model.remove(at);
+                    }
+                }
+            }
+            if step % 7_000 == 0 {
+                cuts.push((tier.clone(), model.clone()));
+            }
+        }
+        assert_eq!(live(&tier), model);
+        for &(hash, copies) in &model {
+            assert_eq!(tier.get(hash).map(|block| block.copies), Some(copies));
+        }
+        for (cut, then) in &cuts {
+            assert_eq!(&live(cut), then, "a cut walks as the state was");
+        }
+        let pages = tier.order.len();
+        assert!(
+            pages <= 4 * model.len().div_ceil(PAGE) + 1,
+            "{pages} pages for {} live blocks",
+            model.len()
+        );
+    }
+
+    #[test]
+    fn removed_blocks_leave_the_walk_and_emptied_or_sparse_pages_are_merged_away() {
+        let mut spare = SpareTokens::default();
+        let mut tier = TierBlocks::default();
+        for hash in 0..(4 * PAGE as i64) {
+            insert(&mut tier, hash);
+        }
+        let frozen = tier.clone();
+        // The first page emptied; of the second and third, 7 in 8 removed.
+        for hash in 0..(3 * PAGE as i64) {
+            if hash < PAGE as i64 || hash % 8 != 0 {
+                assert!(tier.remove_copy(hash, &mut spare));
+            }
+        }
+        assert!(!tier.remove_copy(0, &mut spare), "already gone");
+        let kept: Vec<i64> = (PAGE as i64..4 * PAGE as i64)
+            .filter(|hash| *hash >= 3 * PAGE as i64 || hash % 8 == 0)
+            .collect();
+        let walked: Vec<i64> = live(&tier).into_iter().map(|(hash, _)| hash).collect();
+        assert_eq!(walked, kept);
+        assert_eq!(tier.order.len(), 2, "the two sparse pages merged into one");
+        for &hash in &kept {
+            assert_eq!(tier.get(hash).unwrap().entry.0, hash);
+        }
+        assert_eq!(live(&frozen).len(), 4 * PAGE, "the clone kept every block");
+        // The merged page fills again in order.
+        insert(&mut tier, -1);
+        assert_eq!(live(&tier).last(), Some(&(-1, 1)));
+    }
+}
