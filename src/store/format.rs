@@ -91,19 +91,28 @@ pub fn file_header(kind: FileKind) -> [u8; FILE_HEADER_BYTES] {
     header
 }
 
-/// Appends one record of `kind` to `out`, its payload the concatenation of
-/// `parts` (so a batch's bytes are copied once, into `out`).
-pub fn put_record(out: &mut Vec<u8>, kind: u8, parts: &[&[u8]]) {
+/// A record's header and kind byte, for a payload that is the
+/// concatenation of `parts`: the checksum is computed over the parts where
+/// they lie, so they can be written after it without being copied.
+pub fn record_head(kind: u8, parts: &[&[u8]]) -> [u8; RECORD_HEADER_BYTES + 1] {
     let payload_len: usize = parts.iter().map(|part| part.len()).sum();
     let len = u32::try_from(payload_len + 1).expect("records are far below 4 GiB");
     let len_bytes = len.to_le_bytes();
     let crc = parts.iter().fold(crc32c::crc32c(&[kind]), |crc, part| {
         crc32c::crc32c_append(crc, part)
     });
-    out.extend_from_slice(&len_bytes);
-    out.extend_from_slice(&crc32c::crc32c(&len_bytes).to_le_bytes());
-    out.extend_from_slice(&crc.to_le_bytes());
-    out.push(kind);
+    let mut head = [0; RECORD_HEADER_BYTES + 1];
+    head[..4].copy_from_slice(&len_bytes);
+    head[4..8].copy_from_slice(&crc32c::crc32c(&len_bytes).to_le_bytes());
+    head[8..12].copy_from_slice(&crc.to_le_bytes());
+    head[12] = kind;
+    head
+}
+
+/// Appends one record of `kind` to `out`, its payload the concatenation of
+/// `parts`.
+pub fn put_record(out: &mut Vec<u8>, kind: u8, parts: &[&[u8]]) {
+    out.extend_from_slice(&record_head(kind, parts));
     for part in parts {
         out.extend_from_slice(part);
     }

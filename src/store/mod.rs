@@ -143,7 +143,8 @@ impl StoreStatus {
 }
 
 /// Takes the directory (creating it), reads it back and starts the
-/// background threads. `fresh_seed` numbers a new numbering. Blocking work.
+/// background threads. `fresh_seed` numbers a new numbering (raised above
+/// every number the directory names). Blocking work.
 pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<Opened, OpenError> {
     let io = |source| OpenError::Io {
         dir: config.dir.clone(),
@@ -174,10 +175,12 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
     metrics
         .state_restored_batches
         .set(report.batches_replayed as i64);
-    let seed = restored
-        .numbering
-        .as_ref()
-        .map_or(fresh_seed, |(seed, _)| *seed);
+    // A new numbering starts above every number DIR names, so a clock
+    // that went back cannot put it inside one already used.
+    let seed = restored.numbering.as_ref().map_or(
+        fresh_seed.max(restored.highest_number.saturating_add(1)),
+        |(seed, _)| *seed,
+    );
     // Until this process's first sync, the old process's record must not
     // vouch for a log this one goes on writing: a crash before then would
     // read as its clean end and reuse the numbers announced since.
@@ -295,6 +298,23 @@ mod tests {
             dir.restore(&boot_id).report.outcome,
             Outcome::Renumbered,
             "position 4 was announced and is not in the log"
+        );
+    }
+
+    #[test]
+    fn a_new_numbering_starts_above_every_number_the_directory_names_whatever_the_clock_says() {
+        // Numbers from a clock far ahead of this one's, then a reboot with
+        // no clean sync: the state goes on under a new numbering.
+        let ahead = u64::MAX / 2;
+        let dir = Dir::new("clock-went-back");
+        dir.segment(b"old", ahead, 1, 3);
+        let opened = open_store(&dir);
+        assert_eq!(opened.restored.report.outcome, Outcome::Renumbered);
+        assert!(
+            opened.seed() > ahead + 2,
+            "seed {} reuses the old numbering's {ahead}..={}",
+            opened.seed(),
+            ahead + 2
         );
     }
 

@@ -75,9 +75,12 @@ pub struct BatchRecord {
 }
 
 impl BatchRecord {
+    /// Bytes of the fields before `encoded`.
+    pub const HEADER_BYTES: usize = 20;
+
     /// The fields the payload starts with; `encoded` follows them.
-    pub fn header(position: u64, rank: u32, sequence: u64) -> [u8; 20] {
-        let mut header = [0; 20];
+    pub fn header(position: u64, rank: u32, sequence: u64) -> [u8; Self::HEADER_BYTES] {
+        let mut header = [0; Self::HEADER_BYTES];
         header[..8].copy_from_slice(&position.to_le_bytes());
         header[8..12].copy_from_slice(&rank.to_le_bytes());
         header[12..].copy_from_slice(&sequence.to_le_bytes());
@@ -90,7 +93,7 @@ impl BatchRecord {
         let rank = reader.u32()?;
         let sequence = reader.u64()?;
         let mut encoded = Bytes::from(payload);
-        let _ = encoded.split_to(20);
+        let _ = encoded.split_to(Self::HEADER_BYTES);
         Ok(Self {
             position,
             rank,

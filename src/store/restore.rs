@@ -34,6 +34,14 @@ use crate::proto::common::KvEventBatch;
 use crate::state::LiveState;
 use crate::wire::Batch;
 
+/// The most of one cycle's batches held while reading it back (a cycle is
+/// taken whole or not at all, so its batches wait for its end): beside the
+/// history, the most a restore holds of the log is this and one record.
+/// The drain's cycles (at most 256 engine messages) are normally far
+/// smaller; a longer run of batches is set aside as malformed (and the
+/// restart then renumbers, as after any damage at the log's end).
+pub const MAX_CYCLE_BYTES: usize = 64 << 20;
+
 /// How the directory's content was taken up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -75,6 +83,9 @@ pub struct Restored {
     pub history: Vec<Arc<Batch>>,
     /// The position the next published batch takes.
     pub next_position: u64,
+    /// The highest sequence number or numbering seed any file names: a
+    /// new numbering starts above it, whatever the clock says.
+    pub highest_number: u64,
     pub state: LiveState,
     /// Each engine publisher's record as of the state.
     pub marks: Marks,
@@ -137,6 +148,8 @@ struct Scan {
     end: u64,
     /// The highest position any file names.
     highest: u64,
+    /// The highest sequence number or seed any file names.
+    highest_number: u64,
     seed: Option<u64>,
     last_sequences: BTreeMap<u32, u64>,
     history: RestoredHistory,
@@ -229,6 +242,11 @@ pub fn restore(
         batches_replayed: 0,
         end: 0,
         highest: state_through,
+        highest_number: base_meta.as_ref().map_or(0, |meta| {
+            meta.last_sequences
+                .values()
+                .fold(meta.seed, |highest, &sequence| highest.max(sequence))
+        }),
         seed: None,
         last_sequences: BTreeMap::new(),
         history: RestoredHistory {
@@ -300,6 +318,9 @@ pub fn restore(
         numbering: None,
         history: Vec::new(),
         next_position: end + 1,
+        highest_number: scan
+            .highest_number
+            .max(synced.as_ref().map_or(0, |synced| synced.seed)),
         state: LiveState::default(),
         marks: Marks::new(),
         needs_checkpoint: !damaged.is_empty()
@@ -478,6 +499,7 @@ impl Scan {
                 return Ok(Err(Damage::Malformed));
             }
         };
+        self.highest_number = self.highest_number.max(header.seed);
         if self.seed != Some(header.seed) {
             // Another numbering: the history and cursors of the old one
             // mean nothing in it.
@@ -486,12 +508,18 @@ impl Scan {
             self.last_sequences.clear();
         }
         let mut pending = Vec::new();
+        let mut pending_bytes = 0;
         let mut committed = false;
         let outcome = loop {
             match reader.next()? {
                 Next::Record(kind::BATCH, payload) => match BatchRecord::decode(payload) {
                     Ok(record) => {
                         self.highest = self.highest.max(record.position);
+                        self.highest_number = self.highest_number.max(record.sequence);
+                        pending_bytes += record.encoded.len();
+                        if pending_bytes > MAX_CYCLE_BYTES {
+                            break Err(Damage::Malformed);
+                        }
                         pending.push(record);
                     }
                     Err(damage) => break Err(damage),
@@ -499,6 +527,7 @@ impl Scan {
                 Next::Record(kind::CYCLE, payload) => match CycleRecord::decode(&payload) {
                     Ok(cycle) => {
                         committed |= !pending.is_empty();
+                        pending_bytes = 0;
                         if let Err(damage) = self.commit(std::mem::take(&mut pending)) {
                             break Err(damage);
                         }
@@ -572,7 +601,7 @@ impl Scan {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::store::format::{file_header, put_record};
+    use crate::store::format::{MAX_RECORD_BYTES, file_header, put_record};
     use crate::store::records::{BatchRecord, SyncedRecord};
     use crate::wire::OpenBatch;
 
@@ -709,6 +738,26 @@ pub(super) mod tests {
         let restored = dir.restore(b"boot");
         assert_eq!(restored.report.outcome, Outcome::Renumbered);
         assert_eq!(restored.next_position, 7);
+    }
+
+    #[test]
+    fn a_run_of_batches_longer_than_any_cycle_is_damage_and_not_held_whole() {
+        let dir = Dir::new("endless-cycle");
+        dir.segment(b"boot", 1000, 1, 3);
+        let path = dir.0.join(files::segment_name(1));
+        let mut bytes = std::fs::read(&path).unwrap();
+        let filler = vec![0; MAX_RECORD_BYTES - 64];
+        for position in 4..=4 + (MAX_CYCLE_BYTES / filler.len()) as u64 {
+            let header = BatchRecord::header(position, 0, 999 + position);
+            put_record(&mut bytes, kind::BATCH, &[&header, &filler]);
+        }
+        std::fs::write(&path, bytes).unwrap();
+        let restored = dir.restore(b"boot");
+        assert_eq!(restored.report.set_aside.len(), 1, "{:?}", restored.report);
+        assert!(restored.report.set_aside[0].ends_with("malformed"));
+        // What verified before the run is still used; the numbering is not.
+        assert_eq!(restored.report.batches_replayed, 3);
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
     }
 
     #[test]
