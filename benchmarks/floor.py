@@ -347,7 +347,8 @@ def main():
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counts", default="1,8,64")
-    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=None,
+                        help="Python receiving processes (default 2)")
     parser.add_argument("--rust-receivers", metavar="KVGATE_BENCH",
                         help="a kvgate-bench binary: its --floor-receivers, all on one "
                              "thread, instead of Python receivers")
@@ -357,6 +358,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--kvgate", help="a kvgate binary: measure it too")
     args = parser.parse_args()
+    if args.rust_receivers and args.processes is not None:
+        parser.error("--processes arranges Python receivers; --rust-receivers has one")
+    if args.processes is None:
+        args.processes = 2
     kinds = ["zmq"] + (["kvgate"] if args.kvgate else [])
     payloads = Payloads()
     size = sum(map(len, payloads.pool)) // len(payloads.pool)

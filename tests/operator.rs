@@ -569,7 +569,7 @@ async fn metrics_healthz_and_status_are_served_on_the_admin_port() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn kvgate_worker_threads_sizes_the_runtime_and_every_subscriber_is_served_on_it() {
+async fn kvgate_worker_threads_sizes_the_runtime_that_serves_the_subscribers() {
     let mut publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
         .await
         .unwrap();

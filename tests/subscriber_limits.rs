@@ -303,9 +303,9 @@ async fn unread_snapshots_are_encoded_only_as_their_clients_read_and_never_hold_
     let peak = with_unread.max(rss(&gateway));
 
     // Per unread snapshot: a chunk (at most 1 MiB) in h2's send buffer, one
-    // in tonic's, a window of the walk (16 bytes for each of an eighth of
-    // the blocks) and slack; the whole snapshot would be about 14 MB each.
-    let per_snapshot = 2 * MIB + 16 * blocks as u64 / 8 + MIB;
+    // in tonic's, the walk's store buffer (64 KiB between chunks) and
+    // slack; the whole snapshot would be about 14 MB each.
+    let per_snapshot = 2 * MIB + MIB;
     let bound = before + 50 * per_snapshot;
     eprintln!(
         "50 unread snapshots of {blocks} blocks: RSS {} MiB before, {} MiB with them, peak {} MiB",

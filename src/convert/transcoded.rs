@@ -64,7 +64,9 @@ pub enum Forwarded<'p> {
 }
 
 impl TranscodedPayload {
-    /// Empties the payload, keeping its buffers.
+    /// Empties the payload, keeping its buffers as large as an ordinary
+    /// payload needs: what an outsized one needed is not kept for good,
+    /// whether it was drained or failed.
     pub(super) fn clear(&mut self) {
         self.timestamp = 0.0;
         self.dp_rank = None;
@@ -72,6 +74,10 @@ impl TranscodedPayload {
         self.built.clear();
         self.encoded.clear();
         self.hashes.clear();
+        self.order.shrink_to(KEPT_EVENTS);
+        self.built.shrink_to(KEPT_EVENTS);
+        self.encoded.shrink_to(KEPT_BYTES);
+        self.hashes.shrink_to(KEPT_BYTES / size_of::<i64>());
     }
 
     /// Room for `events` more events.
@@ -146,13 +152,7 @@ impl TranscodedPayload {
             }
         }
         drop(built);
-        self.encoded.clear();
-        self.hashes.clear();
-        // What an outsized payload needed is not kept for good.
-        self.order.shrink_to(KEPT_EVENTS);
-        self.built.shrink_to(KEPT_EVENTS);
-        self.encoded.shrink_to(KEPT_BYTES);
-        self.hashes.shrink_to(KEPT_BYTES / size_of::<i64>());
+        self.clear();
     }
 }
 
@@ -220,5 +220,18 @@ mod tests {
         transcode_and_drain(&mut payload, &removals(64));
         assert_eq!(capacities(&payload), kept);
         assert_eq!(handed_out, 100_128);
+    }
+
+    #[test]
+    fn an_outsized_payload_that_fails_gives_its_buffers_back_too() {
+        let mut converter = Converter::new();
+        let mut payload = TranscodedPayload::default();
+        let mut cut = removals(100_000);
+        cut.truncate(cut.len() - 3);
+        let failed = converter.transcode(0, &cut, &mut Tally::default(), &mut payload);
+        assert!(failed.is_err());
+        let [order, built, encoded, hashes] = capacities(&payload);
+        assert!(order <= KEPT_EVENTS && built <= KEPT_EVENTS);
+        assert!(encoded <= KEPT_BYTES && hashes <= KEPT_BYTES);
     }
 }

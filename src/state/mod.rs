@@ -307,8 +307,20 @@ impl LiveState {
     }
 
     /// Forgets every block of `rank` (its engine restarted or cleared).
+    /// A large rank's records are freed on a thread of their own: the drain
+    /// runs on the worker that serves every stream, and a million frees
+    /// there would hold all of them up.
     pub fn reset_rank(&mut self, rank: u32) {
-        self.ranks.remove(&rank);
+        let Some(blocks) = self.ranks.remove(&rank) else {
+            return;
+        };
+        if blocks.copies.total() > FREED_IN_PLACE {
+            // Should the thread not start, its closure, and the blocks with
+            // it, are dropped here instead.
+            let _ = std::thread::Builder::new()
+                .name("kvgate-free".into())
+                .spawn(move || drop(blocks));
+        }
     }
 
     /// A consistent view of every rank now; cheap, the maps are shared until written.
@@ -367,6 +379,10 @@ impl LiveState {
         self.remove_blocks(rank, removed.tier, &removed.block_hashes);
     }
 }
+
+/// Blocks a rank may hold for [`LiveState::reset_rank`] to free them in
+/// place (a few milliseconds at most).
+const FREED_IN_PLACE: u64 = 65_536;
 
 /// Calls `visit` with the tier and hash of every block that applying
 /// `events` looks up: stored blocks and their store's parent (`complete`

@@ -2,7 +2,7 @@
 //!
 //! Invariant: at most [`MAX_SPARE_BUFFERS`] buffers of at most
 //! [`MAX_SPARE_TOKENS`] tokens are kept (1.1 MiB at most), each one no cut
-//! shares (its count is one: a record copied into a cut's shard keeps its
+//! shares (its count is one: a record in a page a cut shares keeps its
 //! tokens shared, and such a buffer is dropped as before), and a spare is
 //! refilled only by tokens of its own length, so a record never sees
 //! another's tokens. In a full engine's steady state every store is a new

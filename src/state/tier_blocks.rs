@@ -145,7 +145,7 @@ impl TierBlocks {
         hash: i64,
         make: impl FnOnce() -> BlockRecord,
     ) -> Found<'_, u8> {
-        let tail = self.tail_slot();
+        let (tail, opens_page) = self.next_slot();
         let existing = match self.index.find_or_insert_with(hash, || tail) {
             Found::Inserted => None,
             Found::Existing(slot) => Some(*slot),
@@ -156,6 +156,9 @@ impl TierBlocks {
                 Found::Existing(&mut Arc::make_mut(&mut page.copies)[slot.offset as usize])
             }
             None => {
+                if opens_page {
+                    self.open_page(tail.page);
+                }
                 let page = self.page_mut(tail.page);
                 Arc::make_mut(&mut page.records).push((hash, make()));
                 Arc::make_mut(&mut page.copies).push(1);
@@ -165,34 +168,43 @@ impl TierBlocks {
         }
     }
 
-    /// Where the next record goes: the last page, or a new one once it is
-    /// full.
-    fn tail_slot(&mut self) -> Slot {
+    /// Where the next record goes: the last page, or (true) a page to open
+    /// once it is full. Nothing is opened here, so storing a block that is
+    /// already live never leaves an empty page behind.
+    fn next_slot(&self) -> (Slot, bool) {
         if let Some(&id) = self.order.last() {
             let len = self.page(id).records.len();
             if len < PAGE {
-                return Slot {
+                let slot = Slot {
                     page: id,
                     offset: len as u32,
                 };
+                return (slot, false);
             }
         }
-        let page = Some(Page::new());
-        let id = match self.free_ids.pop() {
-            Some(id) => {
-                self.pages[id as usize] = page;
-                id
-            }
-            None => {
-                self.pages.push(page);
-                u32::try_from(self.pages.len() - 1).expect("fewer than 2^32 pages")
-            }
+        let id = match self.free_ids.last() {
+            Some(&id) => id,
+            None => u32::try_from(self.pages.len()).expect("fewer than 2^32 pages"),
         };
-        self.order.push(id);
-        Slot {
-            page: id,
-            offset: 0,
+        (
+            Slot {
+                page: id,
+                offset: 0,
+            },
+            true,
+        )
+    }
+
+    /// Opens page `id`, as [`TierBlocks::next_slot`] chose it, at the end of
+    /// the order.
+    fn open_page(&mut self, id: u32) {
+        if self.free_ids.last() == Some(&id) {
+            self.free_ids.pop();
+            self.pages[id as usize] = Some(Page::new());
+        } else {
+            self.pages.push(Some(Page::new()));
         }
+        self.order.push(id);
     }
 
     /// Removes one copy of `hash`; false if it is not live. The last copy's
@@ -246,15 +258,16 @@ impl TierBlocks {
 
     /// Merges the sparse page `id` with the next page, or else the one
     /// before, if their live records fit in one page. The last page is
-    /// left to fill.
+    /// left to fill until it is full: its free slots are not dead records.
     fn merge(&mut self, id: u32, spare: &mut SpareTokens) {
         let position = self.position(id);
-        if position + 1 == self.order.len() {
+        let last = position + 1 == self.order.len();
+        if last && self.page(id).records.len() < PAGE {
             return;
         }
         let live = |position: usize| self.page(self.order[position]).live;
         let fits = |other: usize| live(position) + live(other) <= PAGE;
-        let first = if fits(position + 1) {
+        let first = if !last && fits(position + 1) {
             position
         } else if position > 0 && fits(position - 1) {
             position - 1
@@ -481,6 +494,45 @@ mod tests {
         assert_eq!(live(&frozen).len(), 4 * PAGE, "the clone kept every block");
         // The merged page fills again in order.
         insert(&mut tier, -1);
+        assert_eq!(live(&tier).last(), Some(&(-1, 1)));
+    }
+
+    #[test]
+    fn a_full_last_page_emptied_but_for_a_few_is_merged_before_the_next_page_opens() {
+        let mut spare = SpareTokens::default();
+        let mut tier = TierBlocks::default();
+        let mut kept = Vec::new();
+        for round in 0..100_i64 {
+            let first = round * PAGE as i64;
+            for hash in first..first + PAGE as i64 {
+                insert(&mut tier, hash);
+            }
+            for hash in first + 1..first + PAGE as i64 {
+                assert!(tier.remove_copy(hash, &mut spare));
+            }
+            kept.push(first);
+        }
+        let walked: Vec<i64> = live(&tier).into_iter().map(|(hash, _)| hash).collect();
+        assert_eq!(walked, kept);
+        let pages = tier.order.len();
+        assert!(
+            pages <= 4 * kept.len().div_ceil(PAGE) + 1,
+            "{pages} pages for {} live blocks",
+            kept.len()
+        );
+    }
+
+    #[test]
+    fn storing_a_live_block_again_when_the_last_page_is_full_opens_no_page() {
+        let mut tier = TierBlocks::default();
+        for hash in 0..PAGE as i64 {
+            insert(&mut tier, hash);
+        }
+        insert(&mut tier, 7);
+        assert_eq!(tier.order.len(), 1);
+        assert_eq!(tier.get(7).unwrap().copies, 2);
+        insert(&mut tier, -1);
+        assert_eq!(tier.order.len(), 2);
         assert_eq!(live(&tier).last(), Some(&(-1, 1)));
     }
 }

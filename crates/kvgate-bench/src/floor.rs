@@ -50,8 +50,12 @@ impl std::str::FromStr for FloorTarget {
 /// then answers floor.py until its stdin ends.
 pub async fn serve(target: FloorTarget, count: usize) -> anyhow::Result<()> {
     let counts: Arc<Vec<AtomicU64>> = Arc::new((0..count).map(|_| AtomicU64::new(0)).collect());
+    // A receiver whose stream ends would never be ready: floor.py is told,
+    // rather than left waiting for it.
+    let ended = Arc::new(AtomicU64::new(0));
     for index in 0..count {
         let counts = Arc::clone(&counts);
+        let ended = Arc::clone(&ended);
         match &target {
             FloorTarget::Zmq(endpoint) => {
                 let mut socket = SubSocket::new();
@@ -64,6 +68,7 @@ pub async fn serve(target: FloorTarget, count: usize) -> anyhow::Result<()> {
                     while socket.recv().await.is_ok() {
                         counts[index].fetch_add(1, Ordering::Relaxed);
                     }
+                    ended.fetch_add(1, Ordering::Relaxed);
                 });
             }
             FloorTarget::Grpc(address) => {
@@ -75,17 +80,20 @@ pub async fn serve(target: FloorTarget, count: usize) -> anyhow::Result<()> {
                     while let Ok(Some(_)) = stream.message().await {
                         counts[index].fetch_add(1, Ordering::Relaxed);
                     }
+                    ended.fetch_add(1, Ordering::Relaxed);
                 });
             }
         }
     }
     // Blocking reads of stdin stay off the receivers' thread.
-    tokio::task::spawn_blocking(move || answer(&counts)).await?
+    tokio::task::spawn_blocking(move || answer(&counts, &ended)).await?
 }
 
-fn answer(counts: &[AtomicU64]) -> anyhow::Result<()> {
+fn answer(counts: &[AtomicU64], ended: &AtomicU64) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     for line in std::io::stdin().lock().lines() {
+        let ended = ended.load(Ordering::Relaxed);
+        anyhow::ensure!(ended == 0, "{ended} receivers' streams ended");
         let reply = match line?.trim() {
             "ready?" => u64::from(counts.iter().all(|c| c.load(Ordering::Relaxed) > 0)),
             "count" => counts.iter().map(|c| c.load(Ordering::Relaxed)).sum(),

@@ -151,9 +151,14 @@ pub(super) struct Chunker {
     pub(super) blocks_total: u64,
     /// The buffer of the store pushed last, for the next one: a store can
     /// grow to a whole chunk, and a new buffer of that size each time costs
-    /// the kernel's page faults.
+    /// the kernel's page faults. Cut back to `KEPT_SPARE_PIECE` as each
+    /// chunk closes, so a snapshot whose reader stalls holds no more.
     spare_piece: Vec<u8>,
 }
+
+/// Bytes of store buffer a chunker keeps between chunks: stores of
+/// ordinary blocks are a few kB.
+const KEPT_SPARE_PIECE: usize = 64 << 10;
 
 impl Chunker {
     pub(super) fn new(timestamp: f64, output: Output) -> Self {
@@ -186,6 +191,7 @@ impl Chunker {
         );
         let full = std::mem::replace(&mut self.open, OpenBatch::with_timestamp(self.timestamp));
         self.done.push_back(full);
+        self.spare_piece.shrink_to(KEPT_SPARE_PIECE);
         self.open_events = 0;
         self.open_len = 0;
         self.open_blocks = 0;

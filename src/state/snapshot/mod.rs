@@ -22,9 +22,10 @@
 //! the state: what it holds besides the cut is one chunk being filled, the
 //! chain being walked and its place in the tier's records, never the whole
 //! snapshot. The state keeps each tier's records in store order, so the walk
-//! reads them in the order they sit in memory: no sort, and no lookup by
-//! hash but for a parent stored again after its child (each lookup is a
-//! chain of cache misses). The chunk count goes in every header. For a rank
+//! reads them in the order they sit in memory: no sort, and one lookup by
+//! hash per chain that does not continue the block before it (its parent,
+//! to find one stored again after its child; each lookup is a chain of
+//! cache misses). The chunk count goes in every header. For a rank
 //! none of whose chunks can fill by bytes before it holds
 //! `MAX_CHUNK_BLOCKS` blocks (the state keeps a bound on the bytes of any
 //! block a rank stored), every chunk but the rank's last is full, so its
