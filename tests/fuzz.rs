@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use kvgate::convert::{Converter, Tally};
+use kvgate::convert::{Converter, Forwarded, Tally, TranscodedPayload};
 use kvgate::drain::batcher::{BatchLimits, Batcher, Output};
 use kvgate::proto::common::{KvCacheEvent, KvEventBatch, kv_cache_event::Data};
 use kvgate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
@@ -191,9 +191,11 @@ fn check(payload: &[u8], limits: BatchLimits) {
 
     let mut out = Content::default();
     let mut batched = Vec::new();
+    let mut encoded_batches = Vec::new();
     for (sequence, batch) in batches.into_iter().enumerate() {
         let events_len = batch.events_len();
         let encoded = batch.encode(0, sequence as u64 + 1, None);
+        encoded_batches.push(encoded.clone());
         assert!(encoded.len() <= ROUTER_MAX_MESSAGE_BYTES);
         let decoded = KvEventBatch::decode(encoded).expect("a batch decodes");
         assert!(!decoded.events.is_empty());
@@ -226,6 +228,42 @@ fn check(payload: &[u8], limits: BatchLimits) {
         input.removed.len()
     );
     assert_eq!(out.clears + oversized.clears, input.clears);
+    assert_eq!(
+        transcoded_batches(payload, limits),
+        encoded_batches,
+        "the drain's path (removals transcoded) batches the same bytes"
+    );
+}
+
+/// `payload` as the drain batches it: removals transcoded and appended as
+/// bytes, or decoded and cut when one is over the byte limit.
+fn transcoded_batches(payload: &[u8], limits: BatchLimits) -> Vec<bytes::Bytes> {
+    let mut transcoded = TranscodedPayload::default();
+    Converter::new()
+        .transcode(0, payload, &mut Tally::default(), &mut transcoded)
+        .expect("a payload that converts transcodes");
+    let mut batches = Vec::new();
+    let mut batcher = Batcher::new(limits);
+    let mut keep = |output: Output<'_>| {
+        if let Output::Batch(batch) = output {
+            batches.push(batch);
+        }
+    };
+    transcoded.drain(|forwarded| match forwarded {
+        Forwarded::Event(event) => batcher.push(event, 1.0, &mut keep),
+        Forwarded::Removal { body, .. } => {
+            if !batcher.push_encoded(body, 1.0, &mut keep) {
+                let event = KvCacheEvent::decode(body).expect("a transcoded removal decodes");
+                batcher.push(event, 1.0, &mut keep);
+            }
+        }
+    });
+    batches.extend(batcher.close());
+    batches
+        .into_iter()
+        .enumerate()
+        .map(|(sequence, batch)| batch.encode(0, sequence as u64 + 1, None))
+        .collect()
 }
 
 /// A well-formed `[ts, [BlockStored], 0]` with the given shape, in vLLM's
