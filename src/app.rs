@@ -187,7 +187,7 @@ impl Gateway {
         }
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, debug_assertions))]
     fn supervisor(&self) -> &Supervisor {
         &self.supervisor
     }

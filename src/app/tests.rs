@@ -12,7 +12,6 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use super::*;
 use crate::cli::{Cli, Command};
 use crate::health::Health;
-use crate::supervisor::UnexpectedEnd;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 
 /// Upper bound for anything a test waits on.
@@ -105,6 +104,9 @@ async fn serving_with_a_subscriber() -> Serving {
     }
 }
 
+// Fault injection exists in debug builds only (`cargo bench` builds the
+// unit tests with the release profile).
+#[cfg(debug_assertions)]
 #[tokio::test(flavor = "multi_thread")]
 async fn a_drain_that_panics_turns_health_not_serving_and_fails_the_run_naming_it() {
     let Serving {
@@ -127,7 +129,7 @@ async fn a_drain_that_panics_turns_health_not_serving_and_fails_the_run_naming_i
     assert_eq!(failure.task, TaskName::Drain);
     assert_eq!(
         failure.end,
-        UnexpectedEnd::Panicked("a fault injected by a test".into())
+        crate::supervisor::UnexpectedEnd::Panicked("a fault injected by a test".into())
     );
     assert_eq!(health.now(), Health::Failed(Arc::clone(&failure)));
     // Nothing flows any more, so the subscriber is not left waiting.
