@@ -131,34 +131,14 @@ impl<V: Clone> CowMap<V> {
         self.shards = (0..SHARDS).map(|_| Arc::clone(&empty)).collect();
     }
 
-    /// Finds `key` and removes it if `decide` (given its value) says so;
-    /// `None` if `key` is absent, else its value and whether it went.
-    /// One probe where a removal after a lookup takes two, unless a clone
-    /// shares the shard: that shard is looked in first, and copied only if
-    /// `key` goes.
-    pub fn remove_if(&mut self, key: i64, decide: impl FnOnce(&V) -> bool) -> Option<(V, bool)>
-    where
-        V: Copy,
-    {
+    pub fn remove(&mut self, key: i64) -> Option<V> {
         let hash = hash_of(key);
-        let shard = self.shards.get_mut(shard_of(key))?;
-        if let Some(owned) = Arc::get_mut(shard) {
-            let found = owned.find_entry(hash, is_key(key)).ok()?;
-            let value = found.get().1;
-            if decide(&value) {
-                found.remove();
-                return Some((value, true));
-            }
-            return Some((value, false));
-        }
-        let value = shard.find(hash, is_key(key))?.1;
-        if !decide(&value) {
-            return Some((value, false));
-        }
-        if let Ok(found) = Arc::make_mut(shard).find_entry(hash, is_key(key)) {
-            found.remove();
-        }
-        Some((value, true))
+        let found = self
+            .shard_holding(key, hash)?
+            .find_entry(hash, is_key(key))
+            .ok()?;
+        let ((_, value), _) = found.remove();
+        Some(value)
     }
 }
 
@@ -198,8 +178,8 @@ mod tests {
         assert_eq!(keys(&map).len(), 1000);
         *map.get_mut(3).unwrap() = 0;
         assert_eq!(map.get(3), Some(&0));
-        assert_eq!(map.remove_if(3, |_| true), Some((0, true)));
-        assert_eq!(map.remove_if(3, |_| true), None);
+        assert_eq!(map.remove(3), Some(0));
+        assert_eq!(map.remove(3), None);
         assert!(map.get_mut(3).is_none());
         assert_eq!(keys(&map).len(), 999);
         let mut sorted = keys(&map);
@@ -231,7 +211,7 @@ mod tests {
         let mut map = identity_map(0..10_000);
         let frozen = map.clone();
         for key in 0..5_000 {
-            map.remove_if(key, |_| true);
+            map.remove(key);
         }
         *map.get_mut(9_999).unwrap() = -1;
         map.find_or_insert_with(20_000, || 1);
@@ -253,34 +233,11 @@ mod tests {
     }
 
     #[test]
-    fn a_conditional_removal_removes_only_what_it_decides_to() {
-        let mut map = identity_map(0..1_000);
-        assert_eq!(map.remove_if(5_000, |_| unreachable!()), None);
-        assert_eq!(map.remove_if(7, |&value| value > 7), Some((7, false)));
-        assert_eq!(map.get(7), Some(&7));
-        assert_eq!(map.remove_if(8, |&value| value > 7), Some((8, true)));
-        assert_eq!(map.get(8), None);
-        assert_eq!(keys(&map).len(), 999);
-    }
-
-    #[test]
-    fn a_conditional_removal_from_a_shared_map_copies_only_a_shard_it_removes_from() {
-        let mut map = identity_map(0..1_000);
-        let frozen = map.clone();
-        assert_eq!(map.remove_if(7, |_| false), Some((7, false)));
-        assert_eq!(shards_copied(&map, &frozen), 0);
-        assert_eq!(map.remove_if(7, |_| true), Some((7, true)));
-        assert_eq!(shards_copied(&map, &frozen), 1);
-        assert_eq!(map.get(7), None);
-        assert_eq!(frozen.get(7), Some(&7));
-    }
-
-    #[test]
     fn looking_for_an_absent_key_to_write_copies_nothing() {
         let mut map = identity_map(0..1_000);
         let frozen = map.clone();
         assert!(map.get_mut(5_000).is_none());
-        assert!(map.remove_if(5_000, |_| true).is_none());
+        assert!(map.remove(5_000).is_none());
         assert_eq!(shards_copied(&map, &frozen), 0);
     }
 }

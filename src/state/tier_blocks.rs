@@ -61,14 +61,6 @@ impl Page {
     }
 }
 
-/// The live page `id` of `pages`, for writing; a free function so that a
-/// caller holding the index can still reach the pages.
-fn live_page(pages: &mut [Option<Page>], id: u32) -> &mut Page {
-    pages[id as usize]
-        .as_mut()
-        .expect("the index and the order name live pages")
-}
-
 /// A live block of a tier and its copies.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct LiveBlock<'a> {
@@ -94,7 +86,9 @@ impl TierBlocks {
     }
 
     fn page_mut(&mut self, id: u32) -> &mut Page {
-        live_page(&mut self.pages, id)
+        self.pages[id as usize]
+            .as_mut()
+            .expect("the index and the order name live pages")
     }
 
     /// The live block `hash`.
@@ -204,25 +198,23 @@ impl TierBlocks {
     /// Removes one copy of `hash`; false if it is not live. The last copy's
     /// token buffer goes to `spare` once no cut shares it.
     pub(crate) fn remove_copy(&mut self, hash: i64, spare: &mut SpareTokens) -> bool {
-        let pages = &mut self.pages;
-        let removed = self.index.remove_if(hash, |slot| {
-            let page = live_page(pages, slot.page);
-            let copies = &mut Arc::make_mut(&mut page.copies)[slot.offset as usize];
-            *copies -= 1;
-            *copies == 0
-        });
-        let slot = match removed {
-            None => return false,
-            Some((_, false)) => return true,
-            Some((slot, true)) => slot,
+        let Some(&slot) = self.index.get(hash) else {
+            return false;
         };
+        let offset = slot.offset as usize;
         let page = self.page_mut(slot.page);
+        let copies = &mut Arc::make_mut(&mut page.copies)[offset];
+        *copies -= 1;
+        if *copies > 0 {
+            return true;
+        }
         page.live -= 1;
         if let Some(records) = Arc::get_mut(&mut page.records) {
             // No cut holds the page: what the dead record holds is freed now.
-            free_record(&mut records[slot.offset as usize].1, spare);
+            free_record(&mut records[offset].1, spare);
         }
         let live = page.live;
+        self.index.remove(hash);
         if live == 0 {
             self.drop_page(slot.page, spare);
         } else if live == PAGE / 4 - 1 || (live < PAGE / 4 && live.is_power_of_two()) {
