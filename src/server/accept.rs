@@ -9,10 +9,13 @@
 //! a pause, so the loop neither spins nor floods the log while it lasts.
 
 use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
 use tracing::warn;
 
 /// Pause after a failed accept.
@@ -32,6 +35,46 @@ pub(crate) async fn next_connection(listener: &TcpListener, port: &'static str) 
             }
         }
     }
+}
+
+/// Accepts on `listener` (the port named `port`) until `shutdown`
+/// resolves. Each connection holds one of `max_connections` slots for as
+/// long as the task `serve` makes of it runs; one over the limit goes to
+/// `refuse` and is closed. Then every connection is told to stop (the
+/// `watch` turns true) and the loop waits until all have ended.
+pub(crate) async fn serve_bounded<Serve, Served>(
+    listener: TcpListener,
+    port: &'static str,
+    max_connections: u32,
+    shutdown: impl Future<Output = ()>,
+    refuse: impl Fn(TcpStream),
+    serve: Serve,
+) where
+    Serve: Fn(TcpStream, watch::Receiver<bool>) -> Served,
+    Served: Future<Output = ()> + Send + 'static,
+{
+    let slots = Arc::new(Semaphore::new(max_connections as usize));
+    let (stop, stopped) = watch::channel(false);
+    let mut shutdown = pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            stream = next_connection(&listener, port) => stream,
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            refuse(stream);
+            continue;
+        };
+        let connection = serve(stream, stopped.clone());
+        tokio::spawn(async move {
+            connection.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    stop.send_replace(true);
+    // Every slot back means every connection has ended.
+    let _ = slots.acquire_many(max_connections).await;
 }
 
 /// Turns an accepted TCP stream into the byte stream HTTP/2 is served over.

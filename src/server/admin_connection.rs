@@ -26,11 +26,11 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tower::ServiceExt;
 use tracing::debug;
 
-use super::accept::next_connection;
+use super::accept::serve_bounded;
 use super::connection::Open;
 use super::progress::{Progress, Watched};
 use crate::metrics::{Metrics, ReasonLabel};
@@ -81,7 +81,6 @@ pub(crate) async fn serve(
     metrics: Metrics,
     shutdown: impl Future<Output = ()>,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
     let mut http1 = http1::Builder::new();
     http1
         .timer(TokioTimer::new())
@@ -93,28 +92,18 @@ pub(crate) async fn serve(
         idle_timeout: limits.idle_timeout,
         metrics,
     });
-    let (stop, stopped) = watch::channel(false);
-    let mut shutdown = pin!(shutdown);
-    loop {
-        let stream = tokio::select! {
-            () = &mut shutdown => break,
-            stream = next_connection(&listener, "metrics port") => stream,
-        };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            refuse(&stream, &shared.metrics);
-            continue;
-        };
-        let shared = Arc::clone(&shared);
-        let stopped = stopped.clone();
-        tokio::spawn(async move {
-            connection(stream, &shared, stopped).await;
-            drop(slot);
-        });
-    }
-    drop(listener);
-    stop.send_replace(true);
-    // Every slot back means every connection has ended.
-    let _ = slots.acquire_many(limits.max_connections).await;
+    serve_bounded(
+        listener,
+        "metrics port",
+        limits.max_connections,
+        shutdown,
+        |stream| refuse(&stream, &shared.metrics),
+        |stream, stopped| {
+            let shared = Arc::clone(&shared);
+            async move { connection(stream, &shared, stopped).await }
+        },
+    )
+    .await;
 }
 
 /// What every connection task shares.

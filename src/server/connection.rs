@@ -25,11 +25,11 @@ use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tower::ServiceExt;
 use tracing::debug;
 
-use super::accept::{Acceptor, next_connection};
+use super::accept::{Acceptor, serve_bounded};
 use super::activity::{Activity, Tracked};
 use super::preface::{NotServed, expect_preface};
 use crate::metrics::{Metrics, ReasonLabel};
@@ -131,7 +131,7 @@ pub(crate) async fn serve<A: Acceptor>(
     metrics: Metrics,
     shutdown: impl Future<Output = ()>,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
+    let max_connections = limits.max_connections;
     let shared = Arc::new(Shared {
         acceptor,
         http2: limits.http2(),
@@ -139,30 +139,20 @@ pub(crate) async fn serve<A: Acceptor>(
         routes,
         metrics,
     });
-    let (stop, stopped) = watch::channel(false);
-    let mut shutdown = pin!(shutdown);
-    loop {
-        let stream = tokio::select! {
-            () = &mut shutdown => break,
-            stream = next_connection(&listener, "gRPC port") => stream,
-        };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            refuse(&shared.metrics, Refusal::MaxConnections);
-            continue;
-        };
-        // Small batches must not wait for Nagle's algorithm.
-        let _ = stream.set_nodelay(true);
-        let shared = Arc::clone(&shared);
-        let stopped = stopped.clone();
-        tokio::spawn(async move {
-            connection(stream, &shared, stopped).await;
-            drop(slot);
-        });
-    }
-    drop(listener);
-    stop.send_replace(true);
-    // Every slot back means every connection has ended.
-    let _ = slots.acquire_many(shared.limits.max_connections).await;
+    serve_bounded(
+        listener,
+        "gRPC port",
+        max_connections,
+        shutdown,
+        |_| refuse(&shared.metrics, Refusal::MaxConnections),
+        |stream, stopped| {
+            // Small batches must not wait for Nagle's algorithm.
+            let _ = stream.set_nodelay(true);
+            let shared = Arc::clone(&shared);
+            async move { connection(stream, &shared, stopped).await }
+        },
+    )
+    .await;
 }
 
 fn refuse(metrics: &Metrics, refusal: Refusal) {
