@@ -1,4 +1,6 @@
-//! The step between a TCP accept and HTTP/2: whatever turns an accepted
+//! Accepting connections: the bounded accept loop both ports run (a slot
+//! per connection, at most the port's limit, all ended before it returns),
+//! and the step between a TCP accept and HTTP/2, whatever turns an accepted
 //! stream into the connection's byte stream (nothing for plaintext, a TLS
 //! handshake for TLS).
 //!
