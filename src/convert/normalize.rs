@@ -7,8 +7,6 @@
 //! and `locality`. Nothing here reads msgpack (that is `event.rs`), and
 //! nothing here knows other events except through the per-rank group kinds.
 
-use std::collections::HashMap;
-
 use super::event::{Event, Placement, Removed, Stored};
 use super::spare_buffers::SpareBuffers;
 use super::tally::{DropReason, EventKind};
@@ -85,8 +83,10 @@ pub(crate) const MAX_REMEMBERED_GROUPS: usize = 1024;
 /// and the token buffers of sent blocks that new blocks refill.
 #[derive(Debug, Default)]
 pub(crate) struct Normalizer {
-    /// `(rank, group_idx)` → whether that group is main attention.
-    group_is_main: HashMap<(u32, u32), bool>,
+    /// `(rank, group_idx)` → whether that group is main attention. Group
+    /// ids are the engine's, so the hash is seeded at random (foldhash:
+    /// std's SipHash showed in the drain's profile).
+    group_is_main: foldhash::HashMap<(u32, u32), bool>,
     /// What the payload being converted changed in `group_is_main`, with the
     /// values before, so a payload that fails can be undone.
     journal: Vec<((u32, u32), Option<bool>)>,

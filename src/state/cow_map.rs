@@ -11,9 +11,9 @@
 
 use std::hash::BuildHasher;
 
+use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
-use rustc_hash::FxBuildHasher;
 // Not std's: its uniqueness check is a compare-and-swap (it must rule out
 // weak references), one per write here; triomphe's is a load.
 use triomphe::Arc;
@@ -31,12 +31,20 @@ type Shard<V> = HashTable<(i64, V)>;
 pub struct CowMap<V> {
     /// Empty until the first insert: most maps (tiers, ranks) stay empty.
     shards: Box<[Arc<Shard<V>>]>,
+    /// Keys are block hashes the engine chose. A publisher that picked
+    /// colliding ones could pile them into one shard (every cut's first
+    /// write would copy them all) or one probe sequence (every lookup a
+    /// scan), so the hash is keyed by a seed drawn per map at random;
+    /// foldhash costs one multiply per key, as the unkeyed FxHash did.
+    hasher: RandomState,
 }
 
 impl<V> Clone for CowMap<V> {
     fn clone(&self) -> Self {
         Self {
             shards: self.shards.clone(),
+            // The shared shards are filed under this map's hashes.
+            hasher: self.hasher.clone(),
         }
     }
 }
@@ -45,19 +53,30 @@ impl<V> Default for CowMap<V> {
     fn default() -> Self {
         Self {
             shards: Box::default(),
+            hasher: RandomState::default(),
         }
     }
 }
 
-/// Which shard holds `key`. Block hashes are already uniform, but some
-/// engines' are not (small test values, old builtin hashes): mix first.
-fn shard_of(key: i64) -> usize {
-    ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARD_BITS)) as usize
+/// Where `key` goes: its shard and the hash its shard's table files it
+/// under, both from one keyed hash. The shard is the hash's low bits; the
+/// table sees the hash rotated so that neither its bucket index (low bits)
+/// nor its 7-bit tag (hashbrown takes the top 7) uses a shard bit, which
+/// is the same for every key of a shard.
+#[derive(Clone, Copy)]
+struct Place {
+    shard: usize,
+    hash: u64,
 }
 
-/// The hash a shard's table files `key` under (independent of `shard_of`).
-fn hash_of(key: i64) -> u64 {
-    FxBuildHasher.hash_one(key)
+impl Place {
+    fn of(hasher: &RandomState, key: i64) -> Self {
+        let hash = hasher.hash_one(key);
+        Self {
+            shard: (hash & (SHARDS as u64 - 1)) as usize,
+            hash: hash.rotate_right(SHARD_BITS + 7),
+        }
+    }
 }
 
 fn is_key<V>(key: i64) -> impl Fn(&(i64, V)) -> bool {
@@ -71,15 +90,14 @@ impl<V: Clone> CowMap<V> {
 
     /// The stored `(key, value)` of `key`.
     pub fn entry(&self, key: i64) -> Option<&(i64, V)> {
-        self.shards
-            .get(shard_of(key))?
-            .find(hash_of(key), is_key(key))
+        let place = Place::of(&self.hasher, key);
+        self.shards.get(place.shard)?.find(place.hash, is_key(key))
     }
 
     /// Asks the CPU to fetch the header of the shard `key` falls in, so a
     /// lookup that follows does not wait for it.
     pub fn prefetch_shard(&self, key: i64) {
-        if let Some(shard) = self.shards.get(shard_of(key)) {
+        if let Some(shard) = self.shards.get(Place::of(&self.hasher, key).shard) {
             prefetch::<Shard<V>>(&**shard);
         }
     }
@@ -87,19 +105,19 @@ impl<V: Clone> CowMap<V> {
     /// The value of `key` for writing; copies its shard first if a clone
     /// still shares it (and only if `key` is there).
     pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
-        let hash = hash_of(key);
-        self.shard_holding(key, hash)?
-            .find_mut(hash, is_key(key))
+        let place = Place::of(&self.hasher, key);
+        self.shard_holding(key, place)?
+            .find_mut(place.hash, is_key(key))
             .map(|(_, value)| value)
     }
 
     /// The shard holding `key`, for writing, or `None` if no shard does. A
     /// miss must not copy a shard a clone shares, so a shared shard is
     /// looked in before it is copied.
-    fn shard_holding(&mut self, key: i64, hash: u64) -> Option<&mut Shard<V>> {
-        let shard = self.shards.get_mut(shard_of(key))?;
+    fn shard_holding(&mut self, key: i64, place: Place) -> Option<&mut Shard<V>> {
+        let shard = self.shards.get_mut(place.shard)?;
         if Arc::get_mut(shard).is_none() {
-            shard.find(hash, is_key(key))?;
+            shard.find(place.hash, is_key(key))?;
         }
         Some(Arc::make_mut(shard))
     }
@@ -114,8 +132,12 @@ impl<V: Clone> CowMap<V> {
         if self.shards.is_empty() {
             self.share_one_empty_shard();
         }
-        let shard = Arc::make_mut(&mut self.shards[shard_of(key)]);
-        match shard.entry(hash_of(key), is_key(key), |entry| hash_of(entry.0)) {
+        let place = Place::of(&self.hasher, key);
+        let hasher = &self.hasher;
+        let shard = Arc::make_mut(&mut self.shards[place.shard]);
+        match shard.entry(place.hash, is_key(key), |entry| {
+            Place::of(hasher, entry.0).hash
+        }) {
             Entry::Occupied(occupied) => Found::Existing(&mut occupied.into_mut().1),
             Entry::Vacant(vacant) => {
                 vacant.insert((key, make()));
@@ -132,10 +154,10 @@ impl<V: Clone> CowMap<V> {
     }
 
     pub fn remove(&mut self, key: i64) -> Option<V> {
-        let hash = hash_of(key);
+        let place = Place::of(&self.hasher, key);
         let found = self
-            .shard_holding(key, hash)?
-            .find_entry(hash, is_key(key))
+            .shard_holding(key, place)?
+            .find_entry(place.hash, is_key(key))
             .ok()?;
         let ((_, value), _) = found.remove();
         Some(value)
@@ -230,6 +252,20 @@ mod tests {
         let frozen = map.clone();
         map.find_or_insert_with(1_000_000, || 0);
         assert_eq!(shards_copied(&map, &frozen), 1);
+    }
+
+    #[test]
+    fn each_map_files_keys_under_a_seed_of_its_own() {
+        // A publisher that learned one map's layout cannot flood another:
+        // the same keys land elsewhere.
+        let (one, other) = (CowMap::<()>::default(), CowMap::<()>::default());
+        let places = |map: &CowMap<()>| -> Vec<(usize, u64)> {
+            (0..64)
+                .map(|key| Place::of(&map.hasher, key))
+                .map(|place| (place.shard, place.hash))
+                .collect()
+        };
+        assert_ne!(places(&one), places(&other));
     }
 
     #[test]

@@ -8,8 +8,6 @@
 
 use std::sync::Arc;
 
-use rustc_hash::FxHashSet;
-
 use super::chunker::{Chunker, StorePiece};
 use crate::state::StoreFields;
 use crate::state::tier_blocks::{LiveBlock, LiveBlocks, TierBlocks};
@@ -25,8 +23,9 @@ use crate::state::tier_blocks::{LiveBlock, LiveBlocks, TierBlocks};
 pub(super) struct TierWalk<'cut> {
     tier: &'cut TierBlocks,
     blocks: LiveBlocks<'cut>,
-    /// Blocks already emitted ahead of their turn.
-    early: FxHashSet<i64>,
+    /// Blocks already emitted ahead of their turn. Their hashes are the
+    /// engine's, so the set's hash is seeded at random, unlike FxHash's.
+    early: foldhash::HashSet<i64>,
     /// The chain being emitted: each block the parent of the next.
     run: PathWriter<'cut>,
     /// The chain's last block so far.
@@ -38,7 +37,7 @@ impl<'cut> TierWalk<'cut> {
         Self {
             tier,
             blocks: tier.live(),
-            early: FxHashSet::default(),
+            early: foldhash::HashSet::default(),
             run: PathWriter::default(),
             run_last: None,
         }
