@@ -22,7 +22,7 @@ use std::net::{TcpListener, TcpStream};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 
 /// Gap between writes when the reader should be waiting for each one: a
 /// subscriber's batch every ~1 ms, as in the 20k events/s sweep.
@@ -102,4 +102,8 @@ fn loopback_write(c: &mut Criterion) {
 }
 
 criterion_group!(benches, loopback_write);
-criterion_main!(benches);
+fn main() {
+    kvgate::allocator::tune(); // `criterion_main!`, on the binary's heap
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

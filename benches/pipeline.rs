@@ -5,7 +5,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group};
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
@@ -391,4 +391,8 @@ fn fan_out(c: &mut Criterion) {
 }
 
 criterion_group!(benches, convert, ingest, state, snapshot, fan_out);
-criterion_main!(benches);
+fn main() {
+    kvgate::allocator::tune(); // `criterion_main!`, on the binary's heap
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -5,7 +5,7 @@
 use std::hint::black_box;
 use std::path::PathBuf;
 
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group};
 use kvgate::proto::common::{KvBlock, KvBlocksStored, KvCacheEvent, KvEventBatch, kv_cache_event};
 use kvgate::recording::{Header, Recording, Writer, WriterLimits};
 use kvgate::source::prefix_cache::PrefixCache;
@@ -143,4 +143,8 @@ fn prefix_cache(c: &mut Criterion) {
 }
 
 criterion_group!(benches, recording, prefix_cache);
-criterion_main!(benches);
+fn main() {
+    kvgate::allocator::tune(); // `criterion_main!`, on the binary's heap
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

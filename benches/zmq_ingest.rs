@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use zeromq::{PubSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// kvgate's default `--zmq-max-message-bytes`.
@@ -106,4 +106,8 @@ fn receive(c: &mut Criterion) {
 }
 
 criterion_group!(benches, receive);
-criterion_main!(benches);
+fn main() {
+    kvgate::allocator::tune(); // `criterion_main!`, on the binary's heap
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -14,6 +14,7 @@
 //! rules. The simulated engine and the load tool are crates of their own
 //! (`crates/kvgate-sim`, `crates/kvgate-bench`).
 
+pub mod allocator;
 pub mod app;
 pub mod cli;
 pub mod cli_values;

@@ -8,8 +8,12 @@ use kvgate::cli::{Cli, Command};
 const RUNTIME_EXIT_GRACE: Duration = Duration::from_millis(500);
 
 fn main() -> std::process::ExitCode {
+    let refused = kvgate::allocator::tune();
     let cli = kvgate::usage::parse_cli();
     kvgate::logging::init(cli.log_format);
+    if !refused.is_empty() {
+        tracing::warn!(?refused, "malloc kept its defaults for these parameters");
+    }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // The gateway's runtime shape is measured (issue 22: a wake-up of
     // another worker per delivery cost more than the parallelism gave);
