@@ -8,11 +8,11 @@
 //!
 //! Chosen by measurement against mimalloc and jemalloc (BENCHMARKS.md,
 //! issue 22, "Allocator and hashers"). With the defaults, the one worker
-//! thread's arena grew and was trimmed back about 250 times a second
-//! (`mprotect`), and each growth faulted in fresh zeroed pages: 3–5% of
-//! kvgate's CPU. Larger steps remove that churn at no cost in idle or peak
-//! memory, where mimalloc doubled idle RSS and jemalloc saved nothing, and
-//! neither allocator has to be compiled from C source.
+//! thread's arena grew and was trimmed back 180–250 times a second
+//! (`mprotect`, at 20k events/s). Larger steps remove that churn, for as
+//! much less CPU per event as mimalloc gave, at no cost in idle or peak
+//! memory (mimalloc doubled idle RSS; jemalloc saved nothing), and no C
+//! allocator has to be compiled.
 
 /// Bytes a heap grows by beyond what a request needs, so the drain's
 /// steady allocations stop growing the arena a page run at a time. Only
