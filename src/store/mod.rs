@@ -54,6 +54,9 @@ const CHECKPOINT_QUEUE: usize = 1;
 /// Segments announced to the sync thread and not yet taken up.
 const SYNC_QUEUE: usize = 64;
 
+/// Preallocation steps asked for and not yet taken up.
+const PREALLOCATE_QUEUE: usize = 4;
+
 /// How the directory is used, as the flags set it.
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
@@ -230,6 +233,11 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         .name("kvgate-checkpoint".into())
         .spawn(move || checkpointer.run(checkpoint_receiver))
         .map_err(io)?;
+    let (preallocate_jobs, preallocate_receiver) = sync_channel(PREALLOCATE_QUEUE);
+    std::thread::Builder::new()
+        .name("kvgate-prealloc".into())
+        .spawn(move || background::preallocate(preallocate_receiver))
+        .map_err(io)?;
     let status = StoreStatus {
         dir: config.dir.clone(),
         restored: Arc::new(restored.report.clone()),
@@ -244,6 +252,7 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         metrics.clone(),
         sync_jobs,
         checkpoint_jobs,
+        preallocate_jobs,
         sync_thread,
         restored.needs_checkpoint,
         newest_segment,
