@@ -235,8 +235,11 @@ impl StoreWriter {
         let Some(segment) = &mut self.segment else {
             return;
         };
-        let until = (segment.bytes + PREALLOCATE_AHEAD).min(self.limits.segment_bytes);
-        if until < segment.preallocated + PREALLOCATE_STEP {
+        let limit = self.limits.segment_bytes;
+        let until = (segment.bytes + PREALLOCATE_AHEAD).min(limit);
+        if until <= segment.preallocated
+            || (until < segment.preallocated + PREALLOCATE_STEP && until < limit)
+        {
             return;
         }
         let job = PreallocateJob {
