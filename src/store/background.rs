@@ -189,7 +189,12 @@ pub fn preallocate(jobs: Receiver<PreallocateJob>) {
         let mut offset = job.from;
         while offset < job.until {
             let len = (job.until - offset).min(PREALLOCATE_CALL);
-            match rustix::fs::fallocate(&*job.file, rustix::fs::FallocateFlags::KEEP_SIZE, offset, len) {
+            match rustix::fs::fallocate(
+                &*job.file,
+                rustix::fs::FallocateFlags::KEEP_SIZE,
+                offset,
+                len,
+            ) {
                 Ok(()) => offset += len,
                 Err(rustix::io::Errno::OPNOTSUPP) => {
                     info!("state directory: the file system cannot preallocate the log");
