@@ -250,7 +250,7 @@ fn transcoded_batches(payload: &[u8], limits: BatchLimits) -> Vec<bytes::Bytes> 
             batches.push(batch);
         }
     };
-    let mut push_encoded = |batcher: &mut Batcher, body: &[u8], keep: &mut _| {
+    let push_encoded = |batcher: &mut Batcher, body: &[u8], keep: &mut _| {
         if !batcher.push_encoded(body, 1.0, keep) {
             let event = KvCacheEvent::decode(body).expect("a transcoded event decodes");
             batcher.push(event, 1.0, keep);
