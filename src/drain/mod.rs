@@ -677,6 +677,12 @@ mod tests {
             batches: 100,
             bytes: 64 << 20,
         };
+        drain_keeping(history, max_bytes)
+    }
+
+    /// A drain on a hub of its own keeping `history`, batches of at most
+    /// `max_bytes`.
+    fn drain_keeping(history: HistoryLimits, max_bytes: usize) -> (Drain, crate::hub::HubReader) {
         let (writer, reader) = hub(64, history);
         let limits = BatchLimits {
             max_events: 1024,
@@ -882,7 +888,8 @@ mod tests {
         payloads
     }
 
-    /// The drain on `payloads` as engine messages, and its history's bytes
+    /// A drain fed `payloads` as engine messages, or (`as_built`) as the
+    /// events `Converter::convert` builds of them: its history's batches
     /// and a snapshot's chunks at the end.
     fn ingested(
         max_bytes: usize,
@@ -894,12 +901,7 @@ mod tests {
             batches: 100_000,
             bytes: 1 << 30,
         };
-        let (writer, reader) = hub(64, history);
-        let limits = BatchLimits {
-            max_events: 1024,
-            max_bytes,
-        };
-        let mut drain = Drain::new(limits, 1, writer, Metrics::default());
+        let (mut drain, reader) = drain_keeping(history, max_bytes);
         let mut converter = Converter::new();
         for (engine_sequence, payload) in (0..).zip(payloads) {
             if as_built {
