@@ -375,6 +375,35 @@ mod tests {
     }
 
     #[test]
+    fn an_outsized_store_s_tokens_and_bytes_are_given_back_once_it_is_drained() {
+        let blocks = 20_000u64;
+        let store = SimEvent::Stored {
+            hashes: (1..=blocks).collect(),
+            parent: None,
+            tokens: vec![300_000; blocks as usize * 16],
+            block_size: 16,
+        };
+        let mut bytes = Vec::new();
+        kvgate_sim::encode_batch(1.0, &[store], Some(0), &mut bytes);
+        let mut converter = Converter::new();
+        let mut payload = TranscodedPayload::default();
+        converter
+            .transcode(0, &bytes, &mut Tally::default(), &mut payload)
+            .unwrap();
+        assert!(payload.tokens.len() == blocks as usize * 16 && payload.encoded.len() > 1 << 20);
+        let mut stored = 0;
+        payload.drain(|event| {
+            if let Forwarded::Store { blocks, .. } = event {
+                stored += blocks.iter().len();
+            }
+        });
+        assert_eq!(stored, blocks as usize);
+        assert!(payload.tokens.capacity() * size_of::<u32>() <= KEPT_BYTES);
+        assert!(payload.encoded.capacity() <= KEPT_BYTES);
+        assert!(payload.hashes.capacity() * size_of::<i64>() <= KEPT_BYTES);
+    }
+
+    #[test]
     fn an_outsized_payload_that_fails_gives_its_buffers_back_too() {
         let mut converter = Converter::new();
         let mut payload = TranscodedPayload::default();
