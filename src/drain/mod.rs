@@ -59,8 +59,8 @@ use sequence::Sequencer;
 /// cannot hold finished batches back.
 const MAX_MESSAGES_PER_CYCLE: usize = 256;
 
-/// Bytes the store body buffer keeps between stores: a 256-block store of
-/// 16 tokens; an outsized store's room is not kept for good.
+/// Bytes the store body buffer keeps between stores: a store of about
+/// 1,000 blocks of 16 tokens; an outsized store's room is not kept for good.
 const STORE_BODY_KEPT_BYTES: usize = 64 << 10;
 
 /// The one task that numbers, batches and publishes every engine event.
