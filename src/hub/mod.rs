@@ -136,7 +136,9 @@ impl HubWriter {
     /// positions, oldest first) and the position the next batch takes.
     /// Only before the first batch is published.
     pub(crate) fn restore(&mut self, next_position: u64, history: Vec<Arc<Batch>>) {
-        let history = history.iter().map(|batch| {
+        // Framed one by one, each restored batch let go once copied: the
+        // history is not held twice.
+        let history = history.into_iter().map(|batch| {
             Arc::new(Published::new(
                 batch.position,
                 batch.rank,

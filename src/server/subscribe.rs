@@ -9,7 +9,6 @@
 
 use std::borrow::Cow;
 use std::convert::Infallible;
-use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -157,12 +156,7 @@ where
 {
     refuse_compressed(request.headers())?;
     let decoder = ProstDecoder::<SubscribeKvEventsRequest>::default();
-    let mut messages = pin!(Streaming::new_request(
-        decoder,
-        request.into_body(),
-        None,
-        None
-    ));
+    let mut messages = Streaming::new_request(decoder, request.into_body(), None, None);
     let message = messages
         .message()
         .await?
