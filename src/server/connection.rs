@@ -11,8 +11,6 @@
 //!   open stream for `--idle-timeout-ms`, or when its peer leaves a keepalive
 //!   PING unanswered for `--http2-keepalive-timeout-ms` (a peer that stopped
 //!   reading its socket, or vanished, cannot hold a connection).
-//! - A connection's streams run in its own task (`streams`), so a batch
-//!   delivered wakes that one task, which sends it and writes it.
 //! - On shutdown, accepting stops and every connection is told to finish
 //!   (GOAWAY); open streams run to their end (closing the hub ends the
 //!   subscriber streams), and the loop returns once every connection is gone.
@@ -24,7 +22,7 @@ use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::server::conn::http2;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -34,7 +32,6 @@ use tracing::debug;
 use super::accept::{Acceptor, serve_bounded};
 use super::activity::{Activity, Tracked};
 use super::preface::{NotServed, expect_preface};
-use super::streams::Streams;
 use crate::metrics::{Metrics, ReasonLabel};
 
 /// The bounds every connection of the gRPC port is held to.
@@ -51,9 +48,8 @@ pub struct ConnectionLimits {
 }
 
 impl ConnectionLimits {
-    /// A connection's HTTP/2 server, its streams run by `executor`.
-    fn http2<E>(&self, executor: E) -> http2::Builder<E> {
-        let mut builder = http2::Builder::new(executor);
+    fn http2(&self) -> http2::Builder<TokioExecutor> {
+        let mut builder = http2::Builder::new(TokioExecutor::new());
         builder
             .timer(TokioTimer::new())
             .max_concurrent_streams(self.max_concurrent_streams)
@@ -120,6 +116,7 @@ impl Closure {
 struct Shared<A> {
     acceptor: A,
     limits: ConnectionLimits,
+    http2: http2::Builder<TokioExecutor>,
     routes: axum::Router,
     metrics: Metrics,
 }
@@ -137,6 +134,7 @@ pub(crate) async fn serve<A: Acceptor>(
     let max_connections = limits.max_connections;
     let shared = Arc::new(Shared {
         acceptor,
+        http2: limits.http2(),
         limits,
         routes,
         metrics,
@@ -217,11 +215,9 @@ async fn connection<A: Acceptor>(
             }
         })
     };
-    let (executor, mut streams) = Streams::new();
-    let http2 = shared.limits.http2(executor);
-    let mut served = pin!(http2.serve_connection(TokioIo::new(io), service));
+    let mut served = pin!(shared.http2.serve_connection(TokioIo::new(io), service));
     let ended = tokio::select! {
-        ended = streams.drive(served.as_mut()) => Some(ended),
+        ended = served.as_mut() => Some(ended),
         _ = stopped.wait_for(|stopped| *stopped) => None,
         () = activity.idle_for(shared.limits.idle_timeout) => {
             close(metrics, Closure::Idle);
@@ -232,7 +228,7 @@ async fn connection<A: Acceptor>(
         Some(ended) => ended,
         None => {
             served.as_mut().graceful_shutdown();
-            streams.drive(served.as_mut()).await
+            served.await
         }
     };
     if let Err(error) = ended {

@@ -17,7 +17,6 @@ mod progress;
 pub(crate) mod reload;
 pub(crate) mod request_limit;
 pub(crate) mod stream_body;
-mod streams;
 pub(crate) mod subscribe;
 pub(crate) mod tls;
 
