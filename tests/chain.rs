@@ -86,18 +86,17 @@ async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstre
 /// next batch after its cursor (one stored block), then bytes that are not
 /// protobuf.
 async fn start_garbage_upstream() -> String {
+    use common::raw_codec::RawCodec;
     use kvgate::proto::common::{
         KvBlock, KvBlocksStored, KvCacheEvent, SubscribeKvEventsRequest, kv_cache_event::Data,
     };
-    use kvgate::server::codec::PreEncodedCodec;
     use prost::Message;
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let route = tower::service_fn(|request: http::Request<axum::body::Body>| async move {
         let request = request.map(tonic::body::Body::new);
-        let mut grpc =
-            tonic::server::Grpc::new(PreEncodedCodec::<SubscribeKvEventsRequest>::default());
+        let mut grpc = tonic::server::Grpc::new(RawCodec::<SubscribeKvEventsRequest>::default());
         let handler = tower::service_fn(
             |request: tonic::Request<SubscribeKvEventsRequest>| async move {
                 let next = request.get_ref().start_sequence_number.max(1000) + 1;

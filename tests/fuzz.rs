@@ -231,12 +231,13 @@ fn check(payload: &[u8], limits: BatchLimits) {
     assert_eq!(
         transcoded_batches(payload, limits),
         encoded_batches,
-        "the drain's path (removals transcoded) batches the same bytes"
+        "the drain's path (removals and stores transcoded) batches the same bytes"
     );
 }
 
-/// `payload` as the drain batches it: removals transcoded and appended as
-/// bytes, or decoded and cut when one is over the byte limit.
+/// `payload` as the drain batches it: removals and stores' blocks
+/// transcoded and appended as bytes, or decoded and cut when an event is
+/// over the byte limit.
 fn transcoded_batches(payload: &[u8], limits: BatchLimits) -> Vec<bytes::Bytes> {
     let mut transcoded = TranscodedPayload::default();
     Converter::new()
@@ -249,14 +250,24 @@ fn transcoded_batches(payload: &[u8], limits: BatchLimits) -> Vec<bytes::Bytes> 
             batches.push(batch);
         }
     };
+    let push_encoded = |batcher: &mut Batcher, body: &[u8], keep: &mut _| {
+        if !batcher.push_encoded(body, 1.0, keep) {
+            let event = KvCacheEvent::decode(body).expect("a transcoded event decodes");
+            batcher.push(event, 1.0, keep);
+        }
+    };
+    let mut store_body = Vec::new();
     transcoded.drain(|forwarded| match forwarded {
         Forwarded::Event(event) => batcher.push(event, 1.0, &mut keep),
-        Forwarded::Removal { body, .. } => {
-            if !batcher.push_encoded(body, 1.0, &mut keep) {
-                let event = KvCacheEvent::decode(body).expect("a transcoded removal decodes");
-                batcher.push(event, 1.0, &mut keep);
-            }
+        Forwarded::Store { event, blocks } => {
+            let Some(Data::Stored(stored)) = &event.data else {
+                panic!("a transcoded store is a store: {event:?}");
+            };
+            store_body.clear();
+            blocks.encode_event(event.event_id, stored, &mut store_body);
+            push_encoded(&mut batcher, &store_body, &mut keep);
         }
+        Forwarded::Removal { body, .. } => push_encoded(&mut batcher, body, &mut keep),
     });
     batches.extend(batcher.close());
     batches

@@ -430,7 +430,7 @@ pub(crate) fn read<'a, 's>(
 }
 
 /// The per-block `extra_keys` lists of a store, handed out block by block.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct ExtraKeys<'a> {
     reader: Reader<'a>,
     blocks_left: u32,
@@ -451,6 +451,11 @@ impl<'a> ExtraKeys<'a> {
             }),
             _ => Err(DropReason::Malformed),
         }
+    }
+
+    /// Whether no block is left with keys.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks_left == 0
     }
 
     /// The next block's keys: str → text, int → number, bin → blob,

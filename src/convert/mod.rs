@@ -16,13 +16,14 @@
 //!
 //! Two outputs share that one pass: [`Converter::convert`] builds every
 //! event as a `KvCacheEvent`; [`Converter::transcode`], the drain's, writes
-//! each removal straight into its protobuf bytes instead (`transcoded.rs`),
-//! the same bytes prost writes for the event `convert` builds.
+//! each removal and each stored block straight into its protobuf bytes
+//! instead (`transcoded.rs`), the same bytes the drain writes for the event
+//! `convert` builds.
 //!
 //! Files: `msgpack.rs` reads bytes, `event.rs` reads one event, `normalize.rs`
 //! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts,
 //! `spare_buffers.rs` keeps sent events' token, hash and text buffers for the
-//! next events, `transcoded.rs` holds a payload with its removals as bytes.
+//! next events, `transcoded.rs` holds a payload with its blocks and removals as bytes.
 
 mod event;
 mod hash;
@@ -35,7 +36,7 @@ mod tests;
 mod transcoded;
 
 pub use tally::{DropReason, EventKind, Tally};
-pub use transcoded::{Forwarded, TranscodedPayload};
+pub use transcoded::{Forwarded, StoredBlocks, TranscodedPayload};
 
 use crate::proto::common::KvCacheEvent;
 use msgpack::{Item, Reader};
@@ -133,7 +134,8 @@ impl Converter {
     }
 
     /// Converts one payload as [`Converter::convert`] does into `out`
-    /// (emptied first), its removals written as their encoded events. On a
+    /// (emptied first), its removals written as their encoded events and
+    /// its stores' blocks as their encoded entries. On a
     /// payload error `out` holds nothing to send.
     pub fn transcode(
         &mut self,
@@ -259,6 +261,7 @@ impl Sink for Vec<KvCacheEvent> {
     fn forward(&mut self, normalizer: &mut Normalizer, event_id: u64, event: Normalized<'_>) {
         let data = match event {
             Normalized::Built(data) => data,
+            Normalized::Stored(stored) => normalizer.stored_data(stored),
             Normalized::Removed(removed) => normalizer.removed_data(&removed),
         };
         self.push(KvCacheEvent {
@@ -273,7 +276,7 @@ impl Sink for TranscodedPayload {
         TranscodedPayload::reserve(self, events);
     }
 
-    fn forward(&mut self, _: &mut Normalizer, event_id: u64, event: Normalized<'_>) {
-        self.push(event_id, event);
+    fn forward(&mut self, normalizer: &mut Normalizer, event_id: u64, event: Normalized<'_>) {
+        self.push(normalizer, event_id, event);
     }
 }

@@ -7,21 +7,87 @@
 //! and `locality`. Nothing here reads msgpack (that is `event.rs`), and
 //! nothing here knows other events except through the per-rank group kinds.
 
-use super::event::{Event, Placement, Removed, Stored};
+use std::borrow::Cow;
+
+use super::event::{Event, ExtraKeys, Placement, Removed, Stored};
 use super::spare_buffers::SpareBuffers;
 use super::tally::{DropReason, EventKind};
 use crate::proto::common::{
-    KvBlock, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality, KvCacheTier,
-    kv_block_extra_key::Key, kv_cache_event::Data,
+    KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvCacheLocality,
+    KvCacheTier, kv_block_extra_key::Key, kv_cache_event::Data,
 };
 use crate::wire::event::RemovedFields;
 
-/// A forwarded event: built, or a removal given by its fields, which the
-/// caller builds or writes straight into bytes.
+/// A forwarded event: built (a clear), or a store or a removal given by its
+/// fields, which the caller builds or writes straight into bytes.
 #[derive(Debug)]
 pub(crate) enum Normalized<'e> {
     Built(Data),
+    Stored(StoredFields<'e>),
     Removed(RemovedFields<'e>),
+}
+
+/// A store that passed every rule, its fields borrowed from the payload and
+/// the converter's scratch: what the forwarded `KvBlocksStored` carries.
+/// `tokens` holds `block_size` tokens per hash, in order.
+#[derive(Debug)]
+pub(crate) struct StoredFields<'e> {
+    pub hashes: &'e [i64],
+    pub tokens: &'e [u32],
+    /// Positive.
+    pub block_size: i32,
+    pub lora_id: Option<i64>,
+    pub cache_level: Option<i32>,
+    extra_keys: ExtraKeys<'e>,
+    pub parent: Option<i64>,
+    pub tier: KvCacheTier,
+    placement: Placement<'e>,
+    sliding_window: Option<u32>,
+    session_id: Option<&'e str>,
+    /// Not empty.
+    lora_name: Option<&'e str>,
+    /// Not empty; taken from block 0's extra keys when the event has none.
+    cache_salt: Option<Cow<'e, str>>,
+}
+
+impl<'e> StoredFields<'e> {
+    /// The store without its blocks, its texts in spare buffers.
+    pub(crate) fn header(&self, spare_buffers: &mut SpareBuffers) -> KvBlocksStored {
+        KvBlocksStored {
+            blocks: Vec::new(),
+            parent_block_hash: self.parent,
+            tier: Some(self.tier.into()),
+            medium: spare_buffers.text(self.placement.medium),
+            group_idx: self.placement.group_idx,
+            kv_cache_spec_kind: spare_buffers.text(self.placement.spec_kind),
+            kv_cache_spec_sliding_window: self.sliding_window,
+            locality: Some(KvCacheLocality::Local.into()),
+            ownership: spare_buffers.text(self.placement.ownership),
+            session_id: spare_buffers.text(self.session_id),
+            lora_name: spare_buffers.text(self.lora_name),
+            cache_salt: match &self.cache_salt {
+                Some(Cow::Borrowed(salt)) => spare_buffers.text(Some(salt)),
+                Some(Cow::Owned(salt)) => Some(salt.clone()),
+                None => None,
+            },
+        }
+    }
+
+    /// Whether some block may carry extra keys.
+    pub(crate) fn has_extra_keys(&self) -> bool {
+        !self.extra_keys.is_empty()
+    }
+
+    /// Hands `each` every block's hash, tokens and extra keys, in order.
+    pub(crate) fn for_each_block(
+        mut self,
+        mut each: impl FnMut(i64, &'e [u32], Vec<KvBlockExtraKey>),
+    ) {
+        let blocks = self.tokens.chunks_exact(self.block_size as usize);
+        for (&hash, tokens) in self.hashes.iter().zip(blocks) {
+            each(hash, tokens, self.extra_keys.next_block());
+        }
+    }
 }
 
 /// Medium names (compared ignoring ASCII case) and their tiers.
@@ -125,7 +191,7 @@ impl Normalizer {
             Event::Stored(stored) => {
                 let tier = self.admit(rank, &stored.placement)?;
                 self.stored(stored, tier)
-                    .map(|data| (EventKind::Stored, Normalized::Built(data)))
+                    .map(|fields| (EventKind::Stored, Normalized::Stored(fields)))
             }
             Event::Removed(removed) => {
                 let tier = self.admit(rank, &removed.placement)?;
@@ -197,7 +263,12 @@ impl Normalizer {
         }
     }
 
-    fn stored(&mut self, stored: Stored<'_, '_>, tier: KvCacheTier) -> Result<Data, DropReason> {
+    /// Applies the store checks; the store's fields as they are forwarded.
+    fn stored<'e>(
+        &mut self,
+        stored: Stored<'e, 'e>,
+        tier: KvCacheTier,
+    ) -> Result<StoredFields<'e>, DropReason> {
         let Stored {
             placement,
             hashes,
@@ -209,7 +280,7 @@ impl Normalizer {
             cache_salt,
             session_id,
             sliding_window,
-            mut extra_keys,
+            extra_keys,
         } = stored;
         if hashes.is_empty() || tokens.is_empty() {
             return Err(DropReason::Placeholder);
@@ -218,8 +289,7 @@ impl Normalizer {
             .ok()
             .filter(|&size| size > 0)
             .ok_or(DropReason::UnalignedBlocks)?;
-        let block_len = block_size as usize;
-        if hashes.len().checked_mul(block_len) != Some(tokens.len()) {
+        if hashes.len().checked_mul(block_size as usize) != Some(tokens.len()) {
             return Err(DropReason::UnalignedBlocks);
         }
         self.sorted.clear();
@@ -229,40 +299,48 @@ impl Normalizer {
         if repeats || parent.is_some_and(|p| self.sorted.binary_search(&p).is_ok()) {
             return Err(DropReason::SelfReferencingHashes);
         }
+        let lora_name = non_empty(lora_name);
+        let cache_salt = match non_empty(cache_salt) {
+            Some(salt) => Some(Cow::Borrowed(salt)),
+            None => {
+                salt_from_extra_keys(extra_keys.clone().next_block(), lora_name).map(Cow::Owned)
+            }
+        };
+        Ok(StoredFields {
+            hashes,
+            tokens,
+            block_size,
+            lora_id,
+            cache_level: cache_level(tier),
+            extra_keys,
+            parent,
+            tier,
+            placement,
+            sliding_window,
+            session_id,
+            lora_name,
+            cache_salt,
+        })
+    }
 
-        let level = cache_level(tier);
+    /// Builds a store as a proto event, in spare buffers.
+    pub(crate) fn stored_data(&mut self, stored: StoredFields<'_>) -> Data {
         let spare_buffers = &mut self.spare_buffers;
-        let blocks: Vec<KvBlock> = hashes
-            .iter()
-            .zip(tokens.chunks_exact(block_len))
-            .map(|(&block_hash, token_ids)| KvBlock {
+        let mut built = stored.header(spare_buffers);
+        let (block_size, lora_id, cache_level) =
+            (stored.block_size, stored.lora_id, stored.cache_level);
+        built.blocks.reserve_exact(stored.hashes.len());
+        stored.for_each_block(|block_hash, token_ids, extra_keys| {
+            built.blocks.push(KvBlock {
                 block_hash,
                 token_ids: spare_buffers.tokens(token_ids),
                 block_size,
                 lora_id,
-                cache_level: level,
-                extra_keys: extra_keys.next_block(),
-            })
-            .collect();
-        let lora_name = non_empty(lora_name);
-        let cache_salt = match non_empty(cache_salt) {
-            Some(salt) => spare_buffers.text(Some(salt)),
-            None => salt_from_extra_keys(&blocks, lora_name),
-        };
-        Ok(Data::Stored(KvBlocksStored {
-            blocks,
-            parent_block_hash: parent,
-            tier: Some(tier.into()),
-            medium: spare_buffers.text(placement.medium),
-            group_idx: placement.group_idx,
-            kv_cache_spec_kind: spare_buffers.text(placement.spec_kind),
-            kv_cache_spec_sliding_window: sliding_window,
-            locality: Some(KvCacheLocality::Local.into()),
-            ownership: spare_buffers.text(placement.ownership),
-            session_id: spare_buffers.text(session_id),
-            lora_name: spare_buffers.text(lora_name),
-            cache_salt,
-        }))
+                cache_level,
+                extra_keys,
+            });
+        });
+        Data::Stored(built)
     }
 
     /// Builds a removal as a proto event, in spare buffers.
@@ -297,15 +375,9 @@ fn removed_fields<'e>(removed: Removed<'e, 'e>, tier: KvCacheTier) -> Normalized
 
 /// vLLM puts the cache salt among block 0's extra keys, after the LoRA name;
 /// it is the first text key there that is not that name.
-fn salt_from_extra_keys(blocks: &[KvBlock], lora_name: Option<&str>) -> Option<String> {
-    blocks
-        .first()?
-        .extra_keys
-        .iter()
-        .find_map(|key| match &key.key {
-            Some(Key::Text(text)) if !text.is_empty() && Some(text.as_str()) != lora_name => {
-                Some(text.clone())
-            }
-            _ => None,
-        })
+fn salt_from_extra_keys(block_0: Vec<KvBlockExtraKey>, lora_name: Option<&str>) -> Option<String> {
+    block_0.into_iter().find_map(|key| match key.key {
+        Some(Key::Text(text)) if !text.is_empty() && Some(text.as_str()) != lora_name => Some(text),
+        _ => None,
+    })
 }

@@ -1279,13 +1279,28 @@ proptest! {
 /// Converts `payloads` in order both ways, each with its own converter:
 /// every removal `transcode` wrote is, byte for byte, prost's encoding of
 /// the event `convert` built (with that event's tier and hashes), every
-/// other event is the same, and so are the tallies. Returns the removals
-/// compared.
+/// store is that event (see `transcoded_store_as_built`), every other event
+/// is the same, and so are the tallies. Returns the removals compared.
 fn transcoded_as_built(payloads: &[Vec<u8>]) -> usize {
+    transcoded_as_built_counted(payloads).removals
+}
+
+/// What [`transcoded_as_built_counted`] compared.
+struct Compared {
+    removals: usize,
+    stores: usize,
+    blocks: usize,
+}
+
+fn transcoded_as_built_counted(payloads: &[Vec<u8>]) -> Compared {
     use prost::Message;
     let (mut building, mut transcoding) = (Converter::new(), Converter::new());
     let mut out = TranscodedPayload::default();
-    let mut removals = 0;
+    let mut compared = Compared {
+        removals: 0,
+        stores: 0,
+        blocks: 0,
+    };
     for payload in payloads {
         let (mut built_tally, mut transcoded_tally) = (Tally::default(), Tally::default());
         let built = building.convert(0, payload, &mut built_tally);
@@ -1304,8 +1319,12 @@ fn transcoded_as_built(payloads: &[Vec<u8>]) -> usize {
             let built = expected.next().expect("no more events than built");
             match event {
                 Forwarded::Event(event) => assert_eq!(event, built),
+                Forwarded::Store { event, blocks } => {
+                    compared.stores += 1;
+                    compared.blocks += transcoded_store_as_built(event, blocks, built);
+                }
                 Forwarded::Removal { body, tier, hashes } => {
-                    removals += 1;
+                    compared.removals += 1;
                     assert!(body == built.encode_to_vec(), "{built:?}");
                     let Some(Data::Removed(removed)) = &built.data else {
                         panic!("written as a removal: {built:?}");
@@ -1317,7 +1336,53 @@ fn transcoded_as_built(payloads: &[Vec<u8>]) -> usize {
         });
         assert!(expected.next().is_none(), "as many events as built");
     }
-    removals
+    compared
+}
+
+/// A transcoded store against the store `convert` built: its fields are
+/// that store's but for the blocks, its blocks' fields are those blocks',
+/// and its bytes are, byte for byte, those the drain writes for the built
+/// store (`wire::event::encode_event`: the store's other fields, then
+/// prost's bytes of each block), as long as prost's and decoding to it.
+/// Returns the blocks compared.
+fn transcoded_store_as_built(
+    event: KvCacheEvent,
+    blocks: StoredBlocks<'_>,
+    mut built: KvCacheEvent,
+) -> usize {
+    use prost::Message;
+    let (Some(Data::Stored(header)), Some(Data::Stored(built_store))) = (&event.data, &built.data)
+    else {
+        panic!("written as a store: {built:?}");
+    };
+    assert_eq!(event.event_id, built.event_id);
+    assert_eq!(
+        header,
+        &KvBlocksStored {
+            blocks: Vec::new(),
+            ..built_store.clone()
+        }
+    );
+    let as_blocks: Vec<KvBlock> = blocks
+        .iter()
+        .map(|block| KvBlock {
+            block_hash: block.hash,
+            token_ids: block.tokens.to_vec(),
+            block_size: block.block_size,
+            lora_id: block.lora_id,
+            cache_level: block.cache_level,
+            extra_keys: block.extra_keys.to_vec(),
+        })
+        .collect();
+    assert_eq!(as_blocks, built_store.blocks);
+    let mut written = Vec::new();
+    blocks.encode_event(event.event_id, header, &mut written);
+    let mut expected = Vec::new();
+    crate::wire::event::encode_event(&mut built, &mut expected);
+    assert!(written == expected, "{built:?}");
+    assert_eq!(written.len(), built.encoded_len(), "as long as prost's");
+    assert_eq!(KvCacheEvent::decode(written.as_slice()).unwrap(), built);
+    as_blocks.len()
 }
 
 #[test]
@@ -1336,8 +1401,59 @@ fn every_golden_payload_transcodes_to_the_bytes_of_the_events_it_converts_to() {
         }
     }
     assert!(payloads.len() > 40, "fixtures found: {}", payloads.len());
-    let removals = transcoded_as_built(&payloads);
+    let compared = transcoded_as_built_counted(&payloads);
+    let removals = compared.removals;
     assert!(removals > 1000, "{removals} removals compared");
+    assert!(compared.stores > 100, "{} stores compared", compared.stores);
+    assert!(compared.blocks > compared.stores);
+}
+
+#[test]
+fn a_store_with_every_field_extra_keys_and_a_salt_from_them_transcodes_to_the_drain_s_bytes() {
+    let extra_keys = a([
+        a([
+            s("sql-lora"),
+            s("tenant-a"),
+            V::U(7),
+            V::B(vec![1, 2]),
+            a([s("img"), V::U(3)]),
+        ]),
+        V::Nil,
+        a([V::I(-4), V::F(0.5)]),
+    ]);
+    let wide = stored(
+        &[u64::MAX, 0, 1 << 63],
+        &[
+            ("parent_block_hash", V::B(vec![9; 40])),
+            (
+                "token_ids",
+                ints([0, 127, 128, 16_383, 16_384, u64::from(u32::MAX)]),
+            ),
+            ("lora_id", V::I(-1)),
+            ("medium", s("cpu_tier2")),
+            ("lora_name", s("sql-lora")),
+            ("extra_keys", extra_keys),
+            ("group_idx", V::U(u64::from(u32::MAX))),
+            ("kv_cache_spec_kind", s("full_attention")),
+            ("kv_cache_spec_sliding_window", V::U(4096)),
+            ("locality", s("local")),
+            ("ownership", s(&"o".repeat(200))),
+            ("session_id", s("s-1")),
+        ],
+    );
+    let salted = stored(&[5], &[("cache_salt", s("given")), ("lora_name", s(""))]);
+    let array = a([
+        s("BlockStored"),
+        ints([3, 4]),
+        V::U(2),
+        ints([1, 2, 3, 4]),
+        V::U(2),
+        V::Nil,
+        s("GPU"),
+    ]);
+    let payloads = [batch(vec![wide, salted, array])];
+    let compared = transcoded_as_built_counted(&payloads);
+    assert_eq!((compared.stores, compared.blocks), (3, 6));
 }
 
 #[test]
@@ -1429,4 +1545,131 @@ proptest! {
         let payloads: Vec<Vec<u8>> = payloads.into_iter().map(batch).collect();
         transcoded_as_built(&payloads);
     }
+
+    #[test]
+    fn any_store_transcodes_to_the_bytes_of_the_store_it_converts_to(
+        payloads in proptest::collection::vec(proptest::collection::vec(any_store(), 0..8), 1..4),
+    ) {
+        let payloads: Vec<Vec<u8>> = payloads.into_iter().map(batch).collect();
+        transcoded_as_built(&payloads);
+    }
+}
+
+/// A store (or now and then a removal or a clear) with any mix of the
+/// fields a store may carry, valid or not: hashes of every form, blocks of
+/// 1 to 3 tokens or a misaligned list, a parent, LoRA, salt and session,
+/// extra keys of every shape, in the map form or vLLM's tag-first array.
+fn any_store() -> impl Strategy<Value = V> {
+    let hash = prop_oneof![
+        4 => (0u64..64).prop_map(V::U),
+        2 => any::<u64>().prop_map(V::U),
+        1 => any::<i64>().prop_map(V::I),
+        1 => proptest::collection::vec(any::<u8>(), 0..33).prop_map(V::B),
+    ];
+    let token = prop_oneof![
+        16 => (0u64..200).prop_map(V::U),
+        8 => any::<u32>().prop_map(|t| V::U(t.into())),
+        1 => Just(V::I(-1)),
+    ];
+    let text = |names: &'static [&'static str]| {
+        prop_oneof![
+            3 => Just(V::Nil),
+            12 => proptest::sample::select(names).prop_map(s),
+            1 => any::<u8>().prop_map(|n| V::U(n.into())),
+        ]
+    };
+    let key = prop_oneof![
+        proptest::sample::select(&["sql-lora", "tenant-a", "", "img"][..]).prop_map(s),
+        any::<i64>().prop_map(V::I),
+        proptest::collection::vec(any::<u8>(), 0..4).prop_map(V::B),
+        (0u64..100).prop_map(|offset| a([s("img"), V::U(offset)])),
+        Just(V::F(0.5)),
+        Just(V::Nil),
+    ];
+    let block_keys = prop_oneof![
+        4 => proptest::collection::vec(key, 0..4).prop_map(V::A),
+        1 => Just(V::Nil),
+        1 => Just(V::U(3)),
+    ];
+    let extra_keys = prop_oneof![
+        3 => Just(V::Nil),
+        2 => proptest::collection::vec(block_keys, 0..5).prop_map(V::A),
+        1 => Just(s("not a list")),
+    ];
+    let lists = (
+        proptest::collection::vec(hash.clone(), 0..6),
+        1u64..4,
+        0usize..4,
+    )
+        .prop_flat_map(move |(hashes, block_size, misaligned)| {
+            let tokens = hashes.len() * block_size as usize + misaligned / 3;
+            (
+                Just(V::A(hashes)),
+                Just(V::U(block_size)),
+                proptest::collection::vec(token.clone(), tokens).prop_map(V::A),
+            )
+        });
+    let placement = (
+        prop_oneof![Just(V::Nil), (0u64..4).prop_map(V::U)],
+        text(&["full_attention", "full_attention", "sliding_window"]),
+        prop_oneof![Just(V::Nil), (0u64..5000).prop_map(V::U)],
+        text(&["LOCAL", "local", "LOCAL", "peer"]),
+    );
+    (
+        lists,
+        prop_oneof![2 => Just(V::Nil), 2 => hash, 1 => Just(V::U(0))],
+        prop_oneof![Just(V::Nil), any::<i64>().prop_map(V::I)],
+        text(&["GPU", "cpu", "DISK", "CPU_TIER1", "remote", "tape"]),
+        text(&["sql-lora", ""]),
+        text(&["tenant-a", ""]),
+        text(&["s-1"]),
+        extra_keys,
+        placement,
+        0u8..12,
+    )
+        .prop_map(
+            |(
+                (hashes, block_size, tokens),
+                parent,
+                lora_id,
+                medium,
+                lora_name,
+                cache_salt,
+                session_id,
+                extra_keys,
+                (group, kind, window, locality),
+                pick,
+            )| match pick {
+                0 => removed(&[1, 2], &[("medium", medium)]),
+                1 => m(&[("type", s("AllBlocksCleared"))]),
+                2 => a([
+                    s("BlockStored"),
+                    hashes,
+                    parent,
+                    tokens,
+                    block_size,
+                    lora_id,
+                    medium,
+                    lora_name,
+                    extra_keys,
+                ]),
+                _ => m(&[
+                    ("type", s("BlockStored")),
+                    ("block_hashes", hashes),
+                    ("parent_block_hash", parent),
+                    ("token_ids", tokens),
+                    ("block_size", block_size),
+                    ("lora_id", lora_id),
+                    ("medium", medium),
+                    ("lora_name", lora_name),
+                    ("cache_salt", cache_salt),
+                    ("session_id", session_id),
+                    ("extra_keys", extra_keys),
+                    ("group_idx", group),
+                    ("kv_cache_spec_kind", kind),
+                    ("kv_cache_spec_sliding_window", window),
+                    ("locality", locality),
+                ]),
+            },
+        )
 }

@@ -1,20 +1,26 @@
-//! A payload converted for the drain: its removals already protobuf bytes.
+//! A payload converted for the drain: its blocks and removals already
+//! protobuf bytes.
 //!
 //! Invariant: each removal's bytes are the body of the `KvCacheEvent` that
 //! [`Converter::convert`](super::Converter::convert) would have built for
 //! it, byte for byte as prost encodes that event, and its hashes and tier
-//! are that event's. A full engine sends one removal per evicted block, most
-//! of its events: written while the payload is read, a removal needs no
-//! `KvCacheEvent`, no buffers of its own and no second encoding. Stores and
-//! clears are built as before (the drain completes a store from the state
-//! before it is encoded). The buffers are reused from payload to payload.
+//! are that event's; a store's blocks are the `blocks` entries of the store
+//! `convert` builds, written as `wire::event` writes them, and its other
+//! fields are that store's, built (the drain completes them from the state
+//! before the store is encoded; a block's bytes do not depend on that). A
+//! full engine sends one removal per evicted block and one store per new
+//! chain, most of its bytes: written while the payload is read, a removal
+//! needs no `KvCacheEvent`, no buffers of its own and no second encoding,
+//! and a block no `KvBlock`, no token buffer of its own and no second pass
+//! over its tokens. The buffers are reused from payload to payload.
 
 use std::ops::Range;
 
-use super::normalize::Normalized;
-use crate::proto::common::KvCacheEvent;
+use super::normalize::{Normalized, Normalizer};
+use crate::proto::common::{KvBlockExtraKey, KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
+use crate::wire::event::{BlockFields, encode_store_event};
 
-/// One payload's events in engine order, removals as bytes.
+/// One payload's events in engine order, blocks and removals as bytes.
 #[derive(Debug, Default)]
 pub struct TranscodedPayload {
     /// The envelope's `ts` (Unix seconds).
@@ -23,19 +29,27 @@ pub struct TranscodedPayload {
     pub dp_rank: Option<u32>,
     /// Every forwarded event, in engine order.
     order: Vec<Transcoded>,
-    /// The built events, in the order `order` names them.
+    /// The built events (clears, and stores without their blocks), in the
+    /// order `order` names them.
     built: Vec<KvCacheEvent>,
-    /// The removals' encoded event bodies, end to end.
+    /// The removals' encoded event bodies and the stores' encoded `blocks`
+    /// entries, end to end.
     encoded: Vec<u8>,
-    /// The removals' block hashes, end to end.
+    /// The removals' and the stored blocks' hashes, end to end.
     hashes: Vec<i64>,
+    /// The stored blocks' tokens, end to end.
+    tokens: Vec<u32>,
+    /// The extra keys of each block of the stores that have any.
+    extra_keys: Vec<Vec<KvBlockExtraKey>>,
 }
 
 /// One forwarded event of a [`TranscodedPayload`].
 #[derive(Debug, Clone, Copy)]
 enum Transcoded {
-    /// The next of the built events.
+    /// The next of the built events: a clear.
     Built,
+    /// The next of the built events, a store without its blocks, and its blocks.
+    Store(Store),
     Removal(Removal),
 }
 
@@ -47,11 +61,34 @@ struct Removal {
     hashes: Span,
 }
 
+/// A store's blocks written as bytes: where they lie, and what every block
+/// of the store shares.
+#[derive(Debug, Clone, Copy)]
+struct Store {
+    tier: Option<i32>,
+    parent: Option<i64>,
+    entries: Span,
+    hashes: Span,
+    tokens: Span,
+    /// Empty when no block has extra keys, else one entry per block.
+    extra_keys: Span,
+    block_size: i32,
+    lora_id: Option<i64>,
+    cache_level: Option<i32>,
+}
+
 /// One event handed out by [`TranscodedPayload::drain`].
 #[derive(Debug)]
 pub enum Forwarded<'p> {
-    /// A store or a clear, built.
+    /// A clear, built.
     Event(KvCacheEvent),
+    /// A store: built without its blocks, which are written.
+    Store {
+        /// The `KvCacheEvent` of the store, its `blocks` empty.
+        event: KvCacheEvent,
+        /// Its blocks.
+        blocks: StoredBlocks<'p>,
+    },
     /// A removal, written.
     Removal {
         /// The encoded body of its `KvCacheEvent`.
@@ -61,6 +98,56 @@ pub enum Forwarded<'p> {
         /// The hashes of the blocks it removes.
         hashes: &'p [i64],
     },
+}
+
+/// The blocks of a transcoded store.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredBlocks<'p> {
+    /// The blocks as the store's `blocks` entries, encoded end to end.
+    entries: &'p [u8],
+    hashes: &'p [i64],
+    tokens: &'p [u32],
+    extra_keys: &'p [Vec<KvBlockExtraKey>],
+    block_size: i32,
+    lora_id: Option<i64>,
+    cache_level: Option<i32>,
+}
+
+impl<'p> StoredBlocks<'p> {
+    /// Appends the body of the `KvCacheEvent` numbered `event_id` that
+    /// carries `stored` (its own `blocks` empty) with these blocks: the
+    /// bytes `wire::event` writes for that store with its blocks built.
+    pub fn encode_event(&self, event_id: u64, stored: &KvBlocksStored, out: &mut Vec<u8>) {
+        let entries = self.entries;
+        encode_store_event(event_id, stored, entries.len(), out, |out| {
+            out.extend_from_slice(entries);
+        });
+    }
+
+    /// Each block's fields, in the store's order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = BlockFields<'p>> + Clone + use<'p> {
+        let Self {
+            hashes,
+            tokens,
+            extra_keys,
+            block_size,
+            lora_id,
+            cache_level,
+            ..
+        } = *self;
+        hashes
+            .iter()
+            .zip(tokens.chunks_exact(block_size as usize))
+            .enumerate()
+            .map(move |(at, (&hash, tokens))| BlockFields {
+                hash,
+                tokens,
+                block_size,
+                lora_id,
+                cache_level,
+                extra_keys: extra_keys.get(at).map_or(&[], Vec::as_slice),
+            })
+    }
 }
 
 impl TranscodedPayload {
@@ -74,10 +161,14 @@ impl TranscodedPayload {
         self.built.clear();
         self.encoded.clear();
         self.hashes.clear();
+        self.tokens.clear();
+        self.extra_keys.clear();
         self.order.shrink_to(KEPT_EVENTS);
         self.built.shrink_to(KEPT_EVENTS);
         self.encoded.shrink_to(KEPT_BYTES);
         self.hashes.shrink_to(KEPT_BYTES / size_of::<i64>());
+        self.tokens.shrink_to(KEPT_BYTES / size_of::<u32>());
+        self.extra_keys.shrink_to(KEPT_EVENTS);
     }
 
     /// Room for `events` more events.
@@ -85,8 +176,14 @@ impl TranscodedPayload {
         self.order.reserve(events);
     }
 
-    /// Adds a forwarded event, writing a removal as bytes.
-    pub(super) fn push(&mut self, event_id: u64, event: Normalized<'_>) {
+    /// Adds a forwarded event, writing a store's blocks and a removal as
+    /// bytes.
+    pub(super) fn push(
+        &mut self,
+        normalizer: &mut Normalizer,
+        event_id: u64,
+        event: Normalized<'_>,
+    ) {
         match event {
             Normalized::Built(data) => {
                 self.built.push(KvCacheEvent {
@@ -94,6 +191,46 @@ impl TranscodedPayload {
                     data: Some(data),
                 });
                 self.order.push(Transcoded::Built);
+            }
+            Normalized::Stored(fields) => {
+                let header = fields.header(&mut normalizer.spare_buffers);
+                let (entries_start, hashes_start) = (self.encoded.len(), self.hashes.len());
+                let (tokens_start, extra_keys_start) = (self.tokens.len(), self.extra_keys.len());
+                let (block_size, lora_id, cache_level) =
+                    (fields.block_size, fields.lora_id, fields.cache_level);
+                let has_extra_keys = fields.has_extra_keys();
+                self.hashes.extend_from_slice(fields.hashes);
+                self.tokens.extend_from_slice(fields.tokens);
+                let (encoded, extra_keys) = (&mut self.encoded, &mut self.extra_keys);
+                fields.for_each_block(|hash, tokens, keys| {
+                    let block = BlockFields {
+                        hash,
+                        tokens,
+                        block_size,
+                        lora_id,
+                        cache_level,
+                        extra_keys: &keys,
+                    };
+                    block.encode_entry(encoded);
+                    if has_extra_keys {
+                        extra_keys.push(keys);
+                    }
+                });
+                self.order.push(Transcoded::Store(Store {
+                    tier: header.tier,
+                    parent: header.parent_block_hash,
+                    entries: span(entries_start..self.encoded.len()),
+                    hashes: span(hashes_start..self.hashes.len()),
+                    tokens: span(tokens_start..self.tokens.len()),
+                    extra_keys: span(extra_keys_start..self.extra_keys.len()),
+                    block_size,
+                    lora_id,
+                    cache_level,
+                }));
+                self.built.push(KvCacheEvent {
+                    event_id,
+                    data: Some(Data::Stored(header)),
+                });
             }
             Normalized::Removed(fields) => {
                 let body_start = self.encoded.len();
@@ -109,18 +246,17 @@ impl TranscodedPayload {
         }
     }
 
-    /// The built events (stores and clears), in engine order.
-    pub fn built(&self) -> &[KvCacheEvent] {
-        &self.built
-    }
-
-    /// Each removal's tier and hashes, in engine order.
-    pub fn removals(&self) -> impl Iterator<Item = (Option<i32>, &[i64])> + Clone + '_ {
-        self.order.iter().filter_map(|event| match event {
-            Transcoded::Removal(removal) => {
-                Some((removal.tier, &self.hashes[range(removal.hashes)]))
-            }
-            Transcoded::Built => None,
+    /// The tier and hashes of every block the events look up in the state,
+    /// in engine order: each store's parent (its LoRA and salt may come
+    /// from it) and blocks, each removal's blocks.
+    pub fn lookups(&self) -> impl Iterator<Item = (Option<i32>, &[i64])> + Clone + '_ {
+        self.order.iter().flat_map(|event| {
+            let (tier, parent, hashes) = match event {
+                Transcoded::Store(store) => (store.tier, store.parent.as_slice(), store.hashes),
+                Transcoded::Removal(removal) => (removal.tier, &[][..], removal.hashes),
+                Transcoded::Built => (None, &[][..], (0, 0)),
+            };
+            [(tier, parent), (tier, &self.hashes[range(hashes)])]
         })
     }
 
@@ -144,6 +280,20 @@ impl TranscodedPayload {
                         each(Forwarded::Event(event));
                     }
                 }
+                Transcoded::Store(store) => {
+                    if let Some(event) = built.next() {
+                        let blocks = StoredBlocks {
+                            entries: &self.encoded[range(store.entries)],
+                            hashes: &self.hashes[range(store.hashes)],
+                            tokens: &self.tokens[range(store.tokens)],
+                            extra_keys: &self.extra_keys[range(store.extra_keys)],
+                            block_size: store.block_size,
+                            lora_id: store.lora_id,
+                            cache_level: store.cache_level,
+                        };
+                        each(Forwarded::Store { event, blocks });
+                    }
+                }
                 Transcoded::Removal(removal) => each(Forwarded::Removal {
                     body: &self.encoded[range(removal.body)],
                     tier: removal.tier,
@@ -160,8 +310,10 @@ impl TranscodedPayload {
 /// engines put in one (vLLM's 3,000-event batches are the largest seen).
 const KEPT_EVENTS: usize = 4096;
 
-/// Bytes the removals' buffers keep between payloads: 4,096 one-block
-/// removals take about 160 kB of bytes and 32 kB of hashes.
+/// Bytes each of the byte, hash and token buffers keeps between payloads:
+/// 4,096 one-block removals take about 160 kB of bytes and 32 kB of
+/// hashes; 64 stores of 64 blocks of 16 tokens, about 200 kB of bytes and
+/// 256 kB of tokens.
 const KEPT_BYTES: usize = 256 << 10;
 
 /// A range of a payload's buffers (a `Range` is not `Copy`).
@@ -220,6 +372,35 @@ mod tests {
         transcode_and_drain(&mut payload, &removals(64));
         assert_eq!(capacities(&payload), kept);
         assert_eq!(handed_out, 100_128);
+    }
+
+    #[test]
+    fn an_outsized_store_s_tokens_and_bytes_are_given_back_once_it_is_drained() {
+        let blocks = 20_000u64;
+        let store = SimEvent::Stored {
+            hashes: (1..=blocks).collect(),
+            parent: None,
+            tokens: vec![300_000; blocks as usize * 16],
+            block_size: 16,
+        };
+        let mut bytes = Vec::new();
+        kvgate_sim::encode_batch(1.0, &[store], Some(0), &mut bytes);
+        let mut converter = Converter::new();
+        let mut payload = TranscodedPayload::default();
+        converter
+            .transcode(0, &bytes, &mut Tally::default(), &mut payload)
+            .unwrap();
+        assert!(payload.tokens.len() == blocks as usize * 16 && payload.encoded.len() > 1 << 20);
+        let mut stored = 0;
+        payload.drain(|event| {
+            if let Forwarded::Store { blocks, .. } = event {
+                stored += blocks.iter().len();
+            }
+        });
+        assert_eq!(stored, blocks as usize);
+        assert!(payload.tokens.capacity() * size_of::<u32>() <= KEPT_BYTES);
+        assert!(payload.encoded.capacity() <= KEPT_BYTES);
+        assert!(payload.hashes.capacity() * size_of::<i64>() <= KEPT_BYTES);
     }
 
     #[test]

@@ -32,12 +32,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::clock::unix_now;
-use crate::convert::{Converter, Forwarded, Tally, TranscodedPayload};
+use crate::convert::{Converter, Forwarded, StoredBlocks, Tally, TranscodedPayload};
 use crate::hub::{CutRequest, HubWriter, RankReport};
 use crate::load::LoadSource;
 use crate::load::records::LoadRecords;
 use crate::metrics::Metrics;
-use crate::proto::common::KvCacheEvent;
+use crate::proto::common::{KvCacheEvent, kv_cache_event::Data};
 use crate::source::continuity::ResumePoint;
 use crate::source::{EngineMessage, SourceEvent};
 use crate::state::LiveState;
@@ -59,11 +59,17 @@ use sequence::Sequencer;
 /// cannot hold finished batches back.
 const MAX_MESSAGES_PER_CYCLE: usize = 256;
 
+/// Bytes the store body buffer keeps between stores: a store of about
+/// 1,000 blocks of 16 tokens; an outsized store's room is not kept for good.
+const STORE_BODY_KEPT_BYTES: usize = 64 << 10;
+
 /// The one task that numbers, batches and publishes every engine event.
 pub struct Drain {
     converter: Converter,
     /// The payload being ingested (its buffers reused from one to the next).
     transcoded: TranscodedPayload,
+    /// The encoded body of the transcoded store being batched.
+    store_body: Vec<u8>,
     sequencer: Sequencer,
     limits: BatchLimits,
     batchers: BTreeMap<u32, Batcher>,
@@ -87,8 +93,9 @@ pub struct Drain {
     outgoing: Vec<(u32, u64, bytes::Bytes)>,
     /// The state directory, when kvgate keeps one.
     store: Option<StoreWriter>,
-    /// Where each publisher's record ends (kept only with a store).
-    resume_points: BTreeMap<u32, ResumePoint>,
+    /// Where each publisher's record begins and ends (kept only with a
+    /// store), as of the last cycle's end.
+    marks: Marks,
     /// The last message of each rank this cycle (only with a store): its
     /// resume point is taken once, at the cycle's end.
     cycle_last: BTreeMap<u32, (u64, bytes::Bytes)>,
@@ -102,6 +109,7 @@ impl Drain {
         Self {
             converter: Converter::new(),
             transcoded: TranscodedPayload::default(),
+            store_body: Vec::new(),
             sequencer: Sequencer::new(sequence_seed),
             limits,
             batchers: BTreeMap::new(),
@@ -116,7 +124,7 @@ impl Drain {
             records: None,
             outgoing: Vec::new(),
             store: None,
-            resume_points: BTreeMap::new(),
+            marks: Marks::new(),
             cycle_last: BTreeMap::new(),
             marks_changed: false,
         }
@@ -133,10 +141,10 @@ impl Drain {
             self.sequencer.resume(last_sequences);
         }
         self.state = restored.state;
-        for (rank, mark) in restored.marks {
+        for (&rank, mark) in &restored.marks {
             self.first_engine_sequence.insert(rank, mark.first);
-            self.resume_points.insert(rank, mark.resume);
         }
+        self.marks = restored.marks;
         // Whatever the old process paced, the next other rank's batch
         // follows a rank-0 batch of this one.
         self.since_rank0 = self
@@ -250,7 +258,7 @@ impl Drain {
         self.converter.forget_rank(rank);
         self.first_engine_sequence.remove(&rank);
         if self.store.is_some() {
-            self.resume_points.remove(&rank);
+            self.marks.remove(&rank);
             self.cycle_last.remove(&rank);
             self.marks_changed = true;
         }
@@ -297,35 +305,70 @@ impl Drain {
     }
 
     /// Batches one payload's events as `push_events` does; its removals,
-    /// already encoded, go into the batch as they are.
+    /// already encoded, go into the batch as they are, and its stores with
+    /// their blocks' entries as they are.
     fn push_transcoded(&mut self, rank: u32, payload: &mut TranscodedPayload) {
         let timestamp = payload.timestamp;
         self.pay_owed_clear(rank, payload.starts_with_ownerless_clear(), timestamp);
-        self.state.prefetch(rank, payload.built());
-        self.state.prefetch_removals(rank, payload.removals());
+        self.state.prefetch_lookups(rank, payload.lookups());
         payload.drain(|event| match event {
             Forwarded::Event(event) => self.push_event(rank, event, timestamp),
+            Forwarded::Store { event, blocks } => self.push_store(rank, event, blocks, timestamp),
             Forwarded::Removal { body, tier, hashes } => {
-                let ready = &mut self.ready;
-                let sent = batcher_of(&mut self.batchers, rank, self.limits).push_encoded(
-                    body,
-                    timestamp,
-                    &mut |output| {
-                        if let Output::Batch(batch) = output {
-                            ready.push((rank, batch));
-                        }
-                    },
-                );
-                if sent {
+                if self.push_encoded(rank, body, timestamp) {
                     self.state.remove_blocks(rank, tier, hashes);
                 } else {
-                    // Over `--max-batch-bytes`: built again to be cut.
-                    let event =
-                        KvCacheEvent::decode(body).expect("a removal the converter wrote decodes");
-                    self.push_event(rank, event, timestamp);
+                    self.push_decoded(rank, body, timestamp);
                 }
             }
         });
+    }
+
+    /// Completes a transcoded store from the state, as `push_event` does,
+    /// and batches it with its blocks' entries as the converter wrote them.
+    fn push_store(
+        &mut self,
+        rank: u32,
+        mut event: KvCacheEvent,
+        blocks: StoredBlocks<'_>,
+        timestamp: f64,
+    ) {
+        self.state.complete(rank, &mut event);
+        let Some(Data::Stored(stored)) = &event.data else {
+            unreachable!("a transcoded store is built as a store");
+        };
+        let mut body = std::mem::take(&mut self.store_body);
+        blocks.encode_event(event.event_id, stored, &mut body);
+        if self.push_encoded(rank, &body, timestamp) {
+            self.state.store_blocks(rank, stored, blocks.iter());
+            self.converter.recycle(&mut event);
+        } else {
+            self.push_decoded(rank, &body, timestamp);
+        }
+        body.clear();
+        body.shrink_to(STORE_BODY_KEPT_BYTES);
+        self.store_body = body;
+    }
+
+    /// Adds an event given as its encoded body to `rank`'s batch; `false`,
+    /// having done nothing, when it is over `--max-batch-bytes`.
+    fn push_encoded(&mut self, rank: u32, body: &[u8], timestamp: f64) -> bool {
+        let ready = &mut self.ready;
+        batcher_of(&mut self.batchers, rank, self.limits).push_encoded(
+            body,
+            timestamp,
+            &mut |output| {
+                if let Output::Batch(batch) = output {
+                    ready.push((rank, batch));
+                }
+            },
+        )
+    }
+
+    /// An encoded event over `--max-batch-bytes`, built again to be cut.
+    fn push_decoded(&mut self, rank: u32, body: &[u8], timestamp: f64) {
+        let event = KvCacheEvent::decode(body).expect("an event the drain wrote decodes");
+        self.push_event(rank, event, timestamp);
     }
 
     /// Sends the clear a restarted rank owes before its first events,
@@ -409,14 +452,18 @@ impl Drain {
     /// Logs this cycle (with a store), then announces its batches.
     fn announce(&mut self) {
         if let Some(store) = &mut self.store {
-            for (rank, (sequence, payload)) in std::mem::take(&mut self.cycle_last) {
-                self.resume_points
-                    .insert(rank, ResumePoint::of(sequence, &payload));
+            while let Some((rank, (sequence, payload))) = self.cycle_last.pop_first() {
+                let first = self
+                    .first_engine_sequence
+                    .get(&rank)
+                    .copied()
+                    .unwrap_or(sequence);
+                let resume = ResumePoint::of(sequence, &payload);
+                self.marks.insert(rank, RankMark { first, resume });
                 self.marks_changed = true;
             }
             if !self.outgoing.is_empty() || self.marks_changed {
-                let marks = marks(&self.first_engine_sequence, &self.resume_points);
-                store.append_cycle(self.hub.next_position(), &self.outgoing, &marks);
+                store.append_cycle(self.hub.next_position(), &self.outgoing, &self.marks);
                 self.marks_changed = false;
             }
         }
@@ -427,7 +474,7 @@ impl Drain {
             store.history_oldest(self.hub.history_oldest());
             if store.wants_checkpoint() {
                 let cut = self.cut();
-                let marks = marks(&self.first_engine_sequence, &self.resume_points);
+                let marks = self.marks.clone();
                 if let Some(store) = &mut self.store {
                     store.checkpoint(cut, marks);
                 }
@@ -537,23 +584,6 @@ fn batcher_of(
     batchers.entry(rank).or_insert_with(|| Batcher::new(limits))
 }
 
-/// Each publisher's mark: where kvgate's record of it begins and ends.
-fn marks(
-    first_engine_sequence: &BTreeMap<u32, u64>,
-    resume_points: &BTreeMap<u32, ResumePoint>,
-) -> Marks {
-    resume_points
-        .iter()
-        .map(|(&rank, &resume)| {
-            let first = first_engine_sequence
-                .get(&rank)
-                .copied()
-                .unwrap_or(resume.last);
-            (rank, RankMark { first, resume })
-        })
-        .collect()
-}
-
 /// Returns when the load records need the drain (never without them).
 async fn load_wake(records: &mut Option<LoadRecords>) {
     match records {
@@ -635,6 +665,12 @@ mod tests {
             batches: 100,
             bytes: 64 << 20,
         };
+        drain_keeping(history, max_bytes)
+    }
+
+    /// A drain on a hub of its own keeping `history`, batches of at most
+    /// `max_bytes`.
+    fn drain_keeping(history: HistoryLimits, max_bytes: usize) -> (Drain, crate::hub::HubReader) {
         let (writer, reader) = hub(64, history);
         let limits = BatchLimits {
             max_events: 1024,
@@ -768,5 +804,146 @@ mod tests {
         );
         assert_eq!(held(&midway), live_midway, "the cut as it was");
         assert_eq!(held(&drain.cut()), live_at_end);
+    }
+
+    /// A store in vLLM's map form: `hashes` of 2 tokens each, chained under
+    /// `parent`, with a LoRA name and a salt when given.
+    fn store_payload(parent: Option<u64>, hashes: &[u64], named: Option<(&str, &str)>) -> Vec<u8> {
+        use rmp::encode::*;
+        let mut out = Vec::new();
+        write_array_len(&mut out, 3).unwrap();
+        write_f64(&mut out, 2.5).unwrap();
+        write_array_len(&mut out, 1).unwrap();
+        write_map_len(&mut out, if named.is_some() { 7 } else { 5 }).unwrap();
+        write_str(&mut out, "type").unwrap();
+        write_str(&mut out, "BlockStored").unwrap();
+        write_str(&mut out, "block_hashes").unwrap();
+        write_array_len(&mut out, hashes.len() as u32).unwrap();
+        for &hash in hashes {
+            write_uint(&mut out, hash).unwrap();
+        }
+        write_str(&mut out, "parent_block_hash").unwrap();
+        match parent {
+            Some(parent) => drop(write_uint(&mut out, parent).unwrap()),
+            None => write_nil(&mut out).unwrap(),
+        }
+        write_str(&mut out, "token_ids").unwrap();
+        write_array_len(&mut out, 2 * hashes.len() as u32).unwrap();
+        for token in 0..2 * hashes.len() as u64 {
+            write_uint(&mut out, token * 40_000).unwrap();
+        }
+        write_str(&mut out, "block_size").unwrap();
+        write_uint(&mut out, 2).unwrap();
+        if let Some((lora_name, cache_salt)) = named {
+            write_str(&mut out, "lora_name").unwrap();
+            write_str(&mut out, lora_name).unwrap();
+            write_str(&mut out, "cache_salt").unwrap();
+            write_str(&mut out, cache_salt).unwrap();
+        }
+        write_uint(&mut out, 0).unwrap();
+        out
+    }
+
+    /// Every payload of the golden fixtures, a full engine's steady state,
+    /// and chains whose later stores take their LoRA and salt from a parent.
+    fn payloads_of_every_kind() -> Vec<Vec<u8>> {
+        use kvgate_sim::{SteadyState, WorkloadShape};
+        let mut payloads = Vec::new();
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wire");
+        for dir in std::fs::read_dir(root).unwrap() {
+            let dir = dir.unwrap().path();
+            if dir.is_dir() {
+                let mut files: Vec<_> = std::fs::read_dir(dir)
+                    .unwrap()
+                    .map(|file| file.unwrap().path())
+                    .filter(|path| path.extension().is_some_and(|e| e == "msgpack"))
+                    .collect();
+                files.sort();
+                payloads.extend(files.into_iter().map(|path| std::fs::read(path).unwrap()));
+            }
+        }
+        let shape = WorkloadShape {
+            blocks_per_store: 8,
+            block_size: 4,
+            live_blocks: 32,
+        };
+        let mut workload = SteadyState::new(shape, 5);
+        payloads.extend((0..20).map(|_| workload.next_payload(1.0, 0)));
+        payloads.push(store_payload(None, &[1, 2], Some(("sql-lora", "tenant-a"))));
+        payloads.push(store_payload(Some(2), &[3, 4, 5], None));
+        payloads.push(store_payload(Some(5), &[6], Some(("other", "tenant-b"))));
+        payloads.push(store_payload(Some(99), &[7], None));
+        payloads
+    }
+
+    /// A drain fed `payloads` as engine messages, or (`as_built`) as the
+    /// events `Converter::convert` builds of them: its history's batches
+    /// and a snapshot's chunks at the end.
+    fn ingested(
+        max_bytes: usize,
+        payloads: &[Vec<u8>],
+        as_built: bool,
+    ) -> (Vec<bytes::Bytes>, Vec<bytes::Bytes>) {
+        use crate::state::snapshot::SnapshotEncoder;
+        let history = HistoryLimits {
+            batches: 100_000,
+            bytes: 1 << 30,
+        };
+        let (mut drain, reader) = drain_keeping(history, max_bytes);
+        let mut converter = Converter::new();
+        for (engine_sequence, payload) in (0..).zip(payloads) {
+            if as_built {
+                if let Ok(converted) = converter.convert(0, payload, &mut Tally::default()) {
+                    drain.ingest(SourceEvent::Events {
+                        rank: 0,
+                        timestamp: converted.timestamp,
+                        events: converted.events,
+                    });
+                }
+            } else {
+                drain.ingest(SourceEvent::Message(EngineMessage {
+                    rank: 0,
+                    engine_sequence,
+                    payload: payload.clone().into(),
+                }));
+            }
+            drain.flush();
+        }
+        let (oldest, newest) = reader.history().span();
+        let batches = (oldest..=newest)
+            .map(|position| reader.history().get(position).unwrap().encoded.clone())
+            .collect();
+        let snapshot = SnapshotEncoder::plan(std::sync::Arc::new(drain.cut()), 1.0).collect();
+        (batches, snapshot)
+    }
+
+    #[test]
+    fn transcoded_stores_are_batched_and_recorded_byte_for_byte_as_built_ones() {
+        let payloads = payloads_of_every_kind();
+        for max_bytes in [64, 300, 1 << 20] {
+            let (batches, snapshot) = ingested(max_bytes, &payloads, false);
+            let (built_batches, built_snapshot) = ingested(max_bytes, &payloads, true);
+            assert!(batches.len() > 50, "{} batches", batches.len());
+            assert!(
+                batches == built_batches,
+                "the same batches, {max_bytes} bytes"
+            );
+            assert!(!snapshot.is_empty());
+            assert!(
+                snapshot == built_snapshot,
+                "the same snapshot, {max_bytes} bytes"
+            );
+        }
+        let (batches, _) = ingested(1 << 20, &payloads, false);
+        let inherited = batches.iter().rev().find_map(|batch| {
+            let events = KvEventBatch::decode(batch.clone()).unwrap().events;
+            events.into_iter().find_map(|event| match event.data {
+                Some(Data::Stored(stored)) if stored.blocks[0].block_hash == 3 => Some(stored),
+                _ => None,
+            })
+        });
+        let inherited = inherited.expect("the child store was sent");
+        assert_eq!(inherited.lora_name.as_deref(), Some("sql-lora"));
+        assert_eq!(inherited.cache_salt.as_deref(), Some("tenant-a"));
     }
 }

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwapOption;
 
-use crate::wire::Batch;
+use super::Published;
 
 /// How much history to keep: whichever bound is hit first.
 #[derive(Clone, Copy, Debug)]
@@ -108,7 +108,7 @@ impl<T: Default> Segments<T> {
 #[derive(Debug)]
 pub struct History {
     /// The batch at each position (from 1).
-    slots: Segments<ArcSwapOption<Batch>>,
+    slots: Segments<ArcSwapOption<Published>>,
     /// Position of rank 0's batch, by rank-0 sequence number: a resuming
     /// subscriber's cursor is a rank-0 sequence number.
     rank0_positions: Segments<AtomicU64>,
@@ -138,7 +138,7 @@ pub struct History {
 
 impl History {
     /// The batch at `position`, unless it was evicted or not written yet.
-    pub fn get(&self, position: u64) -> Option<Arc<Batch>> {
+    pub fn get(&self, position: u64) -> Option<Arc<Published>> {
         self.slots
             .read(position, ArcSwapOption::load_full)
             .flatten()
@@ -272,7 +272,7 @@ impl HistoryWriter {
 
     /// Appends the next batch (its position must be `newest + 1`), evicting
     /// the oldest ones beyond the limits. The newest batch is always kept.
-    pub fn push(&mut self, batch: Arc<Batch>) {
+    pub fn push(&mut self, batch: Arc<Published>) {
         let history = &self.history;
         let position = batch.position;
         debug_assert_eq!(position, history.newest() + 1);
@@ -326,15 +326,9 @@ impl HistoryWriter {
 mod tests {
     use super::*;
     use crate::wire::batch::BATCH_OVERHEAD;
-    use bytes::Bytes;
 
-    fn batch(position: u64, rank: u32, sequence: u64, size: usize) -> Arc<Batch> {
-        Arc::new(Batch {
-            position,
-            rank,
-            sequence,
-            encoded: Bytes::from(vec![0u8; size]),
-        })
+    fn batch(position: u64, rank: u32, sequence: u64, size: usize) -> Arc<Published> {
+        Arc::new(Published::new(position, rank, sequence, &vec![0u8; size]))
     }
 
     #[test]

@@ -12,18 +12,38 @@
 
 use bytes::Bytes;
 
+use super::published::{PREFIX_BYTES, frame};
+
 #[derive(Debug)]
-/// A `load_only` batch, encoded once for every subscriber that takes it.
+/// A `load_only` batch, encoded and framed once for every subscriber that
+/// takes it.
 pub struct LoadOnly {
     /// The position of the last batch published before it.
     pub after_position: u64,
     /// Numbered 0: the rank has had no batch yet.
     pub before_first_batch: bool,
-    /// The encoded `KvEventBatch`.
+    /// The encoded `KvEventBatch` (a slice of `framed`).
     pub encoded: Bytes,
+    framed: Bytes,
 }
 
 impl LoadOnly {
+    /// The `encoded` record published after `after_position`, framed.
+    pub fn new(after_position: u64, before_first_batch: bool, encoded: &[u8]) -> Self {
+        let framed = frame(encoded);
+        Self {
+            after_position,
+            before_first_batch,
+            encoded: framed.slice(PREFIX_BYTES..),
+            framed,
+        }
+    }
+
+    /// The record as one gRPC message: prefix and bytes.
+    pub fn framed(&self) -> &Bytes {
+        &self.framed
+    }
+
     /// Whether a subscriber whose next position is `next_position` gets it.
     pub fn is_for(&self, next_position: u64, wants_records_before_first_batch: bool) -> bool {
         self.after_position + 1 == next_position

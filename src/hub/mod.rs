@@ -15,6 +15,7 @@ pub(crate) mod cursors;
 pub(crate) mod history;
 pub(crate) mod live;
 pub(crate) mod load_only;
+pub mod published;
 pub mod subscription;
 
 use std::sync::Arc;
@@ -32,6 +33,7 @@ pub use cursors::Cursors;
 pub use history::{History, HistoryLimits, HistoryWriter};
 pub use live::Live;
 pub use load_only::LoadOnly;
+pub use published::Published;
 
 /// A subscriber asking the drain for a snapshot cut.
 pub struct CutRequest(oneshot::Sender<SnapshotCut>);
@@ -134,10 +136,19 @@ impl HubWriter {
     /// positions, oldest first) and the position the next batch takes.
     /// Only before the first batch is published.
     pub(crate) fn restore(&mut self, next_position: u64, history: Vec<Arc<Batch>>) {
+        // Framed one by one, each restored batch let go once copied: the
+        // history is not held twice.
+        let history = history.into_iter().map(|batch| {
+            Arc::new(Published::new(
+                batch.position,
+                batch.rank,
+                batch.sequence,
+                &batch.encoded,
+            ))
+        });
         debug_assert_eq!(self.next_position, 1, "restored before publishing");
-        let first = history
-            .first()
-            .map_or(next_position, |batch| batch.position);
+        let mut history = history.peekable();
+        let first = history.peek().map_or(next_position, |batch| batch.position);
         self.history.start_at(first);
         self.live_window.start_at(first);
         for batch in history {
@@ -165,12 +176,7 @@ impl HubWriter {
     /// Publishes an encoded batch to the history and every subscriber.
     pub fn publish(&mut self, rank: u32, sequence: u64, encoded: bytes::Bytes) {
         let position = self.next_position;
-        let batch = Arc::new(Batch {
-            position,
-            rank,
-            sequence,
-            encoded,
-        });
+        let batch = Arc::new(Published::new(position, rank, sequence, &encoded));
         self.next_position += 1;
         self.history.push(Arc::clone(&batch));
         self.live_window.push(batch);
@@ -182,11 +188,7 @@ impl HubWriter {
     /// Offers a `load_only` batch to the subscribers that are caught up.
     /// `before_first_batch`: it is numbered 0, its rank having had no batch.
     pub fn publish_load_only(&mut self, before_first_batch: bool, encoded: bytes::Bytes) {
-        let item = LoadOnly {
-            after_position: self.next_position - 1,
-            before_first_batch,
-            encoded,
-        };
+        let item = LoadOnly::new(self.next_position - 1, before_first_batch, &encoded);
         let _ = self.live.try_broadcast(Live::LoadOnly(Arc::new(item)));
     }
 
@@ -214,7 +216,7 @@ impl HubReader {
 
     /// The batch at `position`, while the history or the live window
     /// holds it.
-    pub fn published(&self, position: u64) -> Option<Arc<Batch>> {
+    pub fn published(&self, position: u64) -> Option<Arc<Published>> {
         self.history
             .get(position)
             .or_else(|| self.live_window.get(position))

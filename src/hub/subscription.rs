@@ -13,12 +13,14 @@
 //! stream. `load_only` items in the live channel
 //! are handed on only at the exact position they were published after.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, ready};
 
 use async_broadcast::{Receiver, RecvError};
 
 use super::cursors::{Cursor, Cursors};
-use super::{Batch, History, HubReader, Live, LoadOnly};
+use super::{History, HubReader, Live, LoadOnly, Published};
 
 /// Why a resume cursor cannot be honoured (the call fails with
 /// OUT_OF_RANGE), with what would have worked.
@@ -75,7 +77,7 @@ impl CursorError {
 #[derive(Debug)]
 pub enum Step {
     /// The next batch, in emission order.
-    Batch(Arc<Batch>),
+    Batch(Arc<Published>),
     /// A rank's load record with no events (never in the history).
     LoadOnly(Arc<LoadOnly>),
     /// The subscriber fell so far behind that the history no longer holds
@@ -141,28 +143,34 @@ impl Subscription {
 
     /// The next step of the stream: a batch, a loss, or the end.
     pub async fn next(&mut self) -> Step {
+        std::future::poll_fn(|cx| self.poll_next(cx)).await
+    }
+
+    /// [`Self::next`] for a caller that polls: the subscriber's response
+    /// body, polled by its HTTP/2 stream with no future in between.
+    pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Step> {
         loop {
             // Shutting down, a lagging subscriber ends now rather than after
             // its backlog: it resumes from its cursor either way, and every
             // stream must end within the shutdown grace.
             if self.live.is_closed() {
-                return Step::Closed;
+                return Poll::Ready(Step::Closed);
             }
             let position = self.next_position.get();
             if position <= self.published_through {
-                return match self.hub.published(position) {
+                return Poll::Ready(match self.hub.published(position) {
                     Some(batch) => {
                         self.next_position.set(position + 1);
                         Step::Batch(batch)
                     }
                     None => Step::Lost { position },
-                };
+                });
             }
-            let published = match self.live.recv_direct().await {
-                Ok(Live::Published { position }) => position,
-                Ok(Live::LoadOnly(record)) => {
+            let published = match ready!(Pin::new(&mut self.live).poll_recv(cx)) {
+                Some(Ok(Live::Published { position })) => position,
+                Some(Ok(Live::LoadOnly(record))) => {
                     if record.is_for(position, self.early_load_records) {
-                        return Step::LoadOnly(record);
+                        return Poll::Ready(Step::LoadOnly(record));
                     }
                     // Batches this subscriber has not had came before it (a
                     // channel overflow may have taken their announcements):
@@ -171,8 +179,8 @@ impl Subscription {
                 }
                 // Whatever the skipped announcements named is published, so
                 // the history's newest position is a safe bound.
-                Err(RecvError::Overflowed(_)) => self.hub.history().newest(),
-                Err(RecvError::Closed) => return Step::Closed,
+                Some(Err(RecvError::Overflowed(_))) => self.hub.history().newest(),
+                Some(Err(RecvError::Closed)) | None => return Poll::Ready(Step::Closed),
             };
             self.published_through = self.published_through.max(published);
         }

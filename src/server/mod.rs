@@ -7,7 +7,6 @@ mod activity;
 pub(crate) mod admin;
 pub(crate) mod admin_connection;
 pub(crate) mod auth;
-pub mod codec;
 pub(crate) mod connection;
 pub(crate) mod fd_limit;
 mod health;
@@ -17,6 +16,7 @@ mod preface;
 mod progress;
 pub(crate) mod reload;
 pub(crate) mod request_limit;
+pub(crate) mod stream_body;
 pub(crate) mod subscribe;
 pub(crate) mod tls;
 

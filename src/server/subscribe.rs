@@ -2,9 +2,12 @@
 //!
 //! The call is admitted or refused before any message: a cursor that cannot
 //! be honoured fails with OUT_OF_RANGE. Afterwards the stream only ever
-//! carries bytes the drain encoded, ends with DATA_LOSS if the subscriber fell
-//! behind the history, and ends cleanly when kvgate shuts down.
+//! carries bytes the drain encoded (framed once by the hub, see
+//! `stream_body`), ends with DATA_LOSS if the subscriber fell behind the
+//! history, and ends cleanly when kvgate shuts down. The request is read
+//! with tonic's decoder and refused as tonic's server would refuse it.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -12,22 +15,22 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use futures::stream::BoxStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
+use tonic::Status;
 use tonic::body::Body;
-use tonic::{Request, Response, Status};
+use tonic::codec::Streaming;
+use tonic::metadata::{GRPC_CONTENT_TYPE, MetadataValue};
+use tonic_prost::ProstDecoder;
 use tracing::{debug, error, info};
 
-use super::codec::PreEncodedCodec;
 use super::request_limit::LimitedRequest;
+use super::stream_body::{Connected, SnapshotChunks, SubscribeBody};
 use crate::clock::unix_now;
 use crate::hub::HubReader;
-use crate::hub::subscription::{Step, Subscription};
+use crate::hub::subscription::Subscription;
 use crate::metrics::Metrics;
 use crate::proto::common::SubscribeKvEventsRequest;
 use crate::state::snapshot::SnapshotEncoder;
-
-type BatchStream = BoxStream<'static, Result<Bytes, Status>>;
 
 /// Largest `SubscribeKvEventsRequest` accepted: its fields take a few
 /// dozen bytes, so anything near this is not a real request.
@@ -65,12 +68,9 @@ impl SubscribeService {
         }
     }
 
-    async fn open(
-        self,
-        request: Request<SubscribeKvEventsRequest>,
-    ) -> Result<Response<BatchStream>, Status> {
-        let cursor = request.get_ref().start_sequence_number;
-        let early_load_records = request.get_ref().load_records_before_first_batch;
+    async fn open(self, request: SubscribeKvEventsRequest) -> Result<SubscribeBody, Status> {
+        let cursor = request.start_sequence_number;
+        let early_load_records = request.load_records_before_first_batch;
         debug!(cursor, "subscriber joined");
         let slot = Arc::clone(&self.subscriber_slots)
             .try_acquire_owned()
@@ -90,7 +90,7 @@ impl SubscribeService {
                     Status::out_of_range(refusal.describe(cursor))
                 })?
                 .with_early_load_records(early_load_records);
-            return Ok(Response::new(stream(subscription, connected)));
+            return Ok(SubscribeBody::new(None, subscription, connected));
         }
         // Subscribe before the cut so every batch after it reaches us.
         let live = self.hub.subscribe_live();
@@ -103,7 +103,7 @@ impl SubscribeService {
             .with_early_load_records(early_load_records);
         if cut.last_sequences.is_empty() {
             // Nothing was ever seen: live only.
-            return Ok(Response::new(stream(subscription, connected)));
+            return Ok(SubscribeBody::new(None, subscription, connected));
         }
         self.metrics.snapshots_served.inc();
         let cut = Arc::new(cut);
@@ -112,14 +112,12 @@ impl SubscribeService {
             move || SnapshotEncoder::plan(cut, timestamp),
             self.encode_slots,
         );
-        Ok(Response::new(
-            chunks.chain(stream(subscription, connected)).boxed(),
-        ))
+        Ok(SubscribeBody::new(Some(chunks), subscription, connected))
     }
 }
 
 impl tower::Service<http::Request<Body>> for SubscribeService {
-    type Response = http::Response<Body>;
+    type Response = http::Response<SubscribeBody>;
     type Error = Infallible;
     type Future = BoxFuture<'static, Result<Self::Response, Infallible>>;
 
@@ -131,12 +129,62 @@ impl tower::Service<http::Request<Body>> for SubscribeService {
         let service = self.clone();
         let request = request.map(|body| Body::new(LimitedRequest::new(body, MAX_REQUEST_BYTES)));
         Box::pin(async move {
-            let handler = tower::service_fn(move |request| service.clone().open(request));
-            let mut grpc =
-                tonic::server::Grpc::new(PreEncodedCodec::<SubscribeKvEventsRequest>::default());
-            Ok(grpc.server_streaming(handler, request).await)
+            let opened = match read_request(request).await {
+                Ok(request) => service.open(request).await,
+                Err(refusal) => Err(refusal),
+            };
+            Ok(match opened {
+                Ok(body) => {
+                    let mut response = http::Response::new(body);
+                    response
+                        .headers_mut()
+                        .insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE);
+                    response
+                }
+                Err(refusal) => refusal.into_http(),
+            })
         })
     }
+}
+
+/// The call's one request message, read as tonic's server reads a unary
+/// request (to its end: its trailers too).
+async fn read_request<B>(request: http::Request<B>) -> Result<SubscribeKvEventsRequest, Status>
+where
+    B: http_body::Body + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError>,
+{
+    refuse_compressed(request.headers())?;
+    let decoder = ProstDecoder::<SubscribeKvEventsRequest>::default();
+    let mut messages = Streaming::new_request(decoder, request.into_body(), None, None);
+    let message = messages
+        .message()
+        .await?
+        .ok_or_else(|| Status::internal("Missing request message."))?;
+    messages.trailers().await?;
+    Ok(message)
+}
+
+/// kvgate takes no compressed request, and says so as tonic's server does
+/// with no compression enabled.
+fn refuse_compressed(headers: &http::HeaderMap) -> Result<(), Status> {
+    let Some(encoding) = headers.get("grpc-encoding") else {
+        return Ok(());
+    };
+    let encoding = encoding.as_bytes();
+    if encoding == b"identity" {
+        return Ok(());
+    }
+    let named = std::str::from_utf8(encoding)
+        .map_or_else(|_| Cow::Owned(format!("{encoding:?}")), Cow::Borrowed);
+    let mut refusal = Status::unimplemented(format!(
+        "Content is compressed with `{named}` which isn't supported"
+    ));
+    refusal.metadata_mut().insert(
+        "grpc-accept-encoding",
+        MetadataValue::from_static("identity"),
+    );
+    Err(refusal)
 }
 
 /// The chunks `start` yields, each encoded on a blocking thread while it
@@ -149,7 +197,7 @@ impl tower::Service<http::Request<Body>> for SubscribeService {
 fn lazily_encoded<Chunks>(
     start: impl FnOnce() -> Chunks + Send + 'static,
     slots: Arc<Semaphore>,
-) -> BatchStream
+) -> SnapshotChunks
 where
     Chunks: Iterator<Item = Bytes> + Send + 'static,
 {
@@ -193,60 +241,109 @@ where
     .boxed()
 }
 
-/// Counts a subscriber and holds its `--max-subscribers` slot for as long
-/// as its stream exists.
-struct Connected {
-    metrics: Metrics,
-    _slot: OwnedSemaphorePermit,
-}
-
-impl Connected {
-    fn new(metrics: Metrics, slot: OwnedSemaphorePermit) -> Self {
-        metrics.subscribers.inc();
-        Self {
-            metrics,
-            _slot: slot,
-        }
-    }
-}
-
-impl Drop for Connected {
-    fn drop(&mut self) {
-        self.metrics.subscribers.dec();
-    }
-}
-
-fn stream(subscription: Subscription, connected: Connected) -> BatchStream {
-    futures::stream::unfold(Some((subscription, connected)), |state| async move {
-        let (mut subscription, connected) = state?;
-        match subscription.next().await {
-            Step::Batch(batch) => {
-                Some((Ok(batch.encoded.clone()), Some((subscription, connected))))
-            }
-            Step::LoadOnly(record) => {
-                Some((Ok(record.encoded.clone()), Some((subscription, connected))))
-            }
-            Step::Lost { position } => {
-                connected.metrics.subscribers_lost.inc();
-                info!(
-                    position,
-                    subscriber = subscription.id(),
-                    "subscriber fell behind the history"
-                );
-                let status = Status::data_loss(
-                    "fell behind kvgate's history; resubscribe with 0 for a snapshot",
-                );
-                Some((Err(status), None))
-            }
-            Step::Closed => None,
-        }
-    })
-    .boxed()
-}
-
 #[cfg(test)]
 mod tests {
+    use std::pin::Pin;
+
+    use futures::FutureExt;
+    use http_body::Body as _;
+    use prost::Message;
+    use tower::Service;
+
     use super::*;
+    use crate::hub::published::frame;
+    use crate::hub::{HistoryLimits, HubWriter, hub};
+
+    fn service() -> (HubWriter, SubscribeService) {
+        let (writer, reader) = hub(
+            8,
+            HistoryLimits {
+                batches: 8,
+                bytes: 1 << 20,
+            },
+        );
+        let limits = SubscribeLimits {
+            subscribers: 4,
+            snapshot_encodes: 1,
+        };
+        (
+            writer,
+            SubscribeService::new(reader, Metrics::default(), limits),
+        )
+    }
+
+    async fn call(
+        service: &mut SubscribeService,
+        request: http::Request<Body>,
+    ) -> http::Response<SubscribeBody> {
+        let Ok(response) = service.call(request).await;
+        response
+    }
+
+    fn subscribe(cursor: u64) -> http::Request<Body> {
+        let message = SubscribeKvEventsRequest {
+            start_sequence_number: cursor,
+            ..Default::default()
+        };
+        let body = axum::body::Body::from(frame(&message.encode_to_vec()));
+        http::Request::new(Body::new(body))
+    }
+
+    /// The headers of a call refused before any message (tonic's
+    /// "trailers-only" answer).
+    fn refused(response: &http::Response<SubscribeBody>) -> &http::HeaderMap {
+        assert_eq!(response.status(), http::StatusCode::OK);
+        assert_eq!(response.headers()["content-type"], "application/grpc");
+        assert!(response.body().is_end_stream(), "no message, no trailers");
+        response.headers()
+    }
+
+    #[tokio::test]
+    async fn a_resumed_call_is_answered_as_grpc_then_sends_the_hubs_framed_batches() {
+        let (mut writer, mut service) = service();
+        writer.publish(0, 40, Bytes::from_static(b"first"));
+        let mut response = call(&mut service, subscribe(40)).await;
+        assert_eq!(response.headers()["content-type"], "application/grpc");
+        assert!(response.headers().get("grpc-status").is_none());
+        writer.publish(0, 41, Bytes::from_static(b"second"));
+        let mut body = Pin::new(response.body_mut());
+        let sent = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx))
+            .now_or_never()
+            .flatten()
+            .unwrap()
+            .unwrap();
+        assert_eq!(sent.into_data().unwrap(), frame(b"second"));
+    }
+
+    #[tokio::test]
+    async fn an_unknown_cursor_is_refused_with_out_of_range_before_any_message() {
+        let (_writer, mut service) = service();
+        let response = call(&mut service, subscribe(7)).await;
+        let headers = refused(&response);
+        assert_eq!(headers["grpc-status"], "11");
+    }
+
+    #[tokio::test]
+    async fn a_compressed_request_is_refused_with_unimplemented_as_tonic_refuses_it() {
+        let (_writer, mut service) = service();
+        let mut request = subscribe(0);
+        request
+            .headers_mut()
+            .insert("grpc-encoding", http::HeaderValue::from_static("gzip"));
+        let response = call(&mut service, request).await;
+        let headers = refused(&response);
+        assert_eq!(headers["grpc-status"], "12");
+        assert_eq!(headers["grpc-accept-encoding"], "identity");
+        let message = headers["grpc-message"].to_str().unwrap();
+        assert!(message.contains("gzip"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn a_call_without_its_request_message_is_refused_with_internal() {
+        let (_writer, mut service) = service();
+        let response = call(&mut service, http::Request::new(Body::empty())).await;
+        assert_eq!(refused(&response)["grpc-status"], "13");
+    }
 
     #[tokio::test]
     async fn a_snapshot_that_fails_to_encode_ends_the_stream_with_internal() {

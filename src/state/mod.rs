@@ -339,25 +339,43 @@ impl LiveState {
     }
 
     fn store(&mut self, rank: u32, stored: &KvBlocksStored) {
+        self.store_blocks(rank, stored, stored.blocks.iter().map(BlockFields::from));
+    }
+
+    /// Records, for `rank`, the store `stored` (completed, its own `blocks`
+    /// ignored) of the blocks `blocks`: a store the drain has as its fields
+    /// and its blocks' fields, not as a `KvBlocksStored` with its blocks.
+    pub fn store_blocks<'b>(
+        &mut self,
+        rank: u32,
+        stored: &KvBlocksStored,
+        blocks: impl Iterator<Item = BlockFields<'b>> + Clone,
+    ) {
         let tier = Tier::of_event(stored.tier);
-        let blocks = self.ranks.entry(rank).or_default();
-        let map = &mut blocks.tiers[tier];
-        let copies = &mut blocks.copies[tier];
-        let (fields, fields_len) = self.interned.intern(StoreFields::of(stored));
-        blocks.widest_lone_entry = blocks
+        let rank_blocks = self.ranks.entry(rank).or_default();
+        let map = &mut rank_blocks.tiers[tier];
+        let copies = &mut rank_blocks.copies[tier];
+        // The blocks of one store share their LoRA id and cache level.
+        let first = blocks.clone().next();
+        let (fields, fields_len) = self.interned.intern(StoreFields {
+            lora_id: first.as_ref().and_then(|block| block.lora_id),
+            cache_level: first.as_ref().and_then(|block| block.cache_level),
+            ..StoreFields::of(stored)
+        });
+        rank_blocks.widest_lone_entry = rank_blocks
             .widest_lone_entry
-            .max(widest_lone_entry(stored, fields_len));
+            .max(widest_lone_entry(blocks.clone(), fields_len));
         let spare_tokens = &mut self.spare_tokens;
         let mut parent = stored.parent_block_hash;
-        for block in &stored.blocks {
-            let hash = block.block_hash;
+        for block in blocks {
+            let hash = block.hash;
             let order = self.next_order;
             let found = map.find_or_insert_with(hash, || BlockRecord {
                 parent: parent.unwrap_or_default(),
                 has_parent: parent.is_some(),
-                tokens: Some(spare_tokens.filled(&block.token_ids)),
+                tokens: Some(spare_tokens.filled(block.tokens)),
                 extra_keys: (!block.extra_keys.is_empty())
-                    .then(|| Box::new(ExtraKeys(block.extra_keys.clone()))),
+                    .then(|| Box::new(ExtraKeys(block.extra_keys.to_vec()))),
                 fields: Arc::clone(&fields),
                 order,
                 block_size: block.block_size,
@@ -427,14 +445,16 @@ fn prefetch_passes(for_each_block: impl Fn(&mut dyn FnMut(&TierBlocks, i64))) {
     });
 }
 
-/// At least as many bytes as any block of `stored`, whose fields take
-/// `fields_len`, takes in a snapshot as a one-block store of its own.
-fn widest_lone_entry(stored: &KvBlocksStored, fields_len: usize) -> usize {
-    let (most_tokens, most_extra_keys_len) =
-        stored.blocks.iter().fold((0, 0), |(tokens, extra), block| {
-            let block_extra = BlockFields::extra_keys_len(&block.extra_keys);
-            (tokens.max(block.token_ids.len()), extra.max(block_extra))
-        });
+/// At least as many bytes as any block of `blocks`, whose store's fields
+/// take `fields_len`, takes in a snapshot as a one-block store of its own.
+fn widest_lone_entry<'b>(
+    blocks: impl Iterator<Item = BlockFields<'b>>,
+    fields_len: usize,
+) -> usize {
+    let (most_tokens, most_extra_keys_len) = blocks.fold((0, 0), |(tokens, extra), block| {
+        let block_extra = BlockFields::extra_keys_len(block.extra_keys);
+        (tokens.max(block.tokens.len()), extra.max(block_extra))
+    });
     let widest_block = BlockFields::max_encoded_len(most_tokens, most_extra_keys_len);
     lone_block_entry_len(fields_len, widest_block)
 }
@@ -496,22 +516,23 @@ pub(crate) fn stored_event(
     }
 }
 
-/// Removals as the drain has them from the converter (their `tier` and
-/// hashes, the event already encoded): looked up and applied as a
-/// `KvBlocksRemoved` of that tier and those hashes would be.
+/// Events as the drain has them from the converter (a removal's `tier` and
+/// hashes, the event already encoded; a store's fields and its blocks'):
+/// looked up and applied as the built events would be.
 impl LiveState {
-    /// Brings into the cache what removing these blocks will read, in the
-    /// passes of [`LiveState::prefetch`].
-    pub fn prefetch_removals<'h>(
+    /// Brings into the cache what looking up the blocks `lookups` names
+    /// (by their events' `tier` and their hashes) will read, in the passes
+    /// of [`LiveState::prefetch`].
+    pub fn prefetch_lookups<'h>(
         &self,
         rank: u32,
-        removals: impl Iterator<Item = (Option<i32>, &'h [i64])> + Clone,
+        lookups: impl Iterator<Item = (Option<i32>, &'h [i64])> + Clone,
     ) {
         let Some(blocks) = self.ranks.get(&rank) else {
             return;
         };
         prefetch_passes(|visit| {
-            for (tier, hashes) in removals.clone() {
+            for (tier, hashes) in lookups.clone() {
                 let map = &blocks.tiers[Tier::of_event(tier)];
                 hashes.iter().for_each(|&hash| visit(map, hash));
             }

@@ -13,7 +13,9 @@
 use prost::Message;
 use prost::encoding::{self, WireType};
 
-use crate::proto::common::{KvBlock, KvBlockExtraKey, KvCacheEvent, kv_cache_event::Data};
+use crate::proto::common::{
+    KvBlock, KvBlockExtraKey, KvBlocksStored, KvCacheEvent, kv_cache_event::Data,
+};
 
 /// `KvCacheEvent.event_id`, `.stored`, `.removed`, and `KvBlocksStored.blocks`.
 const EVENT_ID_FIELD: u32 = 1;
@@ -186,24 +188,48 @@ const REMOVAL_FIELDS_BYTES: usize = 16;
 /// event is borrowed mutably but left as it was.
 pub fn encode_event(event: &mut KvCacheEvent, out: &mut Vec<u8>) {
     out.clear();
-    if event.event_id != 0 {
-        encoding::uint64::encode(EVENT_ID_FIELD, &event.event_id, out);
-    }
     match event.data.as_mut() {
         Some(Data::Stored(stored)) if !stored.blocks.is_empty() => {
             let blocks = std::mem::take(&mut stored.blocks);
-            let width_guess = length_width_guess(blocks.len() * TYPICAL_ENTRY_BYTES);
-            write_delimited(STORED_FIELD, width_guess, out, |out| {
-                stored.encode_raw(out);
+            let blocks_guess = blocks.len() * TYPICAL_ENTRY_BYTES;
+            encode_store_event(event.event_id, stored, blocks_guess, out, |out| {
                 for block in &blocks {
                     BlockFields::from(block).encode_entry(out);
                 }
             });
             stored.blocks = blocks;
         }
-        Some(data) => data.encode(out),
-        None => {}
+        data => {
+            if event.event_id != 0 {
+                encoding::uint64::encode(EVENT_ID_FIELD, &event.event_id, out);
+            }
+            if let Some(data) = data {
+                data.encode(out);
+            }
+        }
     }
+}
+
+/// Appends the body of the `KvCacheEvent` numbered `event_id` that carries
+/// `stored`, whose blocks are not its own but written by `write_blocks` as
+/// its `blocks` entries (about `blocks_guess` bytes): the store's other
+/// fields first, then the blocks, as [`encode_event`] writes every store.
+pub fn encode_store_event(
+    event_id: u64,
+    stored: &KvBlocksStored,
+    blocks_guess: usize,
+    out: &mut Vec<u8>,
+    write_blocks: impl FnOnce(&mut Vec<u8>),
+) {
+    debug_assert!(stored.blocks.is_empty(), "the blocks are written apart");
+    if event_id != 0 {
+        put_varint_field(EVENT_ID_FIELD, event_id, out);
+    }
+    let width_guess = length_width_guess(blocks_guess + STORE_FIELDS_BYTES);
+    write_delimited(STORED_FIELD, width_guess, out, |out| {
+        stored.encode_raw(out);
+        write_blocks(out);
+    });
 }
 
 /// The width [`write_delimited`] leaves for the length of a body guessed at
@@ -218,6 +244,10 @@ const GUESSED_TOKEN_BYTES: usize = 3;
 
 /// About what one 16-token block's entry takes, to guess a store's length.
 const TYPICAL_ENTRY_BYTES: usize = 64;
+
+/// About what a store's fields besides its blocks take (tier, locality, a
+/// parent, a short medium name), to guess its length.
+const STORE_FIELDS_BYTES: usize = 24;
 
 /// Writes field `field`, length-delimited, with the body `write` appends:
 /// room for the length is left at `width_guess` bytes and the body is moved

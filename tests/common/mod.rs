@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod pki;
+pub mod raw_codec;
 pub mod router;
 
 use std::io::{BufRead, BufReader};
