@@ -93,9 +93,8 @@ pub struct Drain {
     outgoing: Vec<(u32, u64, bytes::Bytes)>,
     /// The state directory, when kvgate keeps one.
     store: Option<StoreWriter>,
-    /// Where each publisher's record begins and ends (kept only with a
-    /// store), as of the last cycle's end.
-    marks: Marks,
+    /// Where each publisher's record ends (kept only with a store).
+    resume_points: BTreeMap<u32, ResumePoint>,
     /// The last message of each rank this cycle (only with a store): its
     /// resume point is taken once, at the cycle's end.
     cycle_last: BTreeMap<u32, (u64, bytes::Bytes)>,
@@ -124,7 +123,7 @@ impl Drain {
             records: None,
             outgoing: Vec::new(),
             store: None,
-            marks: Marks::new(),
+            resume_points: BTreeMap::new(),
             cycle_last: BTreeMap::new(),
             marks_changed: false,
         }
@@ -141,10 +140,10 @@ impl Drain {
             self.sequencer.resume(last_sequences);
         }
         self.state = restored.state;
-        for (&rank, mark) in &restored.marks {
+        for (rank, mark) in restored.marks {
             self.first_engine_sequence.insert(rank, mark.first);
+            self.resume_points.insert(rank, mark.resume);
         }
-        self.marks = restored.marks;
         // Whatever the old process paced, the next other rank's batch
         // follows a rank-0 batch of this one.
         self.since_rank0 = self
@@ -258,7 +257,7 @@ impl Drain {
         self.converter.forget_rank(rank);
         self.first_engine_sequence.remove(&rank);
         if self.store.is_some() {
-            self.marks.remove(&rank);
+            self.resume_points.remove(&rank);
             self.cycle_last.remove(&rank);
             self.marks_changed = true;
         }
@@ -452,18 +451,14 @@ impl Drain {
     /// Logs this cycle (with a store), then announces its batches.
     fn announce(&mut self) {
         if let Some(store) = &mut self.store {
-            while let Some((rank, (sequence, payload))) = self.cycle_last.pop_first() {
-                let first = self
-                    .first_engine_sequence
-                    .get(&rank)
-                    .copied()
-                    .unwrap_or(sequence);
-                let resume = ResumePoint::of(sequence, &payload);
-                self.marks.insert(rank, RankMark { first, resume });
+            for (rank, (sequence, payload)) in std::mem::take(&mut self.cycle_last) {
+                self.resume_points
+                    .insert(rank, ResumePoint::of(sequence, &payload));
                 self.marks_changed = true;
             }
             if !self.outgoing.is_empty() || self.marks_changed {
-                store.append_cycle(self.hub.next_position(), &self.outgoing, &self.marks);
+                let marks = marks(&self.first_engine_sequence, &self.resume_points);
+                store.append_cycle(self.hub.next_position(), &self.outgoing, &marks);
                 self.marks_changed = false;
             }
         }
@@ -474,7 +469,7 @@ impl Drain {
             store.history_oldest(self.hub.history_oldest());
             if store.wants_checkpoint() {
                 let cut = self.cut();
-                let marks = self.marks.clone();
+                let marks = marks(&self.first_engine_sequence, &self.resume_points);
                 if let Some(store) = &mut self.store {
                     store.checkpoint(cut, marks);
                 }
@@ -582,6 +577,23 @@ fn batcher_of(
     limits: BatchLimits,
 ) -> &mut Batcher {
     batchers.entry(rank).or_insert_with(|| Batcher::new(limits))
+}
+
+/// Each publisher's mark: where kvgate's record of it begins and ends.
+fn marks(
+    first_engine_sequence: &BTreeMap<u32, u64>,
+    resume_points: &BTreeMap<u32, ResumePoint>,
+) -> Marks {
+    resume_points
+        .iter()
+        .map(|(&rank, &resume)| {
+            let first = first_engine_sequence
+                .get(&rank)
+                .copied()
+                .unwrap_or(resume.last);
+            (rank, RankMark { first, resume })
+        })
+        .collect()
 }
 
 /// Returns when the load records need the drain (never without them).

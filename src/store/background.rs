@@ -1,7 +1,6 @@
-//! The threads that keep the drain free of disk waits: one fsyncs the
+//! The two threads that keep the drain free of disk waits: one fsyncs the
 //! log at a fixed interval and records how far it got, one writes
-//! checkpoints and deletes what they make obsolete, one allocates the open
-//! segment ahead of the drain's writes.
+//! checkpoints and deletes what they make obsolete.
 //!
 //! Invariants: the drain only hands them work through bounded channels and
 //! atomics, never waits for them (but at shutdown, for the last sync). A
@@ -164,46 +163,6 @@ pub fn write_synced(dir: &Path, record: SyncedRecord) -> std::io::Result<()> {
     let mut out = file_header(FileKind::Synced).to_vec();
     put_record(&mut out, kind::SYNCED, &[&record.encode()]);
     files::replace(dir, files::SYNCED_FILE, &out)
-}
-
-/// Space for the open segment to allocate ahead of the drain's writes.
-pub struct PreallocateJob {
-    pub file: Arc<File>,
-    /// From this offset (what was asked for before) ...
-    pub from: u64,
-    /// ... to this one.
-    pub until: u64,
-}
-
-/// The most one `fallocate` allocates: tmpfs and ext4 hold the file's
-/// lock for the whole call, and the drain's next write waits for it.
-const PREALLOCATE_CALL: u64 = 256 << 10;
-
-/// Allocates the space each job names, keeping the file's size, so the
-/// file reads back exactly as what was written. A file system that cannot
-/// (`EOPNOTSUPP`) ends the thread: the drain's writes allocate for
-/// themselves, as they would anyway. Any other failure (a full disk) is
-/// left for the drain's own write to meet.
-pub fn preallocate(jobs: Receiver<PreallocateJob>) {
-    for job in jobs {
-        let mut offset = job.from;
-        while offset < job.until {
-            let len = (job.until - offset).min(PREALLOCATE_CALL);
-            match rustix::fs::fallocate(
-                &*job.file,
-                rustix::fs::FallocateFlags::KEEP_SIZE,
-                offset,
-                len,
-            ) {
-                Ok(()) => offset += len,
-                Err(rustix::io::Errno::OPNOTSUPP) => {
-                    info!("state directory: the file system cannot preallocate the log");
-                    return;
-                }
-                Err(_) => break,
-            }
-        }
-    }
 }
 
 /// A checkpoint to write: the cut and what goes with it.

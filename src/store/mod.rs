@@ -54,9 +54,6 @@ const CHECKPOINT_QUEUE: usize = 1;
 /// Segments announced to the sync thread and not yet taken up.
 const SYNC_QUEUE: usize = 64;
 
-/// Preallocation steps asked for and not yet taken up.
-const PREALLOCATE_QUEUE: usize = 4;
-
 /// How the directory is used, as the flags set it.
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
@@ -233,11 +230,6 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         .name("kvgate-checkpoint".into())
         .spawn(move || checkpointer.run(checkpoint_receiver))
         .map_err(io)?;
-    let (preallocate_jobs, preallocate_receiver) = sync_channel(PREALLOCATE_QUEUE);
-    std::thread::Builder::new()
-        .name("kvgate-prealloc".into())
-        .spawn(move || background::preallocate(preallocate_receiver))
-        .map_err(io)?;
     let status = StoreStatus {
         dir: config.dir.clone(),
         restored: Arc::new(restored.report.clone()),
@@ -252,7 +244,6 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         metrics.clone(),
         sync_jobs,
         checkpoint_jobs,
-        preallocate_jobs,
         sync_thread,
         restored.needs_checkpoint,
         newest_segment,
@@ -269,7 +260,6 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
 mod tests {
     use super::*;
     use crate::metrics::ClosedLabels;
-    use crate::source::continuity::ResumePoint;
     use crate::wire::OpenBatch;
     use restore::Outcome;
     use restore::tests::{Dir, LIMITS};
@@ -309,75 +299,6 @@ mod tests {
             Outcome::Renumbered,
             "position 4 was announced and is not in the log"
         );
-    }
-
-    #[test]
-    fn a_segment_allocated_ahead_of_its_writes_reads_back_exactly_what_was_written() {
-        use std::io::Write;
-        use std::os::unix::fs::MetadataExt;
-        let boot_id = records::boot_id();
-        let dir = Dir::new("preallocated");
-        let mut opened = open_store(&dir);
-        let seed = opened.seed();
-        let written: Vec<(u32, u64, bytes::Bytes)> = (0..3)
-            .map(|n| {
-                let encoded = OpenBatch::with_timestamp(1.0).encode(0, seed + n, None);
-                (0, seed + n, encoded)
-            })
-            .collect();
-        for (n, batch) in (1..).zip(&written) {
-            let marks = Marks::from([(
-                0,
-                RankMark {
-                    first: 1,
-                    resume: ResumePoint::of(n, b"payload"),
-                },
-            )]);
-            opened
-                .writer
-                .append_cycle(n, std::slice::from_ref(batch), &marks);
-        }
-        // The thread allocates the segment up to its size limit (1 MiB
-        // here), far past what was written.
-        let segment = dir.0.join(files::segment_name(1));
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::fs::metadata(&segment).unwrap().blocks() * 512 < 1 << 20 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the segment was never allocated ahead"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let length = std::fs::metadata(&segment).unwrap().len();
-        assert!(length < 4096, "the file's size is its data's: {length}");
-        let restored = dir.restore(&boot_id);
-        assert_eq!(restored.report.outcome, Outcome::Continued);
-        assert!(restored.report.set_aside.is_empty());
-        assert_eq!(restored.next_position, 4);
-        let history: Vec<(u32, u64, bytes::Bytes)> = restored
-            .history
-            .iter()
-            .map(|batch| (batch.rank, batch.sequence, batch.encoded.clone()))
-            .collect();
-        assert_eq!(history, written);
-        assert_eq!(restored.marks[&0].resume, ResumePoint::of(3, b"payload"));
-        // A write cut short inside the allocated space is a torn tail, as
-        // at the end of any file: the last cycle still stands.
-        let header = records::BatchRecord::header(4, 0, seed + 3);
-        let encoded = OpenBatch::with_timestamp(1.0).encode(0, seed + 3, None);
-        let mut record = Vec::new();
-        format::put_record(&mut record, records::kind::BATCH, &[&header, &encoded]);
-        record.truncate(record.len() / 2);
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&segment)
-            .unwrap()
-            .write_all(&record)
-            .unwrap();
-        let restored = dir.restore(&boot_id);
-        assert_eq!(restored.report.outcome, Outcome::Continued);
-        assert!(restored.report.set_aside.is_empty());
-        assert_eq!(restored.next_position, 4);
     }
 
     #[test]

@@ -154,15 +154,11 @@ pub struct CycleRecord {
 }
 
 impl CycleRecord {
-    /// Encodes the end of the cycle at `position` into `out` (cleared
-    /// first) from the drain's marks where they are: the drain's buffer is
-    /// reused, so a cycle's end costs no allocation.
-    pub fn encode(position: u64, marks: &Marks, out: &mut Vec<u8>) {
-        out.clear();
-        let mut fields = Fields(std::mem::take(out));
-        fields.u64(position);
-        encode_marks(&mut fields, marks);
-        *out = fields.0;
+    pub fn encode(&self) -> Vec<u8> {
+        let mut fields = Fields::default();
+        fields.u64(self.position);
+        encode_marks(&mut fields, &self.marks);
+        fields.0
     }
 
     pub fn decode(payload: &[u8]) -> Result<Self, Damage> {
@@ -308,9 +304,7 @@ mod tests {
             position: 12,
             marks: marks.clone(),
         };
-        let mut encoded = vec![1, 2, 3];
-        CycleRecord::encode(cycle.position, &cycle.marks, &mut encoded);
-        assert_eq!(CycleRecord::decode(&encoded).unwrap(), cycle);
+        assert_eq!(CycleRecord::decode(&cycle.encode()).unwrap(), cycle);
         let meta = CheckpointMeta {
             position: 5,
             seed: 1000,

@@ -636,9 +636,11 @@ pub(super) mod tests {
                 let encoded = OpenBatch::with_timestamp(1.0).encode(0, seed + position - 1, None);
                 let header = BatchRecord::header(position, 0, seed + position - 1);
                 put_record(&mut out, kind::BATCH, &[&header, &encoded]);
-                let mut cycle = Vec::new();
-                CycleRecord::encode(position, &Marks::new(), &mut cycle);
-                put_record(&mut out, kind::CYCLE, &[&cycle]);
+                let cycle = CycleRecord {
+                    position,
+                    marks: Marks::new(),
+                };
+                put_record(&mut out, kind::CYCLE, &[&cycle.encode()]);
             }
             std::fs::write(self.0.join(files::segment_name(first)), out).unwrap();
         }

@@ -12,12 +12,6 @@
 //! that the log may lack announced batches, and serving goes on. Every
 //! `PAUSE_RETRY` a new segment is tried; once one opens, a checkpoint is
 //! asked for at once, so the log is whole again from there.
-//!
-//! The open segment is allocated ahead of the drain's writes by the
-//! preallocation thread (`fallocate` keeping the file's size, asked for a
-//! step at a time), so a write lands in pages that already exist: the
-//! file's length is always the length of what was written, and a segment
-//! never holds more than `segment_bytes` of space.
 
 use std::fs::File;
 use std::io::{IoSlice, Write};
@@ -30,7 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tracing::{info, warn};
 
-use super::background::{CheckpointJob, PreallocateJob, Shared, SyncJob};
+use super::background::{CheckpointJob, Shared, SyncJob};
 use super::files;
 use super::format::{FileKind, RECORD_HEADER_BYTES, file_header, put_record, record_head};
 use super::records::{BatchRecord, CheckpointMeta, CycleRecord, Marks, SegmentHeader, kind};
@@ -48,7 +42,7 @@ const CHECKPOINT_MAX_AGE: Duration = Duration::from_secs(60);
 /// Writes every byte of `slices`, in as few `writev` calls as the kernel
 /// takes (a cycle of more than about 500 batches needs several: a process
 /// killed between them leaves a cycle without its end, never announced).
-fn write_all_vectored(mut file: &File, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     while !slices.is_empty() {
         match file.write_vectored(slices) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
@@ -59,14 +53,6 @@ fn write_all_vectored(mut file: &File, mut slices: &mut [IoSlice<'_>]) -> std::i
     }
     Ok(())
 }
-
-/// How far ahead of the drain's writes the open segment is allocated:
-/// at the log's fastest (about 300 MB/s) a few tens of milliseconds.
-const PREALLOCATE_AHEAD: u64 = 8 << 20;
-
-/// Allocation is asked for once this much more is needed, so the drain
-/// hands the thread a job per MiB written, not per cycle.
-const PREALLOCATE_STEP: u64 = 1 << 20;
 
 /// The bounds the flags set.
 #[derive(Clone, Copy, Debug)]
@@ -82,12 +68,9 @@ pub struct StoreLimits {
 const BATCH_HEAD_BYTES: usize = RECORD_HEADER_BYTES + 1 + BatchRecord::HEADER_BYTES;
 
 struct OpenSegment {
-    /// Shared with the preallocation thread's jobs.
-    file: Arc<File>,
+    file: File,
     first_position: u64,
     bytes: u64,
-    /// How far allocation was asked for.
-    preallocated: u64,
 }
 
 /// Appends to the log; owned by the drain.
@@ -100,7 +83,6 @@ pub struct StoreWriter {
     pub(super) metrics: Metrics,
     pub(super) sync_jobs: SyncSender<SyncJob>,
     pub(super) checkpoint_jobs: SyncSender<CheckpointJob>,
-    pub(super) preallocate_jobs: SyncSender<PreallocateJob>,
     /// The sync thread, joined at a clean shutdown for its last sync (the
     /// checkpoint thread is left to finish or die with the process: a
     /// checkpoint cut short is only a temporary file).
@@ -118,8 +100,7 @@ pub struct StoreWriter {
     last_checkpoint: Instant,
     /// This cycle's batch record heads, each written before its batch.
     heads: Vec<[u8; BATCH_HEAD_BYTES]>,
-    /// This cycle's end: its payload, then the whole record.
-    cycle_payload: Vec<u8>,
+    /// This cycle's end record.
     cycle_end: Vec<u8>,
 }
 
@@ -134,7 +115,6 @@ impl StoreWriter {
         metrics: Metrics,
         sync_jobs: SyncSender<SyncJob>,
         checkpoint_jobs: SyncSender<CheckpointJob>,
-        preallocate_jobs: SyncSender<PreallocateJob>,
         sync_thread: std::thread::JoinHandle<()>,
         checkpoint_due: bool,
         newest_segment: Option<u64>,
@@ -148,7 +128,6 @@ impl StoreWriter {
             metrics,
             sync_jobs,
             checkpoint_jobs,
-            preallocate_jobs,
             sync_thread: Some(sync_thread),
             segment: None,
             newest_closed: newest_segment,
@@ -157,7 +136,6 @@ impl StoreWriter {
             logged_since_checkpoint: 0,
             last_checkpoint: Instant::now(),
             heads: Vec::new(),
-            cycle_payload: Vec::new(),
             cycle_end: Vec::new(),
         }
     }
@@ -201,9 +179,12 @@ impl StoreWriter {
             self.heads.push(head);
             position += 1;
         }
-        CycleRecord::encode(position - 1, marks, &mut self.cycle_payload);
+        let cycle = CycleRecord {
+            position: position - 1,
+            marks: marks.clone(),
+        };
         self.cycle_end.clear();
-        put_record(&mut self.cycle_end, kind::CYCLE, &[&self.cycle_payload]);
+        put_record(&mut self.cycle_end, kind::CYCLE, &[&cycle.encode()]);
         let mut slices: Vec<IoSlice> = Vec::with_capacity(2 * batches.len() + 1);
         for (head, (_, _, encoded)) in self.heads.iter().zip(batches) {
             slices.push(IoSlice::new(head));
@@ -212,7 +193,7 @@ impl StoreWriter {
         slices.push(IoSlice::new(&self.cycle_end));
         let bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
         let segment = self.segment.as_mut().expect("opened above");
-        match write_all_vectored(&segment.file, &mut slices) {
+        match write_all_vectored(&mut segment.file, &mut slices) {
             Ok(()) => {
                 segment.bytes += bytes;
                 self.logged_since_checkpoint += bytes;
@@ -220,35 +201,8 @@ impl StoreWriter {
                 self.shared
                     .written_through
                     .store(position - 1, Ordering::Release);
-                self.preallocate();
             }
             Err(error) => self.pause(Some(("writing the log", error))),
-        }
-    }
-
-    /// Asks the preallocation thread to keep the open segment allocated
-    /// `PREALLOCATE_AHEAD` past what was written, never past the segment's
-    /// size limit (the writes beyond it go to the next segment). A full
-    /// queue or a stopped thread only means the writes allocate for
-    /// themselves.
-    fn preallocate(&mut self) {
-        let Some(segment) = &mut self.segment else {
-            return;
-        };
-        let limit = self.limits.segment_bytes;
-        let until = (segment.bytes + PREALLOCATE_AHEAD).min(limit);
-        if until <= segment.preallocated
-            || (until < segment.preallocated + PREALLOCATE_STEP && until < limit)
-        {
-            return;
-        }
-        let job = PreallocateJob {
-            file: Arc::clone(&segment.file),
-            from: segment.preallocated,
-            until,
-        };
-        if self.preallocate_jobs.try_send(job).is_ok() {
-            segment.preallocated = until;
         }
     }
 
@@ -278,14 +232,11 @@ impl StoreWriter {
         self.shared
             .open_segment
             .store(first_position, Ordering::Release);
-        let bytes = header.len() as u64;
         self.segment = Some(OpenSegment {
-            file: Arc::new(file),
+            file,
             first_position,
-            bytes,
-            preallocated: bytes,
+            bytes: header.len() as u64,
         });
-        self.preallocate();
         if resumed {
             info!(
                 first_position,
