@@ -34,8 +34,11 @@ pub struct CowMap<V> {
     /// Keys are block hashes the engine chose. A publisher that picked
     /// colliding ones could pile them into one shard (every cut's first
     /// write would copy them all) or one probe sequence (every lookup a
-    /// scan), so the hash is keyed by a seed drawn per map at random;
-    /// foldhash costs one multiply per key, as the unkeyed FxHash did.
+    /// scan), so the hash is keyed by a seed drawn per map at random:
+    /// colliding keys cannot be chosen in advance. foldhash is not a
+    /// cryptographic hash (a publisher that could time lookups might still
+    /// learn collisions), but it costs one multiply per key, as the
+    /// unkeyed FxHash did, where SipHash showed in the drain's profile.
     hasher: RandomState,
 }
 
