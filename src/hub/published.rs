@@ -4,12 +4,10 @@
 //! prefix (not compressed, then the length, big-endian), and the batch's
 //! `encoded` is the slice of the same allocation after that prefix. A
 //! subscriber's HTTP/2 stream sends `framed` as it is, so delivering a batch
-//! to N subscribers copies nothing: the copy is here, once per batch, when
-//! the drain publishes it (a batch of `OWN_MAPPING_MIN_BYTES` or more was
-//! already copied into a mapping of its own by `Batch::encode`, so it is
-//! copied twice; reserving the prefix's room in the encoder would remove
-//! both). Whatever reads a batch's message (the state directory, a resume,
-//! the tests) reads `encoded`, as before.
+//! to N subscribers copies nothing: the one copy is here, once per batch,
+//! when the drain publishes it (`Batch::encode`'s buffer is short-lived).
+//! Whatever reads a batch's message (the state directory, a resume, the
+//! tests) reads `encoded`, as before.
 
 use std::ops::Deref;
 

@@ -7,7 +7,6 @@
 //! bytes), so the bytes the history counts are the bytes it holds.
 
 use bytes::Bytes;
-use memmap2::MmapMut;
 use prost::Message;
 use prost::encoding;
 
@@ -61,8 +60,8 @@ pub const ROUTER_MAX_MESSAGE_BYTES: usize = 4 << 20;
 /// the router accepts.
 pub const MAX_EVENTS_BYTES: usize = ROUTER_MAX_MESSAGE_BYTES - HEADER_ROOM - RANK_ROOM;
 
-/// Batches at least this large get a memory mapping of their own rather
-/// than a heap allocation. The history frees batches in age order while the
+/// Batches the hub holds at least this large get a memory mapping of their
+/// own rather than a heap allocation (`hub::published`). The history frees batches in age order while the
 /// drain's short-lived buffers (decoded tokens, scratch) fill the heap holes
 /// they leave, so on the heap a full history stays resident at about 1.6 to
 /// 2 times its bytes; an unmapped batch is back with the system at once.
@@ -230,15 +229,8 @@ impl OpenBatch {
         if let Some(chunk) = snapshot {
             encoding::message::encode(7, chunk, &mut self.buffer);
         }
-        let encoded = &self.buffer[start..];
-        // Snapshot chunks are sent and dropped, never held: the heap suits them.
-        if snapshot.is_none()
-            && encoded.len() >= OWN_MAPPING_MIN_BYTES
-            && let Ok(mut mapping) = MmapMut::map_anon(encoded.len())
-        {
-            mapping.copy_from_slice(encoded);
-            return Bytes::from_owner(mapping);
-        }
+        // Short-lived: the hub frames what it holds into an allocation of
+        // its own (`hub::published`), and snapshot chunks are sent and dropped.
         Bytes::from(self.buffer).slice(start..)
     }
 }
