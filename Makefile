@@ -49,7 +49,8 @@ fan-out:
 	cargo bench --locked --bench loopback_write
 
 # Issue 22: kvgate against smg 1.13's Rust relay, alternating run by run,
-# and the libzmq floor beside kvgate's cost per subscriber. PEER_PYTHON is a
+# the libzmq floor beside kvgate's cost per subscriber, and the floor relay
+# (a relay that does nothing but relay) beside kvgate's CPU per event. PEER_PYTHON is a
 # Python with smg, pyzmq, msgpack and grpcio (see benchmarks/smg-peer.py).
 PEER_PYTHON ?= python3
 PEER = --peer '$(PEER_PYTHON) benchmarks/smg-peer.py {port} {zmq}' --peer-name smg
@@ -63,6 +64,10 @@ peer:
 	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 --processes 1
 	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 --rounds 2 \
 		--rust-receivers target/release/kvgate-bench
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --relay --counts 1,8 \
+		--rounds 2 --rust-receivers target/release/kvgate-bench
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --relay --counts 32 \
+		--rate 312.5 --rounds 2 --rust-receivers target/release/kvgate-bench
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:

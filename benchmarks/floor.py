@@ -19,6 +19,14 @@ script measures that cost and kvgate's, the same way, on this machine:
   `kvgate`: the PUB feeds a kvgate process, the receivers are Python gRPC
   subscribers (raw bytes, nothing decoded), and the CPU measured is
   kvgate's;
+* `relay` (with --relay): the PUB feeds `kvgate-bench --floor-relay`, a
+  relay that does nothing but relay (one thread, the same ZMQ crate and
+  runtime as kvgate, each payload written once per receiver with a 4-byte
+  length; no decoding, no state, no HTTP/2), the receivers are
+  `--floor-receivers tcp:`, and the CPU measured is the relay's: the floor
+  under any gateway's CPU per delivered event, which the `us/event`
+  column gives for it and for kvgate (their whole CPU over N times the
+  events published);
 * each count runs after a run with no receiver, alternating, and the cost
   per delivery is CPU(N) - CPU(0) over the messages delivered in the window
   (from /proc/PID/stat). kvgate puts payloads that queued up while its
@@ -30,6 +38,8 @@ Needs pyzmq, msgpack and grpcio (e.g. the venv of smg-peer.py):
 
     python benchmarks/floor.py --kvgate target/release/kvgate --counts 1,8,64
     python benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 \
+        --rust-receivers target/release/kvgate-bench
+    python benchmarks/floor.py --kvgate target/release/kvgate --counts 1,8 --relay \
         --rust-receivers target/release/kvgate-bench
 """
 
@@ -48,6 +58,7 @@ import zmq
 TICKS = os.sysconf("SC_CLK_TCK")
 STORES = 12
 REMOVALS = 4
+EVENTS = STORES + REMOVALS
 BLOCKS = 4
 BLOCK_SIZE = 16
 # Removals take the blocks stored this many messages earlier, so kvgate's
@@ -188,7 +199,7 @@ class Receivers:
     def __init__(self, kind, target, count, args):
         self.children = []
         if args.rust_receivers:
-            scheme = "zmq" if kind == "zmq" else "grpc"
+            scheme = {"zmq": "zmq", "kvgate": "grpc", "relay": "tcp"}[kind]
             commands = [[args.rust_receivers, "--floor-receivers", f"{scheme}:{target}",
                          "--floor-count", str(count)]] if count else []
         else:
@@ -293,17 +304,32 @@ def start_kvgate(binary, endpoint):
     sys.exit(f"floor.py: {binary} exited before serving")
 
 
+def start_relay(binary, endpoint):
+    relay = subprocess.Popen(
+        [binary, "--floor-relay", endpoint],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+    )
+    line = relay.stdout.readline()
+    if not line.startswith("floor relay listening on "):
+        relay.kill()
+        sys.exit(f"floor.py: {binary} --floor-relay printed {line!r}")
+    return relay, line.rsplit(" ", 1)[1].strip()
+
+
 def measure(kind, count, args, payloads):
     """One run: CPU seconds of the measured process over the window and the
     messages delivered in it."""
     publisher = Publisher(payloads)
-    kvgate = None
+    relay = None  # the measured child process: kvgate or the floor relay
     receivers = None
     try:
         if kind == "kvgate":
-            kvgate, target = start_kvgate(args.kvgate, publisher.endpoint)
+            relay, target = start_kvgate(args.kvgate, publisher.endpoint)
             kvgate_joined(publisher, target)
-            pid = kvgate.pid
+            pid = relay.pid
+        elif kind == "relay":
+            relay, target = start_relay(args.rust_receivers, publisher.endpoint)
+            pid = relay.pid
         else:
             target = publisher.endpoint
             pid = os.getpid()
@@ -321,8 +347,8 @@ def measure(kind, count, args, payloads):
         publisher.run(args.rate, args.duration)
         after = reading()
         seconds = after[3] - before[3]
-        # The run's own processes: publisher, receivers and kvgate.
-        ours = (after[4] - before[4]) + (after[0] - before[0] if kind == "kvgate" else 0.0)
+        # The run's own processes: publisher, receivers and the relay.
+        ours = (after[4] - before[4]) + (after[0] - before[0] if kind != "zmq" else 0.0)
         return {
             "cpu_s": after[0] - before[0],
             "delivered": after[1] - before[1],
@@ -333,9 +359,9 @@ def measure(kind, count, args, payloads):
     finally:
         if receivers:
             receivers.close()
-        if kvgate:
-            kvgate.kill()
-            kvgate.wait()
+        if relay:
+            relay.kill()
+            relay.wait()
         publisher.socket.close(linger=0)
         publisher.context.term()
 
@@ -357,12 +383,16 @@ def main():
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--kvgate", help="a kvgate binary: measure it too")
+    parser.add_argument("--relay", action="store_true",
+                        help="measure the floor relay too (needs --rust-receivers)")
     args = parser.parse_args()
+    if args.relay and not args.rust_receivers:
+        parser.error("--relay runs kvgate-bench --floor-relay: give --rust-receivers")
     if args.rust_receivers and args.processes is not None:
         parser.error("--processes arranges Python receivers; --rust-receivers has one")
     if args.processes is None:
         args.processes = 2
-    kinds = ["zmq"] + (["kvgate"] if args.kvgate else [])
+    kinds = ["zmq"] + (["relay"] if args.relay else []) + (["kvgate"] if args.kvgate else [])
     payloads = Payloads()
     size = sum(map(len, payloads.pool)) // len(payloads.pool)
     arrangement = ("Rust receivers on one thread" if args.rust_receivers
@@ -371,7 +401,7 @@ def main():
           f"windows, {arrangement}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'relay':<7} {'N':>4} {'cpu(N) s':>9} {'cpu(0) s':>9} {'delivered':>10} "
-          f"{'us/delivery':>12} {'us/payload':>11} {'others %':>9}")
+          f"{'us/delivery':>12} {'us/payload':>11} {'us/event':>9} {'others %':>9}")
     for count in [int(c) for c in args.counts.split(",")]:
         for _ in range(args.rounds):
             for kind in kinds:
@@ -380,8 +410,11 @@ def main():
                 extra = busy["cpu_s"] - idle["cpu_s"] * busy["seconds"] / idle["seconds"]
                 per = 1e6 * extra / max(1, busy["delivered"])
                 per_payload = 1e6 * extra / max(1, count * busy["published"])
+                # The publisher's own CPU is no relay's.
+                per_event = ("-" if kind == "zmq" else
+                             f"{1e6 * busy['cpu_s'] / max(1, count * busy['published'] * EVENTS):.2f}")
                 print(f"{kind:<7} {count:>4} {busy['cpu_s']:>9.2f} {idle['cpu_s']:>9.2f} "
-                      f"{busy['delivered']:>10} {per:>12.2f} {per_payload:>11.2f} "
+                      f"{busy['delivered']:>10} {per:>12.2f} {per_payload:>11.2f} {per_event:>9} "
                       f"{max(idle['others_percent'], busy['others_percent']):>9.0f}",
                       flush=True)
 

@@ -1,6 +1,7 @@
 //! `--floor-receivers`: the receivers of `benchmarks/floor.py`, in Rust and
-//! all on one thread, for libzmq's side (SUB sockets on the engine's PUB)
-//! and kvgate's (gRPC subscribers) alike.
+//! all on one thread, for libzmq's side (SUB sockets on the engine's PUB),
+//! kvgate's (gRPC subscribers) and the floor relay's (`--floor-relay`,
+//! length-prefixed payloads on plain TCP) alike.
 //!
 //! The floor is a cost per delivery, which holds only while every receiver
 //! keeps up: one that falls behind is written several messages at a time,
@@ -17,8 +18,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::Context;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
+use super::floor_relay::LENGTH_BYTES;
 use super::subscriber::connect_plaintext;
 use kvgate::client::{RawBatches, subscribe_with};
 
@@ -30,6 +34,8 @@ pub enum FloorTarget {
     /// kvgate's `SubscribeKvEvents` streams, one connection each
     /// (`grpc:HOST:PORT`).
     Grpc(String),
+    /// The floor relay's plain TCP connections (`tcp:IP:PORT`).
+    Tcp(String),
 }
 
 impl std::str::FromStr for FloorTarget {
@@ -39,8 +45,12 @@ impl std::str::FromStr for FloorTarget {
         match text.split_once(':') {
             Some(("zmq", endpoint)) if !endpoint.is_empty() => Ok(Self::Zmq(endpoint.to_owned())),
             Some(("grpc", address)) if !address.is_empty() => Ok(Self::Grpc(address.to_owned())),
+            // A socket address, so a ZMQ endpoint (`tcp://…`) is never taken for one.
+            Some(("tcp", address)) if address.parse::<std::net::SocketAddr>().is_ok() => {
+                Ok(Self::Tcp(address.to_owned()))
+            }
             _ => Err(format!(
-                "{text:?} is neither zmq:ENDPOINT nor grpc:HOST:PORT"
+                "{text:?} is none of zmq:ENDPOINT, grpc:HOST:PORT and tcp:IP:PORT"
             )),
         }
     }
@@ -83,10 +93,31 @@ pub async fn serve(target: FloorTarget, count: usize) -> anyhow::Result<()> {
                     ended.fetch_add(1, Ordering::Relaxed);
                 });
             }
+            FloorTarget::Tcp(address) => {
+                let mut stream = TcpStream::connect(address)
+                    .await
+                    .with_context(|| format!("the floor relay at {address}"))?;
+                tokio::spawn(async move {
+                    let mut payload = Vec::new();
+                    while read_frame(&mut stream, &mut payload).await.is_ok() {
+                        counts[index].fetch_add(1, Ordering::Relaxed);
+                    }
+                    ended.fetch_add(1, Ordering::Relaxed);
+                });
+            }
         }
     }
     // Blocking reads of stdin stay off the receivers' thread.
     tokio::task::spawn_blocking(move || answer(&counts, &ended)).await?
+}
+
+/// Reads one length-prefixed payload of the floor relay into `payload`.
+async fn read_frame(stream: &mut TcpStream, payload: &mut Vec<u8>) -> std::io::Result<()> {
+    let mut length = [0; LENGTH_BYTES];
+    stream.read_exact(&mut length).await?;
+    payload.resize(u32::from_be_bytes(length) as usize, 0);
+    stream.read_exact(payload).await?;
+    Ok(())
 }
 
 fn answer(counts: &[AtomicU64], ended: &AtomicU64) -> anyhow::Result<()> {
@@ -119,7 +150,11 @@ mod tests {
             "grpc:127.0.0.1:50061".parse(),
             Ok(FloorTarget::Grpc("127.0.0.1:50061".to_owned()))
         );
-        for bad in ["tcp://127.0.0.1:5557", "zmq:", "http:x"] {
+        assert_eq!(
+            "tcp:127.0.0.1:40000".parse(),
+            Ok(FloorTarget::Tcp("127.0.0.1:40000".to_owned()))
+        );
+        for bad in ["tcp://127.0.0.1:5557", "zmq:", "tcp:", "http:x"] {
             assert!(bad.parse::<FloorTarget>().is_err(), "{bad}");
         }
     }

@@ -16,6 +16,7 @@
 
 mod chart;
 mod floor;
+mod floor_relay;
 mod gateway;
 mod histogram;
 mod procfs;
@@ -128,11 +129,19 @@ struct LoadArgs {
     rounds: u32,
 
     /// Instead of a load run, be `benchmarks/floor.py`'s receivers: connect
-    /// --floor-count of them to `zmq:ENDPOINT` (SUB sockets) or
-    /// `grpc:HOST:PORT` (kvgate's streams), all on one thread, and answer
+    /// --floor-count of them to `zmq:ENDPOINT` (SUB sockets),
+    /// `grpc:HOST:PORT` (kvgate's streams) or `tcp:IP:PORT` (the floor
+    /// relay's connections), all on one thread, and answer
     /// floor.py's `ready?` and `count` on stdin.
     #[arg(long, value_name = "TARGET", requires = "floor_count")]
     floor_receivers: Option<floor::FloorTarget>,
+
+    /// Instead of a load run, be `benchmarks/floor.py`'s floor relay: a
+    /// relay that does nothing but relay, from the engine's ZMQ PUB at
+    /// ENDPOINT to every `--floor-receivers tcp:ADDRESS` that connects (it
+    /// prints its address first).
+    #[arg(long, value_name = "ENDPOINT", conflicts_with = "floor_receivers")]
+    floor_relay: Option<String>,
 
     /// How many receivers --floor-receivers connects.
     #[arg(long, value_name = "N", requires = "floor_receivers",
@@ -160,6 +169,13 @@ fn main() -> anyhow::Result<()> {
             .build()
             .context("cannot start the async runtime")?
             .block_on(floor::serve(target, count as usize));
+    }
+    if let Some(endpoint) = args.floor_relay.clone() {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")?
+            .block_on(floor_relay::serve(endpoint));
     }
     tokio::runtime::Runtime::new()
         .context("cannot start the async runtime")?
