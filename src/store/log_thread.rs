@@ -11,12 +11,15 @@
 //! then takes no engine message until one comes back, so nothing grows
 //! while the disk is behind. The batches' bytes are shared (`Bytes`), never
 //! copied, and the buffers a cycle travels in go back and forth with it.
-//! The thread spins briefly for the next cycle only while cycles come
-//! closer together than `SPIN`, so an idle sidecar burns no CPU; the drain
-//! is woken (`Notify`) only if it waits for a cycle, never polled.
+//! Neither side makes a system call per cycle under sustained load: the
+//! thread spins briefly for the next cycle while cycles come closer
+//! together than `SPIN` (so an idle sidecar burns no CPU), and the drain
+//! unparks it only when it has parked; the drain is woken (`Notify`) only
+//! if it waits for a cycle, and otherwise finds it written when it next
+//! looks.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -41,6 +44,11 @@ pub const LOG_QUEUE: usize = 16;
 /// further apart than this park the thread at once.
 const SPIN: Duration = Duration::from_micros(50);
 
+/// How long `LogThread::wait_written` spins before it blocks: a cycle's
+/// write into the page cache takes a few µs, less than a futex sleep and
+/// wake-up.
+const WAIT_SPIN: Duration = Duration::from_micros(200);
+
 /// One drain cycle on its way to the log and back.
 #[derive(Default)]
 pub struct LogCycle {
@@ -64,6 +72,8 @@ enum Job {
 pub struct LogThread {
     /// `None` once closed.
     jobs: Option<SyncSender<Job>>,
+    /// The writer is parked (or about to): a job needs an unpark.
+    parked: Arc<AtomicBool>,
     written: Receiver<LogCycle>,
     notify: Arc<Notify>,
     shared: Arc<Shared>,
@@ -89,12 +99,16 @@ impl LogThread {
         let (jobs, receiver) = sync_channel(LOG_QUEUE + 1);
         let (written_sender, written) = sync_channel(LOG_QUEUE);
         let notify = Arc::new(Notify::new());
-        let thread_notify = Arc::clone(&notify);
+        let parked = Arc::new(AtomicBool::new(false));
         let thread = std::thread::Builder::new()
             .name("kvgate-log".into())
-            .spawn(move || run(writer, &receiver, &written_sender, &thread_notify))?;
+            .spawn({
+                let (notify, parked) = (Arc::clone(&notify), Arc::clone(&parked));
+                move || run(writer, &receiver, &parked, &written_sender, &notify)
+            })?;
         Ok(Self {
             jobs: Some(jobs),
+            parked,
             written,
             notify,
             shared,
@@ -121,9 +135,29 @@ impl LogThread {
         cycle.marks.clear();
         marks(&mut cycle.marks);
         self.out += 1;
-        let jobs = self.jobs.as_ref().expect("not closed");
+        self.send(Job::Cycle(cycle));
+    }
+
+    /// Queues `job` and unparks the writer if it parked. Never waits: the
+    /// queue holds `LOG_QUEUE` cycles and a checkpoint (sent only with no
+    /// cycle out) or the close.
+    fn send(&self, job: Job) {
+        let Some(jobs) = &self.jobs else { return };
         // The thread ends only when this sender is gone.
-        let _ = jobs.send(Job::Cycle(cycle));
+        let _ = jobs.try_send(job);
+        // Pairs with the writer's fence between raising `parked` and
+        // looking at the queue once more: it sees the job, or this sees
+        // the flag.
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::Relaxed) {
+            self.unpark();
+        }
+    }
+
+    fn unpark(&self) {
+        if let Some(thread) = &self.thread {
+            thread.thread().unpark();
+        }
     }
 
     /// The next cycle the writer has handed back, if any (never waits).
@@ -134,12 +168,22 @@ impl LogThread {
     }
 
     /// The next cycle back from the writer, waiting for it (the calling
-    /// thread blocks: not for the async workers). `None` when none is out.
+    /// thread spins, then blocks: not for the async workers). `None` when
+    /// none is out.
     pub fn wait_written(&mut self) -> Option<LogCycle> {
         if self.out == 0 {
             return None;
         }
-        let cycle = self.written.recv().ok()?;
+        let spinning = Instant::now();
+        let cycle = loop {
+            match self.written.try_recv() {
+                Ok(cycle) => break cycle,
+                Err(TryRecvError::Empty) if spinning.elapsed() < WAIT_SPIN => {
+                    std::hint::spin_loop();
+                }
+                Err(_) => break self.written.recv().ok()?,
+            }
+        };
         self.out -= 1;
         Some(cycle)
     }
@@ -178,9 +222,7 @@ impl LogThread {
         self.shared
             .checkpoint_wanted
             .store(false, Ordering::Release);
-        if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(Job::Checkpoint(cut, marks));
-        }
+        self.send(Job::Checkpoint(cut, marks));
     }
 
     /// The oldest position the history still holds.
@@ -193,14 +235,14 @@ impl LogThread {
     /// A clean shutdown: the writer finishes the cycles it has, then the
     /// last sync runs (`StoreWriter::close`). Blocks until it is done.
     pub fn close(mut self) {
-        if let Some(jobs) = self.jobs.take() {
-            let _ = jobs.send(Job::Close);
-        }
+        self.send(Job::Close);
         self.join();
     }
 
     fn join(&mut self) {
+        // A parked writer sees the queue disconnected once unparked.
         self.jobs = None;
+        self.unpark();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -221,13 +263,14 @@ impl Drop for LogThread {
 fn run(
     mut writer: StoreWriter,
     jobs: &Receiver<Job>,
+    parked: &AtomicBool,
     written: &SyncSender<LogCycle>,
     notify: &Notify,
 ) {
     let mut last_gap = Duration::MAX;
     let mut idle_since = Instant::now();
     loop {
-        let Some(job) = next_job(jobs, last_gap, idle_since) else {
+        let Some(job) = next_job(jobs, parked, last_gap < SPIN) else {
             return;
         };
         last_gap = idle_since.elapsed();
@@ -251,18 +294,32 @@ fn run(
     }
 }
 
-/// The next job: spinning up to `SPIN` first if the last one came within
-/// it (sustained load), else parked at once.
-fn next_job(jobs: &Receiver<Job>, last_gap: Duration, idle_since: Instant) -> Option<Job> {
-    if last_gap < SPIN {
-        loop {
-            match jobs.try_recv() {
-                Ok(job) => return Some(job),
-                Err(TryRecvError::Disconnected) => return None,
-                Err(TryRecvError::Empty) if idle_since.elapsed() >= SPIN => break,
-                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+/// The next job: spinning up to `SPIN` first if `spin` (sustained load),
+/// then parked until the drain unparks it. `None` once the drain is gone.
+fn next_job(jobs: &Receiver<Job>, parked: &AtomicBool, spin: bool) -> Option<Job> {
+    let started = Instant::now();
+    loop {
+        match jobs.try_recv() {
+            Ok(job) => return Some(job),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) if spin && started.elapsed() < SPIN => {
+                std::hint::spin_loop();
+                continue;
             }
+            Err(TryRecvError::Empty) => {}
         }
+        parked.store(true, Ordering::Relaxed);
+        // Pairs with the drain's fence after it queues a job.
+        fence(Ordering::SeqCst);
+        match jobs.try_recv() {
+            Ok(job) => {
+                parked.store(false, Ordering::Relaxed);
+                return Some(job);
+            }
+            Err(TryRecvError::Disconnected) => return None,
+            // An unpark that came first makes this return at once.
+            Err(TryRecvError::Empty) => std::thread::park(),
+        }
+        parked.store(false, Ordering::Relaxed);
     }
-    jobs.recv().ok()
 }
