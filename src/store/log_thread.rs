@@ -61,7 +61,8 @@ pub struct LogCycle {
 }
 
 enum Job {
-    Cycle(LogCycle),
+    /// A cycle, and when the drain handed it over.
+    Cycle(LogCycle, Instant),
     /// A cut the drain took at a quiet point, for the checkpoint thread.
     Checkpoint(SnapshotCut, Marks),
     /// A clean stop: the last sync records it.
@@ -135,7 +136,7 @@ impl LogThread {
         cycle.marks.clear();
         marks(&mut cycle.marks);
         self.out += 1;
-        self.send(Job::Cycle(cycle));
+        self.send(Job::Cycle(cycle, Instant::now()));
     }
 
     /// Queues `job` and unparks the writer if it parked. Never waits: the
@@ -273,9 +274,11 @@ fn run(
         let Some(job) = next_job(jobs, parked, last_gap < SPIN) else {
             return;
         };
-        last_gap = idle_since.elapsed();
         match job {
-            Job::Cycle(cycle) => {
+            Job::Cycle(cycle, handed_at) => {
+                // From the handing over, not from the wake-up: a parked
+                // thread's wake-up is slower than the cycles it would miss.
+                last_gap = handed_at.saturating_duration_since(idle_since);
                 writer.append_cycle(cycle.first_position, &cycle.batches, &cycle.marks);
                 writer.publish_checkpoint_wanted();
                 // Never full: the drain has at most LOG_QUEUE cycles out.
