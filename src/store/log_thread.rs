@@ -13,7 +13,8 @@
 //! copied, and the buffers a cycle travels in go back and forth with it.
 //! Neither side makes a system call per cycle under sustained load: the
 //! thread spins briefly for the next cycle while cycles come closer
-//! together than `SPIN` (so an idle sidecar burns no CPU), and the drain
+//! together than `SPIN` (so an idle sidecar burns no CPU) and no checkpoint
+//! is being written (its thread needs the core more), and the drain
 //! unparks it only when it has parked; the drain is woken (`Notify`) only
 //! if it waits for a cycle, and otherwise finds it written when it next
 //! looks.
@@ -44,9 +45,9 @@ pub const LOG_QUEUE: usize = 16;
 /// further apart than this park the thread at once.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// How long `LogThread::wait_written` spins before it blocks: a cycle's
-/// write into the page cache takes a few µs, less than a futex sleep and
-/// wake-up.
+/// How long `LogThread::wait_written` polls (yielding its core) before it
+/// blocks: a cycle's write into the page cache takes a few µs, less than a
+/// futex sleep and wake-up.
 const WAIT_SPIN: Duration = Duration::from_micros(200);
 
 /// One drain cycle on its way to the log and back.
@@ -169,7 +170,7 @@ impl LogThread {
     }
 
     /// The next cycle back from the writer, waiting for it (the calling
-    /// thread spins, then blocks: not for the async workers). `None` when
+    /// thread polls, then blocks: not for the async workers). `None` when
     /// none is out.
     pub fn wait_written(&mut self) -> Option<LogCycle> {
         if self.out == 0 {
@@ -179,8 +180,10 @@ impl LogThread {
         let cycle = loop {
             match self.written.try_recv() {
                 Ok(cycle) => break cycle,
+                // Yielding, not spinning: on two cores busy with the drain
+                // and a checkpoint, the writer may need this very core.
                 Err(TryRecvError::Empty) if spinning.elapsed() < WAIT_SPIN => {
-                    std::hint::spin_loop();
+                    std::thread::yield_now();
                 }
                 Err(_) => break self.written.recv().ok()?,
             }
@@ -271,7 +274,10 @@ fn run(
     let mut last_gap = Duration::MAX;
     let mut idle_since = Instant::now();
     loop {
-        let Some(job) = next_job(jobs, parked, last_gap < SPIN) else {
+        // Not while a checkpoint is written: on two cores a third busy
+        // thread takes the drain's core from it for whole time slices.
+        let spin = last_gap < SPIN && !writer.checkpoint_running();
+        let Some(job) = next_job(jobs, parked, spin) else {
             return;
         };
         match job {
