@@ -13,8 +13,7 @@
 //! copied, and the buffers a cycle travels in go back and forth with it.
 //! Neither side makes a system call per cycle under sustained load: the
 //! thread spins briefly for the next cycle while cycles come closer
-//! together than `SPIN` (so an idle sidecar burns no CPU) and no checkpoint
-//! is being written (its thread needs the core more), and the drain
+//! together than `SPIN` (so an idle sidecar burns no CPU), and the drain
 //! unparks it only when it has parked; the drain is woken (`Notify`) only
 //! if it waits for a cycle, and otherwise finds it written when it next
 //! looks.
@@ -274,10 +273,7 @@ fn run(
     let mut last_gap = Duration::MAX;
     let mut idle_since = Instant::now();
     loop {
-        // Not while a checkpoint is written: on two cores a third busy
-        // thread takes the drain's core from it for whole time slices.
-        let spin = last_gap < SPIN && !writer.checkpoint_running();
-        let Some(job) = next_job(jobs, parked, spin) else {
+        let Some(job) = next_job(jobs, parked, last_gap < SPIN) else {
             return;
         };
         match job {

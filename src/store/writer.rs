@@ -302,11 +302,6 @@ impl StoreWriter {
                 && self.last_checkpoint.elapsed() >= CHECKPOINT_MAX_AGE)
     }
 
-    /// A checkpoint is being written by its thread.
-    pub fn checkpoint_running(&self) -> bool {
-        self.shared.checkpoint_busy.load(Ordering::Acquire)
-    }
-
     /// Tells the drain whether it should hand over a cut for a checkpoint
     /// at its next quiet point (`Shared::checkpoint_wanted`).
     pub fn publish_checkpoint_wanted(&self) {
