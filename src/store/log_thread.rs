@@ -11,12 +11,11 @@
 //! then takes no engine message until one comes back, so nothing grows
 //! while the disk is behind. The batches' bytes are shared (`Bytes`), never
 //! copied, and the buffers a cycle travels in go back and forth with it.
-//! Neither side makes a system call per cycle under sustained load: the
-//! thread spins briefly for the next cycle while cycles come closer
-//! together than `SPIN` (so an idle sidecar burns no CPU), and the drain
-//! unparks it only when it has parked; the drain is woken (`Notify`) only
-//! if it waits for a cycle, and otherwise finds it written when it next
-//! looks.
+//! While cycles come closer together than `SPIN` the thread spins for the
+//! next one, so neither side makes a system call per cycle; further apart
+//! it parks (an idle sidecar burns no CPU), and the drain unparks it only
+//! when it has parked. The drain is woken (`Notify`) only if it waits for
+//! a cycle, and otherwise finds it written when it next looks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
