@@ -1,4 +1,4 @@
-//! The two threads that keep the drain free of disk waits: one fsyncs the
+//! Two of the threads that keep the drain free of disk waits: one fsyncs the
 //! log at a fixed interval and records how far it got, one writes
 //! checkpoints and deletes what they make obsolete.
 //!
@@ -176,7 +176,8 @@ pub struct CheckpointJob {
     pub meta: CheckpointMeta,
 }
 
-/// Writes checkpoints as the drain hands them over.
+/// Writes checkpoints of the cuts the drain takes (handed over through the
+/// log writer thread, which keeps count of what was logged since).
 pub struct Checkpointer {
     pub dir: PathBuf,
     pub shared: Arc<Shared>,
