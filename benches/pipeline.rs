@@ -153,6 +153,10 @@ impl Drop for StateDirGuard {
     }
 }
 
+/// With a state directory, the cycles still out to the log writer at the
+/// end are waited for and announced (`settle`) inside the caller's timed
+/// region: the last cycle's write is timed, and no sample leaves work to
+/// the next.
 fn ingest_all(drain: &mut Drain, payloads: &[Bytes], engine_sequence: &mut u64) {
     for payload in payloads {
         drain.ingest(SourceEvent::Message(EngineMessage {
@@ -163,6 +167,7 @@ fn ingest_all(drain: &mut Drain, payloads: &[Bytes], engine_sequence: &mut u64) 
         *engine_sequence += 1;
         drain.flush();
     }
+    drain.settle();
 }
 
 /// The whole drain: convert, apply to the live state, batch, encode once,

@@ -530,3 +530,85 @@ async fn a_disk_that_fills_pauses_persistence_while_serving_goes_on_and_it_resum
     .await;
     assert!(metric(&gateway, "kvgate_state_write_failures_total").await >= 1.0);
 }
+
+/// Engine messages kvgate has taken from rank 0's publisher.
+async fn messages_taken(gateway: &Gateway) -> f64 {
+    let (_, text) = http_get(gateway.admin.unwrap(), "/metrics").await;
+    metric_sample(&text, "kvgate_engine_messages_total{rank=\"0\"}").unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_position_is_announced_or_cut_for_a_snapshot_before_its_batch_is_in_the_log_and_serving_goes_on_while_the_write_waits()
+ {
+    let scratch = ScratchDir::new("held-log");
+    let mut engine = Engine::new(1000, 13).await;
+    let gateway = engine.gateway(&scratch.state());
+    let mut router = RouterView::new();
+    let mut early = resume(&gateway, &mut router).await;
+    // The first segment of a new directory starts at position 1; the log
+    // writer opens it at its first cycle, and that open now waits for a
+    // reader, as a write waits for a slow disk.
+    let segment = scratch.state().join("segment-00000000000000000001.log");
+    common::replace_with_fifo(&segment);
+    // Past the engine socket's slow joiner (a fence removes nothing).
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut fence = 1u64 << 40;
+    while messages_taken(&gateway).await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "no message taken");
+        engine
+            .publisher
+            .publish(common::fence_payload(fence, 0))
+            .await
+            .unwrap();
+        fence += 1;
+    }
+    // The drain takes every message and converts it while the first
+    // write waits: the admin port answers, and so would the engine's.
+    let taken = messages_taken(&gateway).await;
+    engine.steps(10).await;
+    await_metric_where(
+        gateway.admin.unwrap(),
+        "kvgate_engine_messages_total{rank=\"0\"}",
+        "the ten steps taken",
+        |now| now >= taken + 10.0,
+    )
+    .await;
+    let channel = gateway.channel().await;
+    let late = tokio::spawn(async move {
+        let mut stream = subscribe(channel, SERVICE, 0).await.expect("subscribed");
+        let mut view = RouterView::new();
+        let first = next_batch(&mut stream).await;
+        let count = first.snapshot.as_ref().expect("a snapshot chunk").count;
+        admit(&mut view, &first, "late snapshot");
+        for _ in 1..count {
+            admit(&mut view, &next_batch(&mut stream).await, "late snapshot");
+        }
+        view
+    });
+    // Nothing written, so nothing announced and no cut: for a while,
+    // neither subscriber gets a byte.
+    let window = std::time::Duration::from_millis(500);
+    if let Ok(message) = tokio::time::timeout(window, early.message()).await {
+        panic!("announced before it was written: {message:?}");
+    }
+    assert!(
+        !late.is_finished(),
+        "a snapshot cut before the log was written"
+    );
+
+    let reader = std::thread::spawn(move || std::fs::read(segment).unwrap());
+    catch_up(&mut engine, &mut early, &mut router, "released").await;
+    assert_eq!(router.blocks(0), true_blocks(&engine.cache));
+    assert!(router.gaps.is_empty(), "{:?}", router.gaps);
+    let late = tokio::time::timeout(DEADLINE, late)
+        .await
+        .expect("the snapshot once the log was written")
+        .unwrap();
+    assert_eq!(late.blocks(0), true_blocks(&engine.cache));
+    drop(gateway);
+    let log = reader.join().unwrap();
+    assert!(
+        log.starts_with(b"KVGLOG\0\0"),
+        "the log went to the held segment"
+    );
+}

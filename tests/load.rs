@@ -1083,3 +1083,83 @@ fn load_push_and_heartbeat_flags_out_of_range_fail_at_start_naming_the_flag() {
         "{stderr}"
     );
 }
+
+/// Admits `batch` into `view`, checking that a `load_only` batch names no
+/// sequence of rank 0 the stream has not delivered (`last`: the last KV
+/// batch's; 0 before the first, as `load_only` batches before it are).
+fn admit_checking_load_only(view: &mut RouterView, last: &mut Option<u64>, batch: &KvEventBatch) {
+    if is_load_only(batch) {
+        let named = batch.sequence_number;
+        assert!(
+            named <= last.unwrap_or(0),
+            "a load_only batch names sequence {named}, the stream's last is {last:?}"
+        );
+    } else if batch.dp_rank.unwrap_or(0) == 0 {
+        *last = Some(batch.sequence_number);
+    }
+    let admission = view.admit(batch);
+    assert!(!matches!(admission, Admission::Gap { .. }), "{admission:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_a_state_dir_no_load_only_batch_names_a_sequence_still_being_written_to_the_log() {
+    let dir = std::env::temp_dir().join(format!("load-held-log-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (gateway, mut kv, mut load) = pushing_gateway(&[
+        "--state-dir",
+        dir.to_str().unwrap(),
+        "--load-heartbeat-ms",
+        "100",
+    ])
+    .await;
+    let mut stream = subscribe(&gateway, 0, true).await;
+    let mut sample = 0;
+    sync_load(&mut load, 0, &mut stream, &mut sample).await;
+    // The log writer's first open waits for a reader, as a write waits for
+    // a slow disk (the first segment of a new directory starts at 1).
+    let segment = dir.join("segment-00000000000000000001.log");
+    common::replace_with_fifo(&segment);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut fence = 1u64 << 40;
+    while metric(&gateway, "kvgate_engine_messages_total{rank=\"0\"}").await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "no message taken");
+        kv.publish(common::fence_payload(fence, 0)).await.unwrap();
+        fence += 1;
+    }
+    let mut sim = SimEngine::new(SimConfig {
+        seed: 3,
+        capacity_blocks: 128,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    common::publish_steps_then_fence(&mut sim, &mut kv, 5, fence).await;
+    // Heartbeats and a changed record come due while the batches are
+    // numbered and not yet written: none may name their sequences.
+    push(&mut load, stat(0, 7)).await;
+    let mut view = RouterView::new();
+    let mut last = None;
+    let window = tokio::time::Instant::now() + std::time::Duration::from_millis(600);
+    while let Ok(message) = tokio::time::timeout_at(window, stream.message()).await {
+        let batch = message.expect("healthy").expect("open");
+        admit_checking_load_only(&mut view, &mut last, &batch);
+    }
+
+    let reader = std::thread::spawn(move || std::fs::read(segment).unwrap());
+    common::sync_streams_observing(&mut kv, 0, std::slice::from_mut(&mut stream), |_, batch| {
+        admit_checking_load_only(&mut view, &mut last, batch);
+    })
+    .await;
+    // Once written and announced, the heartbeat names the last batch.
+    let heartbeat = loop {
+        let batch = next_batch(&mut stream).await;
+        admit_checking_load_only(&mut view, &mut last, &batch);
+        if is_load_only(&batch) {
+            break batch;
+        }
+    };
+    assert_eq!(Some(heartbeat.sequence_number), last);
+    assert_eq!(view.blocks(0), common::true_blocks(&sim));
+    drop(gateway);
+    assert!(reader.join().unwrap().starts_with(b"KVGLOG\0\0"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -830,21 +830,11 @@ async fn kvgate_refuses_to_start_on_bad_trust_material_naming_the_flag_and_the_f
     assert!(stderr.contains("--engine-tls-ca"), "{stderr}");
 }
 
-/// Replaces `path` with a FIFO nobody writes to: opening it for reading the
-/// ordinary way waits for a writer for ever.
-fn replace_with_fifo(path: &Path) {
-    use std::os::unix::ffi::OsStrExt as _;
-    let _ = std::fs::remove_file(path);
-    let name = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-    // SAFETY: mkfifo reads the NUL-terminated path it is given.
-    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0, "mkfifo");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_fifo_given_as_a_credential_file_stops_kvgate_at_start_naming_the_flag() {
     let pki = MtlsFiles::new();
     let fifo = pki.files.path("fifo");
-    replace_with_fifo(&fifo);
+    common::replace_with_fifo(&fifo);
     let fifo_arg = fifo.display().to_string();
     let stderr = refusal(&["--auth-token-file", &fifo_arg]);
     assert_names(&stderr, "--auth-token-file", &fifo);
@@ -873,7 +863,7 @@ async fn a_token_file_replaced_by_a_fifo_is_refused_at_reload_and_serving_and_si
     let mut open = router.subscribe(gateway.address).await.unwrap();
     flowing(&mut publisher, &mut open).await;
 
-    replace_with_fifo(&tokens);
+    common::replace_with_fifo(&tokens);
     sighup(&gateway, "failed").await;
     // A check that follows reads the FIFO again, and it is refused again
     // (the change is reported once), without freezing anything.

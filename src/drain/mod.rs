@@ -13,8 +13,13 @@
 //!
 //! With a state directory, each cycle's batches are written to the store's
 //! log before any of them is announced, with the engine publishers' resume
-//! points as of the cycle's end, and a cut is handed to the store for a
-//! checkpoint when one is due (see `crate::store`).
+//! points as of the cycle's end: the drain hands the cycle to the log
+//! writer thread and goes on with the next payloads, and announces the
+//! cycle when the writer hands it back (see `crate::store`). What must not
+//! name a position or a sequence number subscribers have not been given (a
+//! snapshot cut, a checkpoint's cut, a `load_only` batch) waits for a quiet
+//! point, when every cycle handed over is announced; while one waits, the
+//! drain takes no engine message, so the wait ends under any load.
 //!
 //! With load records on, every batch carries its rank's latest record,
 //! stamped as it is encoded, and `load_only` batches go out between cycles
@@ -42,7 +47,7 @@ use crate::source::continuity::ResumePoint;
 use crate::source::{EngineMessage, SourceEvent};
 use crate::state::LiveState;
 use crate::state::snapshot::SnapshotCut;
-use crate::store::{Marks, RankMark, StoreWriter};
+use crate::store::{LogCycle, LogThread, RankMark};
 use crate::wire::OpenBatch;
 use crate::wire::batch::ROUTER_MAX_MESSAGE_BYTES;
 use batcher::{BatchLimits, Batcher, Output};
@@ -91,8 +96,12 @@ pub struct Drain {
     records: Option<LoadRecords>,
     /// This cycle's batches, numbered and encoded, announced at its end.
     outgoing: Vec<(u32, u64, bytes::Bytes)>,
-    /// The state directory, when kvgate keeps one.
-    store: Option<StoreWriter>,
+    /// The state directory's log writer, when kvgate keeps one.
+    store: Option<LogThread>,
+    /// A snapshot request that came while cycles were out to the log.
+    waiting_cut: Option<CutRequest>,
+    /// `load_only` batches came due while cycles were out to the log.
+    load_waiting: bool,
     /// Where each publisher's record ends (kept only with a store).
     resume_points: BTreeMap<u32, ResumePoint>,
     /// The last message of each rank this cycle (only with a store): its
@@ -123,6 +132,8 @@ impl Drain {
             records: None,
             outgoing: Vec::new(),
             store: None,
+            waiting_cut: None,
+            load_waiting: false,
             resume_points: BTreeMap::new(),
             cycle_last: BTreeMap::new(),
             marks_changed: false,
@@ -152,7 +163,7 @@ impl Drain {
             .chain(self.state.ranks())
             .filter(|&rank| rank != 0)
             .collect();
-        self.store = Some(opened.writer);
+        self.store = Some(opened.log);
         self
     }
 
@@ -173,16 +184,20 @@ impl Drain {
     pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>, stop: CancellationToken) {
         loop {
             // Cuts are taken between cycles, when everything applied to the
-            // state has been published.
+            // state has been published (with a store: announced).
+            self.collect_written();
+            let out = self.store.as_ref().map_or(0, LogThread::out);
+            let written = self.store.as_ref().map(LogThread::written_signal);
+            let takes_events = self.takes_events();
+            let takes_cuts = self.waiting_cut.is_none();
+            let takes_load = !self.load_waiting;
             tokio::select! {
                 biased;
                 () = stop.cancelled() => break,
-                request = self.hub.next_cut_request() => self.answer(request),
-                () = load_wake(&mut self.records) => {
-                    self.send_load_records();
-                    self.report();
-                }
-                first = events.recv() => {
+                () = written_signal(written), if out > 0 => {}
+                request = self.hub.next_cut_request(), if takes_cuts => self.answer(request),
+                () = load_wake(&mut self.records), if takes_load => self.load_woke(),
+                first = events.recv(), if takes_events => {
                     let Some(first) = first else { break };
                     self.ingest(first);
                     for _ in 1..MAX_MESSAGES_PER_CYCLE {
@@ -191,12 +206,13 @@ impl Drain {
                             Err(_) => break,
                         }
                     }
-                    self.flush();
+                    self.end_cycle();
                 }
             }
         }
         self.hub.close();
-        // The last fsync waits for the disk: never on an async worker.
+        // The writer finishes what it has, then the last fsync: both wait
+        // for the disk, never on an async worker.
         if let Some(store) = self.store.take()
             && let Err(error) = tokio::task::spawn_blocking(move || store.close()).await
         {
@@ -204,12 +220,46 @@ impl Drain {
         }
     }
 
-    fn answer(&mut self, request: CutRequest) {
-        request.answer(self.cut());
+    /// No cycle is out to the log: every position and sequence number
+    /// assigned has been announced.
+    fn quiet(&self) -> bool {
+        self.store.as_ref().is_none_or(|store| store.out() == 0)
     }
 
-    /// The state now, with each known rank's last sequence number.
+    /// Whether `run` takes engine messages now: not while something waits
+    /// for a quiet point, nor while the log writer is `LOG_QUEUE` behind.
+    fn takes_events(&self) -> bool {
+        self.store.as_ref().is_none_or(|store| {
+            !store.is_full()
+                && self.waiting_cut.is_none()
+                && !self.load_waiting
+                && !store.wants_checkpoint()
+        })
+    }
+
+    fn answer(&mut self, request: CutRequest) {
+        if self.quiet() {
+            request.answer(self.cut());
+        } else {
+            self.waiting_cut = Some(request);
+        }
+    }
+
+    /// The load records need the drain: `load_only` batches are numbered
+    /// from the last sequence assigned, so they go out at a quiet point.
+    fn load_woke(&mut self) {
+        if self.quiet() {
+            self.send_load_records();
+            self.report();
+        } else {
+            self.load_waiting = true;
+        }
+    }
+
+    /// The state now, with each known rank's last sequence number. With a
+    /// state directory, only at a quiet point (after `settle`).
     pub fn cut(&self) -> SnapshotCut {
+        debug_assert!(self.quiet(), "a cut names only announced positions");
         let mut last_sequences = BTreeMap::new();
         for rank in self.sequencer.ranks().chain(self.state.ranks()) {
             last_sequences.insert(rank, self.sequencer.last(rank));
@@ -431,7 +481,36 @@ impl Drain {
     }
 
     /// Publishes every batch of this cycle, including partly filled ones.
+    ///
+    /// With a state directory the batches are handed to the log writer and
+    /// announced once written: by a later `flush`, or by `settle`, which
+    /// waits for them. It waits for the writer itself only when the writer
+    /// is `LOG_QUEUE` cycles behind or asks for a checkpoint's cut (with no
+    /// `run` loop, nothing else would reach a quiet point).
     pub fn flush(&mut self) {
+        self.end_cycle();
+        if self
+            .store
+            .as_ref()
+            .is_some_and(|store| store.is_full() || store.wants_checkpoint())
+        {
+            self.settle();
+        }
+    }
+
+    /// Waits until every cycle handed to the log writer is written and
+    /// announced, then does what waited for that quiet point. Blocks the
+    /// calling thread: for tests and benches (`run` waits asynchronously).
+    pub fn settle(&mut self) {
+        while let Some(cycle) = self.store.as_mut().and_then(LogThread::wait_written) {
+            self.announce(cycle);
+        }
+        self.at_quiet_point();
+    }
+
+    /// Closes this cycle's batches and numbers them; without a store
+    /// announces them, with one hands them to the log writer.
+    fn end_cycle(&mut self) {
         // A restarted rank that sent nothing since still gets its clear now.
         for rank in std::mem::take(&mut self.owe_clear) {
             self.push_event(rank, KvCacheEvent::ownerless_clear(), unix_now());
@@ -443,36 +522,81 @@ impl Drain {
         for (rank, batch) in std::mem::take(&mut self.ready) {
             self.publish(rank, batch);
         }
-        self.announce();
-        self.send_load_records();
+        if self.store.is_some() {
+            self.log_cycle();
+            self.collect_written();
+        } else {
+            for (rank, sequence, encoded) in self.outgoing.drain(..) {
+                self.hub.publish(rank, sequence, encoded);
+            }
+            self.send_load_records();
+        }
         self.report();
     }
 
-    /// Logs this cycle (with a store), then announces its batches.
-    fn announce(&mut self) {
-        if let Some(store) = &mut self.store {
-            for (rank, (sequence, payload)) in std::mem::take(&mut self.cycle_last) {
-                self.resume_points
-                    .insert(rank, ResumePoint::of(sequence, &payload));
-                self.marks_changed = true;
-            }
-            if !self.outgoing.is_empty() || self.marks_changed {
-                let marks = marks(&self.first_engine_sequence, &self.resume_points);
-                store.append_cycle(self.hub.next_position(), &self.outgoing, &marks);
-                self.marks_changed = false;
-            }
+    /// Hands this cycle to the log writer (if it published a batch or took
+    /// an engine message), with each publisher's mark as of its end.
+    fn log_cycle(&mut self) {
+        let Some(store) = &mut self.store else {
+            return;
+        };
+        for (rank, (sequence, payload)) in std::mem::take(&mut self.cycle_last) {
+            self.resume_points
+                .insert(rank, ResumePoint::of(sequence, &payload));
+            self.marks_changed = true;
         }
-        for (rank, sequence, encoded) in self.outgoing.drain(..) {
+        if self.outgoing.is_empty() && !self.marks_changed {
+            return;
+        }
+        let (first_engine_sequence, resume_points) =
+            (&self.first_engine_sequence, &self.resume_points);
+        store.hand_over(&mut self.outgoing, |out| {
+            out.extend(marks(first_engine_sequence, resume_points));
+        });
+        self.marks_changed = false;
+        if store.is_full() {
+            self.metrics.state_log_queue_full.inc();
+        }
+    }
+
+    /// Announces every cycle the log writer has handed back (never waits),
+    /// and, once none is out, does what waited for a quiet point.
+    fn collect_written(&mut self) {
+        while let Some(cycle) = self.store.as_mut().and_then(LogThread::try_written) {
+            self.announce(cycle);
+        }
+        if self.store.is_some() && self.quiet() {
+            self.at_quiet_point();
+        }
+    }
+
+    /// Announces a written cycle's batches.
+    fn announce(&mut self, mut cycle: LogCycle) {
+        for (rank, sequence, encoded) in cycle.batches.drain(..) {
             self.hub.publish(rank, sequence, encoded);
         }
-        if let Some(store) = &self.store {
+        if let Some(store) = &mut self.store {
             store.history_oldest(self.hub.history_oldest());
-            if store.wants_checkpoint() {
-                let cut = self.cut();
-                let marks = marks(&self.first_engine_sequence, &self.resume_points);
-                if let Some(store) = &mut self.store {
-                    store.checkpoint(cut, marks);
-                }
+            store.recycle(cycle);
+        }
+    }
+
+    /// With a store and no cycle out: answers a waiting snapshot request,
+    /// sends waiting `load_only` batches, hands a cut to the checkpoint
+    /// thread if the writer asks for one.
+    fn at_quiet_point(&mut self) {
+        if let Some(request) = self.waiting_cut.take() {
+            request.answer(self.cut());
+        }
+        if std::mem::take(&mut self.load_waiting) {
+            self.send_load_records();
+            self.report();
+        }
+        if self.store.as_ref().is_some_and(LogThread::wants_checkpoint) {
+            let cut = self.cut();
+            let marks = marks(&self.first_engine_sequence, &self.resume_points).collect();
+            if let Some(store) = &mut self.store {
+                store.checkpoint(cut, marks);
             }
         }
     }
@@ -580,20 +704,25 @@ fn batcher_of(
 }
 
 /// Each publisher's mark: where kvgate's record of it begins and ends.
-fn marks(
-    first_engine_sequence: &BTreeMap<u32, u64>,
-    resume_points: &BTreeMap<u32, ResumePoint>,
-) -> Marks {
-    resume_points
-        .iter()
-        .map(|(&rank, &resume)| {
-            let first = first_engine_sequence
-                .get(&rank)
-                .copied()
-                .unwrap_or(resume.last);
-            (rank, RankMark { first, resume })
-        })
-        .collect()
+fn marks<'a>(
+    first_engine_sequence: &'a BTreeMap<u32, u64>,
+    resume_points: &'a BTreeMap<u32, ResumePoint>,
+) -> impl Iterator<Item = (u32, RankMark)> + 'a {
+    resume_points.iter().map(|(&rank, &resume)| {
+        let first = first_engine_sequence
+            .get(&rank)
+            .copied()
+            .unwrap_or(resume.last);
+        (rank, RankMark { first, resume })
+    })
+}
+
+/// Returns when the log writer hands a cycle back.
+async fn written_signal(signal: Option<std::sync::Arc<tokio::sync::Notify>>) {
+    match signal {
+        Some(signal) => signal.notified().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Returns when the load records need the drain (never without them).

@@ -120,6 +120,9 @@ pub struct Metrics {
     pub state_disk_bytes: Gauge,
     /// Bytes appended to the state directory's log.
     pub state_log_bytes: Counter,
+    /// Times the drain stopped taking engine messages because the log
+    /// writer thread had its whole queue of cycles still to write.
+    pub state_log_queue_full: Counter,
     /// Checkpoints written to the state directory.
     pub state_checkpoints: Counter,
     /// Blocks in the newest checkpoint.
@@ -321,6 +324,10 @@ impl Metrics {
             state_disk_bytes: r
                 .metric("state_disk_bytes", "Bytes of kvgate's files in --state-dir"),
             state_log_bytes: r.metric("state_log_bytes", "Bytes appended to the --state-dir log"),
+            state_log_queue_full: r.metric(
+                "state_log_queue_full",
+                "Times the drain stopped taking engine messages until the --state-dir log writer caught up (its queue of cycles to write was full: the disk is behind)",
+            ),
             state_checkpoints: r.metric(
                 "state_checkpoints",
                 "Checkpoints of the live state written to --state-dir",

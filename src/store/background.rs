@@ -1,9 +1,10 @@
-//! The two threads that keep the drain free of disk waits: one fsyncs the
+//! Two of the threads that keep the drain free of disk waits: one fsyncs the
 //! log at a fixed interval and records how far it got, one writes
 //! checkpoints and deletes what they make obsolete.
 //!
-//! Invariants: the drain only hands them work through bounded channels and
-//! atomics, never waits for them (but at shutdown, for the last sync). A
+//! Invariants: the log writer only hands them work through bounded
+//! channels and atomics, never waits for them (but at shutdown, for the
+//! last sync). A
 //! `synced` record never claims more than was fsynced. A checkpoint is
 //! complete on disk (temporary name, fsync, rename, directory fsync)
 //! before anything it covers is deleted; a segment is deleted only once
@@ -29,20 +30,24 @@ use crate::state::snapshot::{SnapshotCut, SnapshotEncoder};
 /// What the drain and the threads share.
 #[derive(Debug, Default)]
 pub struct Shared {
-    /// The last position appended to the log (in the page cache).
+    /// The last position appended to the log (in the page cache), by the
+    /// log writer thread; the drain announces no position above it.
     pub written_through: AtomicU64,
     /// The oldest position the hub's history holds: segments before it are
     /// not needed to refill the history at a restart.
     pub history_oldest: AtomicU64,
-    /// The first position of the segment the drain writes to, 0 while
+    /// The first position of the segment the log writer writes to, 0 while
     /// none is open: never deleted, whatever a checkpoint covers.
     pub open_segment: AtomicU64,
     /// A checkpoint is being written.
     pub checkpoint_busy: AtomicBool,
     /// The last checkpoint failed: the drain asks for another soon.
     pub checkpoint_failed: AtomicBool,
+    /// The log writer asks the drain for a cut to checkpoint, to be taken
+    /// at its next quiet point (every cycle announced).
+    pub checkpoint_wanted: AtomicBool,
     /// A background write failed since the drain last looked: the log may
-    /// lack what was announced, so the drain pauses persistence.
+    /// lack what was announced, so the log writer pauses persistence.
     pub fault: AtomicBool,
     /// What `/status` shows.
     pub status: Mutex<PersistStatus>,
@@ -70,7 +75,7 @@ pub struct CheckpointStatus {
 }
 
 impl Shared {
-    /// Records a failed write: the drain pauses at its next cycle.
+    /// Records a failed write: the log writer pauses at its next cycle.
     pub fn fail(&self, what: &str, error: &std::io::Error) {
         warn!(%error, "state directory: {what} failed; persistence pauses");
         self.status.lock().expect("status lock").paused = Some(format!("{what}: {error}"));
@@ -80,7 +85,7 @@ impl Shared {
 
 /// Work for the sync thread.
 pub enum SyncJob {
-    /// The drain opened a new segment: fsync it from now on.
+    /// The log writer opened a new segment: fsync it from now on.
     Segment(File),
     /// Final sync at a clean shutdown: nothing more is published.
     Stop,
@@ -171,7 +176,8 @@ pub struct CheckpointJob {
     pub meta: CheckpointMeta,
 }
 
-/// Writes checkpoints as the drain hands them over.
+/// Writes checkpoints of the cuts the drain takes (handed over through the
+/// log writer thread, which keeps count of what was logged since).
 pub struct Checkpointer {
     pub dir: PathBuf,
     pub shared: Arc<Shared>,

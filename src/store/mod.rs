@@ -9,8 +9,10 @@
 //! then the logged batches after it. `docs/state-dir.md` has the format.
 //!
 //! Invariants: one process per directory (`lock`); the drain never waits
-//! for the disk (appends go to the page cache, fsyncs and checkpoints run
-//! on their own threads); nothing read from the directory is trusted
+//! for the disk (appends go to the page cache from the log writer thread,
+//! `log_thread`, and the drain announces a cycle once it is handed back;
+//! fsyncs and checkpoints run on their own threads); nothing read from the
+//! directory is trusted
 //! (`format`, `restore`); a number is never given to different content:
 //! the old numbering goes on only when the directory proves it holds
 //! every batch the old process announced.
@@ -19,6 +21,7 @@ mod background;
 mod files;
 pub(crate) mod format;
 mod lock;
+mod log_thread;
 pub(crate) mod records;
 pub(crate) mod restore;
 mod writer;
@@ -36,10 +39,11 @@ use std::collections::BTreeMap;
 use background::PersistStatus;
 pub(crate) use format::Damage;
 pub use lock::LockError;
-pub(crate) use records::{Marks, RankMark};
+pub(crate) use log_thread::{LogCycle, LogThread};
+pub(crate) use records::RankMark;
 use restore::{RestoreReport, Restored};
 pub use writer::StoreLimits;
-pub(crate) use writer::StoreWriter;
+use writer::StoreWriter;
 
 use crate::source::continuity::ResumePoint;
 
@@ -83,13 +87,13 @@ pub enum OpenError {
     },
 }
 
-/// What the directory gave back, and the writer that continues it: handed
-/// to the drain (`Drain::with_state_dir`).
+/// What the directory gave back, and the log writer thread that continues
+/// it: handed to the drain (`Drain::with_state_dir`).
 pub struct Opened {
     pub(crate) restored: Restored,
     /// The first number of the numbering this process continues or starts.
     pub(crate) seed: u64,
-    pub(crate) writer: StoreWriter,
+    pub(crate) log: LogThread,
     pub(crate) status: StoreStatus,
 }
 
@@ -236,11 +240,11 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         shared: Arc::clone(&shared),
     };
     let writer = StoreWriter::new(
-        config.dir,
+        config.dir.clone(),
         boot_id,
         seed,
         config.limits,
-        shared,
+        Arc::clone(&shared),
         metrics.clone(),
         sync_jobs,
         checkpoint_jobs,
@@ -248,10 +252,11 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         restored.needs_checkpoint,
         newest_segment,
     );
+    let log = LogThread::start(writer, shared, restored.next_position).map_err(io)?;
     Ok(Opened {
         restored,
         seed,
-        writer,
+        log,
         status,
     })
 }
@@ -292,8 +297,10 @@ mod tests {
         std::fs::create_dir(dir.0.join(files::segment_name(4))).unwrap();
         let encoded = OpenBatch::with_timestamp(1.0).encode(0, SEED + 3, None);
         opened
-            .writer
-            .append_cycle(4, &[(0, SEED + 3, encoded)], &Marks::new());
+            .log
+            .hand_over(&mut vec![(0, SEED + 3, encoded)], |_| {});
+        let written = opened.log.wait_written().expect("handed back");
+        assert_eq!(written.first_position, 4);
         assert_eq!(
             dir.restore(&boot_id).report.outcome,
             Outcome::Renumbered,

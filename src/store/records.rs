@@ -115,7 +115,10 @@ pub struct RankMark {
 /// Every rank's mark, by rank.
 pub type Marks = BTreeMap<u32, RankMark>;
 
-fn encode_marks(fields: &mut Fields, marks: &Marks) {
+fn encode_marks<'a>(
+    fields: &mut Fields,
+    marks: impl ExactSizeIterator<Item = (&'a u32, &'a RankMark)>,
+) {
     fields.u32(marks.len() as u32);
     for (&rank, mark) in marks {
         fields
@@ -154,11 +157,22 @@ pub struct CycleRecord {
 }
 
 impl CycleRecord {
+    #[cfg(test)]
     pub fn encode(&self) -> Vec<u8> {
         let mut fields = Fields::default();
-        fields.u64(self.position);
-        encode_marks(&mut fields, &self.marks);
+        Self::encode_parts(&mut fields, self.position, self.marks.iter());
         fields.0
+    }
+
+    /// Appends the payload of a cycle's end at `position` to `fields`
+    /// (the log writer's buffer, reused from one cycle to the next).
+    pub fn encode_parts<'a>(
+        fields: &mut Fields,
+        position: u64,
+        marks: impl ExactSizeIterator<Item = (&'a u32, &'a RankMark)>,
+    ) {
+        fields.u64(position);
+        encode_marks(fields, marks);
     }
 
     pub fn decode(payload: &[u8]) -> Result<Self, Damage> {
@@ -190,7 +204,7 @@ impl CheckpointMeta {
         for (&rank, &sequence) in &self.last_sequences {
             fields.u32(rank).u64(sequence);
         }
-        encode_marks(&mut fields, &self.marks);
+        encode_marks(&mut fields, self.marks.iter());
         fields.0
     }
 

@@ -1,17 +1,19 @@
-//! The drain's side of the state directory: appends each cycle's batches
-//! to the log before they are announced, and hands checkpoints and fsyncs
-//! to the background threads.
+//! The file side of the log: appends each cycle's batches to a segment,
+//! rotates segments, pauses and resumes persistence, and hands checkpoints
+//! and fsyncs to the background threads. It runs on the log writer thread
+//! (`log_thread`), which the drain hands its cycles to.
 //!
-//! Invariants: a batch's position is announced only after its record and
-//! its cycle's end were handed to the kernel (a write into the page cache,
-//! no fsync), so every announced batch survives a killed process. The
-//! batches' own bytes are written (`writev`), never copied into a record
-//! buffer first. When a write fails, persistence pauses: the open segment
-//! (or, before the first one opened, the newest on disk) is renamed
-//! `….unfinished` (a rename needs no free space), which tells a restart
-//! that the log may lack announced batches, and serving goes on. Every
-//! `PAUSE_RETRY` a new segment is tried; once one opens, a checkpoint is
-//! asked for at once, so the log is whole again from there.
+//! Invariants: a cycle is reported written (`Shared::written_through`, and
+//! the cycle handed back to the drain by `log_thread`) only after its
+//! records and its cycle's end were handed to the kernel (a write into the
+//! page cache, no fsync), so every batch the drain announces survives a
+//! killed process. The batches' own bytes are written (`writev`), never
+//! copied into a record buffer first. When a write fails, persistence
+//! pauses: the open segment (or, before the first one opened, the newest on
+//! disk) is renamed `….unfinished` (a rename needs no free space), which
+//! tells a restart that the log may lack announced batches, and serving
+//! goes on. Every `PAUSE_RETRY` a new segment is tried; once one opens, a
+//! checkpoint is asked for at once, so the log is whole again from there.
 
 use std::fs::File;
 use std::io::{IoSlice, Write};
@@ -26,8 +28,10 @@ use tracing::{info, warn};
 
 use super::background::{CheckpointJob, Shared, SyncJob};
 use super::files;
-use super::format::{FileKind, RECORD_HEADER_BYTES, file_header, put_record, record_head};
-use super::records::{BatchRecord, CheckpointMeta, CycleRecord, Marks, SegmentHeader, kind};
+use super::format::{Fields, FileKind, RECORD_HEADER_BYTES, file_header, put_record, record_head};
+use super::records::{
+    BatchRecord, CheckpointMeta, CycleRecord, Marks, RankMark, SegmentHeader, kind,
+};
 use crate::metrics::Metrics;
 use crate::state::snapshot::SnapshotCut;
 
@@ -73,7 +77,7 @@ struct OpenSegment {
     bytes: u64,
 }
 
-/// Appends to the log; owned by the drain.
+/// Appends to the log; owned by the log writer thread.
 pub struct StoreWriter {
     pub(super) dir: PathBuf,
     pub(super) boot_id: Vec<u8>,
@@ -102,6 +106,8 @@ pub struct StoreWriter {
     heads: Vec<[u8; BATCH_HEAD_BYTES]>,
     /// This cycle's end record.
     cycle_end: Vec<u8>,
+    /// This cycle's end payload.
+    cycle_fields: Fields,
 }
 
 impl StoreWriter {
@@ -137,17 +143,19 @@ impl StoreWriter {
             last_checkpoint: Instant::now(),
             heads: Vec::new(),
             cycle_end: Vec::new(),
+            cycle_fields: Fields::default(),
         }
     }
 
     /// Logs one drain cycle: `batches` (rank, sequence, bytes) take the
     /// positions from `first_position` on, then the cycle's end with
-    /// `marks`. Returns once the kernel has it (or persistence paused).
+    /// `marks` (by rank). Returns once the kernel has it (or persistence
+    /// paused).
     pub fn append_cycle(
         &mut self,
         first_position: u64,
         batches: &[(u32, u64, Bytes)],
-        marks: &Marks,
+        marks: &[(u32, RankMark)],
     ) {
         if self.shared.fault.swap(false, Ordering::AcqRel) {
             self.pause(None);
@@ -179,12 +187,14 @@ impl StoreWriter {
             self.heads.push(head);
             position += 1;
         }
-        let cycle = CycleRecord {
-            position: position - 1,
-            marks: marks.clone(),
-        };
+        self.cycle_fields.0.clear();
+        CycleRecord::encode_parts(
+            &mut self.cycle_fields,
+            position - 1,
+            marks.iter().map(|(rank, mark)| (rank, mark)),
+        );
         self.cycle_end.clear();
-        put_record(&mut self.cycle_end, kind::CYCLE, &[&cycle.encode()]);
+        put_record(&mut self.cycle_end, kind::CYCLE, &[&self.cycle_fields.0]);
         let mut slices: Vec<IoSlice> = Vec::with_capacity(2 * batches.len() + 1);
         for (head, (_, _, encoded)) in self.heads.iter().zip(batches) {
             slices.push(IoSlice::new(head));
@@ -279,7 +289,7 @@ impl StoreWriter {
     }
 
     /// Whether the drain should hand over a cut for a checkpoint now.
-    pub fn wants_checkpoint(&self) -> bool {
+    fn wants_checkpoint(&self) -> bool {
         if self.segment.is_none() || self.shared.checkpoint_busy.load(Ordering::Acquire) {
             return false;
         }
@@ -290,6 +300,14 @@ impl StoreWriter {
             || self.logged_since_checkpoint >= self.limits.checkpoint_bytes
             || (self.logged_since_checkpoint > 0
                 && self.last_checkpoint.elapsed() >= CHECKPOINT_MAX_AGE)
+    }
+
+    /// Tells the drain whether it should hand over a cut for a checkpoint
+    /// at its next quiet point (`Shared::checkpoint_wanted`).
+    pub fn publish_checkpoint_wanted(&self) {
+        self.shared
+            .checkpoint_wanted
+            .store(self.wants_checkpoint(), Ordering::Release);
     }
 
     /// Hands `cut` to the checkpoint thread (the drain's cut is copy on
@@ -316,13 +334,6 @@ impl StoreWriter {
             .store(false, Ordering::Release);
         self.logged_since_checkpoint = 0;
         self.last_checkpoint = Instant::now();
-    }
-
-    /// The oldest position the history still holds.
-    pub fn history_oldest(&self, position: u64) {
-        self.shared
-            .history_oldest
-            .store(position, Ordering::Release);
     }
 
     /// A clean shutdown: the last sync records that nothing was published

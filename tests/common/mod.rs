@@ -388,6 +388,17 @@ pub async fn sync_streams_observing(
     last
 }
 
+/// Replaces `path` with a FIFO nobody has open: opening it the ordinary way
+/// waits for the other end for ever (reading for a writer, writing for a
+/// reader).
+pub fn replace_with_fifo(path: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt as _;
+    let _ = std::fs::remove_file(path);
+    let name = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: mkfifo reads the NUL-terminated path it is given.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0, "mkfifo");
+}
+
 /// Whether `batch` is a `load_only` batch (no events, no cursor).
 pub fn is_load_only(batch: &KvEventBatch) -> bool {
     batch.load.as_ref().is_some_and(|load| load.load_only)

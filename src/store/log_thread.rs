@@ -1,0 +1,329 @@
+//! The log writer thread (`kvgate-log`) and the drain's handle on it: the
+//! drain hands over each cycle (its batches, already encoded, and the
+//! engine publishers' marks) and goes on converting the next payloads
+//! while the thread frames and writes it; the thread hands each cycle back
+//! once it is in the page cache, and only then does the drain announce it.
+//!
+//! Invariants: cycles are written and handed back in the order they were
+//! handed over, each exactly once, whether its write succeeded or paused
+//! persistence (serving never waits for a working disk). At most
+//! `LOG_QUEUE` cycles are out at once (`LogThread::is_full`): the drain
+//! then takes no engine message until one comes back, so nothing grows
+//! while the disk is behind. The batches' bytes are shared (`Bytes`), never
+//! copied, and the buffers a cycle travels in go back and forth with it.
+//! While cycles come closer together than `SPIN` the thread spins for the
+//! next one, so neither side makes a system call per cycle; further apart
+//! it parks (an idle sidecar burns no CPU), and the drain unparks it only
+//! when it has parked. The drain is woken (`Notify`) only if it waits for
+//! a cycle, and otherwise finds it written when it next looks.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::Notify;
+
+use super::background::Shared;
+use super::records::{Marks, RankMark};
+use super::writer::StoreWriter;
+use crate::state::snapshot::SnapshotCut;
+
+/// Cycles handed to the writer and not yet handed back. A write that waits
+/// for the ext4 journal (a few ms while an fsync commits) lets the drain
+/// convert this many cycles meanwhile; more would only hold announcements
+/// back longer, and each cycle out keeps its batches' buffers.
+pub const LOG_QUEUE: usize = 16;
+
+/// How long the writer spins for the next cycle before it parks, when the
+/// last one came sooner than this. A drain cycle under sustained load is
+/// tens of µs and a futex wake-up costs the drain 1–3 µs on a VM; cycles
+/// further apart than this park the thread at once.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// How long `LogThread::wait_written` polls (yielding its core) before it
+/// blocks: a cycle's write into the page cache takes a few µs, less than a
+/// futex sleep and wake-up.
+const WAIT_SPIN: Duration = Duration::from_micros(200);
+
+/// One drain cycle on its way to the log and back.
+#[derive(Default)]
+pub struct LogCycle {
+    /// The position the first batch takes.
+    pub first_position: u64,
+    /// (rank, sequence, encoded batch), in position order.
+    pub batches: Vec<(u32, u64, Bytes)>,
+    /// Each engine publisher's mark as of the cycle's end, by rank.
+    pub marks: Vec<(u32, RankMark)>,
+}
+
+enum Job {
+    /// A cycle, and when the drain handed it over.
+    Cycle(LogCycle, Instant),
+    /// A cut the drain took at a quiet point, for the checkpoint thread.
+    Checkpoint(SnapshotCut, Marks),
+    /// A clean stop: the last sync records it.
+    Close,
+}
+
+/// The drain's side of the log writer thread.
+pub struct LogThread {
+    /// `None` once closed.
+    jobs: Option<SyncSender<Job>>,
+    /// The writer is parked (or about to): a job needs an unpark.
+    parked: Arc<AtomicBool>,
+    written: Receiver<LogCycle>,
+    notify: Arc<Notify>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    /// Cycles handed over and not handed back.
+    out: usize,
+    /// The position the next cycle's first batch takes.
+    next_position: u64,
+    /// A cycle's buffers, back from the writer, for the next one.
+    spare: Option<LogCycle>,
+}
+
+impl LogThread {
+    /// Starts the thread writing with `writer`; the next batch takes
+    /// `next_position`.
+    pub(super) fn start(
+        writer: StoreWriter,
+        shared: Arc<Shared>,
+        next_position: u64,
+    ) -> std::io::Result<Self> {
+        // One more than the cycles out: a checkpoint job travels behind
+        // them without ever making the drain wait.
+        let (jobs, receiver) = sync_channel(LOG_QUEUE + 1);
+        let (written_sender, written) = sync_channel(LOG_QUEUE);
+        let notify = Arc::new(Notify::new());
+        let parked = Arc::new(AtomicBool::new(false));
+        let thread = std::thread::Builder::new()
+            .name("kvgate-log".into())
+            .spawn({
+                let (notify, parked) = (Arc::clone(&notify), Arc::clone(&parked));
+                move || run(writer, &receiver, &parked, &written_sender, &notify)
+            })?;
+        Ok(Self {
+            jobs: Some(jobs),
+            parked,
+            written,
+            notify,
+            shared,
+            thread: Some(thread),
+            out: 0,
+            next_position,
+            spare: None,
+        })
+    }
+
+    /// Hands a cycle to the writer: `batches` (emptied; their buffer comes
+    /// back with a spare one) take the next positions, and `marks` fills
+    /// its marks. Waits for the writer only when `is_full`, which `run`
+    /// never lets happen.
+    pub fn hand_over(
+        &mut self,
+        batches: &mut Vec<(u32, u64, Bytes)>,
+        marks: impl FnOnce(&mut Vec<(u32, RankMark)>),
+    ) {
+        let mut cycle = self.spare.take().unwrap_or_default();
+        cycle.first_position = self.next_position;
+        self.next_position += batches.len() as u64;
+        std::mem::swap(&mut cycle.batches, batches);
+        cycle.marks.clear();
+        marks(&mut cycle.marks);
+        self.out += 1;
+        self.send(Job::Cycle(cycle, Instant::now()));
+    }
+
+    /// Queues `job` and unparks the writer if it parked. Never waits: the
+    /// queue holds `LOG_QUEUE` cycles and a checkpoint (sent only with no
+    /// cycle out) or the close.
+    fn send(&self, job: Job) {
+        let Some(jobs) = &self.jobs else { return };
+        // The thread ends only when this sender is gone.
+        let _ = jobs.try_send(job);
+        // Pairs with the writer's fence between raising `parked` and
+        // looking at the queue once more: it sees the job, or this sees
+        // the flag.
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::Relaxed) {
+            self.unpark();
+        }
+    }
+
+    fn unpark(&self) {
+        if let Some(thread) = &self.thread {
+            thread.thread().unpark();
+        }
+    }
+
+    /// The next cycle the writer has handed back, if any (never waits).
+    pub fn try_written(&mut self) -> Option<LogCycle> {
+        let cycle = self.written.try_recv().ok()?;
+        self.out -= 1;
+        Some(cycle)
+    }
+
+    /// The next cycle back from the writer, waiting for it (the calling
+    /// thread polls, then blocks: not for the async workers). `None` when
+    /// none is out.
+    pub fn wait_written(&mut self) -> Option<LogCycle> {
+        if self.out == 0 {
+            return None;
+        }
+        let spinning = Instant::now();
+        let cycle = loop {
+            match self.written.try_recv() {
+                Ok(cycle) => break cycle,
+                // Yielding, not spinning: on two cores busy with the drain
+                // and a checkpoint, the writer may need this very core.
+                Err(TryRecvError::Empty) if spinning.elapsed() < WAIT_SPIN => {
+                    std::thread::yield_now();
+                }
+                Err(_) => break self.written.recv().ok()?,
+            }
+        };
+        self.out -= 1;
+        Some(cycle)
+    }
+
+    /// Keeps a handed-back cycle's buffers for the next one.
+    pub fn recycle(&mut self, mut cycle: LogCycle) {
+        cycle.batches.clear();
+        self.spare = Some(cycle);
+    }
+
+    /// Cycles handed over and not yet handed back.
+    pub fn out(&self) -> usize {
+        self.out
+    }
+
+    /// `LOG_QUEUE` cycles are out: the disk is behind.
+    pub fn is_full(&self) -> bool {
+        self.out >= LOG_QUEUE
+    }
+
+    /// Notified when the writer hands a cycle back (a permit is kept if
+    /// nobody waits, so a wait begun after the hand-back returns at once).
+    pub fn written_signal(&self) -> Arc<Notify> {
+        Arc::clone(&self.notify)
+    }
+
+    /// The writer asks for a checkpoint's cut at the next quiet point.
+    pub fn wants_checkpoint(&self) -> bool {
+        self.shared.checkpoint_wanted.load(Ordering::Acquire)
+    }
+
+    /// Hands a cut taken with no cycle out to the checkpoint thread, by way
+    /// of the writer (which keeps the bookkeeping of what was logged since).
+    pub fn checkpoint(&mut self, cut: SnapshotCut, marks: Marks) {
+        debug_assert_eq!(self.out, 0, "a cut names only written positions");
+        self.shared
+            .checkpoint_wanted
+            .store(false, Ordering::Release);
+        self.send(Job::Checkpoint(cut, marks));
+    }
+
+    /// The oldest position the history still holds.
+    pub fn history_oldest(&self, position: u64) {
+        self.shared
+            .history_oldest
+            .store(position, Ordering::Release);
+    }
+
+    /// A clean shutdown: the writer finishes the cycles it has, then the
+    /// last sync runs (`StoreWriter::close`). Blocks until it is done.
+    pub fn close(mut self) {
+        self.send(Job::Close);
+        self.join();
+    }
+
+    fn join(&mut self) {
+        // A parked writer sees the queue disconnected once unparked.
+        self.jobs = None;
+        self.unpark();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for LogThread {
+    /// Without `close` (a drain dropped, as by a killed process): the
+    /// writer finishes what it has, with no clean sync, and is joined, so a
+    /// directory read back afterwards holds every cycle handed over.
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+/// The thread: writes each cycle and hands it back, until the drain's
+/// handle is gone (no last sync) or closes it (the last sync).
+fn run(
+    mut writer: StoreWriter,
+    jobs: &Receiver<Job>,
+    parked: &AtomicBool,
+    written: &SyncSender<LogCycle>,
+    notify: &Notify,
+) {
+    let mut last_gap = Duration::MAX;
+    let mut idle_since = Instant::now();
+    loop {
+        let Some(job) = next_job(jobs, parked, last_gap < SPIN) else {
+            return;
+        };
+        match job {
+            Job::Cycle(cycle, handed_at) => {
+                // From the handing over, not from the wake-up: a parked
+                // thread's wake-up is slower than the cycles it would miss.
+                last_gap = handed_at.saturating_duration_since(idle_since);
+                writer.append_cycle(cycle.first_position, &cycle.batches, &cycle.marks);
+                writer.publish_checkpoint_wanted();
+                // Never full: the drain has at most LOG_QUEUE cycles out.
+                if written.send(cycle).is_err() {
+                    return;
+                }
+                notify.notify_one();
+            }
+            Job::Checkpoint(cut, marks) => writer.checkpoint(cut, marks),
+            Job::Close => {
+                writer.close();
+                return;
+            }
+        }
+        idle_since = Instant::now();
+    }
+}
+
+/// The next job: spinning up to `SPIN` first if `spin` (sustained load),
+/// then parked until the drain unparks it. `None` once the drain is gone.
+fn next_job(jobs: &Receiver<Job>, parked: &AtomicBool, spin: bool) -> Option<Job> {
+    let started = Instant::now();
+    loop {
+        match jobs.try_recv() {
+            Ok(job) => return Some(job),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) if spin && started.elapsed() < SPIN => {
+                std::hint::spin_loop();
+                continue;
+            }
+            Err(TryRecvError::Empty) => {}
+        }
+        parked.store(true, Ordering::Relaxed);
+        // Pairs with the drain's fence after it queues a job.
+        fence(Ordering::SeqCst);
+        match jobs.try_recv() {
+            Ok(job) => {
+                parked.store(false, Ordering::Relaxed);
+                return Some(job);
+            }
+            Err(TryRecvError::Disconnected) => return None,
+            // An unpark that came first makes this return at once.
+            Err(TryRecvError::Empty) => std::thread::park(),
+        }
+        parked.store(false, Ordering::Relaxed);
+    }
+}
