@@ -214,7 +214,8 @@ impl CycleTime {
     /// The time the drain was held by its own work or by a lock (a
     /// checkpoint's, the page cache's): the cycle less its wait for a CPU.
     fn held(&self) -> Duration {
-        self.wall.saturating_sub(self.waiting_for_cpu.unwrap_or_default())
+        self.wall
+            .saturating_sub(self.waiting_for_cpu.unwrap_or_default())
     }
 }
 
@@ -344,7 +345,9 @@ fn main() {
     let (slowest, slowest_held, per_checkpoint) = checkpoint_stall();
     let waiting = slowest
         .waiting_for_cpu
-        .map_or("unknown (no schedstat)".to_owned(), |wait| format!("{wait:?}"));
+        .map_or("unknown (no schedstat)".to_owned(), |wait| {
+            format!("{wait:?}")
+        });
     println!(
         "--state-dir on tmpfs, checkpoints of {BLOCKS} blocks back to back: slowest 64-block drain cycle {:?}, of it waiting for a CPU {waiting}; slowest held (a cycle less its wait for a CPU) {slowest_held:?}; one checkpoint took {per_checkpoint:?}",
         slowest.wall

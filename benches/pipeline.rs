@@ -115,7 +115,6 @@ fn convert(c: &mut Criterion) {
     group.finish();
 }
 
-/// Ingests `payloads` as rank 0's, one drain cycle each.
 /// Where the `…-state-*` benches keep `--state-dir`: tmpfs, and the disk
 /// the repository is on.
 const STATE_PARENTS: [(&str, &str); 2] = [("tmpfs", "/dev/shm"), ("disk", "target")];

@@ -562,8 +562,9 @@ async fn no_position_is_announced_or_cut_for_a_snapshot_before_its_batch_is_in_t
             .unwrap();
         fence += 1;
     }
-    // The drain takes every message and converts it while the first
-    // write waits: the admin port answers, and so would the engine's.
+    // The source goes on taking the engine's messages while the first
+    // write waits (the drain takes up to its bound of cycles out): the
+    // admin port answers, and so would the engine's.
     let taken = messages_taken(&gateway).await;
     engine.steps(10).await;
     await_metric_where(

@@ -39,6 +39,27 @@ fn serve_until_exit(args: &[&str], env: &[(&str, &str)]) -> (ExitStatus, String)
 }
 
 #[test]
+fn a_log_writer_thread_that_panics_ends_kvgate_with_a_non_zero_code_rather_than_holding_every_batch_back()
+ {
+    // The debug build's fault hook makes the state directory's log writer
+    // thread panic at its first cycle: the drain must not go on numbering
+    // cycles nobody will write or announce while health says SERVING.
+    let dir = std::env::temp_dir().join(format!(
+        "supervision-log-writer-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let (status, stderr) = serve_until_exit(
+        &["--demo", "--state-dir", dir.to_str().expect("a UTF-8 path")],
+        &[("KVGATE_DEBUG_PANIC_TASK", "log-writer")],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status.code(), Some(1), "exit status {status}; {stderr}");
+    assert!(stderr.contains("the drain panicked"), "{stderr}");
+    assert!(stderr.contains("log writer thread ended"), "{stderr}");
+}
+
+#[test]
 fn a_drain_that_panics_ends_kvgate_with_a_non_zero_code_naming_the_task() {
     // The debug build's fault hook makes the real drain task panic where it
     // stands, as a bug in it would.

@@ -525,6 +525,11 @@ impl Drain {
         if self.store.is_some() {
             self.log_cycle();
             self.collect_written();
+            // Counted only when the drain does stop: what was written
+            // meanwhile has just been collected.
+            if self.store.as_ref().is_some_and(LogThread::is_full) {
+                self.metrics.state_log_queue_full.inc();
+            }
         } else {
             for (rank, sequence, encoded) in self.outgoing.drain(..) {
                 self.hub.publish(rank, sequence, encoded);
@@ -554,9 +559,6 @@ impl Drain {
             out.extend(marks(first_engine_sequence, resume_points));
         });
         self.marks_changed = false;
-        if store.is_full() {
-            self.metrics.state_log_queue_full.inc();
-        }
     }
 
     /// Announces every cycle the log writer has handed back (never waits),
@@ -572,6 +574,10 @@ impl Drain {
 
     /// Announces a written cycle's batches.
     fn announce(&mut self, mut cycle: LogCycle) {
+        debug_assert!(
+            cycle.batches.is_empty() || cycle.first_position == self.hub.next_position(),
+            "a cycle is announced at the positions it was logged under"
+        );
         for (rank, sequence, encoded) in cycle.batches.drain(..) {
             self.hub.publish(rank, sequence, encoded);
         }

@@ -41,12 +41,12 @@ pub struct Shared {
     pub open_segment: AtomicU64,
     /// A checkpoint is being written.
     pub checkpoint_busy: AtomicBool,
-    /// The last checkpoint failed: the drain asks for another soon.
+    /// The last checkpoint failed: the log writer asks for another soon.
     pub checkpoint_failed: AtomicBool,
     /// The log writer asks the drain for a cut to checkpoint, to be taken
     /// at its next quiet point (every cycle announced).
     pub checkpoint_wanted: AtomicBool,
-    /// A background write failed since the drain last looked: the log may
+    /// A background write failed since the log writer last looked: the log may
     /// lack what was announced, so the log writer pauses persistence.
     pub fault: AtomicBool,
     /// What `/status` shows.

@@ -6,7 +6,10 @@
 //!
 //! Invariants: cycles are written and handed back in the order they were
 //! handed over, each exactly once, whether its write succeeded or paused
-//! persistence (serving never waits for a working disk). At most
+//! persistence (a failing disk never stops serving; a slow or hung write
+//! holds the announcements back while it lasts). A writer thread that
+//! dies (a panic) takes the drain down with it, through the supervisor,
+//! rather than leaving it numbering cycles nobody will announce. At most
 //! `LOG_QUEUE` cycles are out at once (`LogThread::is_full`): the drain
 //! then takes no engine message until one comes back, so nothing grows
 //! while the disk is behind. The batches' bytes are shared (`Bytes`), never
@@ -14,12 +17,13 @@
 //! While cycles come closer together than `SPIN` the thread spins for the
 //! next one, so neither side makes a system call per cycle; further apart
 //! it parks (an idle sidecar burns no CPU), and the drain unparks it only
-//! when it has parked. The drain is woken (`Notify`) only if it waits for
-//! a cycle, and otherwise finds it written when it next looks.
+//! when it has parked. Each hand-back notifies the drain (`Notify`): a
+//! drain waiting for a cycle wakes, a busy one finds the cycle when it next
+//! looks and its loop takes one extra turn for the permit left behind.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
-use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -47,6 +51,9 @@ const SPIN: Duration = Duration::from_micros(50);
 /// blocks: a cycle's write into the page cache takes a few µs, less than a
 /// futex sleep and wake-up.
 const WAIT_SPIN: Duration = Duration::from_micros(200);
+
+/// What the drain says when the writer thread is gone under it.
+const WRITER_GONE: &str = "the state directory's log writer thread ended (it panicked)";
 
 /// One drain cycle on its way to the log and back.
 #[derive(Default)]
@@ -94,17 +101,22 @@ impl LogThread {
         shared: Arc<Shared>,
         next_position: u64,
     ) -> std::io::Result<Self> {
-        // One more than the cycles out: a checkpoint job travels behind
-        // them without ever making the drain wait.
-        let (jobs, receiver) = sync_channel(LOG_QUEUE + 1);
+        // Room for every job that can be queued at once: the cycles out, a
+        // checkpoint (sent only with none out, taken before any later
+        // cycle) and the close, so a send never finds the queue full.
+        let (jobs, receiver) = sync_channel(LOG_QUEUE + 2);
         let (written_sender, written) = sync_channel(LOG_QUEUE);
         let notify = Arc::new(Notify::new());
         let parked = Arc::new(AtomicBool::new(false));
         let thread = std::thread::Builder::new()
             .name("kvgate-log".into())
             .spawn({
-                let (notify, parked) = (Arc::clone(&notify), Arc::clone(&parked));
-                move || run(writer, &receiver, &parked, &written_sender, &notify)
+                let parked = Arc::clone(&parked);
+                let back = WayBack {
+                    written: Some(written_sender),
+                    notify: Arc::clone(&notify),
+                };
+                move || run(writer, &receiver, &parked, &back)
             })?;
         Ok(Self {
             jobs: Some(jobs),
@@ -121,8 +133,8 @@ impl LogThread {
 
     /// Hands a cycle to the writer: `batches` (emptied; their buffer comes
     /// back with a spare one) take the next positions, and `marks` fills
-    /// its marks. Waits for the writer only when `is_full`, which `run`
-    /// never lets happen.
+    /// its marks. Never waits: the drain hands over no cycle while
+    /// `is_full` (it settles, or `run` stops taking engine messages).
     pub fn hand_over(
         &mut self,
         batches: &mut Vec<(u32, u64, Bytes)>,
@@ -139,12 +151,20 @@ impl LogThread {
     }
 
     /// Queues `job` and unparks the writer if it parked. Never waits: the
-    /// queue holds `LOG_QUEUE` cycles and a checkpoint (sent only with no
-    /// cycle out) or the close.
+    /// queue has room for every job that can be out at once.
+    ///
+    /// # Panics
+    /// If the writer thread is gone (it panicked): the drain must not go
+    /// on numbering cycles that will never be written or announced.
     fn send(&self, job: Job) {
         let Some(jobs) = &self.jobs else { return };
-        // The thread ends only when this sender is gone.
-        let _ = jobs.try_send(job);
+        match jobs.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                unreachable!("the log queue holds every job that can be out at once")
+            }
+            Err(TrySendError::Disconnected(_)) => panic!("{WRITER_GONE}"),
+        }
         // Pairs with the writer's fence between raising `parked` and
         // looking at the queue once more: it sees the job, or this sees
         // the flag.
@@ -161,10 +181,19 @@ impl LogThread {
     }
 
     /// The next cycle the writer has handed back, if any (never waits).
+    ///
+    /// # Panics
+    /// If the writer thread is gone with cycles out, which would otherwise
+    /// hold every announcement back for good while health says SERVING.
     pub fn try_written(&mut self) -> Option<LogCycle> {
-        let cycle = self.written.try_recv().ok()?;
-        self.out -= 1;
-        Some(cycle)
+        match self.written.try_recv() {
+            Ok(cycle) => {
+                self.out -= 1;
+                Some(cycle)
+            }
+            Err(TryRecvError::Disconnected) if self.out > 0 => panic!("{WRITER_GONE}"),
+            Err(_) => None,
+        }
     }
 
     /// The next cycle back from the writer, waiting for it (the calling
@@ -183,7 +212,11 @@ impl LogThread {
                 Err(TryRecvError::Empty) if spinning.elapsed() < WAIT_SPIN => {
                     std::thread::yield_now();
                 }
-                Err(_) => break self.written.recv().ok()?,
+                Err(TryRecvError::Empty) => match self.written.recv() {
+                    Ok(cycle) => break cycle,
+                    Err(_) => panic!("{WRITER_GONE}"),
+                },
+                Err(TryRecvError::Disconnected) => panic!("{WRITER_GONE}"),
             }
         };
         self.out -= 1;
@@ -238,37 +271,77 @@ impl LogThread {
     /// last sync runs (`StoreWriter::close`). Blocks until it is done.
     pub fn close(mut self) {
         self.send(Job::Close);
-        self.join();
-    }
-
-    fn join(&mut self) {
-        // A parked writer sees the queue disconnected once unparked.
-        self.jobs = None;
-        self.unpark();
+        self.disconnect();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+
+    /// Lets the writer end once it has written what it has.
+    fn disconnect(&mut self) {
+        // A parked writer sees the queue disconnected once unparked.
+        self.jobs = None;
+        self.unpark();
     }
 }
 
 impl Drop for LogThread {
     /// Without `close` (a drain dropped, as by a killed process): the
-    /// writer finishes what it has, with no clean sync, and is joined, so a
-    /// directory read back afterwards holds every cycle handed over.
+    /// writer finishes what it has, with no clean sync. Outside an async
+    /// runtime (tests and benches that read the directory back) it is
+    /// joined, so the directory holds every cycle handed over; inside one
+    /// (a drain dropped by a panic) it is left to finish on its own, since
+    /// joining would hold an async worker, and every connection it
+    /// serves, on the disk.
     fn drop(&mut self) {
-        self.join();
+        self.disconnect();
+        if tokio::runtime::Handle::try_current().is_err()
+            && let Some(thread) = self.thread.take()
+        {
+            let _ = thread.join();
+        }
     }
 }
 
 /// The thread: writes each cycle and hands it back, until the drain's
 /// handle is gone (no last sync) or closes it (the last sync).
-fn run(
-    mut writer: StoreWriter,
-    jobs: &Receiver<Job>,
-    parked: &AtomicBool,
-    written: &SyncSender<LogCycle>,
-    notify: &Notify,
-) {
+/// The writer's way back to the drain. Dropped however the thread ends (a
+/// panic too): the channel closes, then the drain is woken, so a drain
+/// waiting for a cycle finds the writer gone instead of waiting for good.
+struct WayBack {
+    /// `None` only while it is dropped.
+    written: Option<SyncSender<LogCycle>>,
+    notify: Arc<Notify>,
+}
+
+impl WayBack {
+    /// Hands a written cycle back; false once the drain is gone.
+    fn hand_back(&self, cycle: LogCycle) -> bool {
+        let Some(written) = &self.written else {
+            return false;
+        };
+        // Never full: the drain has at most LOG_QUEUE cycles out.
+        if written.send(cycle).is_err() {
+            return false;
+        }
+        self.notify.notify_one();
+        true
+    }
+}
+
+impl Drop for WayBack {
+    fn drop(&mut self) {
+        drop(self.written.take());
+        self.notify.notify_one();
+    }
+}
+
+fn run(mut writer: StoreWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back: &WayBack) {
+    // Fault injection for the end-to-end tests, in debug builds only: the
+    // thread panics at its first cycle, as a bug in it would.
+    #[cfg(debug_assertions)]
+    let injected_panic =
+        std::env::var_os("KVGATE_DEBUG_PANIC_TASK").is_some_and(|task| task == "log-writer");
     let mut last_gap = Duration::MAX;
     let mut idle_since = Instant::now();
     loop {
@@ -277,16 +350,16 @@ fn run(
         };
         match job {
             Job::Cycle(cycle, handed_at) => {
+                #[cfg(debug_assertions)]
+                assert!(!injected_panic, "injected fault in the log writer");
                 // From the handing over, not from the wake-up: a parked
                 // thread's wake-up is slower than the cycles it would miss.
                 last_gap = handed_at.saturating_duration_since(idle_since);
                 writer.append_cycle(cycle.first_position, &cycle.batches, &cycle.marks);
                 writer.publish_checkpoint_wanted();
-                // Never full: the drain has at most LOG_QUEUE cycles out.
-                if written.send(cycle).is_err() {
+                if !back.hand_back(cycle) {
                     return;
                 }
-                notify.notify_one();
             }
             Job::Checkpoint(cut, marks) => writer.checkpoint(cut, marks),
             Job::Close => {

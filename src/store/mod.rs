@@ -8,10 +8,12 @@
 //! by a thread of its own; restore = the newest checkpoint that verifies,
 //! then the logged batches after it. `docs/state-dir.md` has the format.
 //!
-//! Invariants: one process per directory (`lock`); the drain never waits
-//! for the disk (appends go to the page cache from the log writer thread,
-//! `log_thread`, and the drain announces a cycle once it is handed back;
-//! fsyncs and checkpoints run on their own threads); nothing read from the
+//! Invariants: one process per directory (`lock`); the drain makes no
+//! system call for the disk (appends go to the page cache from the log
+//! writer thread, `log_thread`, and the drain announces a cycle once it is
+//! handed back, so a slow write delays announcements, never the drain's
+//! conversions; fsyncs and checkpoints run on their own threads); nothing
+//! read from the
 //! directory is trusted
 //! (`format`, `restore`); a number is never given to different content:
 //! the old numbering goes on only when the directory proves it holds

@@ -270,7 +270,7 @@ impl StoreWriter {
         self.metrics.state_write_failures.inc();
         self.metrics.state_paused.set(1);
         self.paused = Some(Instant::now());
-        // Not fsynced here (the drain never waits for the disk): a rename
+        // Not fsynced here (announcements wait for this thread): a rename
         // lost to a machine crash is still caught, as after a reboot only
         // a clean `synced` record continues the numbering.
         let newest = self
