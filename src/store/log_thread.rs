@@ -21,9 +21,9 @@
 //! drain waiting for a cycle wakes, a busy one finds the cycle when it next
 //! looks and its loop takes one extra turn for the permit left behind.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -75,8 +75,38 @@ enum Job {
     Close,
 }
 
+/// The store's writer, used by the thread and, for a cycle that comes
+/// alone, by the drain (`LogThread::hand_over`); `None` once closed.
+type SharedWriter = Arc<Mutex<Option<StoreWriter>>>;
+
+/// The writer, for one job.
+///
+/// # Panics
+/// If a thread panicked holding it: the log's state is unknown, and the
+/// drain must go down (through the supervisor) rather than go on.
+fn lock(writer: &SharedWriter) -> std::sync::MutexGuard<'_, Option<StoreWriter>> {
+    writer
+        .lock()
+        .expect("the log writer's lock, poisoned by a panic")
+}
+
+/// Appends `cycle` with `writer` (nothing once it is closed).
+fn write_cycle(writer: &SharedWriter, cycle: &LogCycle) {
+    let mut writer = lock(writer);
+    if let Some(writer) = writer.as_mut() {
+        writer.append_cycle(cycle.first_position, &cycle.batches, &cycle.marks);
+        writer.publish_checkpoint_wanted();
+    }
+}
+
 /// The drain's side of the log writer thread.
 pub struct LogThread {
+    writer: SharedWriter,
+    /// When the last cycle was handed over: cycles further apart than
+    /// `SPIN` find the writer parked.
+    last_hand_over: Option<Instant>,
+    /// A cycle the drain wrote itself, to be collected as written.
+    written_inline: Option<LogCycle>,
     /// `None` once closed.
     jobs: Option<SyncSender<Job>>,
     /// The writer is parked (or about to): a job needs an unpark.
@@ -105,6 +135,7 @@ impl LogThread {
         // checkpoint (sent only with none out, taken before any later
         // cycle) and the close, so a send never finds the queue full.
         let (jobs, receiver) = sync_channel(LOG_QUEUE + 2);
+        let writer = Arc::new(Mutex::new(Some(writer)));
         let (written_sender, written) = sync_channel(LOG_QUEUE);
         let notify = Arc::new(Notify::new());
         let parked = Arc::new(AtomicBool::new(false));
@@ -116,9 +147,13 @@ impl LogThread {
                     written: Some(written_sender),
                     notify: Arc::clone(&notify),
                 };
-                move || run(writer, &receiver, &parked, &back)
+                let writer = Arc::clone(&writer);
+                move || run(&writer, &receiver, &parked, &back)
             })?;
         Ok(Self {
+            writer,
+            last_hand_over: None,
+            written_inline: None,
             jobs: Some(jobs),
             parked,
             written,
@@ -146,8 +181,28 @@ impl LogThread {
         std::mem::swap(&mut cycle.batches, batches);
         cycle.marks.clear();
         marks(&mut cycle.marks);
+        let now = Instant::now();
+        let alone = self
+            .last_hand_over
+            .is_none_or(|last| now.duration_since(last) >= SPIN);
+        self.last_hand_over = Some(now);
         self.out += 1;
-        self.send(Job::Cycle(cycle, Instant::now()));
+        // A cycle that comes alone finds the writer parked: waking it, and
+        // being woken back, costs more CPU than the write and puts two
+        // cross-CPU wake-ups before the announcement. With none out and a
+        // segment open (no open that could wait), the drain writes it.
+        if alone && self.out == 1 && self.appends_to_an_open_segment() {
+            write_cycle(&self.writer, &cycle);
+            self.written_inline = Some(cycle);
+        } else {
+            self.send(Job::Cycle(cycle, now));
+        }
+    }
+
+    fn appends_to_an_open_segment(&self) -> bool {
+        lock(&self.writer)
+            .as_ref()
+            .is_some_and(StoreWriter::appends_to_an_open_segment)
     }
 
     /// Queues `job` and unparks the writer if it parked. Never waits: the
@@ -186,6 +241,10 @@ impl LogThread {
     /// If the writer thread is gone with cycles out, which would otherwise
     /// hold every announcement back for good while health says SERVING.
     pub fn try_written(&mut self) -> Option<LogCycle> {
+        if let Some(cycle) = self.written_inline.take() {
+            self.out -= 1;
+            return Some(cycle);
+        }
         match self.written.try_recv() {
             Ok(cycle) => {
                 self.out -= 1;
@@ -202,6 +261,10 @@ impl LogThread {
     pub fn wait_written(&mut self) -> Option<LogCycle> {
         if self.out == 0 {
             return None;
+        }
+        if let Some(cycle) = self.written_inline.take() {
+            self.out -= 1;
+            return Some(cycle);
         }
         let spinning = Instant::now();
         let cycle = loop {
@@ -336,7 +399,7 @@ impl Drop for WayBack {
     }
 }
 
-fn run(mut writer: StoreWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back: &WayBack) {
+fn run(writer: &SharedWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back: &WayBack) {
     // Fault injection for the end-to-end tests, in debug builds only: the
     // thread panics at its first cycle, as a bug in it would.
     #[cfg(debug_assertions)]
@@ -355,15 +418,22 @@ fn run(mut writer: StoreWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back:
                 // From the handing over, not from the wake-up: a parked
                 // thread's wake-up is slower than the cycles it would miss.
                 last_gap = handed_at.saturating_duration_since(idle_since);
-                writer.append_cycle(cycle.first_position, &cycle.batches, &cycle.marks);
-                writer.publish_checkpoint_wanted();
+                write_cycle(writer, &cycle);
                 if !back.hand_back(cycle) {
                     return;
                 }
             }
-            Job::Checkpoint(cut, marks) => writer.checkpoint(cut, marks),
+            Job::Checkpoint(cut, marks) => {
+                let mut writer = lock(writer);
+                if let Some(writer) = writer.as_mut() {
+                    writer.checkpoint(cut, marks);
+                }
+            }
             Job::Close => {
-                writer.close();
+                let closing = lock(writer).take();
+                if let Some(writer) = closing {
+                    writer.close();
+                }
                 return;
             }
         }

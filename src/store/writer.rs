@@ -288,6 +288,12 @@ impl StoreWriter {
         }
     }
 
+    /// Whether a segment is open and being written, so that appending a
+    /// cycle opens no file (an open can wait on a FIFO or a hung disk).
+    pub fn appends_to_an_open_segment(&self) -> bool {
+        self.segment.is_some() && self.paused.is_none()
+    }
+
     /// Whether the drain should hand over a cut for a checkpoint now.
     fn wants_checkpoint(&self) -> bool {
         if self.segment.is_none() || self.shared.checkpoint_busy.load(Ordering::Acquire) {
