@@ -69,8 +69,6 @@ pub struct LogCycle {
 enum Job {
     /// A cycle, and when the drain handed it over.
     Cycle(LogCycle, Instant),
-    /// A cut the drain took at a quiet point, for the checkpoint thread.
-    Checkpoint(SnapshotCut, Marks),
     /// A clean stop: the last sync records it.
     Close,
 }
@@ -131,10 +129,9 @@ impl LogThread {
         shared: Arc<Shared>,
         next_position: u64,
     ) -> std::io::Result<Self> {
-        // Room for every job that can be queued at once: the cycles out, a
-        // checkpoint (sent only with none out, taken before any later
-        // cycle) and the close, so a send never finds the queue full.
-        let (jobs, receiver) = sync_channel(LOG_QUEUE + 2);
+        // Room for every job that can be queued at once: the cycles out
+        // and the close, so a send never finds the queue full.
+        let (jobs, receiver) = sync_channel(LOG_QUEUE + 1);
         let writer = Arc::new(Mutex::new(Some(writer)));
         let (written_sender, written) = sync_channel(LOG_QUEUE);
         let notify = Arc::new(Notify::new());
@@ -313,14 +310,19 @@ impl LogThread {
         self.shared.checkpoint_wanted.load(Ordering::Acquire)
     }
 
-    /// Hands a cut taken with no cycle out to the checkpoint thread, by way
-    /// of the writer (which keeps the bookkeeping of what was logged since).
+    /// Hands a cut taken with no cycle out to the checkpoint thread, with
+    /// the writer's bookkeeping of what was logged since. Done here, not by
+    /// the thread: with none out the thread holds no lock, and a thread
+    /// preempted while holding the writer's would hold the drain's next
+    /// cycle for a whole time slice.
     pub fn checkpoint(&mut self, cut: SnapshotCut, marks: Marks) {
         debug_assert_eq!(self.out, 0, "a cut names only written positions");
         self.shared
             .checkpoint_wanted
             .store(false, Ordering::Release);
-        self.send(Job::Checkpoint(cut, marks));
+        if let Some(writer) = lock(&self.writer).as_mut() {
+            writer.checkpoint(cut, marks);
+        }
     }
 
     /// The oldest position the history still holds.
@@ -421,12 +423,6 @@ fn run(writer: &SharedWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back: &
                 write_cycle(writer, &cycle);
                 if !back.hand_back(cycle) {
                     return;
-                }
-            }
-            Job::Checkpoint(cut, marks) => {
-                let mut writer = lock(writer);
-                if let Some(writer) = writer.as_mut() {
-                    writer.checkpoint(cut, marks);
                 }
             }
             Job::Close => {
