@@ -8,13 +8,12 @@
 //! by a thread of its own; restore = the newest checkpoint that verifies,
 //! then the logged batches after it. `docs/state-dir.md` has the format.
 //!
-//! Invariants: one process per directory (`lock`); the drain makes no
-//! system call for the disk (appends go to the page cache from the log
-//! writer thread, `log_thread`, and the drain announces a cycle once it is
-//! handed back, so a slow write delays announcements, never the drain's
-//! conversions; fsyncs and checkpoints run on their own threads); nothing
-//! read from the
-//! directory is trusted
+//! Invariants: one process per directory (`lock`); the drain never waits
+//! for the disk's sync (appends go to the page cache, under load from the
+//! log writer thread, `log_thread`, a lone cycle's from the drain itself,
+//! and the drain announces a cycle once it is written; fsyncs and
+//! checkpoints run on their own threads); nothing read from the directory
+//! is trusted
 //! (`format`, `restore`); a number is never given to different content:
 //! the old numbering goes on only when the directory proves it holds
 //! every batch the old process announced.

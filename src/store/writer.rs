@@ -288,10 +288,15 @@ impl StoreWriter {
         }
     }
 
-    /// Whether a segment is open and being written, so that appending a
-    /// cycle opens no file (an open can wait on a FIFO or a hung disk).
+    /// Whether the next cycle goes into the open segment, so that
+    /// appending it opens no file (an open can wait on a FIFO or a hung
+    /// disk): a segment is open, not full, and persistence is not paused.
     pub fn appends_to_an_open_segment(&self) -> bool {
-        self.segment.is_some() && self.paused.is_none()
+        self.paused.is_none()
+            && self
+                .segment
+                .as_ref()
+                .is_some_and(|segment| segment.bytes < self.limits.segment_bytes)
     }
 
     /// Whether the drain should hand over a cut for a checkpoint now.
