@@ -1,19 +1,29 @@
 //! A hash map from block hash to where its record is, whose clone costs a
-//! few microseconds however large it is.
+//! few microseconds however large it is, and whose lookups can be brought
+//! into the cache a step at a time before they are made.
 //!
 //! Invariant: the map is split into `SHARDS` shards, each a
-//! `triomphe::Arc` of a plain hash map. A clone shares every shard; the
-//! first write to a shared shard copies that shard alone (about 1/`SHARDS`
-//! of the map), so a snapshot cut never stalls the writer for more than one
-//! shard copy, and with no snapshot outstanding a write is a plain hash-map
-//! write. Each entry keeps its key beside its value, so a reader can hold
-//! `&(key, value)` instead of the key and a second lookup.
+//! `triomphe::Arc` of one table. A clone shares every shard; the first
+//! write to a shared shard copies that shard alone (about 1/`SHARDS` of the
+//! map), so a snapshot cut never stalls the writer for more than one shard
+//! copy, and with no snapshot outstanding a write is a plain table write.
+//!
+//! A shard's table is open addressing with linear probing: its buckets are
+//! a power of two long, at most 5/8 of them full, and every key sits in
+//! the run of full buckets that starts at the bucket its hash names (its
+//! home); a removal shifts the keys after it back, so no bucket is ever a
+//! tombstone. A bucket holds the key beside its slot, 16 bytes, four to a
+//! cache line, so a lookup reads the line at its home and seldom the next.
+//! That address is known from the shard's header alone, which is what
+//! `hashbrown`'s tables do not give (their control bytes and their buckets
+//! are two lines, found one after the other): a caller that knows its keys
+//! ahead fetches each key's shard header, then its home line, then reads,
+//! and the drain's lookups wait for memory once per batch of blocks instead
+//! of twice per block.
 
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
-use hashbrown::HashTable;
-use hashbrown::hash_table::Entry;
 // Not std's: its uniqueness check is a compare-and-swap (it must rule out
 // weak references), one per write here; triomphe's is a load.
 use triomphe::Arc;
@@ -22,50 +32,135 @@ use super::prefetch::prefetch;
 
 const SHARD_BITS: u32 = 14;
 const SHARDS: usize = 1 << SHARD_BITS;
+/// Buckets of a shard's first table: two cache lines.
+const FIRST_BUCKETS: usize = 8;
 
-/// Entries keep their key beside the value, so a reader can hold one
-/// `&(key, value)` and need no second lookup to find either.
-type Shard<V> = HashTable<(i64, V)>;
+/// Where a record is: its page and its place in the page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub(crate) page: u32,
+    pub(crate) offset: u32,
+}
 
-#[derive(Debug)]
-pub struct CowMap<V> {
+impl Slot {
+    /// What an empty bucket holds. Page ids index a vector of pages of
+    /// 1,024 records each, so none comes near it.
+    const VACANT: Self = Self {
+        page: u32::MAX,
+        offset: 0,
+    };
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    key: i64,
+    slot: Slot,
+}
+
+impl Bucket {
+    const EMPTY: Self = Self {
+        key: 0,
+        slot: Slot::VACANT,
+    };
+
+    fn is_empty(&self) -> bool {
+        self.slot.page == Slot::VACANT.page
+    }
+}
+
+/// One shard's table.
+#[derive(Clone, Debug, Default)]
+struct Shard {
+    /// A power of two long, or empty before the shard's first key.
+    buckets: Box<[Bucket]>,
+    /// Full buckets: at most 5/8 of them, so every probe meets an empty one.
+    len: usize,
+}
+
+impl Shard {
+    /// Where the probe for `hash` starts. Only for a shard with buckets.
+    fn home(&self, hash: u64) -> usize {
+        hash as usize & (self.buckets.len() - 1)
+    }
+
+    /// The bucket holding `key`, or the empty one where it would go.
+    fn probe(&self, key: i64, hash: u64) -> Result<usize, usize> {
+        if self.buckets.is_empty() {
+            return Err(0);
+        }
+        let mask = self.buckets.len() - 1;
+        let mut at = self.home(hash);
+        loop {
+            let bucket = &self.buckets[at];
+            if bucket.is_empty() {
+                return Err(at);
+            }
+            if bucket.key == key {
+                return Ok(at);
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// Room for one more key: the table doubles past 5/8 full.
+    fn reserve_one(&mut self, hash_of: impl Fn(i64) -> u64) {
+        let buckets = self.buckets.len();
+        if (self.len + 1) * 8 <= buckets * 5 {
+            return;
+        }
+        let old = std::mem::replace(
+            &mut self.buckets,
+            vec![Bucket::EMPTY; (buckets * 2).max(FIRST_BUCKETS)].into_boxed_slice(),
+        );
+        for bucket in old.iter().filter(|bucket| !bucket.is_empty()) {
+            let Err(at) = self.probe(bucket.key, hash_of(bucket.key)) else {
+                unreachable!("a table holds each key once");
+            };
+            self.buckets[at] = *bucket;
+        }
+    }
+
+    /// Empties bucket `hole`, moving back each key after it that may sit
+    /// there (whose home is not between the hole and the key).
+    fn remove_at(&mut self, mut hole: usize, hash_of: impl Fn(i64) -> u64) {
+        let mask = self.buckets.len() - 1;
+        let mut at = hole;
+        loop {
+            at = (at + 1) & mask;
+            let bucket = self.buckets[at];
+            if bucket.is_empty() {
+                break;
+            }
+            let home = self.home(hash_of(bucket.key));
+            if at.wrapping_sub(home) & mask >= at.wrapping_sub(hole) & mask {
+                self.buckets[hole] = bucket;
+                hole = at;
+            }
+        }
+        self.buckets[hole] = Bucket::EMPTY;
+        self.len -= 1;
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct CowMap {
     /// Empty until the first insert: most maps (tiers, ranks) stay empty.
-    shards: Box<[Arc<Shard<V>>]>,
+    shards: Box<[Arc<Shard>]>,
     /// Keys are block hashes the engine chose. A publisher that picked
     /// colliding ones could pile them into one shard (every cut's first
-    /// write would copy them all) or one probe sequence (every lookup a
-    /// scan), so the hash is keyed by a seed drawn per map at random:
-    /// colliding keys cannot be chosen in advance. foldhash is not a
-    /// cryptographic hash (a publisher that could time lookups might still
-    /// learn collisions), but it costs one multiply per key, as the
-    /// unkeyed FxHash did, where SipHash showed in the drain's profile.
+    /// write would copy them all) or one probe run (every lookup a scan),
+    /// so the hash is keyed by a seed drawn per map at random: colliding
+    /// keys cannot be chosen in advance. foldhash is not a cryptographic
+    /// hash (a publisher that could time lookups might still learn
+    /// collisions), but it costs one multiply per key, as the unkeyed
+    /// FxHash did, where SipHash showed in the drain's profile. A clone
+    /// keeps it: the shards it shares are filed under its hashes.
     hasher: RandomState,
-}
-
-impl<V> Clone for CowMap<V> {
-    fn clone(&self) -> Self {
-        Self {
-            shards: self.shards.clone(),
-            // The shared shards are filed under this map's hashes.
-            hasher: self.hasher.clone(),
-        }
-    }
-}
-
-impl<V> Default for CowMap<V> {
-    fn default() -> Self {
-        Self {
-            shards: Box::default(),
-            hasher: RandomState::default(),
-        }
-    }
 }
 
 /// Where `key` goes: its shard and the hash its shard's table files it
 /// under, both from one keyed hash. The shard is the hash's low bits; the
-/// table sees the hash rotated so that neither its bucket index (low bits)
-/// nor its 7-bit tag (hashbrown takes the top 7) uses a shard bit, which
-/// is the same for every key of a shard.
+/// table sees the bits above them, which differ within a shard.
 #[derive(Clone, Copy)]
 struct Place {
     shard: usize,
@@ -77,76 +172,91 @@ impl Place {
         let hash = hasher.hash_one(key);
         Self {
             shard: (hash & (SHARDS as u64 - 1)) as usize,
-            hash: hash.rotate_right(SHARD_BITS + 7),
+            hash: hash >> SHARD_BITS,
         }
     }
 }
 
-fn is_key<V>(key: i64) -> impl Fn(&(i64, V)) -> bool {
-    move |entry| entry.0 == key
-}
-
-impl<V: Clone> CowMap<V> {
-    pub fn get(&self, key: i64) -> Option<&V> {
-        self.entry(key).map(|(_, value)| value)
-    }
-
-    /// The stored `(key, value)` of `key`.
-    pub fn entry(&self, key: i64) -> Option<&(i64, V)> {
+impl CowMap {
+    pub fn get(&self, key: i64) -> Option<&Slot> {
         let place = Place::of(&self.hasher, key);
-        self.shards.get(place.shard)?.find(place.hash, is_key(key))
+        let shard = self.shards.get(place.shard)?;
+        let at = shard.probe(key, place.hash).ok()?;
+        Some(&shard.buckets[at].slot)
     }
 
-    /// Asks the CPU to fetch the header of the shard `key` falls in, so a
-    /// lookup that follows does not wait for it.
+    /// Asks the CPU to fetch the header of the shard `key` falls in, so
+    /// [`CowMap::prefetch_home`] that follows does not wait for it.
     pub fn prefetch_shard(&self, key: i64) {
         if let Some(shard) = self.shards.get(Place::of(&self.hasher, key).shard) {
-            prefetch::<Shard<V>>(&**shard);
+            prefetch::<Shard>(&**shard);
         }
     }
 
-    /// The value of `key` for writing; copies its shard first if a clone
-    /// still shares it (and only if `key` is there).
-    pub fn get_mut(&mut self, key: i64) -> Option<&mut V> {
+    /// Asks the CPU to fetch the buckets a lookup of `key` reads first (its
+    /// home and the two after it, which may start the next cache line), so
+    /// a lookup that follows does not wait for them.
+    pub fn prefetch_home(&self, key: i64) {
         let place = Place::of(&self.hasher, key);
-        self.shard_holding(key, place)?
-            .find_mut(place.hash, is_key(key))
-            .map(|(_, value)| value)
-    }
-
-    /// The shard holding `key`, for writing, or `None` if no shard does. A
-    /// miss must not copy a shard a clone shares, so a shared shard is
-    /// looked in before it is copied.
-    fn shard_holding(&mut self, key: i64, place: Place) -> Option<&mut Shard<V>> {
-        let shard = self.shards.get_mut(place.shard)?;
-        if Arc::get_mut(shard).is_none() {
-            shard.find(place.hash, is_key(key))?;
+        if let Some(shard) = self.shards.get(place.shard)
+            && !shard.buckets.is_empty()
+        {
+            let home = shard.home(place.hash);
+            let buckets = shard.buckets.as_ptr();
+            prefetch(buckets.wrapping_add(home));
+            prefetch(buckets.wrapping_add((home + 2) & (shard.buckets.len() - 1)));
         }
-        Some(Arc::make_mut(shard))
     }
 
-    /// The value of `key` for writing, or, if it has none, `make()` stored
-    /// under it: one probe either way.
+    /// The slot of `key` for writing; copies its shard first if a clone
+    /// still shares it (and only if `key` is there).
+    pub fn get_mut(&mut self, key: i64) -> Option<&mut Slot> {
+        let place = Place::of(&self.hasher, key);
+        let (shard, at) = self.shard_holding(key, place)?;
+        Some(&mut shard.buckets[at].slot)
+    }
+
+    /// The shard holding `key`, for writing, and its bucket, or `None` if
+    /// no shard does. A miss must not copy a shard a clone shares, so a
+    /// shared shard is looked in before it is copied.
+    fn shard_holding(&mut self, key: i64, place: Place) -> Option<(&mut Shard, usize)> {
+        let shard = self.shards.get_mut(place.shard)?;
+        let at = shard.probe(key, place.hash).ok()?;
+        Some((Arc::make_mut(shard), at))
+    }
+
+    /// The slot of `key` for writing, or, if it has none, `make()` stored
+    /// under it: one probe either way (two when the shard's table grows).
     ///
     /// Inlined into the store loop, its caller, with `make`: out of line,
     /// ingest was 10-15% slower (alternating Criterion runs).
     #[inline]
-    pub fn find_or_insert_with(&mut self, key: i64, make: impl FnOnce() -> V) -> Found<'_, V> {
+    pub fn find_or_insert_with(
+        &mut self,
+        key: i64,
+        make: impl FnOnce() -> Slot,
+    ) -> Found<'_, Slot> {
         if self.shards.is_empty() {
             self.share_one_empty_shard();
         }
         let place = Place::of(&self.hasher, key);
         let hasher = &self.hasher;
         let shard = Arc::make_mut(&mut self.shards[place.shard]);
-        match shard.entry(place.hash, is_key(key), |entry| {
-            Place::of(hasher, entry.0).hash
-        }) {
-            Entry::Occupied(occupied) => Found::Existing(&mut occupied.into_mut().1),
-            Entry::Vacant(vacant) => {
-                vacant.insert((key, make()));
-                Found::Inserted
+        let vacant = match shard.probe(key, place.hash) {
+            Ok(at) => return Found::Existing(&mut shard.buckets[at].slot),
+            Err(at) if (shard.len + 1) * 8 <= shard.buckets.len() * 5 => at,
+            Err(_) => {
+                shard.reserve_one(|key| Place::of(hasher, key).hash);
+                shard
+                    .probe(key, place.hash)
+                    .expect_err("the key was not there before the table grew")
             }
-        }
+        };
+        let slot = make();
+        assert!(slot != Slot::VACANT, "no page id is u32::MAX");
+        shard.buckets[vacant] = Bucket { key, slot };
+        shard.len += 1;
+        Found::Inserted
     }
 
     /// Every shard starts as the same empty map; writes split them off.
@@ -156,14 +266,15 @@ impl<V: Clone> CowMap<V> {
         self.shards = (0..SHARDS).map(|_| Arc::clone(&empty)).collect();
     }
 
-    pub fn remove(&mut self, key: i64) -> Option<V> {
+    pub fn remove(&mut self, key: i64) -> Option<Slot> {
         let place = Place::of(&self.hasher, key);
-        let found = self
-            .shard_holding(key, place)?
-            .find_entry(place.hash, is_key(key))
-            .ok()?;
-        let ((_, value), _) = found.remove();
-        Some(value)
+        let shard = self.shards.get_mut(place.shard)?;
+        let at = shard.probe(key, place.hash).ok()?;
+        let shard = Arc::make_mut(shard);
+        let slot = shard.buckets[at].slot;
+        let hasher = &self.hasher;
+        shard.remove_at(at, |key| Place::of(hasher, key).hash);
+        Some(slot)
     }
 }
 
@@ -180,30 +291,39 @@ mod tests {
     use super::*;
 
     /// Every key of `map`, in no particular order.
-    fn keys<V>(map: &CowMap<V>) -> Vec<i64> {
+    fn keys(map: &CowMap) -> Vec<i64> {
         map.shards
             .iter()
-            .flat_map(|shard| shard.iter().map(|(key, _)| *key))
+            .flat_map(|shard| shard.buckets.iter())
+            .filter(|bucket| !bucket.is_empty())
+            .map(|bucket| bucket.key)
             .collect()
+    }
+
+    /// The slot standing for `value` in these tests.
+    fn slot(value: i64) -> Slot {
+        Slot {
+            page: value as u32,
+            offset: 0,
+        }
     }
 
     #[test]
     fn it_behaves_as_a_map() {
         let mut map = CowMap::default();
         for key in -500..500 {
-            map.find_or_insert_with(key, || key * 2);
+            map.find_or_insert_with(key, || slot(key + 1_000));
         }
         assert_eq!(keys(&map).len(), 1000);
         assert!(matches!(
             map.find_or_insert_with(-7, || unreachable!()),
-            Found::Existing(-14)
+            Found::Existing(found) if *found == slot(993)
         ));
-        assert_eq!(map.get(-7), Some(&-14));
-        assert_eq!(map.entry(-7), Some(&(-7, -14)));
+        assert_eq!(map.get(-7), Some(&slot(993)));
         assert_eq!(keys(&map).len(), 1000);
-        *map.get_mut(3).unwrap() = 0;
-        assert_eq!(map.get(3), Some(&0));
-        assert_eq!(map.remove(3), Some(0));
+        *map.get_mut(3).unwrap() = slot(0);
+        assert_eq!(map.get(3), Some(&slot(0)));
+        assert_eq!(map.remove(3), Some(slot(0)));
         assert_eq!(map.remove(3), None);
         assert!(map.get_mut(3).is_none());
         assert_eq!(keys(&map).len(), 999);
@@ -213,17 +333,46 @@ mod tests {
         assert_eq!(sorted[0], -500);
     }
 
-    /// A map of each key in `keys` to itself.
-    fn identity_map(keys: std::ops::Range<i64>) -> CowMap<i64> {
+    #[test]
+    fn it_agrees_with_a_plain_map_through_growth_and_removals_in_any_order() {
+        // Enough keys that every shard's table grows several times and its
+        // probe runs wrap around, then removals from the middle of runs.
+        let mut map = CowMap::default();
+        let mut model = std::collections::BTreeMap::new();
+        let mut key = 0x9e37_79b9_7f4a_7c15_u64;
+        for round in 0..400_000_u32 {
+            key = key.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let chosen = (key >> 40) as i64 - (1 << 23);
+            if round % 3 == 2 {
+                assert_eq!(map.remove(chosen), model.remove(&chosen));
+            } else if let Found::Existing(found) =
+                map.find_or_insert_with(chosen, || slot(round.into()))
+            {
+                assert_eq!(Some(&*found), model.get(&chosen));
+            } else {
+                assert!(model.insert(chosen, slot(round.into())).is_none());
+            }
+        }
+        assert_eq!(keys(&map).len(), model.len());
+        for (&key, value) in &model {
+            assert_eq!(map.get(key), Some(value));
+        }
+        for probe in -(1 << 23)..-(1 << 23) + 10_000 {
+            assert_eq!(map.get(probe), model.get(&probe));
+        }
+    }
+
+    /// A map of each key in `keys` to its own slot.
+    fn identity_map(keys: std::ops::Range<i64>) -> CowMap {
         let mut map = CowMap::default();
         for key in keys {
-            map.find_or_insert_with(key, || key);
+            map.find_or_insert_with(key, || slot(key));
         }
         map
     }
 
     /// Shards `now` holds that it no longer shares with `then`.
-    fn shards_copied(now: &CowMap<i64>, then: &CowMap<i64>) -> usize {
+    fn shards_copied(now: &CowMap, then: &CowMap) -> usize {
         now.shards
             .iter()
             .zip(then.shards.iter())
@@ -238,22 +387,22 @@ mod tests {
         for key in 0..5_000 {
             map.remove(key);
         }
-        *map.get_mut(9_999).unwrap() = -1;
-        map.find_or_insert_with(20_000, || 1);
+        *map.get_mut(9_999).unwrap() = slot(7);
+        map.find_or_insert_with(20_000, || slot(1));
         assert_eq!(keys(&frozen).len(), 10_000);
-        assert_eq!(frozen.get(0), Some(&0));
-        assert_eq!(frozen.get(9_999), Some(&9_999));
+        assert_eq!(frozen.get(0), Some(&slot(0)));
+        assert_eq!(frozen.get(9_999), Some(&slot(9_999)));
         assert_eq!(frozen.get(20_000), None);
         assert_eq!(keys(&frozen).len(), 10_000);
         assert_eq!(keys(&map).len(), 5_001);
-        assert_eq!(map.get(9_999), Some(&-1));
+        assert_eq!(map.get(9_999), Some(&slot(7)));
     }
 
     #[test]
     fn a_write_to_a_shared_map_copies_only_the_shard_it_touches() {
         let mut map = identity_map(0..100_000);
         let frozen = map.clone();
-        map.find_or_insert_with(1_000_000, || 0);
+        map.find_or_insert_with(1_000_000, || slot(0));
         assert_eq!(shards_copied(&map, &frozen), 1);
     }
 
@@ -261,8 +410,8 @@ mod tests {
     fn each_map_files_keys_under_a_seed_of_its_own() {
         // A publisher that learned one map's layout cannot flood another:
         // the same keys land elsewhere.
-        let (one, other) = (CowMap::<()>::default(), CowMap::<()>::default());
-        let places = |map: &CowMap<()>| -> Vec<(usize, u64)> {
+        let (one, other) = (CowMap::default(), CowMap::default());
+        let places = |map: &CowMap| -> Vec<(usize, u64)> {
             (0..64)
                 .map(|key| Place::of(&map.hasher, key))
                 .map(|place| (place.shard, place.hash))

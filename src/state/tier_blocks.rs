@@ -19,7 +19,7 @@ use std::slice;
 use triomphe::Arc;
 
 use super::BlockRecord;
-use super::cow_map::{CowMap, Found};
+use super::cow_map::{CowMap, Found, Slot};
 use super::prefetch::prefetch;
 use super::spare_tokens::SpareTokens;
 
@@ -33,13 +33,6 @@ const PREFETCH_TOKENS: usize = 8;
 
 /// A block as a tier holds it: its hash beside its record.
 pub(crate) type Entry = (i64, BlockRecord);
-
-/// Where a record is: its page and its place in the page.
-#[derive(Clone, Copy, Debug)]
-struct Slot {
-    page: u32,
-    offset: u32,
-}
 
 #[derive(Clone, Debug)]
 struct Page {
@@ -70,7 +63,7 @@ pub(crate) struct LiveBlock<'a> {
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct TierBlocks {
-    index: CowMap<Slot>,
+    index: CowMap,
     /// By page id; `None` for an id free to reuse.
     pages: Vec<Option<Page>>,
     free_ids: Vec<u32>,
@@ -110,6 +103,12 @@ impl TierBlocks {
     /// Asks the CPU to fetch the index's shard header for `hash`.
     pub(crate) fn prefetch_shard(&self, hash: i64) {
         self.index.prefetch_shard(hash);
+    }
+
+    /// Asks the CPU to fetch the index's buckets for `hash`, once its shard
+    /// header is in the cache.
+    pub(crate) fn prefetch_home(&self, hash: i64) {
+        self.index.prefetch_home(hash);
     }
 
     /// Asks the CPU to fetch the record of `hash` and its copy count, once
