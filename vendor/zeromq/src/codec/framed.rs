@@ -65,6 +65,16 @@ impl ZmqFramedRead {
         // not need a scratch buffer and a second data copy.
         // The decoder checks frame length + maximum chunk size at the wire
         // boundary, so preparing this slice cannot overflow its length.
+        //
+        // A message handed out shares the allocation it was read into until
+        // it is dropped, so a buffer whose room is used up is given a new
+        // allocation by the next read. It takes room for the largest chunk
+        // even when the read is small: the reads that follow fill it rather
+        // than each allocating (and faulting in) one of its own.
+        if self.buffer.capacity() - start < read_size {
+            self.buffer
+                .reserve(read_size.max(self.options.read_buffer_max_size));
+        }
         self.buffer.resize(start + read_size, 0);
 
         match Pin::new(&mut self.inner).poll_read(cx, &mut self.buffer[start..]) {
