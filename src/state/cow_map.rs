@@ -14,12 +14,13 @@
 //! home); a removal shifts the keys after it back, so no bucket is ever a
 //! tombstone. A bucket holds the key beside its slot, 16 bytes, four to a
 //! cache line, so a lookup reads the line at its home and seldom the next.
-//! That address is known from the shard's header alone, which is what
-//! `hashbrown`'s tables do not give (their control bytes and their buckets
-//! are two lines, found one after the other): a caller that knows its keys
-//! ahead fetches each key's shard header, then its home line, then reads,
-//! and the drain's lookups wait for memory once per batch of blocks instead
-//! of twice per block.
+//! The map notes beside each shard where its buckets are, so a caller
+//! that knows its keys ahead fetches each key's shard header and home line
+//! in one step and then reads them: the drain's lookups wait for memory
+//! together, once per payload, instead of one after the other for each
+//! block, as with `hashbrown`'s tables (their control bytes and their
+//! buckets are two lines, the second found from the first, and their
+//! address is not given).
 
 use std::hash::BuildHasher;
 
@@ -142,10 +143,46 @@ impl Shard {
     }
 }
 
+/// A shard, and where its buckets are.
+#[derive(Clone, Debug)]
+struct ShardRef {
+    shard: Arc<Shard>,
+    /// The address of the shard's first bucket and how many it has, as of
+    /// its last write: with them, [`CowMap::prefetch`] fetches a key's home
+    /// line in the same step as the shard's header, not after it. Nothing
+    /// is read through them (a prefetch cannot fault), so an address a
+    /// write has moved on from is harmless; each write notes the new one.
+    buckets_at: usize,
+    buckets: usize,
+}
+
+impl ShardRef {
+    fn new(shard: Arc<Shard>) -> Self {
+        let mut shard = Self {
+            shard,
+            buckets_at: 0,
+            buckets: 0,
+        };
+        shard.note_buckets();
+        shard
+    }
+
+    fn note_buckets(&mut self) {
+        self.buckets_at = self.shard.buckets.as_ptr() as usize;
+        self.buckets = self.shard.buckets.len();
+    }
+
+    /// The shard for writing, copied first if a clone shares it. The caller
+    /// notes its buckets again once it is done writing.
+    fn make_mut(&mut self) -> &mut Shard {
+        Arc::make_mut(&mut self.shard)
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct CowMap {
     /// Empty until the first insert: most maps (tiers, ranks) stay empty.
-    shards: Box<[Arc<Shard>]>,
+    shards: Box<[ShardRef]>,
     /// Keys are block hashes the engine chose. A publisher that picked
     /// colliding ones could pile them into one shard (every cut's first
     /// write would copy them all) or one probe run (every lookup a scan),
@@ -180,31 +217,26 @@ impl Place {
 impl CowMap {
     pub fn get(&self, key: i64) -> Option<&Slot> {
         let place = Place::of(&self.hasher, key);
-        let shard = self.shards.get(place.shard)?;
+        let shard = &self.shards.get(place.shard)?.shard;
         let at = shard.probe(key, place.hash).ok()?;
         Some(&shard.buckets[at].slot)
     }
 
-    /// Asks the CPU to fetch the header of the shard `key` falls in, so
-    /// [`CowMap::prefetch_home`] that follows does not wait for it.
-    pub fn prefetch_shard(&self, key: i64) {
-        if let Some(shard) = self.shards.get(Place::of(&self.hasher, key).shard) {
-            prefetch::<Shard>(&**shard);
-        }
-    }
-
-    /// Asks the CPU to fetch the buckets a lookup of `key` reads first (its
-    /// home and the two after it, which may start the next cache line), so
-    /// a lookup that follows does not wait for them.
-    pub fn prefetch_home(&self, key: i64) {
+    /// Asks the CPU to fetch what a lookup of `key` reads: its shard's
+    /// header and the buckets it reads first (its home and the two after
+    /// it, which may start the next cache line), so a lookup that follows
+    /// does not wait for them.
+    pub fn prefetch(&self, key: i64) {
         let place = Place::of(&self.hasher, key);
-        if let Some(shard) = self.shards.get(place.shard)
-            && !shard.buckets.is_empty()
-        {
-            let home = shard.home(place.hash);
-            let buckets = shard.buckets.as_ptr();
+        let Some(shard) = self.shards.get(place.shard) else {
+            return;
+        };
+        prefetch::<Shard>(&*shard.shard);
+        if shard.buckets > 0 {
+            let home = place.hash as usize & (shard.buckets - 1);
+            let buckets = shard.buckets_at as *const Bucket;
             prefetch(buckets.wrapping_add(home));
-            prefetch(buckets.wrapping_add((home + 2) & (shard.buckets.len() - 1)));
+            prefetch(buckets.wrapping_add((home + 2) & (shard.buckets - 1)));
         }
     }
 
@@ -212,17 +244,8 @@ impl CowMap {
     /// still shares it (and only if `key` is there).
     pub fn get_mut(&mut self, key: i64) -> Option<&mut Slot> {
         let place = Place::of(&self.hasher, key);
-        let (shard, at) = self.shard_holding(key, place)?;
+        let (shard, at) = shard_holding(&mut self.shards, key, place)?;
         Some(&mut shard.buckets[at].slot)
-    }
-
-    /// The shard holding `key`, for writing, and its bucket, or `None` if
-    /// no shard does. A miss must not copy a shard a clone shares, so a
-    /// shared shard is looked in before it is copied.
-    fn shard_holding(&mut self, key: i64, place: Place) -> Option<(&mut Shard, usize)> {
-        let shard = self.shards.get_mut(place.shard)?;
-        let at = shard.probe(key, place.hash).ok()?;
-        Some((Arc::make_mut(shard), at))
     }
 
     /// The slot of `key` for writing, or, if it has none, `make()` stored
@@ -241,16 +264,23 @@ impl CowMap {
         }
         let place = Place::of(&self.hasher, key);
         let hasher = &self.hasher;
-        let shard = Arc::make_mut(&mut self.shards[place.shard]);
-        let vacant = match shard.probe(key, place.hash) {
-            Ok(at) => return Found::Existing(&mut shard.buckets[at].slot),
-            Err(at) if (shard.len + 1) * 8 <= shard.buckets.len() * 5 => at,
+        let shard_ref = &mut self.shards[place.shard];
+        let shard = shard_ref.make_mut();
+        let found = match shard.probe(key, place.hash) {
+            Ok(at) => Ok(at),
+            Err(at) if (shard.len + 1) * 8 <= shard.buckets.len() * 5 => Err(at),
             Err(_) => {
                 shard.reserve_one(|key| Place::of(hasher, key).hash);
-                shard
+                Err(shard
                     .probe(key, place.hash)
-                    .expect_err("the key was not there before the table grew")
+                    .expect_err("the key was not there before the table grew"))
             }
+        };
+        shard_ref.note_buckets();
+        let shard = shard_ref.make_mut();
+        let vacant = match found {
+            Ok(at) => return Found::Existing(&mut shard.buckets[at].slot),
+            Err(at) => at,
         };
         let slot = make();
         assert!(slot != Slot::VACANT, "no page id is u32::MAX");
@@ -262,20 +292,30 @@ impl CowMap {
     /// Every shard starts as the same empty map; writes split them off.
     #[cold]
     fn share_one_empty_shard(&mut self) {
-        let empty = Arc::new(Shard::default());
-        self.shards = (0..SHARDS).map(|_| Arc::clone(&empty)).collect();
+        let empty = ShardRef::new(Arc::new(Shard::default()));
+        self.shards = vec![empty; SHARDS].into_boxed_slice();
     }
 
     pub fn remove(&mut self, key: i64) -> Option<Slot> {
         let place = Place::of(&self.hasher, key);
-        let shard = self.shards.get_mut(place.shard)?;
-        let at = shard.probe(key, place.hash).ok()?;
-        let shard = Arc::make_mut(shard);
-        let slot = shard.buckets[at].slot;
+        let (shard, at) = shard_holding(&mut self.shards, key, place)?;
         let hasher = &self.hasher;
+        let slot = shard.buckets[at].slot;
         shard.remove_at(at, |key| Place::of(hasher, key).hash);
         Some(slot)
     }
+}
+
+/// The shard of `shards` holding `key`, for writing, and its bucket, or
+/// `None` if no shard does. A miss must not copy a shard a clone shares, so
+/// a shared shard is looked in before it is copied.
+fn shard_holding(shards: &mut [ShardRef], key: i64, place: Place) -> Option<(&mut Shard, usize)> {
+    let shard = shards.get_mut(place.shard)?;
+    let at = shard.shard.probe(key, place.hash).ok()?;
+    // A copy moves the buckets; a write to a slot does not.
+    shard.make_mut();
+    shard.note_buckets();
+    Some((shard.make_mut(), at))
 }
 
 /// What [`CowMap::find_or_insert_with`] did.
@@ -294,7 +334,7 @@ mod tests {
     fn keys(map: &CowMap) -> Vec<i64> {
         map.shards
             .iter()
-            .flat_map(|shard| shard.buckets.iter())
+            .flat_map(|shard| shard.shard.buckets.iter())
             .filter(|bucket| !bucket.is_empty())
             .map(|bucket| bucket.key)
             .collect()
@@ -376,7 +416,7 @@ mod tests {
         now.shards
             .iter()
             .zip(then.shards.iter())
-            .filter(|(now, then)| !Arc::ptr_eq(now, then))
+            .filter(|(now, then)| !Arc::ptr_eq(&now.shard, &then.shard))
             .count()
     }
 

@@ -433,13 +433,12 @@ fn for_each_block_touched(
 }
 
 /// The passes of [`LiveState::prefetch`] over the blocks `for_each_block`
-/// visits: every index shard's header, then every block's index buckets,
-/// then every record, then the tokens of each block found. Each pass reads
-/// what the one before it fetched, so the lookups of a payload's blocks
-/// wait for memory together rather than one after the other.
+/// visits: what every block's index lookup reads, then every record, then
+/// the tokens of each block found. Each pass reads what the one before it
+/// fetched, so the lookups of a payload's blocks wait for memory together
+/// rather than one after the other.
 fn prefetch_passes(for_each_block: impl Fn(&mut dyn FnMut(&TierBlocks, i64))) {
-    for_each_block(&mut |tier, hash| tier.prefetch_shard(hash));
-    for_each_block(&mut |tier, hash| tier.prefetch_home(hash));
+    for_each_block(&mut |tier, hash| tier.prefetch_lookup(hash));
     for_each_block(&mut |tier, hash| tier.prefetch_record(hash));
     for_each_block(&mut |tier, hash| {
         if let Some(tokens) = tier.record(hash).and_then(|record| record.tokens.as_ref()) {

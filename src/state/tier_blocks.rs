@@ -100,15 +100,9 @@ impl TierBlocks {
         self.get(hash).map(|block| &block.entry.1)
     }
 
-    /// Asks the CPU to fetch the index's shard header for `hash`.
-    pub(crate) fn prefetch_shard(&self, hash: i64) {
-        self.index.prefetch_shard(hash);
-    }
-
-    /// Asks the CPU to fetch the index's buckets for `hash`, once its shard
-    /// header is in the cache.
-    pub(crate) fn prefetch_home(&self, hash: i64) {
-        self.index.prefetch_home(hash);
+    /// Asks the CPU to fetch what looking `hash` up in the index reads.
+    pub(crate) fn prefetch_lookup(&self, hash: i64) {
+        self.index.prefetch(hash);
     }
 
     /// Asks the CPU to fetch the record of `hash` and its copy count, once
