@@ -278,17 +278,16 @@ impl LiveState {
     /// Brings into the cache what applying `events` to `rank` will read.
     ///
     /// Block hashes are random, so each block's lookup is a chain of cache
-    /// misses (its shard's header, then the control bytes and the index
-    /// entry, then the record and its copy count), and applying events one
-    /// by one waits for each chain in turn. Three read-only passes over the
+    /// misses (its index shard's header and bucket line, then the record
+    /// and its copy count, then its tokens), and applying events one by one
+    /// waits for each chain in turn. Three read-only passes over the
     /// payload's blocks first put many chains in flight at once: one
-    /// fetches every shard's header, the next looks every block up and
-    /// fetches its record, the last fetches the tokens of each block found
-    /// (which a removal frees), while the CPU overlaps the misses of
-    /// neighbouring lookups. A full engine's steady state (stores of new blocks,
-    /// evictions) ingests about 30% faster, a replay of live blocks no
-    /// slower (BENCHMARKS.md). A hint only: nothing is written, so no shard
-    /// a cut shares is copied.
+    /// fetches every block's shard header and bucket line, the next looks
+    /// every block up and fetches its record, the last fetches the tokens
+    /// of each block found (which a removal frees), while the CPU overlaps
+    /// the misses of neighbouring lookups (BENCHMARKS.md, issue 13's
+    /// prefetch and issue 22's session 12). A hint only: nothing is
+    /// written, so no shard a cut shares is copied.
     pub fn prefetch(&self, rank: u32, events: &[KvCacheEvent]) {
         let Some(blocks) = self.ranks.get(&rank) else {
             return;
