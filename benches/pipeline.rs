@@ -152,6 +152,8 @@ impl Drop for StateDirGuard {
     }
 }
 
+/// Ingests `payloads` as rank 0's, one drain cycle each.
+///
 /// With a state directory, the cycles still out to the log writer at the
 /// end are waited for and announced (`settle`) inside the caller's timed
 /// region: the last cycle's write is timed, and no sample leaves work to

@@ -251,18 +251,16 @@ impl LogThread {
     /// If the writer thread is gone with cycles out, which would otherwise
     /// hold every announcement back for good while health says SERVING.
     pub fn try_written(&mut self) -> Option<LogCycle> {
-        if let Some(cycle) = self.written_inline.take() {
-            self.out -= 1;
-            return Some(cycle);
-        }
-        match self.written.try_recv() {
-            Ok(cycle) => {
-                self.out -= 1;
-                Some(cycle)
-            }
-            Err(TryRecvError::Disconnected) if self.out > 0 => panic!("{WRITER_GONE}"),
-            Err(_) => None,
-        }
+        let cycle = match self.written_inline.take() {
+            Some(cycle) => cycle,
+            None => match self.written.try_recv() {
+                Ok(cycle) => cycle,
+                Err(TryRecvError::Disconnected) if self.out > 0 => panic!("{WRITER_GONE}"),
+                Err(_) => return None,
+            },
+        };
+        self.out -= 1;
+        Some(cycle)
     }
 
     /// The next cycle back from the writer, waiting for it (the calling
@@ -272,8 +270,7 @@ impl LogThread {
         if self.out == 0 {
             return None;
         }
-        if let Some(cycle) = self.written_inline.take() {
-            self.out -= 1;
+        if let Some(cycle) = self.try_written() {
             return Some(cycle);
         }
         let spinning = Instant::now();
