@@ -97,12 +97,18 @@ impl From<Vec<u8>> for ZmqMessage {
     }
 }
 
+/// Frames a message has room for when its first frame arrives.
+const FRAMES_EXPECTED: usize = 4;
+
 impl From<Bytes> for ZmqMessage {
     #[inline]
     fn from(b: Bytes) -> Self {
-        Self {
-            frames: vec![b].into(),
-        }
+        // Room for the frames a PUB message usually has (topic, sequence,
+        // payload) from the start: growing from one frame reallocated on
+        // every message (kvgate's patch 7).
+        let mut frames = VecDeque::with_capacity(FRAMES_EXPECTED);
+        frames.push_back(b);
+        Self { frames }
     }
 }
 
@@ -141,5 +147,21 @@ impl TryFrom<ZmqMessage> for String {
             Ok(s) => Ok(s),
             Err(_) => Err("Could not parse string from message"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_has_room_for_a_pub_message_frames_from_its_first() {
+        let mut message = ZmqMessage::from(Bytes::from_static(b"topic"));
+        let room = message.frames.capacity();
+        assert!(room >= FRAMES_EXPECTED);
+        message.push_back(Bytes::from_static(b"sequence"));
+        message.push_back(Bytes::from_static(b"payload"));
+        assert_eq!(message.frames.capacity(), room, "no frame reallocated the list");
+        assert_eq!(message.len(), 3);
     }
 }
