@@ -278,11 +278,12 @@ impl LiveState {
     /// Brings into the cache what applying `events` to `rank` will read.
     ///
     /// Block hashes are random, so each block's lookup is a chain of cache
-    /// misses (its index shard's header and bucket line, then the record
+    /// misses (its index shard's handle and home line, then the record
     /// and its copy count, then its tokens), and applying events one by one
     /// waits for each chain in turn. Three read-only passes over the
     /// payload's blocks first put many chains in flight at once: one
-    /// fetches every block's shard header and bucket line, the next looks
+    /// fetches every block's home line (and its shard's count line, which
+    /// a write reads), the next looks
     /// every block up and fetches its record, the last fetches the tokens
     /// of each block found (which a removal frees), while the CPU overlaps
     /// the misses of neighbouring lookups (BENCHMARKS.md, issue 13's
