@@ -2,10 +2,12 @@
 # A flame graph of the kvgate process (not the load tool) while
 # `kvgate-bench` feeds it SUBSCRIBERS subscribers at 20k events/s: perf
 # samples every CPU for 5 s in the middle of the measured window and the
-# graph keeps kvgate's samples. (Sampling kvgate's threads alone, `-p`,
-# makes perf switch its counters in and out with every context switch:
-# on this VM that put 26% of kvgate's samples on the switch itself,
-# against 3% sampled system-wide.)
+# graph keeps kvgate's samples. The warm-up lets kvgate's history fill
+# (--history-batches batches, about 13 s at 20k events/s), so the graph
+# is of its steady state, not of it taking memory. (Sampling kvgate's
+# threads alone, `-p`, makes perf switch its counters in and out with
+# every context switch: on this VM that put 26% of kvgate's samples on
+# the switch itself, against 3% sampled system-wide.)
 # Needs perf and inferno (`cargo install inferno`); writes OUT.svg.
 #
 #   benchmarks/flamegraph.sh target/release/kvgate-bench 8 benchmarks/fan-out-8x20k
@@ -17,7 +19,7 @@ kvgate=$(dirname "$bench_tool")/kvgate
 subscribers=$2
 out=$3
 work=$(mktemp -d)
-"$bench_tool" --subscribers "$subscribers" --rate 20000 --warmup 3 --duration 8 \
+"$bench_tool" --subscribers "$subscribers" --rate 20000 --warmup 15 --duration 8 \
     > "$work/bench.txt" 2>&1 &
 bench=$!
 pid=
@@ -27,7 +29,7 @@ for _ in $(seq 100); do
     sleep 0.1
 done
 [ -n "$pid" ] || { echo "kvgate did not start" >&2; exit 1; }
-sleep 4
+sleep 16
 perf record -F 999 -a -g --call-graph dwarf,16384 -o "$work/perf.data" -- sleep 5 \
     > /dev/null 2>&1
 wait "$bench"

@@ -41,7 +41,7 @@ use crate::convert::{Converter, Forwarded, StoredBlocks, Tally, TranscodedPayloa
 use crate::hub::{CutRequest, HubWriter, RankReport};
 use crate::load::LoadSource;
 use crate::load::records::LoadRecords;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RankGauges};
 use crate::proto::common::{KvCacheEvent, kv_cache_event::Data};
 use crate::source::continuity::ResumePoint;
 use crate::source::{EngineMessage, SourceEvent};
@@ -92,6 +92,8 @@ pub struct Drain {
     metrics: Metrics,
     /// Each rank's counters, resolved at its first message.
     rank_counters: BTreeMap<u32, RankCounters>,
+    /// Each rank's report gauges, resolved at its first report.
+    rank_gauges: BTreeMap<u32, RankGauges>,
     /// The engine's load, when kvgate polls it or the engine pushes it.
     records: Option<LoadRecords>,
     /// This cycle's batches, numbered and encoded, announced at its end.
@@ -129,6 +131,7 @@ impl Drain {
             hub,
             metrics,
             rank_counters: BTreeMap::new(),
+            rank_gauges: BTreeMap::new(),
             records: None,
             outgoing: Vec::new(),
             store: None,
@@ -627,7 +630,7 @@ impl Drain {
     }
 
     /// Updates the per-rank figures of `/status` and the metrics.
-    fn report(&self) {
+    fn report(&mut self) {
         let load_sources: Vec<Option<LoadSource>> = self
             .records
             .as_ref()
@@ -658,11 +661,13 @@ impl Drain {
             })
             .collect();
         for report in &reports {
-            self.metrics.set_rank_figures(
-                report.rank,
-                report.last_sequence,
-                report.blocks.reported(),
-            );
+            self.rank_gauges
+                .entry(report.rank)
+                .or_insert_with(|| {
+                    let tiers = report.blocks.reported().map(|(tier, _)| tier);
+                    self.metrics.rank_gauges(report.rank, tiers)
+                })
+                .set(report.last_sequence, report.blocks.reported());
         }
         self.metrics
             .history_bytes

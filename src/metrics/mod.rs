@@ -141,6 +141,29 @@ pub struct Metrics {
     labels: Arc<ClosedLabels>,
 }
 
+/// One rank's report gauges, resolved once: the drain sets them after
+/// every cycle, so looking their labels up each time would cost it a lock
+/// and a hash per gauge.
+#[derive(Clone, Debug)]
+pub struct RankGauges {
+    last_sequence: Gauge,
+    /// `state_blocks`, per tier label.
+    blocks: Vec<(&'static str, Gauge)>,
+}
+
+impl RankGauges {
+    /// Sets the last sequence number and each tier's live blocks, the
+    /// tiers in the order the gauges were resolved for.
+    pub fn set(&self, last_sequence: u64, blocks: impl IntoIterator<Item = (&'static str, u64)>) {
+        self.last_sequence
+            .set(i64::try_from(last_sequence).unwrap_or(i64::MAX));
+        for ((label, gauge), (tier, count)) in self.blocks.iter().zip(blocks) {
+            debug_assert_eq!(*label, tier, "state_blocks tiers in another order");
+            gauge.set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+    }
+}
+
 /// A value counted at run time must be one the app exported at 0 from the
 /// start (metrics built without label sets, in tests, take any).
 fn debug_assert_closed(set: &[&'static str], value: &'static str) {
@@ -484,21 +507,23 @@ impl Metrics {
             .inc();
     }
 
-    /// A rank's gauges: its last sequence number and its live blocks per
-    /// tier label.
-    pub fn set_rank_figures(
+    /// Rank `rank`'s gauges (its last sequence number, its live blocks per
+    /// tier label, for `tiers` in the order [`RankGauges::set`] will give
+    /// them), to hold and set every cycle.
+    pub fn rank_gauges(
         &self,
         rank: u32,
-        last_sequence: u64,
-        blocks: impl IntoIterator<Item = (&'static str, u64)>,
-    ) {
-        self.last_sequence
-            .get_or_create(&RankLabel { rank })
-            .set(i64::try_from(last_sequence).unwrap_or(i64::MAX));
-        for (tier, count) in blocks {
-            self.state_blocks
-                .get_or_create(&RankTierLabels { rank, tier })
-                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        tiers: impl IntoIterator<Item = &'static str>,
+    ) -> RankGauges {
+        RankGauges {
+            last_sequence: self.last_sequence.get_or_create_owned(&RankLabel { rank }),
+            blocks: tiers
+                .into_iter()
+                .map(|tier| {
+                    let labels = RankTierLabels { rank, tier };
+                    (tier, self.state_blocks.get_or_create_owned(&labels))
+                })
+                .collect(),
         }
     }
 

@@ -17,6 +17,11 @@ const SATURATED_PERCENT: f64 = 90.0;
 /// Other processes or the hypervisor taking more than this of the CPUs
 /// make a run's figures noisy.
 const DISTURBED_PERCENT: f64 = 10.0;
+/// A subject whose RSS grew by more than this share over the measured
+/// window (and by at least [`GROWING_MIN_MB`]) was still filling its
+/// buffers: its figures include the growth's page faults and reallocations.
+const GROWING_SHARE: f64 = 0.05;
+const GROWING_MIN_MB: f64 = 2.0;
 /// Subscriber counts the comparison with a peer is stated at (issue 22).
 const PEER_COUNTS: [usize; 3] = [1, 8, 32];
 /// How many times less CPU per delivered event than the peer kvgate aims at.
@@ -109,6 +114,8 @@ pub struct KvgateCost {
     pub cpu_us_per_event_delivered: f64,
     pub idle_rss_mb: f64,
     pub peak_rss_mb: f64,
+    /// RSS at the start and at the end of the measured window.
+    pub window_rss_mb: [f64; 2],
 }
 
 #[derive(Debug, Serialize)]
@@ -411,6 +418,7 @@ fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
             run.subscribers, run.subject, run.others_busy_percent, run.steal_percent
         ));
     }
+    notes.extend(growing_notes(runs));
     for run in runs
         .iter()
         .filter(|run| run.missing_events > 0 || run.sequence_gaps > 0)
@@ -434,6 +442,52 @@ fn notes(machine: &Machine, runs: &[RunReport]) -> Vec<String> {
         ));
     }
     notes
+}
+
+/// One note per subject and subscriber count whose runs still grew,
+/// in the order the runs were made.
+fn growing_notes(runs: &[RunReport]) -> Vec<String> {
+    let mut groups: Vec<(&str, usize, Vec<&RunReport>)> = Vec::new();
+    for run in runs {
+        match groups
+            .iter_mut()
+            .find(|(subject, count, _)| *subject == run.subject && *count == run.subscribers)
+        {
+            Some((_, _, group)) => group.push(run),
+            None => groups.push((&run.subject, run.subscribers, vec![run])),
+        }
+    }
+    groups
+        .into_iter()
+        .filter_map(|(subject, count, group)| {
+            let growing: Vec<[f64; 2]> = group
+                .iter()
+                .filter(|run| still_growing(run))
+                .map(|run| run.kvgate.window_rss_mb)
+                .collect();
+            let most = growing
+                .iter()
+                .copied()
+                .max_by(|a, b| (a[1] - a[0]).total_cmp(&(b[1] - b[0])))?;
+            Some(format!(
+                "in {} of {} {count}-subscriber runs of {subject} its RSS still grew while \
+                 measured, by up to {:.1} MB ({:.1} to {:.1} MB): it was filling its buffers \
+                 (kvgate: until its history holds --history-batches batches), so those \
+                 figures are not its steady state's; a longer --warmup measures that",
+                growing.len(),
+                group.len(),
+                most[1] - most[0],
+                most[0],
+                most[1],
+            ))
+        })
+        .collect()
+}
+
+fn still_growing(run: &RunReport) -> bool {
+    let [start, end] = run.kvgate.window_rss_mb;
+    let growth = end - start;
+    growth >= GROWING_MIN_MB && growth > start * GROWING_SHARE
 }
 
 #[cfg(test)]
@@ -466,6 +520,7 @@ pub(super) mod tests {
                 cpu_us_per_event_delivered: 1.0,
                 idle_rss_mb: 9.5,
                 peak_rss_mb: 40.0,
+                window_rss_mb: [39.0, 39.5],
             },
             tool: ToolCost {
                 subscribers_cpu_s,
@@ -528,6 +583,33 @@ pub(super) mod tests {
         );
         assert!(report.notes[0].starts_with("from 32 subscribers on"));
         assert!(report.table().contains("NOT met"));
+    }
+
+    #[test]
+    fn a_run_whose_subject_still_grew_is_noted_as_not_its_steady_state() {
+        let filling = |growth| {
+            let mut run = run(1, 0.5, 20_000.0, 0.5);
+            run.kvgate.window_rss_mb = [35.0, 35.0 + growth];
+            run
+        };
+        let mut fluctuating = run(8, 0.5, 20_000.0, 0.5);
+        fluctuating.subject = "smg".to_owned();
+        fluctuating.kvgate.window_rss_mb = [140.0, 143.0];
+        let runs = vec![filling(17.0), fluctuating, filling(0.5), filling(9.0)];
+        let report = Report::new(machine(), config(20_000), runs);
+        let growing: Vec<_> = report
+            .notes
+            .iter()
+            .filter(|note| note.contains("RSS still grew"))
+            .collect();
+        assert_eq!(growing.len(), 1, "{:?}", report.notes);
+        assert!(
+            growing[0].starts_with(
+                "in 2 of 3 1-subscriber runs of kvgate its RSS still grew while measured, \
+                 by up to 17.0 MB (35.0 to 52.0 MB)"
+            ),
+            "{growing:?}"
+        );
     }
 
     #[test]
