@@ -3,8 +3,10 @@
 # `kvgate-bench` feeds it SUBSCRIBERS subscribers at 20k events/s: perf
 # samples every CPU for 5 s in the middle of the measured window and the
 # graph keeps kvgate's samples. The warm-up lets kvgate's history fill
-# (--history-batches batches, about 13 s at 20k events/s), so the graph
-# is of its steady state, not of it taking memory. (Sampling kvgate's
+# (--history-batches batches, about 13 s at 20k events/s and one
+# subscriber; longer where kvgate sends fewer, larger batches), so the
+# graph is of its steady state, not of it taking memory; the load tool's
+# note, printed below the table, says when it still was. (Sampling kvgate's
 # threads alone, `-p`, makes perf switch its counters in and out with
 # every context switch: on this VM that put 26% of kvgate's samples on
 # the switch itself, against 3% sampled system-wide.)
@@ -34,6 +36,7 @@ perf record -F 999 -a -g --call-graph dwarf,16384 -o "$work/perf.data" -- sleep 
     > /dev/null 2>&1
 wait "$bench"
 grep -A2 '^relay ' "$work/bench.txt"
+grep 'RSS still grew' "$work/bench.txt" || true
 perf script -i "$work/perf.data" --pid "$pid" 2> /dev/null | inferno-collapse-perf > "$work/folded"
 inferno-flamegraph --minwidth 0.2 \
     --title "kvgate, $subscribers subscribers x 20k events/s" < "$work/folded" > "$out.svg"
