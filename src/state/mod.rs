@@ -283,9 +283,9 @@ impl LiveState {
     /// waits for each chain in turn. Three read-only passes over the
     /// payload's blocks first put many chains in flight at once: one
     /// fetches every block's home line (and its shard's count line, which
-    /// a write reads), the next looks
-    /// every block up and fetches its record, the last fetches the tokens
-    /// of each block found (which a removal frees), while the CPU overlaps
+    /// a write reads), the next looks every block up and fetches its
+    /// record, the last fetches the tokens of each block found (which a
+    /// removal frees), while the CPU overlaps
     /// the misses of neighbouring lookups (BENCHMARKS.md, issue 13's
     /// prefetch and issue 22's session 12). A hint only: nothing is
     /// written, so no shard a cut shares is copied.
