@@ -65,9 +65,9 @@ fn malloc_in_use() -> usize {
     info.uordblks + info.hblkhd
 }
 
-/// Bytes the live state takes per block, beside the tokens' own bytes:
-/// as requested from the allocator, and as glibc's malloc (the binary's
-/// heap, `kvgate::allocator`) holds them, its own headers included.
+/// Bytes the live state takes per block, in all: as requested from the
+/// allocator, and as glibc's malloc (the binary's heap, `kvgate::allocator`)
+/// holds them, its own headers included.
 fn state_bytes_per_block() -> (f64, f64) {
     let mut workload = SteadyState::new(shape(usize::MAX), 1);
     let mut converter = Converter::new();
@@ -94,8 +94,7 @@ fn state_bytes_per_block() -> (f64, f64) {
     let malloc_after = malloc_in_use();
     let blocks = state.rank(0).map_or(0, |rank| rank.counts().total()) as usize;
     assert_eq!(blocks, BLOCKS);
-    let token_bytes = blocks * BLOCK_SIZE * 4;
-    let per_block = |bytes: usize| (bytes - token_bytes) as f64 / blocks as f64;
+    let per_block = |bytes: usize| bytes as f64 / blocks as f64;
     (
         per_block(after - before),
         per_block(malloc_after - malloc_before),
@@ -331,8 +330,11 @@ fn main() {
         return;
     }
     let (requested, held) = state_bytes_per_block();
+    // The engine's tokens as 32-bit ids, what the target is stated beside.
+    let token_ids = (BLOCK_SIZE * 4) as f64;
     println!(
-        "state: {requested:.1} bytes per live block beside its tokens ({BLOCKS} blocks of {BLOCK_SIZE} tokens); {held:.1} as malloc holds them, its headers included"
+        "state: {requested:.1} bytes per live block in all, {:.1} beside its tokens as 32-bit ids ({BLOCKS} blocks of {BLOCK_SIZE} tokens); {held:.1} in all as malloc holds them, its headers included",
+        requested - token_ids
     );
     println!(
         "history: {:.1} bytes per entry beside its encoded batch",

@@ -6,15 +6,18 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group};
-use kvgate::convert::{Converter, Tally};
+use kvgate::convert::{Converter, Forwarded, Tally, TranscodedPayload};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
 use kvgate::hub::{HistoryLimits, hub};
 use kvgate::metrics::Metrics;
+use kvgate::proto::common::KvBlocksStored;
+use kvgate::proto::common::kv_cache_event::Data;
 use kvgate::source::{EngineMessage, SourceEvent};
 use kvgate::state::LiveState;
 use kvgate::state::snapshot::SnapshotEncoder;
 use kvgate::store::{StoreConfig, StoreLimits};
+use kvgate::wire::EncodedBlock;
 use kvgate_sim::{SimEvent, SteadyState, WorkloadShape};
 
 const LIMITS: BatchLimits = BatchLimits {
@@ -305,6 +308,7 @@ fn state(c: &mut Criterion) {
     let mut group = c.benchmark_group("state");
     group.throughput(Throughput::Elements(blocks));
     group.sample_size(20);
+    // Built events, as a restart applies a checkpoint's.
     group.bench_function("apply-steady-64-block-stores", |b| {
         b.iter_batched(
             || (LiveState::default(), events.clone()),
@@ -317,7 +321,125 @@ fn state(c: &mut Criterion) {
             BatchSize::LargeInput,
         );
     });
+    // Blocks as the converter wrote them, as the drain applies them.
+    let written: Vec<WrittenPayload> = payloads
+        .iter()
+        .map(|payload| WrittenPayload::of(&mut converter, payload))
+        .collect();
+    group.bench_function("apply-written-steady-64-block-stores", |b| {
+        b.iter_batched(
+            LiveState::default,
+            |mut state| {
+                for payload in &written {
+                    payload.apply(&mut state);
+                }
+                state
+            },
+            BatchSize::LargeInput,
+        );
+    });
     group.finish();
+}
+
+/// One payload's events as the drain hands them to the state: each store's
+/// fields and its blocks' bytes as the converter wrote them, each removal's
+/// tier and hashes.
+struct WrittenPayload {
+    events: Vec<WrittenEvent>,
+    /// Every store's blocks' bytes after their hashes, end to end.
+    rests: Vec<u8>,
+}
+
+enum WrittenEvent {
+    Store {
+        stored: Box<KvBlocksStored>,
+        shared: (Option<i64>, Option<i32>),
+        hashes: Vec<i64>,
+        /// Where each block's bytes lie in `rests`.
+        ranges: Vec<std::ops::Range<usize>>,
+    },
+    Removal {
+        tier: Option<i32>,
+        hashes: Vec<i64>,
+    },
+}
+
+impl WrittenPayload {
+    fn of(converter: &mut Converter, payload: &[u8]) -> Self {
+        let mut transcoded = TranscodedPayload::default();
+        converter
+            .transcode(0, payload, &mut Tally::default(), &mut transcoded)
+            .unwrap();
+        let mut written = Self {
+            events: Vec::new(),
+            rests: Vec::new(),
+        };
+        transcoded.drain(|event| match event {
+            Forwarded::Store { event, blocks } => {
+                let Some(Data::Stored(stored)) = event.data else {
+                    unreachable!("a store")
+                };
+                let (hashes, ranges) = blocks
+                    .iter()
+                    .map(|block| {
+                        let start = written.rests.len();
+                        written.rests.extend_from_slice(block.rest);
+                        (block.hash, start..written.rests.len())
+                    })
+                    .unzip();
+                written.events.push(WrittenEvent::Store {
+                    stored: Box::new(stored),
+                    shared: (blocks.lora_id, blocks.cache_level),
+                    hashes,
+                    ranges,
+                });
+            }
+            Forwarded::Removal { tier, hashes, .. } => {
+                written.events.push(WrittenEvent::Removal {
+                    tier,
+                    hashes: hashes.to_vec(),
+                });
+            }
+            Forwarded::Event(_) => unreachable!("the steady workload never clears"),
+        });
+        written
+    }
+
+    /// What the drain does to the state for this payload: what it looks up
+    /// prefetched (each store's parent and blocks, each removal's blocks),
+    /// then each event applied.
+    fn apply(&self, state: &mut LiveState) {
+        let lookups = self.events.iter().flat_map(|event| match event {
+            WrittenEvent::Store { stored, hashes, .. } => [
+                (stored.tier, stored.parent_block_hash.as_slice()),
+                (stored.tier, hashes.as_slice()),
+            ],
+            WrittenEvent::Removal { tier, hashes } => {
+                [(*tier, &[][..]), (*tier, hashes.as_slice())]
+            }
+        });
+        state.prefetch_lookups(0, lookups);
+        for event in &self.events {
+            match event {
+                WrittenEvent::Store {
+                    stored,
+                    shared,
+                    hashes,
+                    ranges,
+                } => {
+                    let blocks = hashes
+                        .iter()
+                        .zip(ranges)
+                        .map(|(&hash, range)| EncodedBlock {
+                            hash,
+                            rest: &self.rests[range.clone()],
+                        });
+                    state.store_blocks(0, stored, *shared, blocks);
+                }
+                WrittenEvent::Removal { tier, hashes } => state.remove_blocks(0, *tier, hashes),
+            }
+        }
+    }
 }
 
 /// A live state of `blocks` 16-token blocks on rank 0.

@@ -463,11 +463,6 @@ impl<'a> ExtraKeys<'a> {
         }
     }
 
-    /// Whether no block is left with keys.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.blocks_left == 0
-    }
-
     /// The next block's keys: str → text, int → number, bin → blob,
     /// `[str, int]` → multimodal; any other key, and any entry that is not a
     /// list (nil included), contributes nothing. Blocks past the end of the

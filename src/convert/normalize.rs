@@ -73,11 +73,6 @@ impl<'e> StoredFields<'e> {
         }
     }
 
-    /// Whether some block may carry extra keys.
-    pub(crate) fn has_extra_keys(&self) -> bool {
-        !self.extra_keys.is_empty()
-    }
-
     /// Hands `each` every block's hash, tokens and extra keys, in order.
     pub(crate) fn for_each_block(
         mut self,

@@ -1363,17 +1363,10 @@ fn transcoded_store_as_built(
             ..built_store.clone()
         }
     );
-    let as_blocks: Vec<KvBlock> = blocks
-        .iter()
-        .map(|block| KvBlock {
-            block_hash: block.hash,
-            token_ids: block.tokens.to_vec(),
-            block_size: block.block_size,
-            lora_id: block.lora_id,
-            cache_level: block.cache_level,
-            extra_keys: block.extra_keys.to_vec(),
-        })
-        .collect();
+    let as_blocks: Vec<KvBlock> = blocks.iter().map(|block| block.to_block()).collect();
+    assert!(as_blocks.iter().all(|block| {
+        (block.lora_id, block.cache_level) == (blocks.lora_id, blocks.cache_level)
+    }));
     assert_eq!(as_blocks, built_store.blocks);
     let mut written = Vec::new();
     blocks.encode_event(event.event_id, header, &mut written);

@@ -12,13 +12,14 @@
 //! chain, most of its bytes: written while the payload is read, a removal
 //! needs no `KvCacheEvent`, no buffers of its own and no second encoding,
 //! and a block no `KvBlock`, no token buffer of its own and no second pass
-//! over its tokens. The buffers are reused from payload to payload.
+//! over its tokens: the live state keeps the block's bytes as written here.
+//! The buffers are reused from payload to payload.
 
 use std::ops::Range;
 
 use super::normalize::{Normalized, Normalizer};
-use crate::proto::common::{KvBlockExtraKey, KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
-use crate::wire::event::{BlockFields, encode_store_event};
+use crate::proto::common::{KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
+use crate::wire::event::{BlockFields, EncodedBlock, encode_store_event, split_entries};
 
 /// One payload's events in engine order, blocks and removals as bytes.
 #[derive(Debug, Default)]
@@ -37,10 +38,6 @@ pub struct TranscodedPayload {
     encoded: Vec<u8>,
     /// The removals' and the stored blocks' hashes, end to end.
     hashes: Vec<i64>,
-    /// The stored blocks' tokens, end to end.
-    tokens: Vec<u32>,
-    /// The extra keys of each block of the stores that have any.
-    extra_keys: Vec<Vec<KvBlockExtraKey>>,
 }
 
 /// One forwarded event of a [`TranscodedPayload`].
@@ -69,10 +66,6 @@ struct Store {
     parent: Option<i64>,
     entries: Span,
     hashes: Span,
-    tokens: Span,
-    /// Empty when no block has extra keys, else one entry per block.
-    extra_keys: Span,
-    block_size: i32,
     lora_id: Option<i64>,
     cache_level: Option<i32>,
 }
@@ -106,11 +99,10 @@ pub struct StoredBlocks<'p> {
     /// The blocks as the store's `blocks` entries, encoded end to end.
     entries: &'p [u8],
     hashes: &'p [i64],
-    tokens: &'p [u32],
-    extra_keys: &'p [Vec<KvBlockExtraKey>],
-    block_size: i32,
-    lora_id: Option<i64>,
-    cache_level: Option<i32>,
+    /// Every block's, as the engine gives them per store.
+    pub lora_id: Option<i64>,
+    /// Every block's, as the engine gives them per store.
+    pub cache_level: Option<i32>,
 }
 
 impl<'p> StoredBlocks<'p> {
@@ -124,29 +116,9 @@ impl<'p> StoredBlocks<'p> {
         });
     }
 
-    /// Each block's fields, in the store's order.
-    pub fn iter(&self) -> impl ExactSizeIterator<Item = BlockFields<'p>> + Clone + use<'p> {
-        let Self {
-            hashes,
-            tokens,
-            extra_keys,
-            block_size,
-            lora_id,
-            cache_level,
-            ..
-        } = *self;
-        hashes
-            .iter()
-            .zip(tokens.chunks_exact(block_size as usize))
-            .enumerate()
-            .map(move |(at, (&hash, tokens))| BlockFields {
-                hash,
-                tokens,
-                block_size,
-                lora_id,
-                cache_level,
-                extra_keys: extra_keys.get(at).map_or(&[], Vec::as_slice),
-            })
+    /// Each block as written, in the store's order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = EncodedBlock<'p>> + use<'p> {
+        split_entries(self.entries, self.hashes)
     }
 }
 
@@ -161,14 +133,10 @@ impl TranscodedPayload {
         self.built.clear();
         self.encoded.clear();
         self.hashes.clear();
-        self.tokens.clear();
-        self.extra_keys.clear();
         self.order.shrink_to(KEPT_EVENTS);
         self.built.shrink_to(KEPT_EVENTS);
         self.encoded.shrink_to(KEPT_BYTES);
         self.hashes.shrink_to(KEPT_BYTES / size_of::<i64>());
-        self.tokens.shrink_to(KEPT_BYTES / size_of::<u32>());
-        self.extra_keys.shrink_to(KEPT_EVENTS);
     }
 
     /// Room for `events` more events.
@@ -195,13 +163,10 @@ impl TranscodedPayload {
             Normalized::Stored(fields) => {
                 let header = fields.header(&mut normalizer.spare_buffers);
                 let (entries_start, hashes_start) = (self.encoded.len(), self.hashes.len());
-                let (tokens_start, extra_keys_start) = (self.tokens.len(), self.extra_keys.len());
                 let (block_size, lora_id, cache_level) =
                     (fields.block_size, fields.lora_id, fields.cache_level);
-                let has_extra_keys = fields.has_extra_keys();
                 self.hashes.extend_from_slice(fields.hashes);
-                self.tokens.extend_from_slice(fields.tokens);
-                let (encoded, extra_keys) = (&mut self.encoded, &mut self.extra_keys);
+                let encoded = &mut self.encoded;
                 fields.for_each_block(|hash, tokens, keys| {
                     let block = BlockFields {
                         hash,
@@ -212,18 +177,12 @@ impl TranscodedPayload {
                         extra_keys: &keys,
                     };
                     block.encode_entry(encoded);
-                    if has_extra_keys {
-                        extra_keys.push(keys);
-                    }
                 });
                 self.order.push(Transcoded::Store(Store {
                     tier: header.tier,
                     parent: header.parent_block_hash,
                     entries: span(entries_start..self.encoded.len()),
                     hashes: span(hashes_start..self.hashes.len()),
-                    tokens: span(tokens_start..self.tokens.len()),
-                    extra_keys: span(extra_keys_start..self.extra_keys.len()),
-                    block_size,
                     lora_id,
                     cache_level,
                 }));
@@ -285,9 +244,6 @@ impl TranscodedPayload {
                         let blocks = StoredBlocks {
                             entries: &self.encoded[range(store.entries)],
                             hashes: &self.hashes[range(store.hashes)],
-                            tokens: &self.tokens[range(store.tokens)],
-                            extra_keys: &self.extra_keys[range(store.extra_keys)],
-                            block_size: store.block_size,
                             lora_id: store.lora_id,
                             cache_level: store.cache_level,
                         };
@@ -310,10 +266,10 @@ impl TranscodedPayload {
 /// engines put in one (vLLM's 3,000-event batches are the largest seen).
 const KEPT_EVENTS: usize = 4096;
 
-/// Bytes each of the byte, hash and token buffers keeps between payloads:
-/// 4,096 one-block removals take about 160 kB of bytes and 32 kB of
-/// hashes; 64 stores of 64 blocks of 16 tokens, about 200 kB of bytes and
-/// 256 kB of tokens.
+/// Bytes each of the byte and hash buffers keeps between payloads: 4,096
+/// one-block removals take about 160 kB of bytes and 32 kB of hashes; 64
+/// stores of 64 blocks of 16 tokens, about 200 kB of bytes and 32 kB of
+/// hashes.
 const KEPT_BYTES: usize = 256 << 10;
 
 /// A range of a payload's buffers (a `Range` is not `Copy`).
@@ -375,7 +331,7 @@ mod tests {
     }
 
     #[test]
-    fn an_outsized_store_s_tokens_and_bytes_are_given_back_once_it_is_drained() {
+    fn an_outsized_store_s_bytes_are_given_back_once_it_is_drained() {
         let blocks = 20_000u64;
         let store = SimEvent::Stored {
             hashes: (1..=blocks).collect(),
@@ -390,7 +346,7 @@ mod tests {
         converter
             .transcode(0, &bytes, &mut Tally::default(), &mut payload)
             .unwrap();
-        assert!(payload.tokens.len() == blocks as usize * 16 && payload.encoded.len() > 1 << 20);
+        assert!(payload.encoded.len() > 1 << 20);
         let mut stored = 0;
         payload.drain(|event| {
             if let Forwarded::Store { blocks, .. } = event {
@@ -398,7 +354,6 @@ mod tests {
             }
         });
         assert_eq!(stored, blocks as usize);
-        assert!(payload.tokens.capacity() * size_of::<u32>() <= KEPT_BYTES);
         assert!(payload.encoded.capacity() <= KEPT_BYTES);
         assert!(payload.hashes.capacity() * size_of::<i64>() <= KEPT_BYTES);
     }

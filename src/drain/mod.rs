@@ -392,7 +392,8 @@ impl Drain {
         let mut body = std::mem::take(&mut self.store_body);
         blocks.encode_event(event.event_id, stored, &mut body);
         if self.push_encoded(rank, &body, timestamp) {
-            self.state.store_blocks(rank, stored, blocks.iter());
+            let shared = (blocks.lora_id, blocks.cache_level);
+            self.state.store_blocks(rank, stored, shared, blocks.iter());
             self.converter.recycle(&mut event);
         } else {
             self.push_decoded(rank, &body, timestamp);
@@ -913,7 +914,7 @@ mod tests {
     fn held(cut: &SnapshotCut) -> BTreeMap<i64, Vec<u32>> {
         cut.state[&0]
             .tier(Tier::Device)
-            .map(|(hash, record)| (hash, record.block_fields(hash).tokens.to_vec()))
+            .map(|(hash, record)| (hash, record.encoded_block(hash).to_block().token_ids))
             .collect()
     }
 

@@ -15,7 +15,7 @@
 pub(crate) mod cow_map;
 mod prefetch;
 pub mod snapshot;
-mod spare_tokens;
+mod spare_bytes;
 pub(crate) mod tier;
 mod tier_blocks;
 
@@ -25,22 +25,20 @@ use std::sync::Arc;
 
 use triomphe::ThinArc;
 
-use crate::wire::event::BlockFields;
+use crate::wire::event::{BlockFields, EncodedBlock};
 use cow_map::Found;
 use snapshot::lone_block_entry_len;
-use spare_tokens::SpareTokens;
+use spare_bytes::SpareBytes;
 use tier::{PerTier, Tier, TierCounts};
 use tier_blocks::TierBlocks;
 
-use crate::proto::common::{
-    KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data,
-};
+use crate::proto::common::{KvBlocksRemoved, KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
 
 /// Copies counted per block; more stores of a live hash are still forwarded.
 pub const MAX_COPIES: u8 = 8;
 
-/// Everything a store carried besides its blocks (and each block's hash,
-/// tokens and extra keys).
+/// Everything a store carried besides its blocks (and each block's own
+/// fields).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct StoreFields {
     /// The wire tier (`KvCacheTier`), as the store carried it.
@@ -133,31 +131,32 @@ impl StoreFields {
 
 /// One live block, kept small: a million of them is a normal cache.
 ///
-/// Cloning must not allocate (the drain clones the page it appends to
-/// while a cut shares it), hence the shared token buffer; a thin one, since
-/// a fat pointer would cost 8 more bytes per block. Its live copies are
-/// kept beside it in its page, which a removal writes without copying
-/// records.
+/// The block is kept as it was written, its `KvBlock` body but for the hash
+/// (the index has it): a snapshot copies those bytes instead of encoding
+/// the tokens again, and the converter wrote them for the live batch
+/// already. Cloning must not allocate (the drain clones the page it appends
+/// to while a cut shares it), hence the shared buffer; a thin one, since a
+/// fat pointer would cost 8 more bytes per block. Its live copies are kept
+/// beside it in its page, which a removal writes without copying records.
 #[derive(Clone, Debug)]
 pub struct BlockRecord {
     /// Meaningful only with `has_parent` (an `Option<i64>` would take 16 bytes).
     parent: i64,
-    /// `None` once the block is gone and no cut holds its page: the buffer
-    /// went to the next new record.
-    tokens: Option<ThinArc<(), u32>>,
-    /// Rare (LoRA names, multimodal items, salts): one pointer when absent.
-    extra_keys: Option<Box<ExtraKeys>>,
+    /// The block's bytes after its hash (an [`EncodedBlock`]'s `rest`), the
+    /// first `encoded_len` of a buffer of their size class. `None` once the
+    /// block is gone and no cut holds its page: the buffer went to the next
+    /// new record.
+    encoded: Option<ThinArc<(), u8>>,
     fields: Arc<StoreFields>,
     /// When the block was stored, in the state's store order: engines store
     /// parents first, so sorting by it puts parents first (a snapshot walks
     /// in this order instead of chasing parent links).
     order: u64,
-    block_size: i32,
+    /// Here rather than in the buffer, so a snapshot sizes a block from the
+    /// record it reads anyway.
+    encoded_len: u32,
     has_parent: bool,
 }
-
-#[derive(Clone, Debug)]
-struct ExtraKeys(Vec<KvBlockExtraKey>);
 
 impl BlockRecord {
     /// The block's parent, as its store named it.
@@ -175,17 +174,13 @@ impl BlockRecord {
         self.order
     }
 
-    /// The block's fields, for encoding it without building a `KvBlock`
-    /// (a snapshot encodes a million of them).
-    pub fn block_fields(&self, hash: i64) -> BlockFields<'_> {
-        BlockFields {
-            hash,
-            tokens: self.tokens.as_ref().map_or(&[], |tokens| &tokens.slice),
-            block_size: self.block_size,
-            lora_id: self.fields.lora_id,
-            cache_level: self.fields.cache_level,
-            extra_keys: self.extra_keys.as_ref().map_or(&[], |keys| &keys.0),
-        }
+    /// The block `hash` as written, for a snapshot to copy (a snapshot
+    /// writes a million of them).
+    pub fn encoded_block(&self, hash: i64) -> EncodedBlock<'_> {
+        let rest = self.encoded.as_ref().map_or(&[][..], |encoded| {
+            &encoded.slice[..self.encoded_len as usize]
+        });
+        EncodedBlock { hash, rest }
     }
 }
 
@@ -235,8 +230,8 @@ pub type StateCut = BTreeMap<u32, RankBlocks>;
 pub struct LiveState {
     ranks: BTreeMap<u32, RankBlocks>,
     interned: Interner,
-    /// Removed records' token buffers, for the next new records.
-    spare_tokens: SpareTokens,
+    /// Removed records' buffers, for the next new records.
+    spare_bytes: SpareBytes,
     /// The `order` the next new block gets.
     next_order: u64,
 }
@@ -279,12 +274,12 @@ impl LiveState {
     ///
     /// Block hashes are random, so each block's lookup is a chain of cache
     /// misses (its index shard's handle and home line, then the record
-    /// and its copy count, then its tokens), and applying events one by one
+    /// and its copy count, then its bytes), and applying events one by one
     /// waits for each chain in turn. Three read-only passes over the
     /// payload's blocks first put many chains in flight at once: one
     /// fetches every block's home line (and its shard's count line, which
     /// a write reads), the next looks every block up and fetches its
-    /// record, the last fetches the tokens of each block found (which a
+    /// record, the last fetches the bytes of each block found (which a
     /// removal frees), while the CPU overlaps
     /// the misses of neighbouring lookups (BENCHMARKS.md, issue 13's
     /// prefetch and issue 22's session 12). A hint only: nothing is
@@ -338,47 +333,70 @@ impl LiveState {
         self.ranks.get(&rank)
     }
 
+    /// Records a store given as a `KvBlocksStored`, its blocks written here
+    /// (the converter writes the drain's).
     fn store(&mut self, rank: u32, stored: &KvBlocksStored) {
-        self.store_blocks(rank, stored, stored.blocks.iter().map(BlockFields::from));
+        let first = stored.blocks.first();
+        let lora_id = first.and_then(|block| block.lora_id);
+        let cache_level = first.and_then(|block| block.cache_level);
+        let mut bytes = Vec::new();
+        let mut ends = Vec::with_capacity(stored.blocks.len());
+        for block in &stored.blocks {
+            // A record keeps its store's LoRA id and cache level.
+            let fields = BlockFields {
+                lora_id,
+                cache_level,
+                ..BlockFields::from(block)
+            };
+            fields.encode_after_hash(&mut bytes);
+            ends.push(bytes.len());
+        }
+        let mut start = 0;
+        let blocks = stored.blocks.iter().zip(ends).map(|(block, end)| {
+            let rest = &bytes[start..end];
+            start = end;
+            EncodedBlock {
+                hash: block.block_hash,
+                rest,
+            }
+        });
+        self.store_blocks(rank, stored, (lora_id, cache_level), blocks);
     }
 
     /// Records, for `rank`, the store `stored` (completed, its own `blocks`
-    /// ignored) of the blocks `blocks`: a store the drain has as its fields
-    /// and its blocks' fields, not as a `KvBlocksStored` with its blocks.
+    /// ignored) of the blocks `blocks`, each with the LoRA id and cache
+    /// level `shared`: a store the drain has as its fields and its blocks'
+    /// bytes, not as a `KvBlocksStored` with its blocks.
     pub fn store_blocks<'b>(
         &mut self,
         rank: u32,
         stored: &KvBlocksStored,
-        blocks: impl Iterator<Item = BlockFields<'b>> + Clone,
+        (lora_id, cache_level): (Option<i64>, Option<i32>),
+        blocks: impl Iterator<Item = EncodedBlock<'b>>,
     ) {
         let tier = Tier::of_event(stored.tier);
         let rank_blocks = self.ranks.entry(rank).or_default();
         let map = &mut rank_blocks.tiers[tier];
         let copies = &mut rank_blocks.copies[tier];
-        // The blocks of one store share their LoRA id and cache level.
-        let first = blocks.clone().next();
         let (fields, fields_len) = self.interned.intern(StoreFields {
-            lora_id: first.as_ref().and_then(|block| block.lora_id),
-            cache_level: first.as_ref().and_then(|block| block.cache_level),
+            lora_id,
+            cache_level,
             ..StoreFields::of(stored)
         });
-        rank_blocks.widest_lone_entry = rank_blocks
-            .widest_lone_entry
-            .max(widest_lone_entry(blocks.clone(), fields_len));
-        let spare_tokens = &mut self.spare_tokens;
+        let spare_bytes = &mut self.spare_bytes;
         let mut parent = stored.parent_block_hash;
+        let mut widest_block = None;
         for block in blocks {
             let hash = block.hash;
             let order = self.next_order;
+            widest_block = widest_block.max(Some(block.encoded_len()));
             let found = map.find_or_insert_with(hash, || BlockRecord {
                 parent: parent.unwrap_or_default(),
                 has_parent: parent.is_some(),
-                tokens: Some(spare_tokens.filled(block.tokens)),
-                extra_keys: (!block.extra_keys.is_empty())
-                    .then(|| Box::new(ExtraKeys(block.extra_keys.to_vec()))),
+                encoded: Some(spare_bytes.filled(block.rest)),
                 fields: Arc::clone(&fields),
                 order,
-                block_size: block.block_size,
+                encoded_len: u32::try_from(block.rest.len()).expect("a block under 4 GiB"),
             });
             match found {
                 Found::Inserted => *copies += 1,
@@ -390,6 +408,11 @@ impl LiveState {
             }
             self.next_order += 1;
             parent = Some(hash);
+        }
+        if let Some(widest_block) = widest_block {
+            rank_blocks.widest_lone_entry = rank_blocks
+                .widest_lone_entry
+                .max(lone_block_entry_len(fields_len, widest_block));
         }
     }
 
@@ -434,31 +457,17 @@ fn for_each_block_touched(
 
 /// The passes of [`LiveState::prefetch`] over the blocks `for_each_block`
 /// visits: what every block's index lookup reads, then every record, then
-/// the tokens of each block found. Each pass reads what the one before it
+/// the bytes of each block found. Each pass reads what the one before it
 /// fetched, so the lookups of a payload's blocks wait for memory together
 /// rather than one after the other.
 fn prefetch_passes(for_each_block: impl Fn(&mut dyn FnMut(&TierBlocks, i64))) {
     for_each_block(&mut |tier, hash| tier.prefetch_lookup(hash));
     for_each_block(&mut |tier, hash| tier.prefetch_record(hash));
     for_each_block(&mut |tier, hash| {
-        if let Some(tokens) = tier.record(hash).and_then(|record| record.tokens.as_ref()) {
-            prefetch::prefetch(tokens.ptr());
+        if let Some(encoded) = tier.record(hash).and_then(|record| record.encoded.as_ref()) {
+            prefetch::prefetch(encoded.ptr());
         }
     });
-}
-
-/// At least as many bytes as any block of `blocks`, whose store's fields
-/// take `fields_len`, takes in a snapshot as a one-block store of its own.
-fn widest_lone_entry<'b>(
-    blocks: impl Iterator<Item = BlockFields<'b>>,
-    fields_len: usize,
-) -> usize {
-    let (most_tokens, most_extra_keys_len) = blocks.fold((0, 0), |(tokens, extra), block| {
-        let block_extra = BlockFields::extra_keys_len(block.extra_keys);
-        (tokens.max(block.tokens.len()), extra.max(block_extra))
-    });
-    let widest_block = BlockFields::max_encoded_len(most_tokens, most_extra_keys_len);
-    lone_block_entry_len(fields_len, widest_block)
 }
 
 /// Hands out one shared `Arc` per distinct `StoreFields`, dropping entries no
@@ -549,7 +558,7 @@ impl LiveState {
         let tier = Tier::of_event(tier);
         let map = &mut blocks.tiers[tier];
         for &hash in hashes {
-            if map.remove_copy(hash, &mut self.spare_tokens) {
+            if map.remove_copy(hash, &mut self.spare_bytes) {
                 blocks.copies[tier] -= 1;
             }
         }
@@ -616,50 +625,51 @@ mod tests {
     }
 
     #[test]
-    fn a_record_encodes_exactly_as_prost_encodes_its_block() {
+    fn a_record_encodes_exactly_as_prost_encodes_its_block_under_its_store_s_lora_and_level() {
         use crate::proto::common::{KvBlockExtraKey, kv_block_extra_key::Key};
         use prost::Message;
         let mut state = LiveState::default();
-        let mut event = store(None, &[0, -9, i64::MAX], Tier::Host);
-        if let Some(Data::Stored(stored)) = event.data.as_mut() {
-            stored.blocks[0].token_ids.clear();
-            stored.blocks[1].lora_id = Some(-3);
-            stored.blocks[1].cache_level = Some(1);
-            stored.blocks[2].extra_keys = vec![KvBlockExtraKey {
-                key: Some(Key::Text("img".into())),
-            }];
-            stored.blocks[2].token_ids = vec![0, 300_000, u32::MAX];
-        }
+        let mut event = store(None, &[0, -9, i64::MAX, 5], Tier::Host);
+        let Some(Data::Stored(stored)) = event.data.as_mut() else {
+            unreachable!()
+        };
+        stored.blocks[0].token_ids.clear();
+        stored.blocks[0].lora_id = Some(-3);
+        stored.blocks[0].cache_level = Some(1);
+        stored.blocks[1].lora_id = Some(7);
+        stored.blocks[2].extra_keys = vec![KvBlockExtraKey {
+            key: Some(Key::Text("img".into())),
+        }];
+        stored.blocks[2].token_ids = vec![0, 300_000, u32::MAX];
+        stored.blocks[3].token_ids = vec![127; 40];
+        let as_stored: Vec<KvBlock> = stored
+            .blocks
+            .iter()
+            .map(|block| KvBlock {
+                lora_id: Some(-3),
+                cache_level: Some(1),
+                ..block.clone()
+            })
+            .collect();
         state.apply(0, &mut event);
         let blocks = state.rank(0).unwrap();
-        let mut checked = 0;
-        for (hash, record) in blocks.tier(Tier::Host) {
-            let mut encoded = Vec::new();
-            record.block_fields(hash).encode(&mut encoded);
-            assert_eq!(encoded, as_stored(record, hash).encode_to_vec());
-            checked += 1;
-        }
-        assert_eq!(checked, 3);
-    }
-
-    /// The block as its store carried it, built by prost's own types.
-    fn as_stored(record: &BlockRecord, hash: i64) -> KvBlock {
-        KvBlock {
-            block_hash: hash,
-            token_ids: record.block_fields(hash).tokens.to_vec(),
-            block_size: record.block_size,
-            lora_id: record.fields.lora_id,
-            cache_level: record.fields.cache_level,
-            extra_keys: record
-                .extra_keys
-                .as_ref()
-                .map_or_else(Vec::new, |keys| keys.0.clone()),
-        }
+        let walked: Vec<Vec<u8>> = blocks
+            .tier(Tier::Host)
+            .map(|(hash, record)| {
+                let block = record.encoded_block(hash);
+                let mut encoded = Vec::new();
+                block.encode(&mut encoded);
+                assert_eq!(block.encoded_len(), encoded.len());
+                encoded
+            })
+            .collect();
+        let expected: Vec<Vec<u8>> = as_stored.iter().map(Message::encode_to_vec).collect();
+        assert_eq!(walked, expected);
     }
 
     #[test]
-    fn a_block_record_fits_in_48_bytes() {
-        assert!(std::mem::size_of::<BlockRecord>() <= 48);
+    fn a_block_record_fits_in_40_bytes() {
+        assert!(std::mem::size_of::<BlockRecord>() <= 40);
     }
 
     #[test]
@@ -765,7 +775,7 @@ mod tests {
     }
 
     #[test]
-    fn a_removed_block_s_tokens_serve_the_next_new_block_but_never_while_a_cut_holds_them() {
+    fn a_removed_block_s_buffer_serves_the_next_new_block_but_never_while_a_cut_holds_it() {
         let stored_with = |hash: i64, token: u32| {
             let mut event = store(None, &[hash], Tier::Device);
             if let Some(Data::Stored(stored)) = event.data.as_mut() {
@@ -780,35 +790,32 @@ mod tests {
                 .unwrap()
                 .clone()
         };
-        let tokens = |record: &BlockRecord| record.tokens.clone().unwrap();
+        let tokens = |record: &BlockRecord, hash| record.encoded_block(hash).to_block().token_ids;
+        let buffer = |record: &BlockRecord| record.encoded.as_ref().unwrap().ptr();
         let mut state = LiveState::default();
         state.apply(0, &mut stored_with(1, 10));
         let cut = state.cut();
         state.apply(0, &mut remove(&[1], Tier::Device));
         state.apply(0, &mut stored_with(2, 20));
         assert_eq!(
-            tokens(&record(&cut[&0], 1)).slice,
+            tokens(&record(&cut[&0], 1), 1),
             [10, 10],
-            "the cut keeps its tokens"
+            "the cut keeps its block"
         );
         assert_eq!(
-            state.spare_tokens.len(),
+            state.spare_bytes.len(),
             0,
             "block 1's buffer stays the cut's"
         );
-        let buffer_of_2 = tokens(&record(state.rank(0).unwrap(), 2)).ptr();
+        let buffer_of_2 = buffer(&record(state.rank(0).unwrap(), 2));
         state.apply(0, &mut remove(&[2], Tier::Device));
-        assert_eq!(state.spare_tokens.len(), 1);
+        assert_eq!(state.spare_bytes.len(), 1);
         state.apply(0, &mut stored_with(3, 30));
-        assert_eq!(state.spare_tokens.len(), 0);
+        assert_eq!(state.spare_bytes.len(), 0);
         let record_3 = record(state.rank(0).unwrap(), 3);
-        assert_eq!(tokens(&record_3).slice, [30, 30]);
-        assert_eq!(
-            tokens(&record_3).ptr(),
-            buffer_of_2,
-            "block 2's buffer, refilled"
-        );
-        assert_eq!(tokens(&record(&cut[&0], 1)).slice, [10, 10]);
+        assert_eq!(tokens(&record_3, 3), [30, 30]);
+        assert_eq!(buffer(&record_3), buffer_of_2, "block 2's buffer, refilled");
+        assert_eq!(tokens(&record(&cut[&0], 1), 1), [10, 10]);
     }
 
     #[test]

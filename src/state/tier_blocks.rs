@@ -21,15 +21,17 @@ use triomphe::Arc;
 use super::BlockRecord;
 use super::cow_map::{CowMap, Found, Slot};
 use super::prefetch::prefetch;
-use super::spare_tokens::SpareTokens;
+use super::spare_bytes::SpareBytes;
 
 /// Records per page: a page appended to while a cut shares it is copied
 /// whole, once, so it stays small; a cut clones one handle per page, so it
 /// does not stay too small.
 const PAGE: usize = 1024;
-/// How far ahead of a walk each record's tokens are fetched: the records
-/// are read in order (the CPU fetches them unasked), their tokens are not.
-const PREFETCH_TOKENS: usize = 8;
+/// How far ahead of a walk each record's bytes are fetched: the records
+/// are read in order (the CPU fetches them unasked), their bytes are not.
+const PREFETCH_BYTES: usize = 8;
+/// What a record's buffer holds before its bytes: the count and length.
+const BUFFER_HEADER: usize = 16;
 
 /// A block as a tier holds it: its hash beside its record.
 pub(crate) type Entry = (i64, BlockRecord);
@@ -201,8 +203,8 @@ impl TierBlocks {
     }
 
     /// Removes one copy of `hash`; false if it is not live. The last copy's
-    /// token buffer goes to `spare` once no cut shares it.
-    pub(crate) fn remove_copy(&mut self, hash: i64, spare: &mut SpareTokens) -> bool {
+    /// buffer goes to `spare` once no cut shares it.
+    pub(crate) fn remove_copy(&mut self, hash: i64, spare: &mut SpareBytes) -> bool {
         let Some(&slot) = self.index.get(hash) else {
             return false;
         };
@@ -237,7 +239,7 @@ impl TierBlocks {
             .expect("a live page is in the order")
     }
 
-    fn drop_page(&mut self, id: u32, spare: &mut SpareTokens) {
+    fn drop_page(&mut self, id: u32, spare: &mut SpareBytes) {
         let position = self.position(id);
         self.order.remove(position);
         let page = self.pages[id as usize].take().expect("a live page");
@@ -252,7 +254,7 @@ impl TierBlocks {
     /// Merges the sparse page `id` with the next page, or else the one
     /// before, if their live records fit in one page. The last page is
     /// left to fill until it is full: its free slots are not dead records.
-    fn merge(&mut self, id: u32, spare: &mut SpareTokens) {
+    fn merge(&mut self, id: u32, spare: &mut SpareBytes) {
         let position = self.position(id);
         let last = position + 1 == self.order.len();
         if last && self.page(id).records.len() < PAGE {
@@ -309,12 +311,11 @@ impl TierBlocks {
     }
 }
 
-/// Frees what a dead record holds, keeping its token buffer for a new one.
-fn free_record(record: &mut BlockRecord, spare: &mut SpareTokens) {
-    if let Some(tokens) = record.tokens.take() {
-        spare.keep(tokens);
+/// Frees what a dead record holds, keeping its buffer for a new one.
+fn free_record(record: &mut BlockRecord, spare: &mut SpareBytes) {
+    if let Some(encoded) = record.encoded.take() {
+        spare.keep(encoded);
     }
-    record.extra_keys = None;
 }
 
 /// A tier's live blocks in store order.
@@ -334,12 +335,17 @@ impl<'a> Iterator for LiveBlocks<'a> {
             let at = self.next;
             if let Some(entry) = self.records.get(at) {
                 self.next += 1;
-                if let Some((_, ahead)) = self.records.get(at + PREFETCH_TOKENS)
-                    && let Some(tokens) = &ahead.tokens
+                if let Some((_, ahead)) = self.records.get(at + PREFETCH_BYTES)
+                    && let Some(encoded) = &ahead.encoded
                 {
                     // `ptr`, not the slice: the slice's length is read from
-                    // the very allocation being fetched.
-                    prefetch(tokens.ptr());
+                    // the very allocation being fetched. The line of the
+                    // last byte too: with the count and length before them,
+                    // a block's bytes often end on the next line.
+                    let start = encoded.ptr().cast::<u8>();
+                    prefetch(start);
+                    let last = BUFFER_HEADER + (ahead.encoded_len as usize).max(1) - 1;
+                    prefetch(start.wrapping_add(last));
                 }
                 let copies = self.copies[at];
                 if copies > 0 {
@@ -363,14 +369,10 @@ mod tests {
     fn record(order: u64) -> BlockRecord {
         BlockRecord {
             parent: 0,
-            tokens: Some(triomphe::ThinArc::from_header_and_iter(
-                (),
-                [1, 2].into_iter(),
-            )),
-            extra_keys: None,
+            encoded: Some(triomphe::ThinArc::from_header_and_slice((), &[1, 2])),
             fields: std::sync::Arc::new(StoreFields::default()),
             order,
-            block_size: 2,
+            encoded_len: 2,
             has_parent: false,
         }
     }
@@ -412,7 +414,7 @@ mod tests {
      {
         // A model: live hashes in store order with their copies.
         let mut model: Vec<(i64, u8)> = Vec::new();
-        let mut spare = SpareTokens::default();
+        let mut spare = SpareBytes::default();
         let mut tier = TierBlocks::default();
         let mut cuts: Vec<(TierBlocks, Vec<(i64, u8)>)> = Vec::new();
         let mut seed = 0x2545_f491_4f6c_dd1d_u64;
@@ -462,7 +464,7 @@ mod tests {
 
     #[test]
     fn removed_blocks_leave_the_walk_and_emptied_or_sparse_pages_are_merged_away() {
-        let mut spare = SpareTokens::default();
+        let mut spare = SpareBytes::default();
         let mut tier = TierBlocks::default();
         for hash in 0..(4 * PAGE as i64) {
             insert(&mut tier, hash);
@@ -492,7 +494,7 @@ mod tests {
 
     #[test]
     fn a_full_last_page_emptied_but_for_a_few_is_merged_before_the_next_page_opens() {
-        let mut spare = SpareTokens::default();
+        let mut spare = SpareBytes::default();
         let mut tier = TierBlocks::default();
         let mut kept = Vec::new();
         for round in 0..100_i64 {

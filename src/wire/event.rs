@@ -68,34 +68,20 @@ impl BlockFields<'_> {
         len + Self::extra_keys_len(self.extra_keys)
     }
 
-    /// The most [`Self::encoded_len`] can be for a block of `tokens` tokens
-    /// whose extra keys take `extra_keys_len` bytes: every field present,
-    /// every varint at its widest.
-    pub fn max_encoded_len(tokens: usize, extra_keys_len: usize) -> usize {
-        const WIDEST_VARINT: usize = 10;
-        const WIDEST_TOKEN: usize = 5;
-        let scalar = |field| encoding::key_len(field) + WIDEST_VARINT;
-        let packed = WIDEST_TOKEN * tokens;
-        scalar(1)
-            + encoding::key_len(2)
-            + encoding::encoded_len_varint(packed as u64)
-            + packed
-            + scalar(3)
-            + scalar(4)
-            + scalar(5)
-            + extra_keys_len
-    }
-
     /// What `extra_keys` add to a block's encoded length.
-    pub fn extra_keys_len(extra_keys: &[KvBlockExtraKey]) -> usize {
+    fn extra_keys_len(extra_keys: &[KvBlockExtraKey]) -> usize {
         encoding::message::encoded_len_repeated(6, extra_keys)
     }
 
     /// Writes the `KvBlock` body (prost's field order, so byte-identical).
     pub fn encode(&self, buf: &mut Vec<u8>) {
-        if self.hash != 0 {
-            put_varint_field(1, self.hash as u64, buf);
-        }
+        put_hash_field(self.hash, buf);
+        self.encode_after_hash(buf);
+    }
+
+    /// Writes the `KvBlock` body's fields after its hash: an
+    /// [`EncodedBlock`]'s `rest`.
+    pub fn encode_after_hash(&self, buf: &mut Vec<u8>) {
         if !self.tokens.is_empty() {
             let width_guess = length_width_guess(self.tokens.len() * GUESSED_TOKEN_BYTES);
             write_delimited(2, width_guess, buf, |buf| encode_packed(self.tokens, buf));
@@ -118,6 +104,90 @@ impl BlockFields<'_> {
         // The hash and the other fields take about as much as 5 tokens.
         let width_guess = length_width_guess((self.tokens.len() + 5) * GUESSED_TOKEN_BYTES);
         write_delimited(BLOCKS_FIELD, width_guess, buf, |buf| self.encode(buf));
+    }
+}
+
+/// A block as written, split at its hash: the hash as a number (what the
+/// live state looks the block up by) and the bytes of its other fields as
+/// [`BlockFields::encode_after_hash`] wrote them. The state keeps a block
+/// this way, so a snapshot writes it with one copy of those bytes instead
+/// of encoding its tokens again.
+#[derive(Clone, Copy, Debug)]
+pub struct EncodedBlock<'a> {
+    /// `KvBlock.block_hash`.
+    pub hash: i64,
+    /// The body's bytes after the hash field (the whole body for hash 0,
+    /// which is not written).
+    pub rest: &'a [u8],
+}
+
+impl EncodedBlock<'_> {
+    /// The length of the `KvBlock` body.
+    pub fn encoded_len(&self) -> usize {
+        hash_field_len(self.hash) + self.rest.len()
+    }
+
+    /// Writes the `KvBlock` body, byte for byte as [`BlockFields::encode`].
+    pub fn encode(&self, buf: &mut Vec<u8>) {
+        buf.reserve(1 + WIDEST_HASH_BYTES + self.rest.len());
+        put_hash_field(self.hash, buf);
+        buf.extend_from_slice(self.rest);
+    }
+
+    /// Writes the block as one `blocks` entry of a `KvBlocksStored`, as
+    /// [`BlockFields::encode_entry`] does; `len` is its
+    /// [`Self::encoded_len`].
+    pub fn encode_entry(&self, len: usize, buf: &mut Vec<u8>) {
+        debug_assert_eq!(len, self.encoded_len());
+        buf.reserve(1 + 10 + len);
+        buf.push(one_byte_key(BLOCKS_FIELD, WireType::LengthDelimited));
+        put_varint(len as u64, buf);
+        self.encode(buf);
+    }
+
+    /// The block, decoded.
+    #[cfg(test)]
+    pub fn to_block(&self) -> KvBlock {
+        let mut encoded = Vec::new();
+        self.encode(&mut encoded);
+        KvBlock::decode(encoded.as_slice()).expect("a block written here")
+    }
+}
+
+/// The blocks of `entries`, a store's `blocks` entries end to end as
+/// [`BlockFields::encode_entry`] wrote them for the blocks `hashes`, each
+/// split at its hash. The bytes are this process's own, never a peer's.
+pub fn split_entries<'a>(
+    entries: &'a [u8],
+    hashes: &'a [i64],
+) -> impl ExactSizeIterator<Item = EncodedBlock<'a>> + 'a {
+    let mut unread = entries;
+    hashes.iter().map(move |&hash| {
+        let key = unread[0];
+        debug_assert_eq!(key, one_byte_key(BLOCKS_FIELD, WireType::LengthDelimited));
+        unread = &unread[1..];
+        let len = encoding::decode_varint(&mut unread).expect("an entry written here") as usize;
+        let (body, after) = unread.split_at(len);
+        unread = after;
+        EncodedBlock {
+            hash,
+            rest: &body[hash_field_len(hash)..],
+        }
+    })
+}
+
+/// The bytes of a `KvBlock`'s hash field: none for hash 0, the default.
+fn hash_field_len(hash: i64) -> usize {
+    if hash == 0 {
+        0
+    } else {
+        1 + encoding::encoded_len_varint(hash as u64)
+    }
+}
+
+fn put_hash_field(hash: i64, buf: &mut Vec<u8>) {
+    if hash != 0 {
+        put_varint_field(1, hash as u64, buf);
     }
 }
 
@@ -300,12 +370,22 @@ fn put_str_field(field: u32, text: &str, buf: &mut Vec<u8>) {
     buf.extend_from_slice(text.as_bytes());
 }
 
+/// Builds the varint in a staging array, copies the array at its full
+/// width and cuts the copy to the varint's: no `push` per byte (each checks
+/// the capacity) and no call for a copy of unknown length. Hashes, the
+/// most common varints here, take 9 or 10 bytes.
 fn put_varint(mut value: u64, buf: &mut Vec<u8>) {
+    let mut staged = [0u8; 10];
+    let mut len = 0;
     while value >= 0x80 {
-        buf.push(value as u8 | 0x80);
+        staged[len] = value as u8 | 0x80;
         value >>= 7;
+        len += 1;
     }
-    buf.push(value as u8);
+    staged[len] = value as u8;
+    let start = buf.len();
+    buf.extend_from_slice(&staged);
+    buf.truncate(start + len + 1);
 }
 
 /// Bytes of `tokens` as packed varints.
@@ -399,26 +479,52 @@ mod tests {
     }
 
     #[test]
-    fn a_block_s_widest_encoding_is_its_length_bound() {
-        let extra_keys = vec![KvBlockExtraKey {
-            key: Some(Key::Text("img".into())),
-        }];
-        for tokens in [0, 1, 16, 25, 26, 1000] {
-            let widest = KvBlock {
-                block_hash: -1,
-                token_ids: vec![u32::MAX; tokens],
-                block_size: -1,
-                lora_id: Some(-1),
-                cache_level: Some(-1),
-                extra_keys: extra_keys.clone(),
-            };
-            let bound =
-                BlockFields::max_encoded_len(tokens, BlockFields::extra_keys_len(&extra_keys));
-            let widest_len = BlockFields::from(&widest).encoded_len();
-            assert_eq!(widest_len, widest.encoded_len(), "as prost counts it");
-            // Exact but for an empty token list, which is not written.
-            assert!(widest_len <= bound, "{tokens} tokens");
-            assert!(tokens == 0 || widest_len == bound, "{tokens} tokens");
+    fn blocks_split_at_their_hashes_from_a_store_s_entries_write_back_byte_for_byte() {
+        let blocks: Vec<KvBlock> = [0, -1, 1, i64::MIN, i64::MAX]
+            .into_iter()
+            .enumerate()
+            .map(|(at, block_hash)| KvBlock {
+                block_hash,
+                token_ids: EDGE_TOKENS[..at * 2].to_vec(),
+                block_size: at as i32 - 1,
+                lora_id: (at % 2 == 0).then_some(-1),
+                cache_level: (at == 3).then_some(2),
+                extra_keys: (at == 4)
+                    .then(|| KvBlockExtraKey {
+                        key: Some(Key::Text("img".into())),
+                    })
+                    .into_iter()
+                    .collect(),
+            })
+            .collect();
+        let mut entries = Vec::new();
+        for block in &blocks {
+            BlockFields::from(block).encode_entry(&mut entries);
+        }
+        let hashes: Vec<i64> = blocks.iter().map(|block| block.block_hash).collect();
+        let split: Vec<EncodedBlock<'_>> = split_entries(&entries, &hashes).collect();
+        assert_eq!(split.len(), blocks.len());
+        for (block, split) in blocks.iter().zip(split) {
+            let mut written = Vec::new();
+            split.encode(&mut written);
+            assert_eq!(written, block.encode_to_vec());
+            assert_eq!(split.encoded_len(), written.len());
+        }
+    }
+
+    #[test]
+    fn every_varint_width_writes_as_prost_writes_it() {
+        let mut values = vec![0, u64::MAX, i64::MIN as u64, -1_i64 as u64];
+        for bit in 0..64 {
+            values.extend([1u64 << bit, (1u64 << bit) - 1, (1u64 << bit) + 1]);
+        }
+        for value in values {
+            let mut expected = Vec::new();
+            encoding::encode_varint(value, &mut expected);
+            let mut written = vec![7];
+            put_varint(value, &mut written);
+            assert_eq!(written[1..], expected, "{value:#x}");
+            assert_eq!(written[0], 7, "what came before is left as it was");
         }
     }
 

@@ -9,3 +9,4 @@ pub mod batch;
 pub(crate) mod event;
 
 pub use batch::{Batch, OpenBatch};
+pub use event::EncodedBlock;

@@ -4,7 +4,7 @@
 //! `MAX_CHUNK_BYTES`, and closes at exactly `MAX_CHUNK_BLOCKS` unless its
 //! bytes would overflow first (`Plan::of` relies on it); a store too
 //! large for one chunk is split, the next piece naming the last block of
-//! the one before as its parent; blocks are encoded straight from their
+//! the one before as its parent; blocks are copied straight from their
 //! records, once, and only by a walk whose chunks are sent.
 
 use std::collections::VecDeque;
@@ -16,7 +16,7 @@ use super::{MAX_CHUNK_BLOCKS, MAX_CHUNK_BYTES};
 use crate::proto::common::KvCacheEvent;
 use crate::state::{BlockRecord, StoreFields};
 use crate::wire::batch::{EventLen, OpenBatch};
-use crate::wire::event::{BLOCKS_FIELD, BlockFields, STORED_FIELD};
+use crate::wire::event::{BLOCKS_FIELD, EncodedBlock, STORED_FIELD};
 
 /// What a walk makes of its chunks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,16 +84,12 @@ impl StorePiece {
         }
     }
 
-    fn add(&mut self, block: &BlockFields<'_>, block_len: usize, output: Output) {
+    fn add(&mut self, block: &EncodedBlock<'_>, block_len: usize, output: Output) {
         let len = encoding::key_len(BLOCKS_FIELD)
             + encoding::encoded_len_varint(block_len as u64)
             + block_len;
         match output {
-            Output::Encoded => {
-                encoding::encode_key(BLOCKS_FIELD, WireType::LengthDelimited, &mut self.event);
-                encoding::encode_varint(block_len as u64, &mut self.event);
-                block.encode(&mut self.event);
-            }
+            Output::Encoded => block.encode_entry(block_len, &mut self.event),
             Output::Boundaries => self.unwritten += len,
         }
         self.blocks += 1;
@@ -227,7 +223,7 @@ impl Chunker {
         hash: i64,
         record: &BlockRecord,
     ) {
-        let block = record.block_fields(hash);
+        let block = record.encoded_block(hash);
         let block_len = block.encoded_len();
         let grown = piece.entry_len_with(block_len);
         if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
