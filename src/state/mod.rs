@@ -174,6 +174,12 @@ impl BlockRecord {
         self.order
     }
 
+    /// The length of the block `hash` as written, from the record alone
+    /// (reading the buffer's own length would fetch the buffer).
+    pub fn encoded_block_len(&self, hash: i64) -> usize {
+        EncodedBlock::body_len(hash, self.encoded_len as usize)
+    }
+
     /// The block `hash` as written, for a snapshot to copy (a snapshot
     /// writes a million of them).
     pub fn encoded_block(&self, hash: i64) -> EncodedBlock<'_> {

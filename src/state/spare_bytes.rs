@@ -1,7 +1,7 @@
 //! Block buffers of removed records, refilled for the next new records.
 //!
 //! Invariant: at most [`MAX_SPARE_BUFFERS`] buffers of at most
-//! [`MAX_SPARE_BYTES`] bytes are kept (1.3 MiB at most), each one no cut
+//! [`MAX_SPARE_BYTES`] bytes are kept (1.4 MiB at most), each one no cut
 //! shares (its count is one: a record in a page a cut shares keeps its
 //! bytes shared, and such a buffer is dropped as before), and a spare is
 //! refilled only by bytes of its own size class, so a record never holds
@@ -11,20 +11,24 @@
 //!
 //! A buffer's size is its class, not its bytes: a block's bytes vary with
 //! its tokens' widths, and buffers of exact lengths would rarely match.
-//! The classes step by 16 bytes where glibc's chunks do (16 bytes of count
-//! and length before the bytes, 8 of malloc's header after), so a class's
-//! slack costs no memory beside what malloc rounds up anyway.
+//! The classes step by 16 bytes where glibc's chunks do: a buffer asks
+//! for 16 bytes of count and length besides its class, glibc adds 8 of
+//! its own and rounds to 16, so a class fills its chunk exactly and its
+//! slack costs no memory beside what malloc rounds up anyway. Only the
+//! spare kept last is tried: where an engine's blocks fall in two classes,
+//! a spare of the other one is freed, as an exact length's would be.
 
 use triomphe::{Arc, ThinArc};
 
 /// About 16 payloads of 64 evictions, the drain's usual cycle.
 const MAX_SPARE_BUFFERS: usize = 1024;
-/// The largest block engines use (256 tokens) at its widest tokens.
-const MAX_SPARE_BYTES: usize = 256 * 5;
+/// The class of the largest block engines use (256 tokens) at its widest
+/// tokens, with room for its other fields.
+const MAX_SPARE_BYTES: usize = size_class(256 * 5 + 64);
 
 /// The buffer size that holds `len` bytes: 8 bytes short of a multiple of
 /// 16, as glibc's chunk sizes fall for a `ThinArc`'s allocation.
-pub(crate) fn size_class(len: usize) -> usize {
+pub(crate) const fn size_class(len: usize) -> usize {
     (len + 8).next_multiple_of(16) - 8
 }
 
@@ -90,6 +94,28 @@ mod tests {
         let filled = spare.filled(&[1, 2, 3]);
         assert_eq!(filled.slice.len(), 8);
         assert_eq!(filled.slice[..3], [1, 2, 3]);
+    }
+
+    /// What glibc's malloc gives a buffer of each class is exactly what it
+    /// asked for: the class's slack is no more than malloc's rounding. A
+    /// free chunk one step larger may be handed out whole, so of a few
+    /// buffers at once one, at least, has to fit exactly.
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn a_class_fills_the_chunk_glibc_gives_it() {
+        let mut spare = SpareBytes::default();
+        for len in 0..=MAX_SPARE_BYTES {
+            let buffers: Vec<_> = (0..4).map(|_| spare.filled(&vec![1; len])).collect();
+            let fits = |buffer: &ThinArc<(), u8>| {
+                let header = buffer.slice.as_ptr() as usize - buffer.ptr() as usize;
+                // SAFETY: `ptr` is the start of the buffer's live
+                // allocation, made by the global allocator: glibc's malloc.
+                let usable = unsafe { libc::malloc_usable_size(buffer.ptr().cast_mut()) };
+                usable == header + size_class(len)
+            };
+            assert!(buffers.iter().any(fits), "{len} bytes");
+        }
+        assert_eq!(size_class(MAX_SPARE_BYTES), MAX_SPARE_BYTES);
     }
 
     #[test]

@@ -391,6 +391,13 @@ mod tests {
     }
 
     #[test]
+    fn a_record_s_bytes_start_where_the_walk_s_prefetch_counts_them_from() {
+        let buffer = record(0).encoded.unwrap();
+        let start = buffer.slice.as_ptr() as usize - buffer.ptr() as usize;
+        assert_eq!(start, BUFFER_HEADER);
+    }
+
+    #[test]
     fn blocks_come_back_in_store_order_with_their_copies() {
         let mut tier = TierBlocks::default();
         let hashes: Vec<i64> = (0..3000).map(|n| (n * 7919) % 3001).collect();

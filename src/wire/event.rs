@@ -124,7 +124,13 @@ pub struct EncodedBlock<'a> {
 impl EncodedBlock<'_> {
     /// The length of the `KvBlock` body.
     pub fn encoded_len(&self) -> usize {
-        hash_field_len(self.hash) + self.rest.len()
+        Self::body_len(self.hash, self.rest.len())
+    }
+
+    /// The length of the `KvBlock` body of a block hashed `hash` whose
+    /// `rest` takes `rest_len` bytes.
+    pub fn body_len(hash: i64, rest_len: usize) -> usize {
+        hash_field_len(hash) + rest_len
     }
 
     /// Writes the `KvBlock` body, byte for byte as [`BlockFields::encode`].

@@ -16,7 +16,7 @@ use super::{MAX_CHUNK_BLOCKS, MAX_CHUNK_BYTES};
 use crate::proto::common::KvCacheEvent;
 use crate::state::{BlockRecord, StoreFields};
 use crate::wire::batch::{EventLen, OpenBatch};
-use crate::wire::event::{BLOCKS_FIELD, EncodedBlock, STORED_FIELD};
+use crate::wire::event::{BLOCKS_FIELD, STORED_FIELD};
 
 /// What a walk makes of its chunks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,16 +84,21 @@ impl StorePiece {
         }
     }
 
-    fn add(&mut self, block: &EncodedBlock<'_>, block_len: usize, output: Output) {
-        let len = encoding::key_len(BLOCKS_FIELD)
-            + encoding::encoded_len_varint(block_len as u64)
-            + block_len;
+    /// Adds block `hash` of `record`, `block_len` bytes; only a walk of
+    /// `Output::Encoded` reads the block's bytes.
+    fn add(&mut self, hash: i64, record: &BlockRecord, block_len: usize, output: Output) {
         match output {
-            Output::Encoded => block.encode_entry(block_len, &mut self.event),
-            Output::Boundaries => self.unwritten += len,
+            Output::Encoded => record
+                .encoded_block(hash)
+                .encode_entry(block_len, &mut self.event),
+            Output::Boundaries => {
+                self.unwritten += encoding::key_len(BLOCKS_FIELD)
+                    + encoding::encoded_len_varint(block_len as u64)
+                    + block_len;
+            }
         }
         self.blocks += 1;
-        self.last_hash = Some(block.hash);
+        self.last_hash = Some(hash);
     }
 
     /// The store's encoded length, blocks written or not.
@@ -223,8 +228,7 @@ impl Chunker {
         hash: i64,
         record: &BlockRecord,
     ) {
-        let block = record.encoded_block(hash);
-        let block_len = block.encoded_len();
+        let block_len = record.encoded_block_len(hash);
         let grown = piece.entry_len_with(block_len);
         if piece.blocks > 0 && !self.room(piece.blocks + 1, grown) {
             let next = self.piece(fields, piece.last_hash);
@@ -236,7 +240,7 @@ impl Chunker {
         {
             self.next_chunk();
         }
-        piece.add(&block, block_len, self.output);
+        piece.add(hash, record, block_len, self.output);
     }
 
     pub(super) fn push_piece(&mut self, mut piece: StorePiece) {

@@ -635,22 +635,25 @@ mod tests {
 
     #[test]
     fn a_plan_is_counted_only_when_no_chunk_can_fill_by_bytes_first() {
+        let mut counted = Vec::new();
         for tokens in [16, 64, 128, 420, 440, 460, 480, 500, 4096] {
             let mut state = LiveState::default();
             mixed_state(&mut state, 0, 2100, tokens);
             let cut = cut_of(&state, &[0]);
-            // 2048 lone blocks of under 500 one-byte tokens fill 1 MiB.
-            if ranks_to_walk(&cut).is_empty() {
-                assert!(tokens < 512, "{tokens}-token blocks can fill by bytes");
-            } else {
-                assert!(tokens > 400, "{tokens}-token blocks should be counted");
-            }
+            counted.push(ranks_to_walk(&cut).is_empty());
             assert_eq!(
                 Plan::of(Arc::clone(&cut), 1.0),
                 walked_whole(&cut),
                 "{tokens} tokens"
             );
         }
+        // 2048 lone blocks of about 500 one-byte tokens fill 1 MiB: narrower
+        // blocks are counted, wider ones walked, and the line lies between.
+        let walked_from = counted.iter().position(|&counted| !counted);
+        assert!(
+            matches!(walked_from, Some(first) if first >= 3 && counted[first..].iter().all(|&c| !c)),
+            "{counted:?}"
+        );
         let mut state = LiveState::default();
         let mut long_fields = stored_event(None, &[1, 2], KvCacheTier::Device, 16);
         if let Some(Data::Stored(stored)) = long_fields.data.as_mut() {
