@@ -35,6 +35,9 @@ pub(crate) const fn size_class(len: usize) -> usize {
 #[derive(Debug, Default)]
 pub(crate) struct SpareBytes {
     buffers: Vec<ThinArc<(), u8>>,
+    /// A new buffer's bytes padded to their class, so the buffer is made
+    /// with one copy rather than byte by byte.
+    padded: Vec<u8>,
 }
 
 impl SpareBytes {
@@ -53,8 +56,12 @@ impl SpareBytes {
                 return spare;
             }
         }
-        let padded = (0..class).map(|at| bytes.get(at).copied().unwrap_or(0));
-        ThinArc::from_header_and_iter((), padded)
+        self.padded.clear();
+        self.padded.extend_from_slice(bytes);
+        self.padded.resize(class, 0);
+        let new = ThinArc::from_header_and_slice((), &self.padded);
+        self.padded.shrink_to(MAX_SPARE_BYTES);
+        new
     }
 
     /// Keeps `buffer` if no cut shares it and it is within the bounds.

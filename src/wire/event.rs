@@ -145,7 +145,6 @@ impl EncodedBlock<'_> {
     /// [`Self::encoded_len`].
     pub fn encode_entry(&self, len: usize, buf: &mut Vec<u8>) {
         debug_assert_eq!(len, self.encoded_len());
-        buf.reserve(1 + 10 + len);
         buf.push(one_byte_key(BLOCKS_FIELD, WireType::LengthDelimited));
         put_varint(len as u64, buf);
         self.encode(buf);
