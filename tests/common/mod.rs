@@ -359,24 +359,35 @@ pub async fn sync_streams_observing(
     static NEXT_FENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let fence = || NEXT_FENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let deadline = tokio::time::Instant::now() + DEADLINE;
+    let first = fence();
+    let mut probe_fence = first;
     loop {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "kvgate never forwarded a message"
+            "kvgate never forwarded a fence"
         );
         publisher
-            .publish(fence_payload(fence(), rank))
+            .publish(fence_payload(probe_fence, rank))
             .await
             .unwrap();
         let probe = tokio::time::timeout(Duration::from_millis(50), streams[0].message()).await;
         if let Ok(received) = probe {
             let batch = received.expect("healthy stream").expect("open stream");
             observe(0, &batch);
-            // A load record says nothing about the engine's socket.
-            if !is_load_only(&batch) {
+            // Only a fence of this call proves the engine's socket: a load
+            // record, a snapshot chunk or a replayed batch (older fences
+            // included) can all arrive before the subscription reaches
+            // the publisher, and a fence published then is lost.
+            let live = batch
+                .events
+                .iter()
+                .filter_map(fence_number)
+                .any(|n| n >= first);
+            if live {
                 break;
             }
         }
+        probe_fence = fence();
     }
     let last = fence();
     publisher.publish(fence_payload(last, rank)).await.unwrap();
