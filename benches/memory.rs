@@ -12,7 +12,7 @@ use bytes::Bytes;
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
-use kvgate::hub::{HistoryLimits, hub};
+use kvgate::hub::{FramedBatch, HistoryLimits, hub};
 use kvgate::metrics::Metrics;
 use kvgate::source::{EngineMessage, SourceEvent};
 use kvgate::state::LiveState;
@@ -104,7 +104,7 @@ fn state_bytes_per_block() -> (f64, f64) {
 /// Bytes one history entry takes beside its encoded batch.
 fn history_bytes_per_entry() -> f64 {
     let entries = 10_000;
-    let encoded = Bytes::from(vec![0u8; 1024]);
+    let encoded = vec![0u8; 1024];
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     let (mut writer, reader) = hub(
         16,
@@ -114,8 +114,8 @@ fn history_bytes_per_entry() -> f64 {
         },
     );
     for sequence in 1..=entries as u64 {
-        // Each entry holds its own bytes, as encoded batches do.
-        writer.publish(0, sequence, Bytes::copy_from_slice(&encoded));
+        // Each entry holds its own bytes, as framed batches do.
+        writer.publish(0, sequence, FramedBatch::new(&encoded));
     }
     let after = LIVE_BYTES.load(Ordering::Relaxed);
     drop(reader);

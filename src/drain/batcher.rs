@@ -52,9 +52,18 @@ pub struct Batcher {
     /// `BatchLimits::max_bytes`, never above what the router accepts.
     max_bytes: usize,
     open: OpenBatch,
+    /// A published batch's buffer, the next one to fill once the open
+    /// batch is handed over: two buffers take turns, so no batch grows a
+    /// buffer of its own. Kept only up to `SPARE_BUFFER_MAX_BYTES`.
+    spare: Option<Vec<u8>>,
     /// The event being added, encoded (reused from event to event).
     encoded: Vec<u8>,
 }
+
+/// The largest buffer kept as a spare: a batch this large (at full speed,
+/// a thousand events) costs far more than a fresh buffer, and a rank's
+/// spare stays small beside its open batch.
+const SPARE_BUFFER_MAX_BYTES: usize = 256 << 10;
 
 impl Batcher {
     /// A batcher with nothing open.
@@ -63,6 +72,7 @@ impl Batcher {
             max_events: limits.max_events.max(1),
             max_bytes: limits.max_bytes.min(MAX_EVENTS_BYTES),
             open: OpenBatch::default(),
+            spare: None,
             encoded: Vec::new(),
         }
     }
@@ -121,7 +131,29 @@ impl Batcher {
 
     /// Hands over the batch being filled, if it has any event.
     pub fn close(&mut self) -> Option<OpenBatch> {
-        (!self.open.is_empty()).then(|| self.open.take_exact())
+        (!self.open.is_empty()).then(|| self.take_open())
+    }
+
+    /// Takes back a handed-over batch's buffer, once its bytes are copied
+    /// (the larger of it and the spare, up to the bound).
+    pub fn recycle(&mut self, batch: OpenBatch) {
+        let buffer = batch.into_buffer();
+        let larger = self
+            .spare
+            .as_ref()
+            .is_none_or(|spare| spare.capacity() < buffer.capacity());
+        if larger && buffer.capacity() <= SPARE_BUFFER_MAX_BYTES {
+            self.spare = Some(buffer);
+        }
+    }
+
+    /// The open batch, the spare buffer (or a new one as large as the
+    /// batch) open in its place.
+    fn take_open(&mut self) -> OpenBatch {
+        let buffer = self.spare.take().unwrap_or_else(|| {
+            Vec::with_capacity(self.open.events_len().min(SPARE_BUFFER_MAX_BYTES))
+        });
+        self.open.take(buffer)
     }
 
     /// Encodes `event` into `self.encoded`; returns its length as an entry.
@@ -140,7 +172,7 @@ impl Batcher {
     /// Hands the open batch over if an event of `entry` bytes would not fit.
     fn make_room(&mut self, entry: usize, out: &mut impl FnMut(Output<'_>)) {
         if !self.open.fits(self.max_events, self.max_bytes, entry) {
-            out(Output::Batch(self.open.take_exact()));
+            out(Output::Batch(self.take_open()));
         }
     }
 

@@ -38,7 +38,7 @@ use tracing::warn;
 
 use crate::clock::unix_now;
 use crate::convert::{Converter, Forwarded, StoredBlocks, Tally, TranscodedPayload};
-use crate::hub::{CutRequest, HubWriter, RankReport};
+use crate::hub::{CutRequest, FramedBatch, HubWriter, RankReport};
 use crate::load::LoadSource;
 use crate::load::records::LoadRecords;
 use crate::metrics::{Metrics, RankGauges};
@@ -97,7 +97,7 @@ pub struct Drain {
     /// The engine's load, when kvgate polls it or the engine pushes it.
     records: Option<LoadRecords>,
     /// This cycle's batches, numbered and encoded, announced at its end.
-    outgoing: Vec<(u32, u64, bytes::Bytes)>,
+    outgoing: Vec<(u32, u64, FramedBatch)>,
     /// The state directory's log writer, when kvgate keeps one.
     store: Option<LogThread>,
     /// A snapshot request that came while cycles were out to the log.
@@ -535,8 +535,8 @@ impl Drain {
                 self.metrics.state_log_queue_full.inc();
             }
         } else {
-            for (rank, sequence, encoded) in self.outgoing.drain(..) {
-                self.hub.publish(rank, sequence, encoded);
+            for (rank, sequence, framed) in self.outgoing.drain(..) {
+                self.hub.publish(rank, sequence, framed);
             }
             self.send_load_records();
         }
@@ -582,8 +582,8 @@ impl Drain {
             cycle.batches.is_empty() || cycle.first_position == self.hub.next_position(),
             "a cycle is announced at the positions it was logged under"
         );
-        for (rank, sequence, encoded) in cycle.batches.drain(..) {
-            self.hub.publish(rank, sequence, encoded);
+        for (rank, sequence, framed) in cycle.batches.drain(..) {
+            self.hub.publish(rank, sequence, framed);
         }
         if let Some(store) = &mut self.store {
             store.history_oldest(self.hub.history_oldest());
@@ -691,18 +691,21 @@ impl Drain {
             .records
             .as_mut()
             .and_then(|records| records.for_batch(rank, tokio::time::Instant::now()));
-        let batch = match &load {
+        let mut batch = match &load {
             Some(record) => {
                 self.metrics.count_load_record(record.source.as_str());
                 batch.carrying_load(&record.load)
             }
             None => batch,
         };
-        let encoded = batch.encode(rank, sequence, None);
+        let framed = FramedBatch::new(batch.finish(rank, sequence));
+        if let Some(batcher) = self.batchers.get_mut(&rank) {
+            batcher.recycle(batch);
+        }
         self.metrics.batches_out.inc();
         self.metrics.events_out.inc_by(u64::from(event_count));
-        self.metrics.bytes_out.inc_by(encoded.len() as u64);
-        self.outgoing.push((rank, sequence, encoded));
+        self.metrics.bytes_out.inc_by(framed.message().len() as u64);
+        self.outgoing.push((rank, sequence, framed));
     }
 }
 

@@ -328,7 +328,12 @@ mod tests {
     use crate::wire::batch::BATCH_OVERHEAD;
 
     fn batch(position: u64, rank: u32, sequence: u64, size: usize) -> Arc<Published> {
-        Arc::new(Published::new(position, rank, sequence, &vec![0u8; size]))
+        Arc::new(Published::new(
+            position,
+            rank,
+            sequence,
+            crate::hub::FramedBatch::new(&vec![0u8; size]),
+        ))
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub use cursors::Cursors;
 pub use history::{History, HistoryLimits, HistoryWriter};
 pub use live::Live;
 pub use load_only::LoadOnly;
-pub use published::Published;
+pub use published::{FramedBatch, Published};
 
 /// A subscriber asking the drain for a snapshot cut.
 pub struct CutRequest(oneshot::Sender<SnapshotCut>);
@@ -143,7 +143,7 @@ impl HubWriter {
                 batch.position,
                 batch.rank,
                 batch.sequence,
-                &batch.encoded,
+                FramedBatch::new(&batch.encoded),
             ))
         });
         debug_assert_eq!(self.next_position, 1, "restored before publishing");
@@ -173,10 +173,10 @@ impl HubWriter {
         }
     }
 
-    /// Publishes an encoded batch to the history and every subscriber.
-    pub fn publish(&mut self, rank: u32, sequence: u64, encoded: bytes::Bytes) {
+    /// Publishes a framed batch to the history and every subscriber.
+    pub fn publish(&mut self, rank: u32, sequence: u64, framed: FramedBatch) {
         let position = self.next_position;
-        let batch = Arc::new(Published::new(position, rank, sequence, &encoded));
+        let batch = Arc::new(Published::new(position, rank, sequence, framed));
         self.next_position += 1;
         self.history.push(Arc::clone(&batch));
         self.live_window.push(batch);

@@ -4,10 +4,10 @@
 //! prefix (not compressed, then the length, big-endian), and the batch's
 //! `encoded` is the slice of the same allocation after that prefix. A
 //! subscriber's HTTP/2 stream sends `framed` as it is, so delivering a batch
-//! to N subscribers copies nothing: the one copy is here, once per batch,
-//! when the drain publishes it (`Batch::encode`'s buffer is short-lived).
-//! Whatever reads a batch's message (the state directory, a resume, the
-//! tests) reads `encoded`, as before.
+//! to N subscribers copies nothing: the one copy is a [`FramedBatch`],
+//! made once per batch when the drain numbers it, out of the builder's
+//! reused buffer. Whatever reads a batch's message (the state directory, a
+//! resume, the tests) reads `encoded`, as before.
 
 use std::ops::Deref;
 
@@ -28,23 +28,40 @@ pub struct Published {
 }
 
 impl Published {
-    /// Frames the `encoded` batch at `position` (one copy).
-    pub fn new(position: u64, rank: u32, sequence: u64, encoded: &[u8]) -> Self {
-        let framed = held(encoded);
+    /// The batch `framed` at `position` (no copy).
+    pub fn new(position: u64, rank: u32, sequence: u64, framed: FramedBatch) -> Self {
         Self {
             batch: Batch {
                 position,
                 rank,
                 sequence,
-                encoded: framed.slice(PREFIX_BYTES..),
+                encoded: framed.0.slice(PREFIX_BYTES..),
             },
-            framed,
+            framed: framed.0,
         }
     }
 
     /// The batch as one gRPC message: prefix and bytes.
     pub fn framed(&self) -> &Bytes {
         &self.framed
+    }
+}
+
+/// A `KvEventBatch` as one gRPC message, in an allocation the hub can hold
+/// as it is. The drain frames each batch once, as it numbers it; the state
+/// directory's log writes its message, and the hub then holds it.
+#[derive(Clone, Debug)]
+pub struct FramedBatch(Bytes);
+
+impl FramedBatch {
+    /// `message` framed: the one copy of a batch's bytes.
+    pub fn new(message: &[u8]) -> Self {
+        Self(held(message))
+    }
+
+    /// The `KvEventBatch` bytes, without the prefix.
+    pub fn message(&self) -> &[u8] {
+        &self.0[PREFIX_BYTES..]
     }
 }
 
@@ -97,7 +114,7 @@ mod tests {
     fn a_published_batch_is_its_bytes_behind_the_grpc_prefix_in_one_allocation() {
         for len in [0, 3, 300, OWN_MAPPING_MIN_BYTES + 7] {
             let message: Vec<u8> = (0..len).map(|index| index as u8).collect();
-            let published = Published::new(9, 2, 40, &message);
+            let published = Published::new(9, 2, 40, FramedBatch::new(&message));
             let framed = published.framed();
             assert_eq!(framed[0], 0, "not compressed");
             assert_eq!(&framed[1..5], &(len as u32).to_be_bytes());

@@ -193,7 +193,7 @@ mod tests {
     use tokio::sync::Semaphore;
 
     use super::*;
-    use crate::hub::{HistoryLimits, HubReader, HubWriter, hub};
+    use crate::hub::{FramedBatch, HistoryLimits, HubReader, HubWriter, hub};
 
     fn small_hub(batches: usize) -> (HubWriter, HubReader) {
         hub(
@@ -247,7 +247,7 @@ mod tests {
         let metrics = Metrics::default();
         let mut body = body_from_now(&reader, None, &metrics);
         assert!(ready_frame(&mut body).is_none(), "nothing published yet");
-        writer.publish(0, 7, Bytes::from_static(b"batch"));
+        writer.publish(0, 7, FramedBatch::new(b"batch"));
         let sent = data(&mut body);
         let held = reader.published(1).unwrap();
         assert_eq!(&sent, held.framed());
@@ -261,7 +261,7 @@ mod tests {
         let metrics = Metrics::default();
         let mut body = body_from_now(&reader, None, &metrics);
         for sequence in 1..=3 {
-            writer.publish(0, sequence, Bytes::from(vec![sequence as u8; 300]));
+            writer.publish(0, sequence, FramedBatch::new(&[sequence as u8; 300]));
         }
         let expected: Vec<u8> = (1..=3)
             .flat_map(|position| reader.published(position).unwrap().framed().to_vec())
@@ -276,7 +276,7 @@ mod tests {
         let metrics = Metrics::default();
         let mut body = body_from_now(&reader, None, &metrics);
         assert_eq!(metrics.subscribers.get(), 1);
-        writer.publish(0, 1, Bytes::from_static(b"last"));
+        writer.publish(0, 1, FramedBatch::new(b"last"));
         writer.close();
         // Shutting down, a stream ends at once rather than after its backlog.
         let trailers = trailers(&mut body);
@@ -291,7 +291,7 @@ mod tests {
         let metrics = Metrics::default();
         let mut body = body_from_now(&reader, None, &metrics);
         for sequence in 1..=5 {
-            writer.publish(0, sequence, Bytes::from_static(b"batch"));
+            writer.publish(0, sequence, FramedBatch::new(b"batch"));
         }
         let trailers = trailers(&mut body);
         assert_eq!(trailers["grpc-status"], "15");
@@ -310,7 +310,7 @@ mod tests {
             Err(Status::internal("failed")),
         ]);
         let mut body = body_from_now(&reader, Some(chunks.boxed()), &metrics);
-        writer.publish(0, 1, Bytes::from_static(b"batch"));
+        writer.publish(0, 1, FramedBatch::new(b"batch"));
         assert_eq!(data(&mut body), frame(b"chunk"));
         assert_eq!(trailers(&mut body)["grpc-status"], "13");
     }

@@ -252,7 +252,7 @@ mod tests {
 
     use super::*;
     use crate::hub::published::frame;
-    use crate::hub::{HistoryLimits, HubWriter, hub};
+    use crate::hub::{FramedBatch, HistoryLimits, HubWriter, hub};
 
     fn service() -> (HubWriter, SubscribeService) {
         let (writer, reader) = hub(
@@ -301,11 +301,11 @@ mod tests {
     #[tokio::test]
     async fn a_resumed_call_is_answered_as_grpc_then_sends_the_hubs_framed_batches() {
         let (mut writer, mut service) = service();
-        writer.publish(0, 40, Bytes::from_static(b"first"));
+        writer.publish(0, 40, FramedBatch::new(b"first"));
         let mut response = call(&mut service, subscribe(40)).await;
         assert_eq!(response.headers()["content-type"], "application/grpc");
         assert!(response.headers().get("grpc-status").is_none());
-        writer.publish(0, 41, Bytes::from_static(b"second"));
+        writer.publish(0, 41, FramedBatch::new(b"second"));
         let mut body = Pin::new(response.body_mut());
         let sent = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx))
             .now_or_never()

@@ -20,7 +20,7 @@ pub(crate) mod tier;
 mod tier_blocks;
 
 use std::collections::BTreeMap;
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
 use std::sync::Arc;
 
 use triomphe::ThinArc;
@@ -39,7 +39,7 @@ pub const MAX_COPIES: u8 = 8;
 
 /// Everything a store carried besides its blocks (and each block's own
 /// fields).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StoreFields {
     /// The wire tier (`KvCacheTier`), as the store carried it.
     pub tier: Option<i32>,
@@ -67,22 +67,77 @@ pub struct StoreFields {
     pub cache_level: Option<i32>,
 }
 
-impl StoreFields {
-    fn of(stored: &KvBlocksStored) -> Self {
-        let first = stored.blocks.first();
+/// [`StoreFields`] borrowed, from a store as it arrives or from shared
+/// fields: what the interner hashes and compares, so a store whose fields
+/// are already shared copies no text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct StoreFieldsRef<'a> {
+    tier: Option<i32>,
+    medium: Option<&'a str>,
+    group_idx: Option<u32>,
+    kv_cache_spec_kind: Option<&'a str>,
+    kv_cache_spec_sliding_window: Option<u32>,
+    locality: Option<i32>,
+    ownership: Option<&'a str>,
+    session_id: Option<&'a str>,
+    lora_name: Option<&'a str>,
+    cache_salt: Option<&'a str>,
+    lora_id: Option<i64>,
+    cache_level: Option<i32>,
+}
+
+impl<'a> StoreFieldsRef<'a> {
+    /// The fields of `stored`, with the LoRA id and cache level given.
+    fn of(stored: &'a KvBlocksStored, (lora_id, cache_level): (Option<i64>, Option<i32>)) -> Self {
         Self {
             tier: stored.tier,
-            medium: stored.medium.clone(),
+            medium: stored.medium.as_deref(),
             group_idx: stored.group_idx,
-            kv_cache_spec_kind: stored.kv_cache_spec_kind.clone(),
+            kv_cache_spec_kind: stored.kv_cache_spec_kind.as_deref(),
             kv_cache_spec_sliding_window: stored.kv_cache_spec_sliding_window,
             locality: stored.locality,
-            ownership: stored.ownership.clone(),
-            session_id: stored.session_id.clone(),
-            lora_name: stored.lora_name.clone(),
-            cache_salt: stored.cache_salt.clone(),
-            lora_id: first.and_then(|block| block.lora_id),
-            cache_level: first.and_then(|block| block.cache_level),
+            ownership: stored.ownership.as_deref(),
+            session_id: stored.session_id.as_deref(),
+            lora_name: stored.lora_name.as_deref(),
+            cache_salt: stored.cache_salt.as_deref(),
+            lora_id,
+            cache_level,
+        }
+    }
+
+    fn to_owned(self) -> StoreFields {
+        StoreFields {
+            tier: self.tier,
+            medium: self.medium.map(str::to_owned),
+            group_idx: self.group_idx,
+            kv_cache_spec_kind: self.kv_cache_spec_kind.map(str::to_owned),
+            kv_cache_spec_sliding_window: self.kv_cache_spec_sliding_window,
+            locality: self.locality,
+            ownership: self.ownership.map(str::to_owned),
+            session_id: self.session_id.map(str::to_owned),
+            lora_name: self.lora_name.map(str::to_owned),
+            cache_salt: self.cache_salt.map(str::to_owned),
+            lora_id: self.lora_id,
+            cache_level: self.cache_level,
+        }
+    }
+}
+
+impl StoreFields {
+    fn borrowed(&self) -> StoreFieldsRef<'_> {
+        StoreFieldsRef {
+            tier: self.tier,
+            medium: self.medium.as_deref(),
+            group_idx: self.group_idx,
+            kv_cache_spec_kind: self.kv_cache_spec_kind.as_deref(),
+            kv_cache_spec_sliding_window: self.kv_cache_spec_sliding_window,
+            locality: self.locality,
+            ownership: self.ownership.as_deref(),
+            session_id: self.session_id.as_deref(),
+            lora_name: self.lora_name.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+            lora_id: self.lora_id,
+            cache_level: self.cache_level,
         }
     }
 
@@ -384,11 +439,9 @@ impl LiveState {
         let rank_blocks = self.ranks.entry(rank).or_default();
         let map = &mut rank_blocks.tiers[tier];
         let copies = &mut rank_blocks.copies[tier];
-        let (fields, fields_len) = self.interned.intern(StoreFields {
-            lora_id,
-            cache_level,
-            ..StoreFields::of(stored)
-        });
+        let (fields, fields_len) = self
+            .interned
+            .intern(StoreFieldsRef::of(stored, (lora_id, cache_level)));
         let spare_bytes = &mut self.spare_bytes;
         let mut parent = stored.parent_block_hash;
         let mut widest_block = None;
@@ -483,25 +536,37 @@ fn prefetch_passes(for_each_block: impl Fn(&mut dyn FnMut(&TierBlocks, i64))) {
 struct Interner {
     /// Each store's fields with a bound on their encoded length as a store
     /// (`StoreFields::store_len_bound`), worked out once per distinct fields.
-    /// The fields are the engine's, so the hash is seeded at random
-    /// (foldhash: std's SipHash showed in the drain's profile).
-    table: foldhash::HashMap<Arc<StoreFields>, usize>,
+    /// Looked up by borrowed fields, so a store already shared allocates
+    /// nothing. The fields are the engine's, so the hash is seeded at
+    /// random (foldhash: std's SipHash showed in the drain's profile).
+    table: hashbrown::HashTable<(Arc<StoreFields>, usize)>,
+    hasher: foldhash::fast::RandomState,
     sweep_at: usize,
 }
 
 impl Interner {
     /// The shared fields and a bound on their encoded length as a store.
-    fn intern(&mut self, fields: StoreFields) -> (Arc<StoreFields>, usize) {
-        if let Some((shared, &len)) = self.table.get_key_value(&fields) {
-            return (Arc::clone(shared), len);
+    fn intern(&mut self, fields: StoreFieldsRef<'_>) -> (Arc<StoreFields>, usize) {
+        let hash = self.hasher.hash_one(fields);
+        if let Some((shared, len)) = self
+            .table
+            .find(hash, |(shared, _)| shared.borrowed() == fields)
+        {
+            return (Arc::clone(shared), *len);
         }
         if self.table.len() >= self.sweep_at {
-            self.table.retain(|shared, _| Arc::strong_count(shared) > 1);
+            self.table
+                .retain(|(shared, _)| Arc::strong_count(shared) > 1);
             self.sweep_at = (self.table.len() * 2).max(64);
         }
+        let fields = fields.to_owned();
         let len = fields.store_len_bound();
         let shared = Arc::new(fields);
-        self.table.insert(Arc::clone(&shared), len);
+        let hasher = &self.hasher;
+        self.table
+            .insert_unique(hash, (Arc::clone(&shared), len), |(shared, _)| {
+                hasher.hash_one(shared.borrowed())
+            });
         (shared, len)
     }
 }
@@ -622,7 +687,7 @@ mod tests {
         assert_eq!(widest.to_store(Some(i64::MIN)).encoded_len(), bound);
         for fields in [
             StoreFields::default(),
-            StoreFields::of(&KvBlocksStored::default()),
+            StoreFieldsRef::of(&KvBlocksStored::default(), (None, None)).to_owned(),
         ] {
             for parent in [None, Some(0), Some(1), Some(-1)] {
                 assert!(fields.to_store(parent).encoded_len() <= fields.store_len_bound());
@@ -829,9 +894,10 @@ mod tests {
         let mut interner = Interner::default();
         let mut kept = Vec::new();
         for session in 0..1000 {
-            let (shared, _) = interner.intern(StoreFields {
-                session_id: Some(format!("s{session}")),
-                ..StoreFields::default()
+            let session_id = format!("s{session}");
+            let (shared, _) = interner.intern(StoreFieldsRef {
+                session_id: Some(&session_id),
+                ..StoreFields::default().borrowed()
             });
             if session % 100 == 0 {
                 kept.push(shared);
@@ -842,9 +908,9 @@ mod tests {
             "table holds {}",
             interner.table.len()
         );
-        let (again, _) = interner.intern(StoreFields {
-            session_id: Some("s100".into()),
-            ..StoreFields::default()
+        let (again, _) = interner.intern(StoreFieldsRef {
+            session_id: Some("s100"),
+            ..StoreFields::default().borrowed()
         });
         assert!(kept.iter().any(|k| Arc::ptr_eq(k, &again)));
     }

@@ -12,8 +12,8 @@
 //! rather than leaving it numbering cycles nobody will announce. At most
 //! `LOG_QUEUE` cycles are out at once (`LogThread::is_full`): the drain
 //! then takes no engine message until one comes back, so nothing grows
-//! while the disk is behind. The batches' bytes are shared (`Bytes`), never
-//! copied, and the buffers a cycle travels in go back and forth with it.
+//! while the disk is behind. The batches' bytes are shared
+//! (`FramedBatch`), never copied, and the buffers a cycle travels in go back and forth with it.
 //! While cycles come closer together than `SPIN` the thread spins for the
 //! next one, so neither side makes a system call per cycle; further apart
 //! it parks (an idle sidecar burns no CPU), and the drain unparks it only
@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use crate::hub::FramedBatch;
 use tokio::sync::Notify;
 
 use super::background::Shared;
@@ -74,7 +74,7 @@ pub struct LogCycle {
     /// The position the first batch takes.
     pub first_position: u64,
     /// (rank, sequence, encoded batch), in position order.
-    pub batches: Vec<(u32, u64, Bytes)>,
+    pub batches: Vec<(u32, u64, FramedBatch)>,
     /// Each engine publisher's mark as of the cycle's end, by rank.
     pub marks: Vec<(u32, RankMark)>,
 }
@@ -182,7 +182,7 @@ impl LogThread {
     /// `is_full` (it settles, or `run` stops taking engine messages).
     pub fn hand_over(
         &mut self,
-        batches: &mut Vec<(u32, u64, Bytes)>,
+        batches: &mut Vec<(u32, u64, FramedBatch)>,
         marks: impl FnOnce(&mut Vec<(u32, RankMark)>),
     ) {
         let mut cycle = self.spare.take().unwrap_or_default();

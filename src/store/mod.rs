@@ -265,6 +265,7 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hub::FramedBatch;
     use crate::metrics::ClosedLabels;
     use crate::wire::OpenBatch;
     use restore::Outcome;
@@ -296,10 +297,10 @@ mod tests {
         // The first segment cannot be created: the batch is announced
         // unlogged.
         std::fs::create_dir(dir.0.join(files::segment_name(4))).unwrap();
-        let encoded = OpenBatch::with_timestamp(1.0).encode(0, SEED + 3, None);
+        let framed = FramedBatch::new(&OpenBatch::with_timestamp(1.0).encode(0, SEED + 3, None));
         opened
             .log
-            .hand_over(&mut vec![(0, SEED + 3, encoded)], |_| {});
+            .hand_over(&mut vec![(0, SEED + 3, framed)], |_| {});
         let written = opened.log.wait_written().expect("handed back");
         assert_eq!(written.first_position, 4);
         assert_eq!(

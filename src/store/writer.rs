@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use crate::hub::FramedBatch;
 use tracing::{info, warn};
 
 use super::background::{CheckpointJob, Shared, SyncJob};
@@ -154,7 +154,7 @@ impl StoreWriter {
     pub fn append_cycle(
         &mut self,
         first_position: u64,
-        batches: &[(u32, u64, Bytes)],
+        batches: &[(u32, u64, FramedBatch)],
         marks: &[(u32, RankMark)],
     ) {
         if self.shared.fault.swap(false, Ordering::AcqRel) {
@@ -182,7 +182,7 @@ impl StoreWriter {
             let header = BatchRecord::header(position, *rank, *sequence);
             let mut head = [0; BATCH_HEAD_BYTES];
             let (record, fields) = head.split_at_mut(RECORD_HEADER_BYTES + 1);
-            record.copy_from_slice(&record_head(kind::BATCH, &[&header, encoded]));
+            record.copy_from_slice(&record_head(kind::BATCH, &[&header, encoded.message()]));
             fields.copy_from_slice(&header);
             self.heads.push(head);
             position += 1;
@@ -198,7 +198,7 @@ impl StoreWriter {
         let mut slices: Vec<IoSlice> = Vec::with_capacity(2 * batches.len() + 1);
         for (head, (_, _, encoded)) in self.heads.iter().zip(batches) {
             slices.push(IoSlice::new(head));
-            slices.push(IoSlice::new(encoded));
+            slices.push(IoSlice::new(encoded.message()));
         }
         slices.push(IoSlice::new(&self.cycle_end));
         let bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();

@@ -3,8 +3,9 @@
 //!
 //! Events are encoded as they are added; finishing a batch only writes its
 //! header around them, so no event is encoded twice. A batch handed to the
-//! history sits in an allocation of exactly its size (plus the few header
-//! bytes), so the bytes the history counts are the bytes it holds.
+//! history is copied once, into an allocation of exactly its size behind
+//! gRPC's prefix (`hub::FramedBatch`), so the bytes the history counts are
+//! the bytes it holds; the builder's buffers are reused.
 
 use bytes::Bytes;
 use prost::Message;
@@ -147,19 +148,23 @@ impl OpenBatch {
         batch
     }
 
-    /// Hands over the events so far as a batch in an allocation of exactly
-    /// their size, and starts again empty on this (warm) buffer. The copy
-    /// replaces the copies a growing buffer would make, and the history then
-    /// holds no spare capacity.
-    pub fn take_exact(&mut self) -> Self {
-        let mut buffer = Vec::with_capacity(self.buffer.len() + RANK_ROOM);
-        buffer.extend_from_slice(&self.buffer);
-        self.buffer.truncate(HEADER_ROOM);
+    /// Hands over the events so far as a batch and starts again empty on
+    /// `buffer` (a spare one, emptied here): no byte is copied. The one
+    /// copy of a batch's bytes is made when it is framed for the hub
+    /// (`hub::FramedBatch`).
+    pub fn take(&mut self, mut buffer: Vec<u8>) -> Self {
+        buffer.clear();
+        buffer.resize(HEADER_ROOM, 0);
         Self {
-            buffer,
+            buffer: std::mem::replace(&mut self.buffer, buffer),
             count: std::mem::take(&mut self.count),
             timestamp: self.timestamp,
         }
+    }
+
+    /// Its buffer, for the next [`OpenBatch::take`].
+    pub fn into_buffer(self) -> Vec<u8> {
+        self.buffer
     }
 
     /// Whether no event was added.
@@ -218,26 +223,43 @@ impl OpenBatch {
 
     /// The complete `KvEventBatch` bytes for `sequence` on `rank`.
     pub fn encode(mut self, rank: u32, sequence: u64, snapshot: Option<&KvSnapshotChunk>) -> Bytes {
-        let mut header = Vec::with_capacity(HEADER_ROOM);
-        encoding::uint64::encode(1, &sequence, &mut header);
+        let start = self.close(rank, sequence, snapshot);
+        // Short-lived: snapshot chunks and `load_only` batches are sent and
+        // dropped.
+        Bytes::from(self.buffer).slice(start..)
+    }
+
+    /// The complete `KvEventBatch` bytes for `sequence` on `rank`, left in
+    /// this batch's buffer for the caller to copy.
+    pub fn finish(&mut self, rank: u32, sequence: u64) -> &[u8] {
+        let start = self.close(rank, sequence, None);
+        &self.buffer[start..]
+    }
+
+    /// Writes the header right-aligned into its room and the trailing
+    /// fields after the events; returns where the message starts.
+    fn close(&mut self, rank: u32, sequence: u64, snapshot: Option<&KvSnapshotChunk>) -> usize {
+        let mut header = [0; HEADER_ROOM];
+        let mut room = &mut header[..];
+        encoding::uint64::encode(1, &sequence, &mut room);
         if self.timestamp != 0.0 {
-            encoding::double::encode(2, &self.timestamp, &mut header);
+            encoding::double::encode(2, &self.timestamp, &mut room);
         }
-        let start = HEADER_ROOM - header.len();
-        self.buffer[start..HEADER_ROOM].copy_from_slice(&header);
+        let header_len = HEADER_ROOM - room.len();
+        let start = HEADER_ROOM - header_len;
+        self.buffer[start..HEADER_ROOM].copy_from_slice(&header[..header_len]);
         encoding::int32::encode(4, &(rank as i32), &mut self.buffer);
         if let Some(chunk) = snapshot {
             encoding::message::encode(7, chunk, &mut self.buffer);
         }
-        // Short-lived: the hub frames what it holds into an allocation of
-        // its own (`hub::published`), and snapshot chunks are sent and dropped.
-        Bytes::from(self.buffer).slice(start..)
+        start
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::common::KvEventBatch;
 
     #[test]
     fn the_overhead_charged_per_batch_covers_what_a_held_batch_allocates_besides_its_bytes() {
@@ -254,17 +276,37 @@ mod tests {
     }
 
     #[test]
-    fn a_closed_batch_sits_in_an_allocation_of_its_size() {
+    fn a_taken_batch_keeps_its_bytes_and_the_batcher_goes_on_with_the_spare_buffer() {
         let mut open = OpenBatch::default();
         for _ in 0..1000 {
             open.push_encoded(&[8, 1], 1.0);
         }
-        let closed = open.take_exact();
-        assert_eq!(closed.buffer.capacity(), closed.buffer.len() + RANK_ROOM);
+        let spare = vec![7; 100];
+        let spare_at = spare.as_ptr();
+        let mut taken = open.take(spare);
         assert!(open.is_empty());
-        let encoded = closed.encode(3, 9, None);
-        let decoded = crate::proto::common::KvEventBatch::decode(encoded).unwrap();
+        open.push_encoded(&[8, 2], 2.0);
+        let finished = open.finish(0, 1);
+        assert_eq!(finished.as_ptr_range().end, open.buffer.as_ptr_range().end);
+        assert_eq!(open.buffer.as_ptr(), spare_at, "filled on the spare");
+        let decoded = KvEventBatch::decode(open.finish(0, 1)).unwrap();
+        assert_eq!(decoded.events.len(), 1);
+        let decoded = KvEventBatch::decode(taken.finish(3, 9)).unwrap();
         assert_eq!(decoded.events.len(), 1000);
-        assert_eq!(decoded.dp_rank, Some(3));
+        assert_eq!((decoded.dp_rank, decoded.sequence_number), (Some(3), 9));
+        assert_eq!(decoded.timestamp, 1.0);
+    }
+
+    #[test]
+    fn finish_and_encode_write_the_same_message() {
+        let mut finished = OpenBatch::with_timestamp(1.5);
+        let mut encoded = OpenBatch::with_timestamp(1.5);
+        for batch in [&mut finished, &mut encoded] {
+            batch.push_encoded(&[8, 1], 1.5);
+        }
+        assert_eq!(
+            finished.finish(2, u64::MAX),
+            &encoded.encode(2, u64::MAX, None)[..]
+        );
     }
 }
