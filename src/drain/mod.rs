@@ -31,6 +31,7 @@ mod rank_counters;
 pub(crate) mod sequence;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -94,6 +95,12 @@ pub struct Drain {
     rank_counters: BTreeMap<u32, RankCounters>,
     /// Each rank's report gauges, resolved at its first report.
     rank_gauges: BTreeMap<u32, RankGauges>,
+    /// The reports `/status` showed before the current ones: refilled in
+    /// place when no reader still holds them, so a cycle's report
+    /// allocates nothing.
+    spare_reports: Option<Arc<Vec<RankReport>>>,
+    /// The ranks of a report (reused from cycle to cycle).
+    report_ranks: Vec<u32>,
     /// The engine's load, when kvgate polls it or the engine pushes it.
     records: Option<LoadRecords>,
     /// This cycle's batches, numbered and encoded, announced at its end.
@@ -132,6 +139,8 @@ impl Drain {
             metrics,
             rank_counters: BTreeMap::new(),
             rank_gauges: BTreeMap::new(),
+            spare_reports: None,
+            report_ranks: Vec::new(),
             records: None,
             outgoing: Vec::new(),
             store: None,
@@ -632,21 +641,24 @@ impl Drain {
 
     /// Updates the per-rank figures of `/status` and the metrics.
     fn report(&mut self) {
-        let load_sources: Vec<Option<LoadSource>> = self
-            .records
-            .as_ref()
-            .map(|records| records.sources().collect())
-            .unwrap_or_default();
-        let loaded = (0u32..).zip(&load_sources).filter(|(_, s)| s.is_some());
-        let ranks: BTreeSet<u32> = self
-            .sequencer
-            .ranks()
-            .chain(self.state.ranks())
-            .chain(loaded.map(|(rank, _)| rank))
-            .collect();
-        let reports: Vec<RankReport> = ranks
-            .into_iter()
-            .map(|rank| RankReport {
+        let ranks = &mut self.report_ranks;
+        ranks.clear();
+        ranks.extend(self.sequencer.ranks().chain(self.state.ranks()));
+        if let Some(records) = &self.records {
+            let loaded = (0u32..).zip(records.sources());
+            ranks.extend(loaded.filter_map(|(rank, source)| source.map(|_| rank)));
+        }
+        ranks.sort_unstable();
+        ranks.dedup();
+        let mut reports = self.spare_reports.take().unwrap_or_default();
+        if Arc::get_mut(&mut reports).is_none() {
+            // A `/status` reader still holds them.
+            reports = Arc::default();
+        }
+        let filled = Arc::get_mut(&mut reports).expect("held by nobody else");
+        filled.clear();
+        filled.extend(ranks.iter().map(|&rank| {
+            RankReport {
                 rank,
                 last_sequence: self.sequencer.last(rank),
                 blocks: self
@@ -654,14 +666,14 @@ impl Drain {
                     .rank(rank)
                     .map(|blocks| *blocks.counts())
                     .unwrap_or_default(),
-                load_source: load_sources
-                    .get(rank as usize)
-                    .copied()
-                    .flatten()
+                load_source: self
+                    .records
+                    .as_ref()
+                    .and_then(|records| records.source(rank))
                     .map(LoadSource::as_str),
-            })
-            .collect();
-        for report in &reports {
+            }
+        }));
+        for report in filled.iter() {
             self.rank_gauges
                 .entry(report.rank)
                 .or_insert_with(|| {
@@ -673,7 +685,7 @@ impl Drain {
         self.metrics
             .history_bytes
             .set(self.hub.history_bytes() as i64);
-        self.hub.report(reports);
+        self.spare_reports = Some(self.hub.report(reports));
     }
 
     fn publish(&mut self, rank: u32, batch: OpenBatch) {
@@ -813,6 +825,37 @@ mod tests {
             })
             .sum();
         assert_eq!(sent, 2, "the blocks around it were sent");
+    }
+
+    #[test]
+    fn status_shows_every_cycles_sequence_and_blocks_with_the_report_buffers_reused() {
+        let (mut drain, reader) = drain_batching_up_to(4096);
+        for cycle in 1..=4 {
+            let store = KvCacheEvent {
+                event_id: cycle,
+                data: Some(Data::Stored(KvBlocksStored {
+                    blocks: vec![block(cycle as i64, 16, 1)],
+                    ..Default::default()
+                })),
+            };
+            drain.ingest(SourceEvent::Events {
+                rank: 0,
+                timestamp: 1.0,
+                events: vec![store],
+            });
+            drain.flush();
+            let reports = reader.rank_reports();
+            assert_eq!(reports.len(), 1);
+            assert_eq!(reports[0].last_sequence, drain.sequencer.last(0));
+            assert_eq!(
+                reports[0].blocks.reported().map(|(_, n)| n).sum::<u64>(),
+                cycle
+            );
+            assert!(
+                drain.spare_reports.is_some(),
+                "the reports shown before are kept to be refilled"
+            );
+        }
     }
 
     /// A drain on a hub of its own, batches of at most `max_bytes`.

@@ -192,9 +192,10 @@ impl HubWriter {
         let _ = self.live.try_broadcast(Live::LoadOnly(Arc::new(item)));
     }
 
-    /// Replaces what `/status` shows of each rank.
-    pub fn report(&self, reports: Vec<RankReport>) {
-        self.reports.store(Arc::new(reports));
+    /// Replaces what `/status` shows of each rank; returns what it showed
+    /// before, for the caller to refill once no reader holds it.
+    pub fn report(&self, reports: Arc<Vec<RankReport>>) -> Arc<Vec<RankReport>> {
+        self.reports.swap(reports)
     }
 
     /// Bytes the history currently holds.

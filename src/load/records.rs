@@ -169,6 +169,12 @@ impl LoadRecords {
             .map(|record| record.reading.as_ref().map(|reading| reading.source))
     }
 
+    /// Which source fed `rank`'s latest reading, if it has one.
+    pub fn source(&self, rank: u32) -> Option<LoadSource> {
+        let record = self.ranks.get(rank as usize)?;
+        record.reading.as_ref().map(|reading| reading.source)
+    }
+
     fn stamp(
         &mut self,
         mut load: EngineLoad,
