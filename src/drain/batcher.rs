@@ -53,8 +53,9 @@ pub struct Batcher {
     max_bytes: usize,
     open: OpenBatch,
     /// A published batch's buffer, the next one to fill once the open
-    /// batch is handed over: two buffers take turns, so no batch grows a
-    /// buffer of its own. Kept only up to `SPARE_BUFFER_MAX_BYTES`.
+    /// batch is handed over: in the steady state (one batch per rank and
+    /// cycle) two buffers take turns and no batch allocates. Kept only up
+    /// to `SPARE_BUFFER_MAX_BYTES`.
     spare: Option<Vec<u8>>,
     /// The event being added, encoded (reused from event to event).
     encoded: Vec<u8>,
@@ -147,12 +148,13 @@ impl Batcher {
         }
     }
 
-    /// The open batch, the spare buffer (or a new one as large as the
-    /// batch) open in its place.
+    /// The open batch, the spare buffer (or a new one that holds as much
+    /// as the batch, so it does not grow step by step) open in its place.
     fn take_open(&mut self) -> OpenBatch {
-        let buffer = self.spare.take().unwrap_or_else(|| {
-            Vec::with_capacity(self.open.events_len().min(SPARE_BUFFER_MAX_BYTES))
-        });
+        let buffer = self
+            .spare
+            .take()
+            .unwrap_or_else(|| Vec::with_capacity(self.open.buffer_len()));
         self.open.take(buffer)
     }
 
@@ -383,6 +385,34 @@ pub(super) mod tests {
         assert!(batches.iter().all(|b| b.dp_rank == Some(2)));
         assert_eq!(batches[2].sequence_number, 102);
         assert_eq!(batches[0].timestamp, 1.5);
+    }
+
+    #[test]
+    fn a_rank_keeps_the_larger_handed_back_buffer_up_to_the_bound_and_fills_it_next() {
+        let mut batcher = Batcher::new(BatchLimits {
+            max_events: 1024,
+            max_bytes: usize::MAX,
+        });
+        let handed_back = |capacity: usize| {
+            let mut batch = OpenBatch::default();
+            batch.take(Vec::with_capacity(capacity));
+            batch
+        };
+        batcher.recycle(handed_back(SPARE_BUFFER_MAX_BYTES + 1));
+        assert!(batcher.spare.is_none(), "over the bound: not kept");
+        batcher.recycle(handed_back(4096));
+        batcher.recycle(handed_back(64));
+        let spare = batcher.spare.as_ref().expect("kept");
+        assert_eq!(spare.capacity(), 4096, "the larger one");
+        let spare_at = spare.as_ptr();
+        let mut out = |_: Output<'_>| {};
+        assert!(batcher.push_encoded(&[8, 1], 1.0, &mut out));
+        let closed = batcher.close().expect("one event");
+        assert!(batcher.spare.is_none(), "the spare is open now");
+        assert!(batcher.push_encoded(&[8, 2], 1.0, &mut out));
+        let open = batcher.close().expect("one event").into_buffer();
+        assert_eq!(open.as_ptr(), spare_at, "the next batch filled the spare");
+        assert!(closed.into_buffer().capacity() >= 8);
     }
 
     #[test]

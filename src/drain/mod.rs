@@ -828,13 +828,13 @@ mod tests {
     }
 
     #[test]
-    fn status_shows_every_cycles_sequence_and_blocks_with_the_report_buffers_reused() {
+    fn status_shows_every_cycle_and_a_report_a_reader_holds_is_never_refilled() {
         let (mut drain, reader) = drain_batching_up_to(4096);
-        for cycle in 1..=4 {
+        let cycle = |drain: &mut Drain, n: u64| {
             let store = KvCacheEvent {
-                event_id: cycle,
+                event_id: n,
                 data: Some(Data::Stored(KvBlocksStored {
-                    blocks: vec![block(cycle as i64, 16, 1)],
+                    blocks: vec![block(n as i64, 16, 1)],
                     ..Default::default()
                 })),
             };
@@ -847,15 +847,24 @@ mod tests {
             let reports = reader.rank_reports();
             assert_eq!(reports.len(), 1);
             assert_eq!(reports[0].last_sequence, drain.sequencer.last(0));
-            assert_eq!(
-                reports[0].blocks.reported().map(|(_, n)| n).sum::<u64>(),
-                cycle
-            );
-            assert!(
-                drain.spare_reports.is_some(),
-                "the reports shown before are kept to be refilled"
-            );
-        }
+            let blocks: u64 = reports[0].blocks.reported().map(|(_, n)| n).sum();
+            assert_eq!(blocks, n);
+        };
+        cycle(&mut drain, 1);
+        let first = Arc::as_ptr(&reader.shown_reports());
+        cycle(&mut drain, 2);
+        cycle(&mut drain, 3);
+        assert_eq!(
+            Arc::as_ptr(&reader.shown_reports()),
+            first,
+            "cycle 3 refilled the reports cycle 1 showed"
+        );
+        let held = reader.shown_reports();
+        let shown = held.as_ref().clone();
+        cycle(&mut drain, 4);
+        cycle(&mut drain, 5);
+        assert_eq!(*held, shown, "the held reports are untouched");
+        assert_ne!(Arc::as_ptr(&reader.shown_reports()), Arc::as_ptr(&held));
     }
 
     /// A drain on a hub of its own, batches of at most `max_bytes`.

@@ -244,6 +244,12 @@ impl HubReader {
         self.reports.load().as_ref().clone()
     }
 
+    /// The reports `/status` shows, held as a reader holds them.
+    #[cfg(test)]
+    pub(crate) fn shown_reports(&self) -> Arc<Vec<RankReport>> {
+        self.reports.load_full()
+    }
+
     /// Asks the drain for a cut of the state; `None` once the drain is gone.
     pub async fn cut(&self) -> Option<SnapshotCut> {
         let (reply, cut) = oneshot::channel();

@@ -164,9 +164,7 @@ impl LoadRecords {
 
     /// Which source fed each rank's latest reading (index = rank).
     pub fn sources(&self) -> impl Iterator<Item = Option<LoadSource>> + '_ {
-        self.ranks
-            .iter()
-            .map(|record| record.reading.as_ref().map(|reading| reading.source))
+        (0..self.ranks.len() as u32).map(|rank| self.source(rank))
     }
 
     /// Which source fed `rank`'s latest reading, if it has one.

@@ -105,7 +105,7 @@ impl<'a> StoreFieldsRef<'a> {
         }
     }
 
-    fn to_owned(self) -> StoreFields {
+    fn to_fields(self) -> StoreFields {
         StoreFields {
             tier: self.tier,
             medium: self.medium.map(str::to_owned),
@@ -559,7 +559,7 @@ impl Interner {
                 .retain(|(shared, _)| Arc::strong_count(shared) > 1);
             self.sweep_at = (self.table.len() * 2).max(64);
         }
-        let fields = fields.to_owned();
+        let fields = fields.to_fields();
         let len = fields.store_len_bound();
         let shared = Arc::new(fields);
         let hasher = &self.hasher;
@@ -687,7 +687,7 @@ mod tests {
         assert_eq!(widest.to_store(Some(i64::MIN)).encoded_len(), bound);
         for fields in [
             StoreFields::default(),
-            StoreFieldsRef::of(&KvBlocksStored::default(), (None, None)).to_owned(),
+            StoreFieldsRef::of(&KvBlocksStored::default(), (None, None)).to_fields(),
         ] {
             for parent in [None, Some(0), Some(1), Some(-1)] {
                 assert!(fields.to_store(parent).encoded_len() <= fields.store_len_bound());

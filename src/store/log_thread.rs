@@ -13,7 +13,8 @@
 //! `LOG_QUEUE` cycles are out at once (`LogThread::is_full`): the drain
 //! then takes no engine message until one comes back, so nothing grows
 //! while the disk is behind. The batches' bytes are shared
-//! (`FramedBatch`), never copied, and the buffers a cycle travels in go back and forth with it.
+//! (`FramedBatch`), never copied, and the buffers a cycle travels in go
+//! back and forth with it.
 //! While cycles come closer together than `SPIN` the thread spins for the
 //! next one, so neither side makes a system call per cycle; further apart
 //! it parks (an idle sidecar burns no CPU), and the drain unparks it only
@@ -40,12 +41,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::hub::FramedBatch;
 use tokio::sync::Notify;
 
 use super::background::Shared;
 use super::records::{Marks, RankMark};
 use super::writer::StoreWriter;
+use crate::hub::FramedBatch;
 use crate::state::snapshot::SnapshotCut;
 
 /// Cycles handed to the writer and not yet handed back. A write that waits
@@ -73,7 +74,7 @@ const WRITER_GONE: &str = "the state directory's log writer thread ended (it pan
 pub struct LogCycle {
     /// The position the first batch takes.
     pub first_position: u64,
-    /// (rank, sequence, encoded batch), in position order.
+    /// (rank, sequence, framed batch), in position order.
     pub batches: Vec<(u32, u64, FramedBatch)>,
     /// Each engine publisher's mark as of the cycle's end, by rank.
     pub marks: Vec<(u32, RankMark)>,

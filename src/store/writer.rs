@@ -23,7 +23,6 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
-use crate::hub::FramedBatch;
 use tracing::{info, warn};
 
 use super::background::{CheckpointJob, Shared, SyncJob};
@@ -32,6 +31,7 @@ use super::format::{Fields, FileKind, RECORD_HEADER_BYTES, file_header, put_reco
 use super::records::{
     BatchRecord, CheckpointMeta, CycleRecord, Marks, RankMark, SegmentHeader, kind,
 };
+use crate::hub::FramedBatch;
 use crate::metrics::Metrics;
 use crate::state::snapshot::SnapshotCut;
 

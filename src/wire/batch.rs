@@ -134,7 +134,8 @@ impl OpenBatch {
     }
 
     /// A batch of the one event whose encoded body is `event`, in an
-    /// allocation of exactly its size.
+    /// allocation of its size: an event this large is rare, and its
+    /// buffer is not kept as a spare (`Batcher::recycle`).
     pub fn alone(event: &[u8], timestamp: f64) -> Self {
         let entry = EventLen::of_body(event.len()).entry;
         let mut buffer = Vec::with_capacity(HEADER_ROOM + entry + RANK_ROOM);
@@ -165,6 +166,12 @@ impl OpenBatch {
     /// Its buffer, for the next [`OpenBatch::take`].
     pub fn into_buffer(self) -> Vec<u8> {
         self.buffer
+    }
+
+    /// Bytes a buffer needs to hold this batch again, room around the
+    /// events included.
+    pub fn buffer_len(&self) -> usize {
+        self.buffer.len() + RANK_ROOM
     }
 
     /// Whether no event was added.
@@ -214,8 +221,8 @@ impl OpenBatch {
         self.timestamp = timestamp;
     }
 
-    /// Adds the rank's load record; call it last, just before `encode`
-    /// (the record's bytes count as the batch's, not as events).
+    /// Adds the rank's load record; call it last, just before `encode` or
+    /// `finish` (the record's bytes count as the batch's, not as events).
     pub fn carrying_load(mut self, load: &EngineLoad) -> Self {
         encoding::message::encode(LOAD_FIELD, load, &mut self.buffer);
         self
@@ -230,7 +237,8 @@ impl OpenBatch {
     }
 
     /// The complete `KvEventBatch` bytes for `sequence` on `rank`, left in
-    /// this batch's buffer for the caller to copy.
+    /// this batch's buffer for the caller to copy. Call it once: it appends
+    /// the rank after the events.
     pub fn finish(&mut self, rank: u32, sequence: u64) -> &[u8] {
         let start = self.close(rank, sequence, None);
         &self.buffer[start..]
@@ -286,11 +294,10 @@ mod tests {
         let mut taken = open.take(spare);
         assert!(open.is_empty());
         open.push_encoded(&[8, 2], 2.0);
-        let finished = open.finish(0, 1);
-        assert_eq!(finished.as_ptr_range().end, open.buffer.as_ptr_range().end);
         assert_eq!(open.buffer.as_ptr(), spare_at, "filled on the spare");
         let decoded = KvEventBatch::decode(open.finish(0, 1)).unwrap();
         assert_eq!(decoded.events.len(), 1);
+        assert_eq!(decoded.dp_rank, Some(0));
         let decoded = KvEventBatch::decode(taken.finish(3, 9)).unwrap();
         assert_eq!(decoded.events.len(), 1000);
         assert_eq!((decoded.dp_rank, decoded.sequence_number), (Some(3), 9));

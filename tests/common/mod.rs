@@ -382,7 +382,7 @@ pub async fn sync_streams_observing(
                 .events
                 .iter()
                 .filter_map(fence_number)
-                .any(|n| n >= first);
+                .any(|n| (first..=probe_fence).contains(&n));
             if live {
                 break;
             }
