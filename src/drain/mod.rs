@@ -194,6 +194,9 @@ impl Drain {
     /// delay the clean end of every stream (a flooded queue takes seconds).
     /// Dropping the input also ends the sources, whose next send fails.
     pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>, stop: CancellationToken) {
+        // One wait for the whole run: a fresh one each cycle would register
+        // a waiter with the token and remove it again, two locks a cycle.
+        let mut stopped = std::pin::pin!(stop.cancelled());
         loop {
             // Cuts are taken between cycles, when everything applied to the
             // state has been published (with a store: announced).
@@ -205,7 +208,7 @@ impl Drain {
             let takes_load = !self.load_waiting;
             tokio::select! {
                 biased;
-                () = stop.cancelled() => break,
+                () = &mut stopped => break,
                 () = written_signal(written), if out > 0 => {}
                 request = self.hub.next_cut_request(), if takes_cuts => self.answer(request),
                 () = load_wake(&mut self.records), if takes_load => self.load_woke(),
