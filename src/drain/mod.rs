@@ -767,10 +767,27 @@ async fn load_wake(records: &mut Option<LoadRecords>) {
 mod tests {
     use super::*;
     use crate::hub::{HistoryLimits, hub};
-    use crate::proto::common::{KvBlocksStored, KvEventBatch, kv_cache_event::Data};
+    use crate::proto::common::{KvBlock, KvBlocksStored, KvEventBatch, kv_cache_event::Data};
     use crate::state::tier::Tier;
     use batcher::tests::block;
     use prost::Message;
+
+    /// Rank 0 stores `blocks` as event `event_id`, in a cycle of its own.
+    fn store_in_one_cycle(drain: &mut Drain, event_id: u64, blocks: Vec<KvBlock>) {
+        let store = KvCacheEvent {
+            event_id,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks,
+                ..Default::default()
+            })),
+        };
+        drain.ingest(SourceEvent::Events {
+            rank: 0,
+            timestamp: 1.0,
+            events: vec![store],
+        });
+        drain.flush();
+    }
 
     #[test]
     fn a_block_too_large_for_the_router_is_counted_and_kept_out_of_the_state() {
@@ -788,23 +805,15 @@ mod tests {
         };
         let mut drain = Drain::new(limits, 1000, writer, metrics.clone());
         // 1.2M tokens of 4 varint bytes: 4.8 MB, between two ordinary blocks.
-        let store = KvCacheEvent {
-            event_id: 1,
-            data: Some(Data::Stored(KvBlocksStored {
-                blocks: vec![
-                    block(1, 16, 1),
-                    block(2, 1_200_000, 3_000_000),
-                    block(3, 16, 1),
-                ],
-                ..Default::default()
-            })),
-        };
-        drain.ingest(SourceEvent::Events {
-            rank: 0,
-            timestamp: 1.0,
-            events: vec![store],
-        });
-        drain.flush();
+        store_in_one_cycle(
+            &mut drain,
+            1,
+            vec![
+                block(1, 16, 1),
+                block(2, 1_200_000, 3_000_000),
+                block(3, 16, 1),
+            ],
+        );
         let cut = drain.cut();
         let mut held: Vec<i64> = cut.state[&0]
             .tier(Tier::Device)
@@ -834,19 +843,7 @@ mod tests {
     fn status_shows_every_cycle_and_a_report_a_reader_holds_is_never_refilled() {
         let (mut drain, reader) = drain_batching_up_to(4096);
         let cycle = |drain: &mut Drain, n: u64| {
-            let store = KvCacheEvent {
-                event_id: n,
-                data: Some(Data::Stored(KvBlocksStored {
-                    blocks: vec![block(n as i64, 16, 1)],
-                    ..Default::default()
-                })),
-            };
-            drain.ingest(SourceEvent::Events {
-                rank: 0,
-                timestamp: 1.0,
-                events: vec![store],
-            });
-            drain.flush();
+            store_in_one_cycle(drain, n, vec![block(n as i64, 16, 1)]);
             let reports = reader.rank_reports();
             assert_eq!(reports.len(), 1);
             assert_eq!(reports[0].last_sequence, drain.sequencer.last(0));
