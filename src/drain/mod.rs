@@ -531,9 +531,10 @@ impl Drain {
         for rank in std::mem::take(&mut self.owe_clear) {
             self.push_event(rank, KvCacheEvent::ownerless_clear(), unix_now());
         }
-        let ranks: Vec<u32> = self.batchers.keys().copied().collect();
-        for rank in ranks {
-            self.close_batch(rank);
+        for (&rank, batcher) in &mut self.batchers {
+            if let Some(batch) = batcher.close() {
+                self.ready.push((rank, batch));
+            }
         }
         for (rank, batch) in std::mem::take(&mut self.ready) {
             self.publish(rank, batch);

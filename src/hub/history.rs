@@ -74,16 +74,21 @@ impl<T: Default> Segments<T> {
     fn write(&self, key: u64, write: impl FnOnce(&T)) {
         let first = key - key % SEGMENT_KEYS;
         let entry = self.entry(key);
-        let current = entry.load_full().filter(|segment| segment.first == first);
-        let segment = current.unwrap_or_else(|| {
-            let segment = Arc::new(Segment {
-                first,
-                slots: (0..SEGMENT_KEYS).map(|_| T::default()).collect(),
-            });
-            entry.store(Some(Arc::clone(&segment)));
-            segment
+        let slot = (key % SEGMENT_KEYS) as usize;
+        if let Some(segment) = entry
+            .load()
+            .as_ref()
+            .filter(|segment| segment.first == first)
+        {
+            write(&segment.slots[slot]);
+            return;
+        }
+        let segment = Arc::new(Segment {
+            first,
+            slots: (0..SEGMENT_KEYS).map(|_| T::default()).collect(),
         });
-        write(&segment.slots[(key % SEGMENT_KEYS) as usize]);
+        write(&segment.slots[slot]);
+        entry.store(Some(segment));
     }
 
     /// Frees the segment of `key` once `key`, the last of its keys still
@@ -128,12 +133,13 @@ pub struct History {
     /// eviction. Rank 0's numbers go up by one a batch, so every rank-0
     /// batch after it is still held.
     rank0_evicted_through: AtomicU64,
-    /// (position, sequence) of the batch evicted last, if it was rank 0's:
-    /// everything after it is still held, so a cursor naming it can still
-    /// be resumed (the contract asks for `c+1` onwards, not `c`). A reader
-    /// may see it after more was evicted; the subscription then reports the
-    /// loss.
-    rank0_evicted: ArcSwapOption<(u64, u64)>,
+    /// Rank 0's sequence number of the batch evicted last, if it was rank
+    /// 0's (else 0): everything after it is still held, so a cursor naming
+    /// it can still be resumed (the contract asks for `c+1` onwards, not
+    /// `c`). Its position stays in `rank0_positions` until the next rank-0
+    /// batch is evicted. A reader may see it after more was evicted; the
+    /// subscription then reports the loss.
+    rank0_just_evicted: AtomicU64,
 }
 
 impl History {
@@ -170,15 +176,11 @@ impl History {
     /// none when rank 0 has no batch left in the history.
     pub fn rank0_oldest_resumable(&self) -> Option<u64> {
         // `rank0_evicted_through` is stored during eviction and
-        // `rank0_evicted` after it: read in the other order, a stale
-        // `rank0_evicted` shows as older than `through` and is ignored.
+        // `rank0_just_evicted` after it: read in the other order, a stale
+        // `rank0_just_evicted` shows as older than `through` and is ignored.
         let through = self.rank0_evicted_through.load(Ordering::Acquire);
         let newest = self.rank0_newest_sequence()?;
-        let just_evicted = self
-            .rank0_evicted
-            .load()
-            .as_deref()
-            .map(|&(_, sequence)| sequence)
+        let just_evicted = Some(self.rank0_just_evicted.load(Ordering::Acquire))
             .filter(|&sequence| sequence >= through && through != 0);
         let oldest = match (just_evicted, through) {
             (Some(sequence), _) => sequence,
@@ -199,13 +201,13 @@ impl History {
     }
 
     /// Where rank 0's batch `sequence` stood, if it is the batch evicted
-    /// last (see `rank0_evicted`).
+    /// last (see `rank0_just_evicted`).
     pub fn rank0_just_evicted(&self, sequence: u64) -> Option<u64> {
-        self.rank0_evicted
-            .load()
-            .as_deref()
-            .filter(|&&(_, evicted)| evicted == sequence)
-            .map(|&(position, _)| position)
+        if sequence == 0 || self.rank0_just_evicted.load(Ordering::Acquire) != sequence {
+            return None;
+        }
+        self.rank0_positions
+            .read(sequence, |position| position.load(Ordering::Acquire))
     }
 
     /// The (oldest, newest) positions held, for metrics and status.
@@ -221,6 +223,9 @@ pub struct HistoryWriter {
     limits: HistoryLimits,
     /// What the held batches retain (`Batch::retained_bytes`).
     bytes: usize,
+    /// Rank 0's batch evicted last, whose position `rank0_positions` still
+    /// holds for `History::rank0_just_evicted`.
+    rank0_evicted_last: Option<u64>,
 }
 
 impl HistoryWriter {
@@ -229,19 +234,21 @@ impl HistoryWriter {
         let capacity = limits.batches.max(1);
         let history = History {
             slots: Segments::new(capacity),
-            rank0_positions: Segments::new(capacity),
+            // One more: the rank-0 batch evicted last keeps its slot.
+            rank0_positions: Segments::new(capacity + 1),
             capacity: capacity as u64,
             oldest: AtomicU64::new(1),
             newest: AtomicU64::new(0),
             rank0_newest: AtomicU64::new(0),
             rank0_first: AtomicU64::new(0),
             rank0_evicted_through: AtomicU64::new(0),
-            rank0_evicted: ArcSwapOption::empty(),
+            rank0_just_evicted: AtomicU64::new(0),
         };
         Self {
             history: Arc::new(history),
             limits,
             bytes: 0,
+            rank0_evicted_last: None,
         }
     }
 
@@ -279,7 +286,9 @@ impl HistoryWriter {
         let capacity = history.capacity;
         let mut oldest = history.oldest();
         let incoming = batch.retained_bytes();
-        let mut last_evicted = None;
+        // Rank 0's sequence number of the last batch evicted, or 0 if it
+        // was another rank's; `None` while nothing was evicted.
+        let mut just_evicted = None;
         while oldest < position
             && (position - oldest >= capacity || self.bytes + incoming > self.limits.bytes)
         {
@@ -287,20 +296,27 @@ impl HistoryWriter {
             if let Some(evicted) = evicted {
                 self.bytes -= evicted.retained_bytes();
                 if evicted.rank == 0 {
-                    history.rank0_positions.left_window(evicted.sequence);
+                    if let Some(earlier) = self.rank0_evicted_last.replace(evicted.sequence) {
+                        history.rank0_positions.left_window(earlier);
+                    }
                     history
                         .rank0_evicted_through
                         .store(evicted.sequence, Ordering::Release);
                 }
-                last_evicted = Some(evicted);
+                just_evicted = Some(if evicted.rank == 0 {
+                    evicted.sequence
+                } else {
+                    0
+                });
             }
             history.slots.left_window(oldest);
             oldest += 1;
             history.oldest.store(oldest, Ordering::Release);
         }
-        if let Some(evicted) = last_evicted {
-            let rank0 = (evicted.rank == 0).then(|| Arc::new((evicted.position, evicted.sequence)));
-            history.rank0_evicted.store(rank0);
+        if let Some(sequence) = just_evicted {
+            history
+                .rank0_just_evicted
+                .store(sequence, Ordering::Release);
         }
         self.bytes += incoming;
         let rank0_sequence = (batch.rank == 0).then_some(batch.sequence);
@@ -482,6 +498,11 @@ mod tests {
             writer.push(batch(position, (position % 2) as u32, 7 + position / 2, 1));
             assert!(history.slots.allocated() <= 4);
             assert!(history.rank0_positions.allocated() <= 3);
+            // Even positions are rank 0's: the one just evicted keeps its
+            // slot, across every segment boundary of rank 0's numbers.
+            if let Some(evicted) = position.checked_sub(3_000).filter(|p| p % 2 == 0 && *p > 0) {
+                assert_eq!(history.rank0_just_evicted(7 + evicted / 2), Some(evicted));
+            }
         }
         assert_eq!(history.span(), (17_001, 20_000));
         for position in 17_001..=20_000 {
