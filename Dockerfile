@@ -4,8 +4,11 @@
 #   docker build -t kvgate --build-arg KVGATE_GIT_COMMIT=$(git rev-parse --short=12 HEAD) .
 #   docker build --target symbols -o type=local,dest=out .   # out/kvgate.debug
 #
-# The binary in the image has no debug info; its symbols are kept in the
-# `symbols` stage (kvgate.debug, linked by .gnu_debuglink) for profiling.
+# The binary is optimized with a profile of its own hot path, taken in the
+# build stage by running the load tool against an instrumented build
+# (deploy/pgo/build.sh, `make release`). It has no debug info in the image;
+# its symbols are kept in the `symbols` stage (kvgate.debug, linked by
+# .gnu_debuglink) for profiling.
 # `make image` builds the same runtime layout here without pulling a base
 # image (see deploy/image/build.sh).
 
@@ -20,9 +23,10 @@ COPY src src
 COPY benches benches
 COPY crates crates
 COPY vendor vendor
-RUN cargo build --release --locked --bin kvgate \
- && objcopy --only-keep-debug target/release/kvgate /kvgate.debug \
- && objcopy --strip-debug --add-gnu-debuglink=/kvgate.debug target/release/kvgate /kvgate
+COPY deploy/pgo deploy/pgo
+RUN deploy/pgo/build.sh \
+ && objcopy --only-keep-debug target/pgo/kvgate /kvgate.debug \
+ && objcopy --strip-debug --add-gnu-debuglink=/kvgate.debug target/pgo/kvgate /kvgate
 
 FROM scratch AS symbols
 COPY --from=build /kvgate.debug /kvgate.debug

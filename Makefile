@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint fuzz bench load fan-out peer flamegraphs benchmarks image
+.PHONY: run test lint fuzz bench load fan-out peer flamegraphs benchmarks image release
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed),
 # on loopback only: a demo faces no network.
@@ -48,25 +48,32 @@ fan-out:
 	cargo bench --locked --bench zmq_ingest
 	cargo bench --locked --bench loopback_write
 
-# Issue 22: kvgate against smg 1.13's Rust relay, alternating run by run,
-# the libzmq floor beside kvgate's cost per subscriber, and the floor relay
-# (a relay that does nothing but relay) beside kvgate's CPU per event. PEER_PYTHON is a
-# Python with smg, pyzmq, msgpack and grpcio (see benchmarks/smg-peer.py).
+# The release binary as the image ships it: optimized with a profile of its
+# own hot path (PGO), in target/pgo/kvgate; see deploy/pgo/build.sh (12–17
+# minutes from scratch on two cores).
+release:
+	deploy/pgo/build.sh
+
+# Issue 22: kvgate as shipped (`make release`) against smg 1.13's Rust
+# relay, alternating run by run, the libzmq floor beside kvgate's cost per
+# subscriber, and the floor relay (a relay that does nothing but relay)
+# beside kvgate's CPU per event. PEER_PYTHON is a Python with smg, pyzmq,
+# msgpack and grpcio (see benchmarks/smg-peer.py).
 PEER_PYTHON ?= python3
 PEER = --peer '$(PEER_PYTHON) benchmarks/smg-peer.py {port} {zmq}' --peer-name smg
-peer:
-	cargo build --release --locked --workspace --bins
-	target/release/kvgate-bench --subscribers 1,8 --rate 20000 --rounds 2 $(PEER) \
-		--json benchmarks/peer.json
-	target/release/kvgate-bench --subscribers 32 --rate 5000 --rounds 2 $(PEER) \
-		--json benchmarks/peer-32x5k.json
-	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 1,8,64
-	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 --processes 1
-	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --counts 8,64 --rounds 2 \
+SHIPPED = target/pgo/kvgate
+peer: release
+	target/release/kvgate-bench --kvgate $(SHIPPED) --subscribers 1,8 --rate 20000 --rounds 2 \
+		$(PEER) --json benchmarks/peer.json
+	target/release/kvgate-bench --kvgate $(SHIPPED) --subscribers 32 --rate 5000 --rounds 2 \
+		$(PEER) --json benchmarks/peer-32x5k.json
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate $(SHIPPED) --counts 1,8,64
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate $(SHIPPED) --counts 8,64 --processes 1
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate $(SHIPPED) --counts 8,64 --rounds 2 \
 		--rust-receivers target/release/kvgate-bench
-	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --relay --counts 1,8 \
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate $(SHIPPED) --relay --counts 1,8 \
 		--rounds 2 --rust-receivers target/release/kvgate-bench
-	$(PEER_PYTHON) benchmarks/floor.py --kvgate target/release/kvgate --relay --counts 32 \
+	$(PEER_PYTHON) benchmarks/floor.py --kvgate $(SHIPPED) --relay --counts 32 \
 		--rate 312.5 --rounds 2 --rust-receivers target/release/kvgate-bench
 
 # Issue 13's flame graphs (needs perf and `cargo install inferno`).

@@ -4,9 +4,10 @@
 # exporting its root filesystem and running the entrypoint in a chroot:
 # `--version`, and `serve --demo` answering a gRPC client (kvgate tail).
 #
-# The image holds the release binary without debug info; its symbols are
-# written to target/release/kvgate.debug (linked by .gnu_debuglink) for
-# profiling.
+# The image holds the release binary of `make release` (optimized with a
+# profile of its hot path, deploy/pgo/build.sh) without debug info; its
+# symbols are written to target/pgo/kvgate.debug (linked by
+# .gnu_debuglink) for profiling.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -21,16 +22,16 @@ command -v buildah >/dev/null || {
 	exit 1
 }
 
-cargo build --release --locked --bin kvgate
-binary=target/release/kvgate
+deploy/pgo/build.sh
+binary=target/pgo/kvgate
 
 context=$(mktemp -d)
 trap 'rm -rf "$context"' EXIT
 rootfs=$context/rootfs
 mkdir -p "$rootfs/usr/local/bin" "$rootfs/etc" "$rootfs/tmp"
 chmod 1777 "$rootfs/tmp"
-objcopy --only-keep-debug "$binary" target/release/kvgate.debug
-objcopy --strip-debug --add-gnu-debuglink=target/release/kvgate.debug \
+objcopy --only-keep-debug "$binary" target/pgo/kvgate.debug
+objcopy --strip-debug --add-gnu-debuglink=target/pgo/kvgate.debug \
 	"$binary" "$rootfs/usr/local/bin/kvgate"
 # The libraries the binary links, and the dynamic loader.
 for lib in $(ldd "$binary" | grep -o '/[^ ]*'); do
@@ -74,7 +75,7 @@ for _ in $(seq 100); do
 	sleep 0.1
 done
 [[ -n $address ]] || { cat "$log"; echo "kvgate in the image did not start" >&2; exit 1; }
-target/release/kvgate tail --addr "$address" --limit 2
+"$binary" tail --addr "$address" --limit 2
 kill "$serve_pid"
 wait "$serve_pid" || true
 serve_pid=

@@ -1,6 +1,11 @@
 //! The relay under test (kvgate, or a peer in its place), as a child
 //! process: started like an operator would, measured through `/proc`,
-//! killed by pid however the run ends.
+//! stopped by pid like an orchestrator would (SIGTERM, then SIGKILL once
+//! `STOP_GRACE` is up), and killed by pid however else the run ends.
+//!
+//! The clean exit matters beyond manners: an instrumented kvgate writes its
+//! profile for `make release` (profile-guided optimization) only when it
+//! exits.
 
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -12,6 +17,10 @@ use std::time::{Duration, Instant};
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 /// How often a peer's port is tried while it starts.
 const START_POLL: Duration = Duration::from_millis(20);
+/// How long the relay may take to exit once asked to.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How often a stopping relay is checked for its exit.
+const STOP_POLL: Duration = Duration::from_millis(10);
 /// The line kvgate prints on stdout once it serves.
 const SERVING: &str = "kvgate: serving gRPC on ";
 
@@ -114,6 +123,41 @@ impl Gateway {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Asks the relay to exit (SIGTERM) and waits for it; kills it if it
+    /// is still running after `STOP_GRACE`.
+    pub async fn stop(self) -> anyhow::Result<Stopped> {
+        self.stop_within(STOP_GRACE).await
+    }
+
+    async fn stop_within(mut self, grace: Duration) -> anyhow::Result<Stopped> {
+        let pid = libc::pid_t::try_from(self.child.id())?;
+        // SAFETY: `kill` only sends a signal. The pid is our child's, and
+        // it cannot have been reused: the child is reaped only by
+        // `try_wait` below or by `Drop`.
+        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(Stopped::Exited(status));
+            }
+            tokio::time::sleep(STOP_POLL).await;
+        }
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(Stopped::Killed)
+    }
+}
+
+/// How a relay asked to stop ended.
+#[derive(Debug)]
+pub enum Stopped {
+    /// It exited within the grace period, with this status.
+    Exited(std::process::ExitStatus),
+    /// It was still running at the end of the grace period, and was killed.
+    Killed,
 }
 
 impl Drop for Gateway {
@@ -130,4 +174,49 @@ pub fn free_port() -> std::io::Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
         .local_addr()?
         .port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shell whose TERM handler is `on_term`, once it says it is set.
+    fn shell(on_term: &str) -> Gateway {
+        let script = format!("trap '{on_term}' TERM; echo ready; while :; do sleep 0.05; done");
+        let mut child = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("sh runs");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout is piped"))
+            .read_line(&mut line)
+            .expect("sh says it is ready");
+        assert_eq!(line, "ready\n");
+        Gateway {
+            child,
+            address: String::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_relay_is_asked_to_exit_with_sigterm_so_it_can_exit_cleanly() {
+        match shell("exit 7").stop().await.unwrap() {
+            Stopped::Exited(status) => assert_eq!(status.code(), Some(7), "its TERM handler ran"),
+            Stopped::Killed => panic!("a relay that exits on SIGTERM was killed"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_relay_that_ignores_sigterm_is_killed_once_its_grace_is_up() {
+        let gateway = shell("");
+        let pid = gateway.pid();
+        let stopped = gateway.stop_within(Duration::from_millis(200)).await;
+        assert!(matches!(stopped.unwrap(), Stopped::Killed));
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "killed and reaped"
+        );
+    }
 }

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use gateway::Gateway;
+use gateway::{Gateway, Stopped};
 use histogram::Histogram;
 use publisher::{Mode, Publisher};
 use report::{Config, KvgateCost, Latency, PeerConfig, Report, RunReport, ToolCost};
@@ -352,10 +352,22 @@ async fn measure(
     let ended_early = delivery.ended();
     let peak = procfs::memory(gateway.pid())?;
     // Everything has arrived or never will, so closing the engine's socket
-    // loses nothing; killing kvgate then ends every stream and so every
+    // loses nothing; stopping kvgate then ends every stream and so every
     // subscriber.
     drop(publisher);
-    drop(gateway);
+    match gateway.stop().await? {
+        Stopped::Exited(status) if status.success() => {}
+        Stopped::Exited(status) => {
+            eprintln!(
+                "kvgate-bench: {} exited with {status} when stopped",
+                subject.name()
+            );
+        }
+        Stopped::Killed => eprintln!(
+            "kvgate-bench: {} did not exit within its grace period and was killed",
+            subject.name()
+        ),
+    }
     let windows = subscribers.finish().await?;
     Ok(Measured {
         subject: subject.name().to_owned(),
