@@ -49,8 +49,8 @@ fan-out:
 	cargo bench --locked --bench loopback_write
 
 # The release binary as the image ships it: optimized with a profile of its
-# own hot path (PGO), in target/pgo/kvgate; see deploy/pgo/build.sh (12–17
-# minutes from scratch on two cores).
+# own hot path (PGO), in target/pgo/kvgate; see deploy/pgo/build.sh (about
+# 18 minutes from scratch on two cores).
 release:
 	deploy/pgo/build.sh
 

@@ -12,7 +12,7 @@
 # The result spends 15% less CPU per event than `cargo build --release` at
 # one subscriber × 20k events/s, 9% at 8 (BENCHMARKS.md, issue 22,
 # "Session 19"). Both builds go to their own target directories under
-# target/pgo, so the plain release and test builds stay cached; 12–17
+# target/pgo, so the plain release and test builds stay cached; about 18
 # minutes from scratch on two cores, 5 once the instrumented build is
 # cached.
 #
@@ -28,8 +28,9 @@ if [[ ! -x $profdata ]]; then
 	rustup component add llvm-tools
 fi
 
-# `--target` keeps the flags off build scripts and proc macros, so only
-# kvgate itself is instrumented and writes profiles.
+# `--target` keeps the flags off build scripts and proc macros: they run
+# during the build and would write profiles of their own. The binary and
+# every crate in it are instrumented.
 raw=$PWD/$out/raw
 rm -rf "$raw"
 mkdir -p "$raw"
