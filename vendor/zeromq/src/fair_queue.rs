@@ -1,38 +1,97 @@
+//! Messages from every peer of a socket, each peer in turn, in the order
+//! their connections became readable.
+//!
+//! Streams live in slots; a slot is ready at most once in `ready`, and a
+//! stream's waker (made once per stream, not per poll) names its slot and
+//! the stream's generation, so a wake for a stream since removed or
+//! replaced is ignored, and a message costs no allocation and no hashing
+//! of its peer's key: keys are looked up only to insert or remove a peer.
+
 use futures::task::{waker_ref, ArcWake};
 use futures::Stream;
 use parking_lot::Mutex;
 
-use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::pin::Pin;
-use std::sync::atomic;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 
 pub(crate) struct QueueInner<S, K: Clone> {
-    counter: atomic::AtomicUsize,
-    ready_queue: BinaryHeap<ReadyEvent<K>>,
-    queued: HashSet<K>,
-    streams: HashMap<K, Pin<Box<S>>>,
+    /// Each key's slot, for inserting and removing by key.
+    places: HashMap<K, usize>,
+    slots: Vec<Slot<S, K>>,
+    /// Slots with no stream, for the next insert.
+    vacant: Vec<usize>,
+    /// Slots to poll, in the order their streams became ready, each once.
+    ready: VecDeque<usize>,
+    /// The generation the next inserted stream gets: never reused, so a
+    /// waker outliving its stream can never mark another one ready.
+    next_generation: u64,
     waker: Option<Waker>,
     /// Callback invoked when a stream ends (peer disconnected).
     /// Wrapped in Arc so it can be cloned and called outside the lock.
     on_disconnect: Option<Arc<dyn Fn(K) + Send + Sync>>,
 }
 
+struct Slot<S, K: Clone> {
+    key: Option<K>,
+    /// None while the slot is vacant, and while its stream is being polled
+    /// (outside the lock).
+    stream: Option<Pin<Box<S>>>,
+    generation: u64,
+    /// Whether the slot is in `ready`.
+    queued: bool,
+    /// The stream's waker, made at its first poll.
+    waker: Option<Arc<StreamWaker<S, K>>>,
+}
+
 impl<S, K: Clone + Eq + Hash> QueueInner<S, K> {
+    fn new() -> Self {
+        Self {
+            places: HashMap::new(),
+            slots: Vec::new(),
+            vacant: Vec::new(),
+            ready: VecDeque::new(),
+            next_generation: 0,
+            waker: None,
+            on_disconnect: None,
+        }
+    }
+
     pub fn insert(&mut self, k: K, s: S) {
-        self.streams.insert(k.clone(), Box::pin(s));
-        self.push_ready(k);
+        if let Some(old) = self.places.remove(&k) {
+            self.vacate(old);
+        }
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let slot = Slot {
+            key: Some(k.clone()),
+            stream: Some(Box::pin(s)),
+            generation,
+            queued: false,
+            waker: None,
+        };
+        let index = if let Some(index) = self.vacant.pop() {
+            // A vacated slot may still be in `ready`; it stays there once.
+            let queued = self.slots[index].queued;
+            self.slots[index] = Slot { queued, ..slot };
+            index
+        } else {
+            self.slots.push(slot);
+            self.slots.len() - 1
+        };
+        self.places.insert(k, index);
+        self.mark_ready(index, generation);
         if let Some(w) = &self.waker {
             w.wake_by_ref();
         }
     }
 
     pub fn remove(&mut self, k: &K) {
-        self.streams.remove(k);
-        self.queued.remove(k);
+        if let Some(index) = self.places.remove(k) {
+            self.vacate(index);
+        }
     }
 
     /// Clear all streams and the ready queue.
@@ -40,22 +99,63 @@ impl<S, K: Clone + Eq + Hash> QueueInner<S, K> {
     /// Used during shutdown to ensure TCP connections are closed even when
     /// other components (like reconnect tasks) hold Arc references to the inner.
     pub fn clear(&mut self) {
-        self.streams.clear();
-        self.ready_queue.clear();
-        self.queued.clear();
+        self.places.clear();
+        self.slots.clear();
+        self.vacant.clear();
+        self.ready.clear();
         // Wake the waker so any pending poll_next returns
         if let Some(w) = self.waker.take() {
             w.wake();
         }
     }
 
-    fn push_ready(&mut self, k: K) {
-        if self.queued.insert(k.clone()) {
-            self.ready_queue.push(ReadyEvent {
-                priority: self.counter.fetch_add(1, atomic::Ordering::Relaxed),
-                key: k,
-            });
+    fn vacate(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
+        slot.key = None;
+        slot.stream = None;
+        slot.waker = None;
+        // No stream has this generation any more.
+        slot.generation = u64::MAX;
+        self.vacant.push(index);
+    }
+
+    /// Queues the slot if it still holds the stream of `generation` and is
+    /// not queued yet; says whether it did.
+    fn mark_ready(&mut self, index: usize, generation: u64) -> bool {
+        match self.slots.get_mut(index) {
+            Some(slot) if slot.generation == generation && !slot.queued => {
+                slot.queued = true;
+                self.ready.push_back(index);
+                true
+            }
+            _ => false,
         }
+    }
+
+    /// Puts back a stream polled outside the lock, unless its slot was
+    /// vacated (or cleared) meanwhile; says whether it did.
+    fn restore(&mut self, index: usize, generation: u64, stream: Pin<Box<S>>) -> bool {
+        match self.slots.get_mut(index) {
+            Some(slot) if slot.generation == generation => {
+                slot.stream = Some(stream);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+impl<S, K: Clone + Eq + Hash> QueueInner<S, K> {
+    fn streams_mut(&mut self) -> impl Iterator<Item = &mut Pin<Box<S>>> {
+        self.slots
+            .iter_mut()
+            .filter_map(|slot| slot.stream.as_mut())
+    }
+
+    fn stream_mut(&mut self, k: &K) -> Option<&mut Pin<Box<S>>> {
+        let index = *self.places.get(k)?;
+        self.slots[index].stream.as_mut()
     }
 }
 
@@ -64,33 +164,12 @@ pub struct FairQueue<S, K: Clone> {
     inner: Arc<Mutex<QueueInner<S, K>>>,
 }
 
-#[derive(Clone)]
-struct ReadyEvent<K: Clone> {
-    priority: usize,
-    key: K,
-}
-
-impl<K: Clone> PartialEq for ReadyEvent<K> {
-    fn eq(&self, other: &Self) -> bool {
-        self.priority.eq(&other.priority)
-    }
-}
-impl<K: Clone> Eq for ReadyEvent<K> {}
-
-impl<K: Clone> PartialOrd for ReadyEvent<K> {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl<K: Clone> Ord for ReadyEvent<K> {
-    fn cmp(&self, other: &Self) -> Ordering {
-        other.priority.cmp(&self.priority)
-    }
-}
-
+/// Wakes the queue's task for one stream, and queues that stream's slot.
 struct StreamWaker<S, K: Clone> {
-    inner: Arc<Mutex<QueueInner<S, K>>>,
-    event: ReadyEvent<K>,
+    /// Weak: the queue owns the wakers of its streams.
+    queue: Weak<Mutex<QueueInner<S, K>>>,
+    index: usize,
+    generation: u64,
 }
 
 impl<S, K> ArcWake for StreamWaker<S, K>
@@ -99,10 +178,16 @@ where
     K: Clone + Eq + Hash + Send + Sync,
 {
     fn wake_by_ref(arc_self: &Arc<Self>) {
-        let mut inner = arc_self.inner.lock();
-        inner.push_ready(arc_self.event.key.clone());
-        if let Some(waker) = inner.waker.take() {
-            waker.wake_by_ref();
+        let Some(queue) = arc_self.queue.upgrade() else {
+            return;
+        };
+        let mut inner = queue.lock();
+        // The queue's waker is kept, not taken: the task's next poll then
+        // finds it current and clones nothing.
+        if inner.mark_ready(arc_self.index, arc_self.generation) {
+            if let Some(waker) = &inner.waker {
+                waker.wake_by_ref();
+            }
         }
     }
 }
@@ -115,79 +200,79 @@ where
 {
     type Item = (K, T);
 
-    #[allow(clippy::needless_continue)]
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let fair_queue = self.get_mut();
-        let mut remaining_ready = {
-            let mut inner = fair_queue.inner.lock();
+        let mut inner = fair_queue.inner.lock();
+        if !inner
+            .waker
+            .as_ref()
+            .is_some_and(|waker| waker.will_wake(cx.waker()))
+        {
             inner.waker = Some(cx.waker().clone());
-            inner.ready_queue.len()
-        };
-
+        }
+        // Only the slots ready now: a stream that becomes ready while it is
+        // polled waits for the next call rather than being polled again in
+        // this one.
+        let mut remaining_ready = inner.ready.len();
         while remaining_ready > 0 {
             remaining_ready -= 1;
-            let (event, mut io_stream) = {
-                let mut inner = fair_queue.inner.lock();
-                inner.waker = Some(cx.waker().clone());
-                let event = match inner.ready_queue.pop() {
-                    Some(s) => s,
-                    None => {
-                        return if !inner.streams.is_empty() || fair_queue.block_on_no_clients {
-                            Poll::Pending
-                        } else {
-                            Poll::Ready(None)
-                        }
-                    }
-                };
-                inner.queued.remove(&event.key);
-                match inner.streams.remove(&event.key) {
-                    Some(stream) => (event, stream),
-                    None => continue,
-                }
+            let Some(index) = inner.ready.pop_front() else {
+                break;
             };
-
-            let waker = Arc::new(StreamWaker {
-                inner: fair_queue.inner.clone(),
-                event: event.clone(),
-            });
-            let waker_ref = waker_ref(&waker);
-            let mut cx = Context::from_waker(&waker_ref);
-            match io_stream.as_mut().poll_next(&mut cx) {
+            let slot = &mut inner.slots[index];
+            slot.queued = false;
+            let Some(mut io_stream) = slot.stream.take() else {
+                continue;
+            };
+            let generation = slot.generation;
+            let key = slot.key.clone().expect("a slot with a stream has its key");
+            let waker = Arc::clone(slot.waker.get_or_insert_with(|| {
+                Arc::new(StreamWaker {
+                    queue: Arc::downgrade(&fair_queue.inner),
+                    index,
+                    generation,
+                })
+            }));
+            drop(inner);
+            let polled = io_stream
+                .as_mut()
+                .poll_next(&mut Context::from_waker(&waker_ref(&waker)));
+            inner = fair_queue.inner.lock();
+            match polled {
                 Poll::Ready(Some(res)) => {
-                    let key = event.key.clone();
-                    let item = Some((key.clone(), res));
-                    let mut inner = fair_queue.inner.lock();
-                    inner.streams.insert(event.key, io_stream);
-                    inner.push_ready(key);
-                    return Poll::Ready(item);
+                    // It may hold more: poll it again in its turn.
+                    if inner.restore(index, generation, io_stream) {
+                        inner.mark_ready(index, generation);
+                    }
+                    return Poll::Ready(Some((key, res)));
                 }
                 Poll::Ready(None) => {
                     // Peer disconnected. Don't put the stream back.
-                    // Clone the callback Arc so we can call it outside the lock
-                    // (to avoid deadlock if callback accesses inner)
-                    let callback = {
-                        let inner = fair_queue.inner.lock();
-                        inner.on_disconnect.clone()
-                    };
-                    // Call callback outside the lock
-                    if let Some(callback) = callback {
-                        callback(event.key.clone());
+                    if inner
+                        .slots
+                        .get(index)
+                        .is_some_and(|slot| slot.generation == generation)
+                    {
+                        inner.places.remove(&key);
+                        inner.vacate(index);
                     }
-                    // Continue to poll other streams instead of returning None immediately.
-                    continue;
+                    // Call the callback outside the lock (to avoid deadlock
+                    // if it accesses inner).
+                    if let Some(callback) = inner.on_disconnect.clone() {
+                        drop(inner);
+                        callback(key);
+                        inner = fair_queue.inner.lock();
+                    }
+                    // Go on polling the other streams rather than end here.
                 }
                 Poll::Pending => {
-                    let mut inner = fair_queue.inner.lock();
-                    inner.streams.insert(event.key, io_stream);
-                    continue;
+                    inner.restore(index, generation, io_stream);
                 }
             }
         }
 
-        let mut inner = fair_queue.inner.lock();
-        inner.waker = Some(cx.waker().clone());
-        let should_wake = !inner.ready_queue.is_empty();
-        let result = if !inner.streams.is_empty() || fair_queue.block_on_no_clients {
+        let should_wake = !inner.ready.is_empty();
+        let result = if !inner.places.is_empty() || fair_queue.block_on_no_clients {
             Poll::Pending
         } else {
             Poll::Ready(None)
@@ -201,18 +286,11 @@ where
     }
 }
 
-impl<S, K: Clone> FairQueue<S, K> {
+impl<S, K: Clone + Eq + Hash> FairQueue<S, K> {
     pub fn new(block_on_no_clients: bool) -> Self {
         Self {
             block_on_no_clients,
-            inner: Arc::new(Mutex::new(QueueInner {
-                counter: atomic::AtomicUsize::new(0),
-                ready_queue: BinaryHeap::new(),
-                queued: HashSet::new(),
-                streams: HashMap::new(),
-                waker: None,
-                on_disconnect: None,
-            })),
+            inner: Arc::new(Mutex::new(QueueInner::new())),
         }
     }
 
@@ -341,6 +419,89 @@ mod test {
                 UnifiedStream::WakePending(stream) => Pin::new(stream).poll_next(cx),
             }
         }
+    }
+
+    /// Ready with `message` at every poll; keeps the waker of each poll.
+    struct WakerKeepingStream {
+        wakers: std::sync::Arc<std::sync::Mutex<Vec<std::task::Waker>>>,
+        message: Option<&'static str>,
+    }
+
+    impl Stream for WakerKeepingStream {
+        type Item = &'static str;
+
+        fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+            self.wakers.lock().unwrap().push(cx.waker().clone());
+            match self.message {
+                Some(message) => Poll::Ready(Some(message)),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    #[test]
+    fn a_stream_is_polled_with_the_same_waker_every_time() {
+        let waker = noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let wakers = std::sync::Arc::default();
+        let mut fair_queue: FairQueue<WakerKeepingStream, &str> = FairQueue::new(false);
+        fair_queue.inner().lock().insert(
+            "peer",
+            WakerKeepingStream {
+                wakers: std::sync::Arc::clone(&wakers),
+                message: Some("m"),
+            },
+        );
+        for _ in 0..3 {
+            assert_eq!(
+                Pin::new(&mut fair_queue).poll_next(&mut cx),
+                Poll::Ready(Some(("peer", "m")))
+            );
+        }
+        let wakers = wakers.lock().unwrap();
+        assert_eq!(wakers.len(), 3);
+        assert!(wakers.iter().all(|w| w.will_wake(&wakers[0])));
+    }
+
+    #[test]
+    fn a_wake_for_a_removed_stream_does_not_poll_the_stream_now_in_its_slot() {
+        let waker = noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let wakers = std::sync::Arc::default();
+        let mut fair_queue: FairQueue<WakerKeepingStream, &str> = FairQueue::new(true);
+        fair_queue.inner().lock().insert(
+            "gone",
+            WakerKeepingStream {
+                wakers: std::sync::Arc::clone(&wakers),
+                message: None,
+            },
+        );
+        assert!(Pin::new(&mut fair_queue).poll_next(&mut cx).is_pending());
+        fair_queue.inner().lock().remove(&"gone");
+        let next_wakers = std::sync::Arc::default();
+        fair_queue.inner().lock().insert(
+            "next",
+            WakerKeepingStream {
+                wakers: std::sync::Arc::clone(&next_wakers),
+                message: None,
+            },
+        );
+        assert!(Pin::new(&mut fair_queue).poll_next(&mut cx).is_pending());
+        assert_eq!(next_wakers.lock().unwrap().len(), 1, "polled once, as new");
+
+        let stale = wakers.lock().unwrap()[0].clone();
+        stale.wake();
+        assert!(Pin::new(&mut fair_queue).poll_next(&mut cx).is_pending());
+        assert_eq!(
+            next_wakers.lock().unwrap().len(),
+            1,
+            "the removed stream's wake must not poll the stream in its slot"
+        );
+        // The stream's own wake still does.
+        let own = next_wakers.lock().unwrap()[0].clone();
+        own.wake();
+        assert!(Pin::new(&mut fair_queue).poll_next(&mut cx).is_pending());
+        assert_eq!(next_wakers.lock().unwrap().len(), 2);
     }
 
     #[async_rt::test]
@@ -571,8 +732,7 @@ mod test {
         let inner = fair_queue.inner();
         let mut lock = inner.lock();
         let poll_count: usize = lock
-            .streams
-            .values_mut()
+            .streams_mut()
             .map(|stream| {
                 let UnifiedStream::CountPending(stream) = stream.as_mut().get_mut() else {
                     panic!("unexpected stream type");
@@ -610,16 +770,16 @@ mod test {
         let inner = fair_queue.inner();
         let mut lock = inner.lock();
         assert_eq!(
-            lock.ready_queue.len(),
+            lock.ready.len(),
             1,
             "wake generated during poll should remain queued for a later poll"
         );
         assert_eq!(
-            lock.queued.len(),
+            lock.slots.iter().filter(|slot| slot.queued).count(),
             1,
             "wake generated during poll should be tracked as queued"
         );
-        let stream = lock.streams.get_mut("pending").unwrap();
+        let stream = lock.stream_mut(&"pending").unwrap();
         let UnifiedStream::WakePending(stream) = stream.as_mut().get_mut() else {
             panic!("unexpected stream type");
         };
