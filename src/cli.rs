@@ -169,7 +169,7 @@ pub struct ServeArgs {
     pub max_batch_bytes: u64,
 
     /// Batches kept for resuming and lagging subscribers (slots are
-    /// allocated as batches arrive, 16 bytes per batch held).
+    /// allocated as batches arrive, 24 bytes per batch held).
     #[arg(long, env = "KVGATE_HISTORY_BATCHES", default_value_t = 10_000,
           value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     pub history_batches: u32,
