@@ -109,7 +109,7 @@ async fn a_full_history_of_100_kb_batches_stays_resident_within_its_formula() {
         held > HISTORY_BYTES * 9 / 10,
         "the history is full ({held} bytes)"
     );
-    // The formula: --history-bytes, plus 16 bytes of slots per batch held
+    // The formula: --history-bytes, plus 24 bytes of slots per batch held
     // (a few KB here); the margin is the allocator's and the runtime's.
     assert!(
         grown <= HISTORY_BYTES * 5 / 4 + (8 << 20),

@@ -247,18 +247,21 @@ where
                     return Poll::Ready(Some((key, res)));
                 }
                 Poll::Ready(None) => {
-                    // Peer disconnected. Don't put the stream back.
-                    if inner
+                    // Peer disconnected. Don't put the stream back. A slot
+                    // vacated or refilled meanwhile was removed, replaced or
+                    // cleared by the socket itself, which needs no telling
+                    // (and told, would drop the peer now under that key).
+                    let ended_here = inner
                         .slots
                         .get(index)
-                        .is_some_and(|slot| slot.generation == generation)
-                    {
+                        .is_some_and(|slot| slot.generation == generation);
+                    if ended_here {
                         inner.places.remove(&key);
                         inner.vacate(index);
                     }
                     // Call the callback outside the lock (to avoid deadlock
                     // if it accesses inner).
-                    if let Some(callback) = inner.on_disconnect.clone() {
+                    if let Some(callback) = inner.on_disconnect.clone().filter(|_| ended_here) {
                         drop(inner);
                         callback(key);
                         inner = fair_queue.inner.lock();
@@ -502,6 +505,36 @@ mod test {
         own.wake();
         assert!(Pin::new(&mut fair_queue).poll_next(&mut cx).is_pending());
         assert_eq!(next_wakers.lock().unwrap().len(), 2);
+    }
+
+    type BoxedStream = Pin<Box<dyn Stream<Item = &'static str> + Send>>;
+
+    #[test]
+    fn a_stream_replaced_while_it_ended_does_not_report_its_key_disconnected() {
+        let waker = noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut fair_queue: FairQueue<BoxedStream, &str> = FairQueue::new(true);
+        let disconnected = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = std::sync::Arc::clone(&disconnected);
+        fair_queue.set_on_disconnect(move |key| seen.lock().unwrap().push(key));
+        let inner = fair_queue.inner();
+        // Ends, but only after the socket gave its key to a new stream.
+        let mut replaced = false;
+        let ending: BoxedStream = Box::pin(futures::stream::poll_fn(move |_| {
+            if !replaced {
+                replaced = true;
+                let reconnected: BoxedStream = Box::pin(futures::stream::pending());
+                inner.lock().insert("peer", reconnected);
+            }
+            Poll::Ready(None)
+        }));
+        fair_queue.inner().lock().insert("peer", ending);
+        assert!(Pin::new(&mut fair_queue).poll_next(&mut cx).is_pending());
+        assert!(
+            disconnected.lock().unwrap().is_empty(),
+            "the key now names a live stream"
+        );
+        assert!(fair_queue.inner().lock().stream_mut(&"peer").is_some());
     }
 
     #[async_rt::test]
