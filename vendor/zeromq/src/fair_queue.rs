@@ -119,11 +119,19 @@ impl<S, K: Clone + Eq + Hash> QueueInner<S, K> {
         self.vacant.push(index);
     }
 
+    /// The slot at `index` if it still belongs to the stream of
+    /// `generation`: not vacated, refilled or cleared since.
+    fn slot_of(&mut self, index: usize, generation: u64) -> Option<&mut Slot<S, K>> {
+        self.slots
+            .get_mut(index)
+            .filter(|slot| slot.generation == generation)
+    }
+
     /// Queues the slot if it still holds the stream of `generation` and is
     /// not queued yet; says whether it did.
     fn mark_ready(&mut self, index: usize, generation: u64) -> bool {
-        match self.slots.get_mut(index) {
-            Some(slot) if slot.generation == generation && !slot.queued => {
+        match self.slot_of(index, generation) {
+            Some(slot) if !slot.queued => {
                 slot.queued = true;
                 self.ready.push_back(index);
                 true
@@ -135,13 +143,9 @@ impl<S, K: Clone + Eq + Hash> QueueInner<S, K> {
     /// Puts back a stream polled outside the lock, unless its slot was
     /// vacated (or cleared) meanwhile; says whether it did.
     fn restore(&mut self, index: usize, generation: u64, stream: Pin<Box<S>>) -> bool {
-        match self.slots.get_mut(index) {
-            Some(slot) if slot.generation == generation => {
-                slot.stream = Some(stream);
-                true
-            }
-            _ => false,
-        }
+        self.slot_of(index, generation)
+            .map(|slot| slot.stream = Some(stream))
+            .is_some()
     }
 }
 
@@ -251,10 +255,7 @@ where
                     // vacated or refilled meanwhile was removed, replaced or
                     // cleared by the socket itself, which needs no telling
                     // (and told, would drop the peer now under that key).
-                    let ended_here = inner
-                        .slots
-                        .get(index)
-                        .is_some_and(|slot| slot.generation == generation);
+                    let ended_here = inner.slot_of(index, generation).is_some();
                     if ended_here {
                         inner.places.remove(&key);
                         inner.vacate(index);
