@@ -202,7 +202,6 @@ pub struct BlockRecord {
     /// block is gone and no cut holds its page: the buffer went to the next
     /// new record.
     encoded: Option<ThinArc<(), u8>>,
-    fields: Arc<StoreFields>,
     /// When the block was stored, in the state's store order: engines store
     /// parents first, so sorting by it puts parents first (a snapshot walks
     /// in this order instead of chasing parent links).
@@ -210,6 +209,9 @@ pub struct BlockRecord {
     /// Here rather than in the buffer, so a snapshot sizes a block from the
     /// record it reads anyway.
     encoded_len: u32,
+    /// Where its page keeps the store-wide fields it shares with its
+    /// store's other blocks (set as the page takes the record).
+    fields_at: u16,
     has_parent: bool,
 }
 
@@ -217,11 +219,6 @@ impl BlockRecord {
     /// The block's parent, as its store named it.
     pub fn parent(&self) -> Option<i64> {
         self.has_parent.then_some(self.parent)
-    }
-
-    /// The store-wide fields it shares with its store's other blocks.
-    pub fn fields(&self) -> &Arc<StoreFields> {
-        &self.fields
     }
 
     /// Its place in the rank's store order (parents before children).
@@ -319,7 +316,7 @@ impl LiveState {
         let parent = stored.parent_block_hash.and_then(|hash| {
             self.ranks
                 .get(&rank)
-                .and_then(|blocks| blocks.tiers[tier].record(hash))
+                .and_then(|blocks| blocks.tiers[tier].get(hash))
         });
         if let Some(parent) = parent {
             if stored.lora_name.is_none() {
@@ -449,13 +446,13 @@ impl LiveState {
             let hash = block.hash;
             let order = self.next_order;
             widest_block = widest_block.max(Some(block.encoded_len()));
-            let found = map.find_or_insert_with(hash, || BlockRecord {
+            let found = map.find_or_insert_with(hash, &fields, || BlockRecord {
                 parent: parent.unwrap_or_default(),
                 has_parent: parent.is_some(),
                 encoded: Some(spare_bytes.filled(block.rest)),
-                fields: Arc::clone(&fields),
                 order,
                 encoded_len: u32::try_from(block.rest.len()).expect("a block under 4 GiB"),
+                fields_at: 0,
             });
             match found {
                 Found::Inserted => *copies += 1,
@@ -739,8 +736,8 @@ mod tests {
     }
 
     #[test]
-    fn a_block_record_fits_in_40_bytes() {
-        assert!(std::mem::size_of::<BlockRecord>() <= 40);
+    fn a_block_record_fits_in_32_bytes() {
+        assert!(std::mem::size_of::<BlockRecord>() <= 32);
     }
 
     #[test]

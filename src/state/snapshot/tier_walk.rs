@@ -101,12 +101,12 @@ impl<'cut> PathWriter<'cut> {
     fn add(&mut self, block: LiveBlock<'cut>, chunker: &mut Chunker) {
         let &(hash, ref record) = block.entry;
         let same_fields =
-            matches!(&self.store, Some((fields, _)) if Arc::ptr_eq(fields, record.fields()));
+            matches!(&self.store, Some((fields, _)) if Arc::ptr_eq(fields, block.fields));
         if !same_fields {
             if let Some((_, piece)) = self.store.take() {
                 chunker.push_piece(piece);
             }
-            let fields = Arc::clone(record.fields());
+            let fields = Arc::clone(block.fields);
             let piece = chunker.piece(&fields, record.parent());
             self.store = Some((fields, piece));
         }
@@ -125,8 +125,8 @@ impl<'cut> PathWriter<'cut> {
         for block in self.copied.drain(..) {
             let &(hash, ref record) = block.entry;
             for _ in 1..block.copies {
-                let mut piece = chunker.piece(record.fields(), record.parent());
-                chunker.extend_store(record.fields(), &mut piece, hash, record);
+                let mut piece = chunker.piece(block.fields, record.parent());
+                chunker.extend_store(block.fields, &mut piece, hash, record);
                 chunker.push_piece(piece);
             }
         }
