@@ -217,7 +217,8 @@ async fn healthz(health: HealthWatch) -> (http::StatusCode, String) {
 }
 
 #[tokio::test]
-async fn a_zmq_address_kvgate_cannot_bind_fails_the_start_naming_the_flags_and_the_address() {
+async fn a_zmq_address_kvgate_cannot_bind_fails_the_start_naming_the_flags_the_address_and_the_cause_once()
+ {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = format!("tcp://127.0.0.1:{}", taken.local_addr().unwrap().port());
     let refused = Gateway::start(serve_args(&["--zmq-endpoint", &endpoint, "--zmq-bind"]))
@@ -231,4 +232,34 @@ async fn a_zmq_address_kvgate_cannot_bind_fails_the_start_naming_the_flags_and_t
         )),
         "{message}"
     );
+    assert_eq!(
+        message.matches("Address already in use").count(),
+        1,
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_state_directory_in_use_or_beyond_reach_fails_the_start_saying_why_once() {
+    let scratch = std::env::temp_dir().join(format!("kvgate-app-state-{}", std::process::id()));
+    let held = scratch.join("held");
+    let state_dir =
+        |dir: &std::path::Path| serve_args(&["--demo", "--state-dir", dir.to_str().unwrap()]);
+    let _holder = Gateway::start(state_dir(&held)).await.unwrap();
+    let file = scratch.join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let under_a_file = file.join("state");
+    for (dir, why) in [
+        (&held, "is in use by another kvgate process"),
+        (&under_a_file, "Not a directory"),
+    ] {
+        let refused = Gateway::start(state_dir(dir))
+            .await
+            .err()
+            .expect("the directory cannot be taken");
+        let message = format!("{refused:#}");
+        assert!(message.starts_with("--state-dir "), "{message}");
+        assert_eq!(message.matches(why).count(), 1, "{message}");
+    }
+    std::fs::remove_dir_all(&scratch).unwrap();
 }

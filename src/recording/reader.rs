@@ -32,12 +32,13 @@ pub enum OpenError {
     #[error("no recording file given")]
     NoFile,
     /// The file cannot be opened or read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The part.
         path: String,
-        /// What the system said.
-        source: std::io::Error,
+        /// What the system said (in the message, so not the `source`: as
+        /// both, `{:#}` printed it twice).
+        error: std::io::Error,
     },
     /// The file does not start with the recording magic.
     #[error("{path}: not a kvgate recording (no recording header at offset 0)")]
@@ -131,9 +132,9 @@ struct PartReader {
 impl PartReader {
     fn open(path: &Path) -> Result<Self, OpenError> {
         let shown = path.display().to_string();
-        let io = |source| OpenError::Io {
+        let io = |error| OpenError::Io {
             path: shown.clone(),
-            source,
+            error,
         };
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();

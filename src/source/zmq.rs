@@ -98,14 +98,16 @@ pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), F
 /// Why the sockets could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("rank {rank}'s publisher: {source}")]
-    PublisherEndpoint { rank: u32, source: EndpointError },
-    #[error("rank {rank}'s replay endpoint: {source}")]
-    ReplayEndpoint { rank: u32, source: EndpointError },
+    // Each cause is in the message, so not the error's `source`: as both,
+    // `{:#}` printed it twice.
+    #[error("rank {rank}'s publisher: {error}")]
+    PublisherEndpoint { rank: u32, error: EndpointError },
+    #[error("rank {rank}'s replay endpoint: {error}")]
+    ReplayEndpoint { rank: u32, error: EndpointError },
     #[error("cannot subscribe to the topic: {0}")]
     Subscribe(ZmqError),
-    #[error("cannot bind {address}: {source}")]
-    Bind { address: String, source: ZmqError },
+    #[error("cannot bind {address}: {error}")]
+    Bind { address: String, error: ZmqError },
 }
 
 impl ZmqSourceConfig {
@@ -142,7 +144,7 @@ impl ZmqSourceConfig {
                 let replay = match &config.replay_endpoint {
                     Some(base) => Some(ReplayClient::new(
                         base.for_rank(rank)
-                            .map_err(|source| StartError::ReplayEndpoint { rank, source })?
+                            .map_err(|error| StartError::ReplayEndpoint { rank, error })?
                             .connect_address(),
                         topic.clone(),
                         config.replay_timeout,
@@ -203,7 +205,7 @@ impl RankSockets<'_> {
             let endpoint = self
                 .endpoint
                 .for_rank(rank)
-                .map_err(|source| StartError::PublisherEndpoint { rank, source })?;
+                .map_err(|error| StartError::PublisherEndpoint { rank, error })?;
             let mut options = socket_options(self.max_message_bytes);
             options.no_connect_timeout();
             let mut socket = SubSocket::with_options(options);
@@ -223,9 +225,9 @@ impl RankSockets<'_> {
                 let bound = socket
                     .bind(&address)
                     .await
-                    .map_err(|source| StartError::Bind {
+                    .map_err(|error| StartError::Bind {
                         address: address.clone(),
-                        source,
+                        error,
                     })?;
                 info!(rank, %bound, "listening for {peer}");
                 let handshakes = socket.monitor();

@@ -21,12 +21,13 @@ pub enum LockError {
         holder: String,
     },
     /// The lock file cannot be opened or locked.
-    #[error("cannot lock {path}: {source}")]
+    #[error("cannot lock {path}: {error}")]
     Io {
         /// The lock file.
         path: PathBuf,
-        /// What the system said.
-        source: std::io::Error,
+        /// What the system said (in the message, so not the `source`: as
+        /// both, `{:#}` printed it twice).
+        error: std::io::Error,
     },
 }
 
@@ -43,9 +44,9 @@ impl DirLock {
     /// Takes `dir`'s lock without waiting and writes this process's pid.
     pub fn take(dir: &Path) -> Result<Self, LockError> {
         let path = dir.join(LOCK_FILE);
-        let io = |source| LockError::Io {
+        let io = |error| LockError::Io {
             path: path.clone(),
-            source,
+            error,
         };
         if std::fs::symlink_metadata(&path).is_ok_and(|metadata| !metadata.is_file()) {
             let kept = super::files::damaged_path(&path, super::format::Damage::NotAFile);

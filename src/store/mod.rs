@@ -76,15 +76,16 @@ pub struct StoreConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// Another process holds it, or its lock file cannot be locked.
-    #[error("{0}")]
+    #[error(transparent)]
     Lock(#[from] LockError),
     /// The directory cannot be created or listed.
-    #[error("cannot read or create {dir}: {source}")]
+    #[error("cannot read or create {dir}: {error}")]
     Io {
         /// The directory.
         dir: PathBuf,
-        /// What the system said.
-        source: std::io::Error,
+        /// What the system said (in the message, so not the `source`: as
+        /// both, `{:#}` printed it twice).
+        error: std::io::Error,
     },
 }
 
@@ -151,9 +152,9 @@ impl StoreStatus {
 /// background threads. `fresh_seed` numbers a new numbering (raised above
 /// every number the directory names). Blocking work.
 pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<Opened, OpenError> {
-    let io = |source| OpenError::Io {
+    let io = |error| OpenError::Io {
         dir: config.dir.clone(),
-        source,
+        error,
     };
     std::fs::create_dir_all(&config.dir).map_err(io)?;
     // Held until the process ends, whoever still writes: the kernel
