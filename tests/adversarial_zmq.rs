@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{DEADLINE, Gateway, free_ports, http_get, subscribe, sync_streams};
+use common::{DEADLINE, Gateway, http_get, subscribe, sync_streams};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -152,15 +152,16 @@ async fn real_events_flow(gateway: &Gateway, publisher: &mut EnginePublisher) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_bound_kvgate_drops_peers_announcing_oversized_frames_and_serves_the_real_publisher_after_them()
  {
-    let port = free_ports(1);
+    let (mut gateway, port) = Gateway::start_on_free_ports(1, |port| {
+        vec![
+            "--zmq-endpoint".into(),
+            format!("tcp://127.0.0.1:{port}"),
+            "--zmq-bind".into(),
+            "--metrics-listen".into(),
+            "127.0.0.1:0".into(),
+        ]
+    });
     let endpoint = format!("tcp://127.0.0.1:{port}");
-    let mut gateway = Gateway::start(&[
-        "--zmq-endpoint",
-        &endpoint,
-        "--zmq-bind",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
     for reason in ["message_too_large", "protocol_error", "connection_error"] {
         assert_eq!(dropped(&gateway, "sub", reason).await, 0);
         assert_eq!(dropped(&gateway, "replay", reason).await, 0);

@@ -5,7 +5,7 @@
 mod common;
 
 use common::router::RouterView;
-use common::{Gateway, free_ports, next_batch, subscribe};
+use common::{Gateway, next_batch, subscribe};
 use kvgate::proto::common::KvEventBatch;
 use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
 
@@ -20,15 +20,18 @@ async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstre
         .unwrap();
     let replay = publisher.replay_endpoint().unwrap().to_owned();
     let endpoint = publisher.endpoint().to_owned();
-    let upstream_port = free_ports(1);
-    let upstream_listen = format!("127.0.0.1:{upstream_port}");
     let upstream_args = [
         "--zmq-endpoint",
         &endpoint,
         "--zmq-replay-endpoint",
         &replay,
     ];
-    let mut upstream = Gateway::start_listening(&upstream_listen, &upstream_args);
+    let (mut upstream, _) = Gateway::start_listening_on_free_ports(1, |port| {
+        let args = upstream_args.iter().map(|&arg| arg.to_owned()).collect();
+        (format!("127.0.0.1:{port}"), args)
+    });
+    // Restarted on the same port, which its downstream keeps dialling.
+    let upstream_listen = upstream.address.to_string();
     let upstream_uri = format!("http://{upstream_listen}");
     let downstream = Gateway::start(&["--upstream-grpc", &upstream_uri]);
 

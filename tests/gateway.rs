@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Gateway, fixture, free_ports, next_batch, skip_past_fence, subscribe, sync_streams};
+use common::{Gateway, fixture, next_batch, skip_past_fence, subscribe, sync_streams};
 use kvgate::proto::common::KvEventBatch;
 use kvgate::server::SUBSCRIBE_SERVICES;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
@@ -187,9 +187,16 @@ async fn a_lower_max_batch_events_is_honoured() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn with_two_ranks_each_rank_keeps_its_own_numbering_and_events() {
-    let base = free_ports(2);
+    let (gateway, base) = Gateway::start_on_free_ports(2, |base| {
+        vec![
+            "--zmq-endpoint".into(),
+            format!("tcp://127.0.0.1:{base}"),
+            "--zmq-bind".into(),
+            "--dp-size".into(),
+            "2".into(),
+        ]
+    });
     let endpoint = format!("tcp://127.0.0.1:{base}");
-    let gateway = Gateway::start(&["--zmq-endpoint", &endpoint, "--zmq-bind", "--dp-size", "2"]);
     let options = PublisherOptions::default();
     let mut rank0 = EnginePublisher::connect(&endpoint, &options).await.unwrap();
     let mut rank1 = EnginePublisher::connect(&format!("tcp://127.0.0.1:{}", base + 1), &options)
@@ -259,4 +266,32 @@ async fn response_headers_arrive_at_once_even_when_no_event_flows() {
     call.await
         .expect("headers within 2 s")
         .expect("call accepted");
+}
+
+#[test]
+fn a_port_taken_between_its_choice_and_kvgate_s_bind_costs_a_retry_on_others_not_the_test() {
+    // The first port chosen is taken before kvgate binds it, as a
+    // connection from another test may take it.
+    let squatter = std::sync::Mutex::new(None);
+    let (gateway, port) = Gateway::start_on_free_ports(1, |port| {
+        let mut squatter = squatter.lock().unwrap();
+        if squatter.is_none() {
+            *squatter = Some(std::net::TcpListener::bind(("127.0.0.1", port)).unwrap());
+        }
+        vec![
+            "--zmq-endpoint".into(),
+            format!("tcp://127.0.0.1:{port}"),
+            "--zmq-bind".into(),
+        ]
+    });
+    let taken = squatter
+        .lock()
+        .unwrap()
+        .as_ref()
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    assert_ne!(port, taken);
+    assert!(gateway.address.port() > 0);
 }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::router::{Admission, RouterView};
-use common::{DEADLINE, Gateway, free_ports, next_batch, subscribe};
+use common::{DEADLINE, Gateway, next_batch, subscribe};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
 use kvgate::recording::{Ending, Entry, Recording};
 use prost::Message as _;
@@ -211,9 +211,13 @@ async fn a_recording_across_a_restart_and_a_disconnect_replays_to_the_same_state
 {
     let scratch = Scratch::new("restart");
     let out = scratch.path("stream.kvrec");
-    let listen = format!("127.0.0.1:{}", free_ports(1));
     let engine = ["--demo", "--dp-size", "2"];
-    let mut gateway = Gateway::start_listening(&listen, &engine);
+    let (mut gateway, _) = Gateway::start_listening_on_free_ports(1, |port| {
+        let args = engine.iter().map(|&arg| arg.to_owned()).collect();
+        (format!("127.0.0.1:{port}"), args)
+    });
+    // Restarted on the same port, which the recorder keeps dialling.
+    let listen = gateway.address.to_string();
     let proxy = Proxy::start(gateway.address).await;
     let mut recorder = Recorder::start(&proxy.address, &out, &["--dp-size", "2"]);
     await_recording(&out, "10 batches", |entries| batches_in(entries) >= 10).await;

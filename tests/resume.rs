@@ -5,7 +5,7 @@
 mod common;
 
 use common::router::{Admission, RouterView};
-use common::{Gateway, free_ports, subscribe, sync_streams_observing};
+use common::{Gateway, subscribe, sync_streams_observing};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
 use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine};
 use tonic::codec::Streaming;
@@ -178,9 +178,13 @@ async fn a_restarted_engine_reaches_subscribers_as_a_clear_on_the_same_stream_an
 #[tokio::test(flavor = "multi_thread")]
 async fn after_kvgate_restarts_an_old_cursor_is_refused_never_silently_aliased() {
     let mut publisher = publisher().await;
-    let listen = format!("127.0.0.1:{}", free_ports(1));
     let endpoint = publisher.endpoint().to_owned();
-    let mut gateway = Gateway::start_listening(&listen, &["--zmq-endpoint", &endpoint]);
+    let (mut gateway, _) = Gateway::start_listening_on_free_ports(1, |port| {
+        let args = vec!["--zmq-endpoint".to_owned(), endpoint.clone()];
+        (format!("127.0.0.1:{port}"), args)
+    });
+    // Restarted on the same port, as a router's configured address.
+    let listen = gateway.address.to_string();
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;
     let mut engine = engine(5);

@@ -61,6 +61,46 @@ impl Gateway {
         env: &[(&str, &str)],
         configure: impl FnOnce(&mut Command),
     ) -> Self {
+        Self::try_spawn(listen, args, env, configure).unwrap_or_else(|failure| {
+            panic!("kvgate did not report its address in time: {failure}")
+        })
+    }
+
+    /// Starts kvgate with ports `free_ports(n)` chose, `args(base)` naming
+    /// them, and, should another process take one of them before kvgate
+    /// binds it, starts it again on others (at most 5 tries): a port is
+    /// free only until somebody binds it or connects from it. Returns the
+    /// gateway and the base port it bound.
+    pub fn start_on_free_ports(n: u16, args: impl Fn(u16) -> Vec<String>) -> (Self, u16) {
+        Self::start_listening_on_free_ports(n, |base| ("127.0.0.1:0".to_owned(), args(base)))
+    }
+
+    /// `start_on_free_ports`, with `--listen` among the addresses chosen:
+    /// `args(base)` gives it and the rest.
+    pub fn start_listening_on_free_ports(
+        n: u16,
+        args: impl Fn(u16) -> (String, Vec<String>),
+    ) -> (Self, u16) {
+        let mut failures = Vec::new();
+        for _ in 0..5 {
+            let base = free_ports(n);
+            let (listen, args) = args(base);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            match Self::try_spawn(&listen, &args, &[], |_| {}) {
+                Ok(gateway) => return (gateway, base),
+                Err(failure) if failure.port_was_taken() => failures.push(failure),
+                Err(failure) => panic!("kvgate did not start: {failure}"),
+            }
+        }
+        panic!("kvgate found its ports taken 5 times: {failures:?}");
+    }
+
+    fn try_spawn(
+        listen: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        configure: impl FnOnce(&mut Command),
+    ) -> Result<Self, StartFailure> {
         let mut command = Command::new(env!("CARGO_BIN_EXE_kvgate"));
         command
             .arg("serve")
@@ -80,15 +120,19 @@ impl Gateway {
         // Through the test's own stderr, which the test harness captures
         // (a spawned thread inherits the capture) and shows only when the
         // test fails: the warnings a test provokes on purpose stay quiet.
-        // A test that sent stderr elsewhere reads it there.
-        if let Some(stderr) = child.stderr.take() {
+        // A test that sent stderr elsewhere reads it there. Kept too, to
+        // tell why kvgate did not start.
+        let stderr_lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr_ended = child.stderr.take().map(|stderr| {
+            let lines = std::sync::Arc::clone(&stderr_lines);
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
                     eprintln!("kvgate: {line}");
+                    lines.lock().unwrap().push(line);
                 }
-            });
-        }
+            })
+        });
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std_mpsc::channel();
         std::thread::spawn(move || {
@@ -106,17 +150,22 @@ impl Gateway {
                 }
             }
         });
-        let (address, admin) = match rx.recv_timeout(DEADLINE) {
-            Ok((address, admin)) => (address.parse().expect("a socket address"), admin),
+        match rx.recv_timeout(DEADLINE) {
+            Ok((address, admin)) => Ok(Self {
+                child: Some(child),
+                address: address.parse().expect("a socket address"),
+                admin,
+            }),
             Err(_) => {
                 let _ = child.kill();
-                panic!("kvgate did not report its address in time");
+                let exit = child.wait().expect("wait for kvgate");
+                // Everything it wrote, now that it is gone.
+                if let Some(ended) = stderr_ended {
+                    let _ = ended.join();
+                }
+                let stderr = std::mem::take(&mut *stderr_lines.lock().unwrap());
+                Err(StartFailure { exit, stderr })
             }
-        };
-        Self {
-            child: Some(child),
-            address,
-            admin,
         }
     }
 
@@ -191,6 +240,29 @@ impl Drop for Gateway {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+/// Why kvgate stopped before reporting its address.
+#[derive(Debug)]
+pub struct StartFailure {
+    pub exit: std::process::ExitStatus,
+    /// Its stderr, unless the test sent that elsewhere.
+    pub stderr: Vec<String>,
+}
+
+impl StartFailure {
+    /// Whether it stopped because a port it was to bind was in use.
+    fn port_was_taken(&self) -> bool {
+        self.stderr
+            .iter()
+            .any(|line| line.contains("Address already in use"))
+    }
+}
+
+impl std::fmt::Display for StartFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}; stderr: {}", self.exit, self.stderr.join(" | "))
     }
 }
 
