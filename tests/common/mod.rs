@@ -7,6 +7,7 @@ pub mod pki;
 pub mod raw_codec;
 pub mod router;
 
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
@@ -20,6 +21,10 @@ use tonic::transport::Channel;
 
 /// Upper bound for anything a test waits on.
 pub const DEADLINE: Duration = Duration::from_secs(20);
+
+/// Lines of a kvgate's stderr kept to say why it did not start: the last
+/// ones, the reason among them.
+const STDERR_LINES_KEPT: usize = 64;
 
 /// A running `kvgate` process, killed by pid when dropped.
 pub struct Gateway {
@@ -120,16 +125,20 @@ impl Gateway {
         // Through the test's own stderr, which the test harness captures
         // (a spawned thread inherits the capture) and shows only when the
         // test fails: the warnings a test provokes on purpose stay quiet.
-        // A test that sent stderr elsewhere reads it there. Kept too, to
-        // tell why kvgate did not start.
-        let stderr_lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        // A test that sent stderr elsewhere reads it there. The last lines
+        // are kept too, to tell why kvgate did not start.
+        let stderr_lines = std::sync::Arc::new(std::sync::Mutex::new(VecDeque::new()));
         let stderr_ended = child.stderr.take().map(|stderr| {
             let lines = std::sync::Arc::clone(&stderr_lines);
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
                     eprintln!("kvgate: {line}");
-                    lines.lock().unwrap().push(line);
+                    let mut lines = lines.lock().unwrap();
+                    if lines.len() == STDERR_LINES_KEPT {
+                        lines.pop_front();
+                    }
+                    lines.push_back(line);
                 }
             })
         });
@@ -163,7 +172,7 @@ impl Gateway {
                 if let Some(ended) = stderr_ended {
                     let _ = ended.join();
                 }
-                let stderr = std::mem::take(&mut *stderr_lines.lock().unwrap());
+                let stderr = std::mem::take(&mut *stderr_lines.lock().unwrap()).into();
                 Err(StartFailure { exit, stderr })
             }
         }
@@ -247,7 +256,7 @@ impl Drop for Gateway {
 #[derive(Debug)]
 pub struct StartFailure {
     pub exit: std::process::ExitStatus,
-    /// Its stderr, unless the test sent that elsewhere.
+    /// The last lines of its stderr, unless the test sent that elsewhere.
     pub stderr: Vec<String>,
 }
 
