@@ -30,7 +30,8 @@ async fn a_chained_gateway_keeps_its_subscribers_through_a_restart_of_the_upstre
         let args = upstream_args.iter().map(|&arg| arg.to_owned()).collect();
         (format!("127.0.0.1:{port}"), args)
     });
-    // Restarted on the same port, which its downstream keeps dialling.
+    // Restarted on the same port, which its downstream keeps dialling (a
+    // restart cannot move to another port if this one was taken meanwhile).
     let upstream_listen = upstream.address.to_string();
     let upstream_uri = format!("http://{upstream_listen}");
     let downstream = Gateway::start(&["--upstream-grpc", &upstream_uri]);

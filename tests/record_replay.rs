@@ -216,7 +216,8 @@ async fn a_recording_across_a_restart_and_a_disconnect_replays_to_the_same_state
         let args = engine.iter().map(|&arg| arg.to_owned()).collect();
         (format!("127.0.0.1:{port}"), args)
     });
-    // Restarted on the same port, which the recorder keeps dialling.
+    // Restarted on the same port, which the recorder keeps dialling (a
+    // restart cannot move to another port if this one was taken meanwhile).
     let listen = gateway.address.to_string();
     let proxy = Proxy::start(gateway.address).await;
     let mut recorder = Recorder::start(&proxy.address, &out, &["--dp-size", "2"]);

@@ -183,7 +183,8 @@ async fn after_kvgate_restarts_an_old_cursor_is_refused_never_silently_aliased()
         let args = vec!["--zmq-endpoint".to_owned(), endpoint.clone()];
         (format!("127.0.0.1:{port}"), args)
     });
-    // Restarted on the same port, as a router's configured address.
+    // Restarted on the same port, as a router's configured address (a
+    // restart cannot move to another port if this one was taken meanwhile).
     let listen = gateway.address.to_string();
     let mut view = RouterView::new();
     let mut stream = joined(&gateway, &mut publisher, &mut view).await;

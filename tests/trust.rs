@@ -73,11 +73,14 @@ impl Client {
     /// Asserts that this client gets no message from the gateway: the
     /// connection, the call or the stream fails before any batch.
     async fn gets_nothing_from(&self, address: SocketAddr, publisher: &mut EnginePublisher) {
-        // A call on a connection the server refused once hung the client
-        // with no timer left (tonic's; kvgate had closed it): one that never
-        // answers gets nothing either.
-        let Ok(Ok(mut stream)) = tokio::time::timeout(DEADLINE, self.subscribe(address)).await
-        else {
+        let Ok(channel) = self.connect(address).await else {
+            return;
+        };
+        // A call on a connection kvgate had refused and closed once hung
+        // in the client with no timer left: a call that never answers
+        // gets nothing either.
+        let call = kvgate::client::subscribe(channel, "kvgate.v1.KvGate", 0);
+        let Ok(Ok(mut stream)) = tokio::time::timeout(DEADLINE, call).await else {
             return;
         };
         // The TLS 1.3 server verifies a client certificate after the client

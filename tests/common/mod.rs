@@ -66,9 +66,8 @@ impl Gateway {
         env: &[(&str, &str)],
         configure: impl FnOnce(&mut Command),
     ) -> Self {
-        Self::try_spawn(listen, args, env, configure).unwrap_or_else(|failure| {
-            panic!("kvgate did not report its address in time: {failure}")
-        })
+        Self::try_spawn(listen, args, env, configure)
+            .unwrap_or_else(|failure| panic!("kvgate did not report its address: {failure}"))
     }
 
     /// Starts kvgate with ports `free_ports(n)` chose, `args(base)` naming
@@ -261,11 +260,12 @@ pub struct StartFailure {
 }
 
 impl StartFailure {
-    /// Whether it stopped because a port it was to bind was in use.
+    /// Whether it stopped because a port it was to bind was in use: its
+    /// last word (`main`'s error, not a warning) says so.
     fn port_was_taken(&self) -> bool {
-        self.stderr
-            .iter()
-            .any(|line| line.contains("Address already in use"))
+        self.stderr.last().is_some_and(|line| {
+            line.starts_with("kvgate: ") && line.contains("Address already in use")
+        })
     }
 }
 
