@@ -11,6 +11,8 @@ mod zmq_codec;
 pub(crate) use command::{ZmqCommand, ZmqCommandName};
 pub use error::CodecError;
 pub(crate) use error::CodecResult;
+#[cfg(feature = "tokio-runtime")]
+pub(crate) use framed::TokioRead;
 pub use framed::ZmqFramedRead;
 pub(crate) use framed::{FrameableWrite, FramedIo, ZmqFramedWrite};
 pub(crate) use greeting::{ZmqGreeting, ZmtpVersion};

@@ -175,10 +175,10 @@ fn make_framed<T>(stream: T, options: Arc<crate::SocketOptions>) -> FramedIo
 where
     T: IntoHalves,
 {
-    use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
+    use tokio_util::compat::TokioAsyncWriteCompatExt;
     let (read, write) = stream.into_halves();
     FramedIo::new(
-        Box::new(read.compat()),
+        Box::new(crate::codec::TokioRead(read)),
         Box::new(write.compat_write()),
         options,
     )

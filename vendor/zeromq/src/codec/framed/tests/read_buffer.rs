@@ -286,3 +286,69 @@ fn read_buffer_shares_configuration_but_keeps_connection_state_independent() {
     assert_eq!(first.short_reads, 1);
     assert_eq!(second.short_reads, 0);
 }
+
+/// A tokio reader that hands out its input in pieces of at most `piece`
+/// bytes and notes how much of each room it was given was already
+/// initialized.
+#[cfg(feature = "tokio-runtime")]
+struct TokioPieces {
+    input: Vec<u8>,
+    position: usize,
+    piece: usize,
+    initialized_rooms: Arc<Mutex<Vec<usize>>>,
+}
+
+#[cfg(feature = "tokio-runtime")]
+impl tokio::io::AsyncRead for TokioPieces {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buffer: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.initialized_rooms
+            .lock()
+            .unwrap()
+            .push(buffer.initialized().len());
+        let count = buffer
+            .remaining()
+            .min(self.piece)
+            .min(self.input.len() - self.position);
+        let start = self.position;
+        buffer.put_slice(&self.input[start..start + count]);
+        self.position += count;
+        Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(feature = "tokio-runtime")]
+#[async_rt::test]
+async fn a_tokio_read_half_reads_into_room_nobody_wrote_first() {
+    let payloads: Vec<Vec<u8>> = (0..40_u8)
+        .map(|i| vec![i; 300 + usize::from(i) * 97])
+        .collect();
+    let frames: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+    let initialized_rooms = Arc::new(Mutex::new(Vec::new()));
+    let source = TokioPieces {
+        input: encoded_stream(&frames),
+        position: 0,
+        piece: 1000,
+        initialized_rooms: Arc::clone(&initialized_rooms),
+    };
+    let mut reader = ZmqFramedRead::new(
+        Box::new(crate::codec::TokioRead(source)),
+        Arc::new(SocketOptions::default()),
+    );
+    let mut received = Vec::new();
+    while let Some(item) = reader.next().await {
+        if let Message::Message(message) = item.unwrap() {
+            received.push(message.get(0).unwrap().to_vec());
+        }
+    }
+    assert_eq!(received, payloads);
+    let rooms = initialized_rooms.lock().unwrap();
+    assert!(rooms.len() > payloads.len());
+    assert!(
+        rooms.iter().all(|&initialized| initialized == 0),
+        "{rooms:?}"
+    );
+}
