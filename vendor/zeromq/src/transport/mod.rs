@@ -171,7 +171,7 @@ impl IntoHalves for tokio::net::UnixStream {
 
 #[allow(unused)]
 #[cfg(feature = "tokio-runtime")]
-fn make_framed<T>(stream: T, options: Arc<crate::SocketOptions>) -> FramedIo
+pub(crate) fn make_framed<T>(stream: T, options: Arc<crate::SocketOptions>) -> FramedIo
 where
     T: IntoHalves,
 {
