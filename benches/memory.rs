@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvgate::allocator::HugePages;
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
@@ -323,7 +324,11 @@ fn restart_time() -> (Duration, Duration, u64) {
 }
 
 fn main() {
-    // The heap the binary uses (the counting wrapper changes none of it).
+    // The heap `kvgate serve` runs on (the counting wrapper changes none
+    // of it).
+    if let HugePages::RestartFailed(error) = kvgate::allocator::restart_asking_for_huge_pages() {
+        eprintln!("the heap stays on small pages: {error}");
+    }
     kvgate::allocator::tune();
     // `cargo test --benches` runs bench targets too: keep that quick.
     if std::env::args().any(|arg| arg == "--test" || arg == "--list") {

@@ -1,6 +1,7 @@
 use std::time::Duration;
 
 use clap::CommandFactory;
+use kvgate::allocator::HugePages;
 use kvgate::cli::{Cli, Command};
 
 /// How long tasks still running once a command is done (the gateway already
@@ -10,9 +11,18 @@ const RUNTIME_EXIT_GRACE: Duration = Duration::from_millis(500);
 fn main() -> std::process::ExitCode {
     let refused = kvgate::allocator::tune();
     let cli = kvgate::usage::parse_cli();
+    // Only the gateway lives long enough, and holds enough, to gain; a
+    // client command is not started twice.
+    let huge_pages = match cli.command {
+        Command::Serve(_) => kvgate::allocator::restart_asking_for_huge_pages(),
+        _ => HugePages::AsTheyAre,
+    };
     kvgate::logging::init(cli.log_format);
     if !refused.is_empty() {
         tracing::warn!(?refused, "malloc kept its defaults for these parameters");
+    }
+    if let HugePages::RestartFailed(error) = huge_pages {
+        tracing::info!(%error, "could not start again with malloc asking for huge pages; the heap stays on the kernel's default pages");
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // The gateway's runtime shape is measured (issue 22: a wake-up of

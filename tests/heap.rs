@@ -1,0 +1,71 @@
+//! The heap a running gateway is on: where the kernel gives transparent
+//! huge pages only to memory that asks for them, glibc's malloc asks for
+//! every heap it makes (`GLIBC_TUNABLES`, read only as a process starts:
+//! kvgate starts itself again, same arguments, same pid); a tunable the
+//! user set is kept as set.
+
+mod common;
+
+use std::process::Command;
+
+use common::Gateway;
+
+/// `name`'s value in the environment of process `pid`.
+fn environment_variable(pid: u32, name: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).expect("read /proc/PID/environ");
+    environ
+        .split(|&byte| byte == 0)
+        .filter_map(|entry| std::str::from_utf8(entry).ok())
+        .find_map(|entry| entry.strip_prefix(name)?.strip_prefix('='))
+        .map(str::to_owned)
+}
+
+/// Mappings of process `pid` that asked the kernel for huge pages
+/// (`madvise(MADV_HUGEPAGE)`, the `hg` flag of `/proc/PID/smaps`).
+fn mappings_asking_for_huge_pages(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+        .expect("read /proc/PID/smaps")
+        .lines()
+        .filter_map(|line| line.strip_prefix("VmFlags:"))
+        .filter(|flags| flags.split_whitespace().any(|flag| flag == "hg"))
+        .count()
+}
+
+/// Whether this kernel gives transparent huge pages only on request.
+fn kernel_gives_huge_pages_on_request() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|mode| mode.split_whitespace().any(|word| word == "[madvise]"))
+}
+
+#[test]
+fn the_gateways_heap_asks_for_huge_pages_where_the_kernel_gives_them_only_on_request() {
+    let gateway = Gateway::start_configured(&["--demo"], |command: &mut Command| {
+        command.env_remove("GLIBC_TUNABLES");
+    });
+    // The process the harness started is the one serving, on the address
+    // its arguments asked for: started again in place, arguments kept.
+    let pid = gateway.pid();
+    let tunables = environment_variable(pid, "GLIBC_TUNABLES");
+    if kernel_gives_huge_pages_on_request() {
+        assert_eq!(tunables.as_deref(), Some("glibc.malloc.hugetlb=1"));
+        assert!(
+            mappings_asking_for_huge_pages(pid) > 0,
+            "malloc asked for huge pages for none of its heaps"
+        );
+    } else {
+        // All memory gets them or none does: nothing to ask, no restart.
+        assert_eq!(tunables, None);
+    }
+}
+
+#[test]
+fn a_huge_page_tunable_the_user_set_is_kept_as_set() {
+    let gateway =
+        Gateway::start_with_env(&["--demo"], &[("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")]);
+    let pid = gateway.pid();
+    assert_eq!(
+        environment_variable(pid, "GLIBC_TUNABLES").as_deref(),
+        Some("glibc.malloc.hugetlb=0")
+    );
+    assert_eq!(mappings_asking_for_huge_pages(pid), 0);
+}
