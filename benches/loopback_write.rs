@@ -23,7 +23,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group};
-use kvgate::allocator::HugePages;
 
 /// Gap between writes when the reader should be waiting for each one: a
 /// subscriber's batch every ~1 ms, as in the 20k events/s sweep.
@@ -104,11 +103,7 @@ fn loopback_write(c: &mut Criterion) {
 
 criterion_group!(benches, loopback_write);
 fn main() {
-    // `criterion_main!`, on the heap `kvgate serve` runs on.
-    if let HugePages::RestartFailed(error) = kvgate::allocator::restart_asking_for_huge_pages() {
-        eprintln!("the heap stays on small pages: {error}");
-    }
-    kvgate::allocator::tune();
+    kvgate::allocator::bench_on_the_gateways_heap(); // `criterion_main!`
     benches();
     Criterion::default().configure_from_args().final_summary();
 }

@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvgate::allocator::HugePages;
 use kvgate::convert::{Converter, Tally};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
@@ -324,12 +323,8 @@ fn restart_time() -> (Duration, Duration, u64) {
 }
 
 fn main() {
-    // The heap `kvgate serve` runs on (the counting wrapper changes none
-    // of it).
-    if let HugePages::RestartFailed(error) = kvgate::allocator::restart_asking_for_huge_pages() {
-        eprintln!("the heap stays on small pages: {error}");
-    }
-    kvgate::allocator::tune();
+    // The counting wrapper changes none of the heap.
+    kvgate::allocator::bench_on_the_gateways_heap();
     // `cargo test --benches` runs bench targets too: keep that quick.
     if std::env::args().any(|arg| arg == "--test" || arg == "--list") {
         return;

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group};
-use kvgate::allocator::HugePages;
 use kvgate::convert::{Converter, Forwarded, Tally, TranscodedPayload};
 use kvgate::drain::Drain;
 use kvgate::drain::batcher::BatchLimits;
@@ -521,11 +520,7 @@ fn fan_out(c: &mut Criterion) {
 
 criterion_group!(benches, convert, ingest, state, snapshot, fan_out);
 fn main() {
-    // `criterion_main!`, on the heap `kvgate serve` runs on.
-    if let HugePages::RestartFailed(error) = kvgate::allocator::restart_asking_for_huge_pages() {
-        eprintln!("the heap stays on small pages: {error}");
-    }
-    kvgate::allocator::tune();
+    kvgate::allocator::bench_on_the_gateways_heap(); // `criterion_main!`
     benches();
     Criterion::default().configure_from_args().final_summary();
 }

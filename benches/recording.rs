@@ -6,7 +6,6 @@ use std::hint::black_box;
 use std::path::PathBuf;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group};
-use kvgate::allocator::HugePages;
 use kvgate::proto::common::{KvBlock, KvBlocksStored, KvCacheEvent, KvEventBatch, kv_cache_event};
 use kvgate::recording::{Header, Recording, Writer, WriterLimits};
 use kvgate::source::prefix_cache::PrefixCache;
@@ -145,11 +144,7 @@ fn prefix_cache(c: &mut Criterion) {
 
 criterion_group!(benches, recording, prefix_cache);
 fn main() {
-    // `criterion_main!`, on the heap `kvgate serve` runs on.
-    if let HugePages::RestartFailed(error) = kvgate::allocator::restart_asking_for_huge_pages() {
-        eprintln!("the heap stays on small pages: {error}");
-    }
-    kvgate::allocator::tune();
+    kvgate::allocator::bench_on_the_gateways_heap(); // `criterion_main!`
     benches();
     Criterion::default().configure_from_args().final_summary();
 }

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
-use kvgate::allocator::HugePages;
 use zeromq::{PubSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// kvgate's default `--zmq-max-message-bytes`.
@@ -108,11 +107,7 @@ fn receive(c: &mut Criterion) {
 
 criterion_group!(benches, receive);
 fn main() {
-    // `criterion_main!`, on the heap `kvgate serve` runs on.
-    if let HugePages::RestartFailed(error) = kvgate::allocator::restart_asking_for_huge_pages() {
-        eprintln!("the heap stays on small pages: {error}");
-    }
-    kvgate::allocator::tune();
+    kvgate::allocator::bench_on_the_gateways_heap(); // `criterion_main!`
     benches();
     Criterion::default().configure_from_args().final_summary();
 }

@@ -15,14 +15,14 @@ fn main() -> std::process::ExitCode {
     // client command is not started twice.
     let huge_pages = match cli.command {
         Command::Serve(_) => kvgate::allocator::restart_asking_for_huge_pages(),
-        _ => HugePages::AsTheyAre,
+        _ => HugePages::NothingToAsk,
     };
     kvgate::logging::init(cli.log_format);
     if !refused.is_empty() {
         tracing::warn!(?refused, "malloc kept its defaults for these parameters");
     }
     if let HugePages::RestartFailed(error) = huge_pages {
-        tracing::info!(%error, "could not start again with malloc asking for huge pages; the heap stays on the kernel's default pages");
+        tracing::info!(%error, "{}", kvgate::allocator::RESTART_FAILED);
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // The gateway's runtime shape is measured (issue 22: a wake-up of

@@ -4,6 +4,8 @@
 //! kvgate starts itself again, same arguments, same pid); a tunable the
 //! user set is kept as set.
 
+#![cfg(all(target_os = "linux", target_env = "gnu"))]
+
 mod common;
 
 use std::process::Command;
@@ -31,10 +33,20 @@ fn mappings_asking_for_huge_pages(pid: u32) -> usize {
         .count()
 }
 
-/// Whether this kernel gives transparent huge pages only on request.
-fn kernel_gives_huge_pages_on_request() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .is_ok_and(|mode| mode.split_whitespace().any(|word| word == "[madvise]"))
+/// Whether this kernel gives transparent huge pages only on request and
+/// this glibc has the tunable to ask for them (2.35 on).
+fn huge_pages_can_be_asked_for() -> bool {
+    // SAFETY: glibc returns a static NUL-terminated string.
+    let glibc = unsafe { std::ffi::CStr::from_ptr(libc::gnu_get_libc_version()) };
+    let mut version = glibc
+        .to_str()
+        .unwrap()
+        .split('.')
+        .map(|n| n.parse::<u32>().unwrap());
+    let has_the_tunable = (version.next().unwrap(), version.next().unwrap()) >= (2, 35);
+    let on_request = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|mode| mode.split_whitespace().any(|word| word == "[madvise]"));
+    has_the_tunable && on_request
 }
 
 #[test]
@@ -42,18 +54,37 @@ fn the_gateways_heap_asks_for_huge_pages_where_the_kernel_gives_them_only_on_req
     let gateway = Gateway::start_configured(&["--demo"], |command: &mut Command| {
         command.env_remove("GLIBC_TUNABLES");
     });
-    // The process the harness started is the one serving, on the address
-    // its arguments asked for: started again in place, arguments kept.
+    // The process the harness started is the one serving, started again in
+    // place: its arguments and its name are kept (what `ps`, `pkill` and
+    // `top` find it by).
     let pid = gateway.pid();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("read /proc/PID/cmdline");
+    let expected: Vec<u8> = [
+        env!("CARGO_BIN_EXE_kvgate"),
+        "serve",
+        "--log-format",
+        "text",
+    ]
+    .into_iter()
+    .chain(["--listen", "127.0.0.1:0", "--demo"])
+    .flat_map(|arg| arg.bytes().chain([0]))
+    .collect();
+    assert_eq!(
+        String::from_utf8_lossy(&cmdline),
+        String::from_utf8_lossy(&expected)
+    );
+    let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).expect("read /proc/PID/comm");
+    assert_eq!(name.trim_end(), "kvgate");
     let tunables = environment_variable(pid, "GLIBC_TUNABLES");
-    if kernel_gives_huge_pages_on_request() {
+    if huge_pages_can_be_asked_for() {
         assert_eq!(tunables.as_deref(), Some("glibc.malloc.hugetlb=1"));
         assert!(
             mappings_asking_for_huge_pages(pid) > 0,
             "malloc asked for huge pages for none of its heaps"
         );
     } else {
-        // All memory gets them or none does: nothing to ask, no restart.
+        // All memory gets them or none does, or glibc cannot ask: no
+        // restart.
         assert_eq!(tunables, None);
     }
 }
