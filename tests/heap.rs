@@ -1,7 +1,7 @@
 //! The heap a running gateway is on: where the kernel gives transparent
 //! huge pages only to memory that asks for them, glibc's malloc asks for
 //! every heap it makes (`GLIBC_TUNABLES`, read only as a process starts:
-//! kvgate starts itself again, same arguments, same pid); a tunable the
+//! kvgate starts itself again, same arguments, name and pid); a tunable the
 //! user set is kept as set.
 
 #![cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -59,16 +59,18 @@ fn the_gateways_heap_asks_for_huge_pages_where_the_kernel_gives_them_only_on_req
     // `top` find it by).
     let pid = gateway.pid();
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("read /proc/PID/cmdline");
-    let expected: Vec<u8> = [
-        env!("CARGO_BIN_EXE_kvgate"),
+    let arguments = [
         "serve",
         "--log-format",
         "text",
-    ]
-    .into_iter()
-    .chain(["--listen", "127.0.0.1:0", "--demo"])
-    .flat_map(|arg| arg.bytes().chain([0]))
-    .collect();
+        "--listen",
+        "127.0.0.1:0",
+        "--demo",
+    ];
+    let expected: Vec<u8> = std::iter::once(env!("CARGO_BIN_EXE_kvgate"))
+        .chain(arguments)
+        .flat_map(|arg| arg.bytes().chain([0]))
+        .collect();
     assert_eq!(
         String::from_utf8_lossy(&cmdline),
         String::from_utf8_lossy(&expected)
