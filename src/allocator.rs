@@ -99,7 +99,7 @@ pub enum HugePages {
     RestartFailed(std::io::Error),
 }
 
-/// Starts this process again, same arguments and pid, with malloc asking
+/// Starts this process again, same arguments, name and pid, with malloc asking
 /// for huge pages, if the kernel gives them only on request and the
 /// environment does not already say. Call before any thread is spawned:
 /// the process is replaced, only its pid and inherited descriptors stay.
