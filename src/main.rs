@@ -21,8 +21,26 @@ fn main() -> std::process::ExitCode {
     if !refused.is_empty() {
         tracing::warn!(?refused, "malloc kept its defaults for these parameters");
     }
-    if let HugePages::RestartFailed(error) = huge_pages {
-        tracing::info!(%error, "{}", kvgate::allocator::RESTART_FAILED);
+    match huge_pages {
+        HugePages::RestartFailed(error) => {
+            tracing::info!(%error, "{}", kvgate::allocator::RESTART_FAILED);
+        }
+        HugePages::NotTaken { restarts } => {
+            tracing::info!(restarts, "{}", kvgate::allocator::NOT_TAKEN);
+        }
+        HugePages::Asking { restarts } => {
+            tracing::debug!(
+                restarts,
+                "malloc asks for huge pages for every heap it makes"
+            );
+        }
+        HugePages::Unchecked { restarts } => {
+            tracing::debug!(
+                restarts,
+                "started again asking for huge pages; whether malloc asks cannot be read from /proc"
+            );
+        }
+        HugePages::NothingToAsk => {}
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // The gateway's runtime shape is measured (issue 22: a wake-up of
