@@ -192,9 +192,17 @@ fn every_man_page_has_environment_and_exit_status_and_sees_only_pages_written() 
             );
         }
     }
-    let kvgate_1 = &pages.iter().find(|(name, _)| name == "kvgate.1").unwrap().1;
+    let page_of = |name: &str| &pages.iter().find(|(page, _)| page == name).unwrap().1;
+    let kvgate_1 = page_of("kvgate.1");
     for variable in ["KVGATE_LISTEN", "KVGATE_ADDR", "KVGATE_DEMO"] {
         assert!(kvgate_1.contains(variable), "kvgate(1) lacks {variable}");
+    }
+    // The heap's variables are the gateway's: kvgate(1) and
+    // kvgate-serve(1) say them, a client command's page does not.
+    for variable in ["GLIBC_TUNABLES", "KVGATE_HUGE_PAGE_RESTARTS"] {
+        assert!(kvgate_1.contains(variable), "kvgate(1) lacks {variable}");
+        assert!(page_of("kvgate-serve.1").contains(variable));
+        assert!(!page_of("kvgate-status.1").contains(variable));
     }
 }
 

@@ -90,6 +90,21 @@ fn environment(commands: &[&clap::Command]) -> String {
         ".TP\n\\fBRUST_LOG\\fR\nFilters the log on stderr, e.g. RUST_LOG=kvgate=debug \
          (default: info).\n",
     );
+    if commands.iter().any(|command| command.get_name() == "serve") {
+        out.push_str(&format!(
+            ".TP\n\\fBGLIBC_TUNABLES\\fR\n{}\n.TP\n\\fBKVGATE_HUGE_PAGE_RESTARTS\\fR\n{}\n",
+            roff(
+                "kvgate serve adds glibc.malloc.hugetlb=1 where the kernel gives transparent \
+                 huge pages only to memory that asks, and starts itself again (same arguments, \
+                 name and pid); a value that already names glibc.malloc.hugetlb is kept as set \
+                 (=0 keeps the heap on the kernel's default pages)."
+            ),
+            roff(
+                "Set by kvgate serve on itself as it starts again for huge pages: how many \
+                 restarts glibc took to ask for them (at most 32). Not a setting."
+            )
+        ));
+    }
     out
 }
 
