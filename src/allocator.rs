@@ -236,19 +236,20 @@ fn malloc_asks_for_huge_pages() -> Option<bool> {
 /// heap's flags; lines are bytes, as a mapped file's path may be.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn heap_asks_for_huge_pages(smaps: impl std::io::BufRead) -> Option<bool> {
-    let words = |line: &[u8]| -> Vec<Vec<u8>> {
+    fn words(line: &[u8]) -> impl Iterator<Item = &[u8]> {
         line.split(u8::is_ascii_whitespace)
             .filter(|word| !word.is_empty())
-            .map(<[u8]>::to_vec)
-            .collect()
-    };
+    }
     let mut lines = smaps.split(b'\n').map_while(Result::ok);
     // address, permissions, offset, device, inode, path
     lines
         .by_ref()
-        .find(|line| words(line).get(5).is_some_and(|path| path == b"[heap]"))?;
-    let flags = lines.find_map(|line| line.strip_prefix(b"VmFlags:").map(words))?;
-    Some(flags.iter().any(|flag| flag == b"hg"))
+        .find(|line| words(line).nth(5) == Some(b"[heap]"))?;
+    let flags = lines.find_map(|line| {
+        line.strip_prefix(b"VmFlags:")
+            .map(|flags| words(flags).any(|flag| flag == b"hg"))
+    })?;
+    Some(flags)
 }
 
 /// Another C library has no such tunable.
