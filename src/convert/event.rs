@@ -15,6 +15,8 @@
 //! type, or the event is malformed; `extra_keys` entries are the one lenient
 //! exception (the contract skips odd shapes one by one).
 
+use std::ops::Range;
+
 use super::hash::{fold_bytes, fold_int};
 use super::msgpack::{self, Item, Reader};
 use super::tally::DropReason;
@@ -141,6 +143,17 @@ struct RawEvent<'a> {
     fields: Fields<'a>,
     hashes: List,
     tokens: List,
+    /// Where the hash list lies in the payload, while only one was read.
+    hash_list: HashListsRead,
+}
+
+/// How many hash lists an event carried (a map may repeat its key; the
+/// last one read counts), and where the only one lies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HashListsRead {
+    None,
+    One(Range<usize>),
+    More,
 }
 
 impl<'a> RawEvent<'a> {
@@ -151,6 +164,7 @@ impl<'a> RawEvent<'a> {
             fields: Fields([None; Field::COUNT]),
             hashes: List::Absent,
             tokens: List::Absent,
+            hash_list: HashListsRead::None,
         }
     }
 
@@ -196,10 +210,12 @@ impl<'a> RawEvent<'a> {
     ) -> Result<(), msgpack::Error> {
         match field {
             Field::BlockHashes => {
-                self.hashes = read_list(r, &mut scratch.hashes, |r, cell| {
-                    r.skip_contents(cell)?;
-                    Ok(hash(cell))
-                })?;
+                let start = r.position();
+                self.hashes = read_hashes(r, scratch)?;
+                self.hash_list = match self.hash_list {
+                    HashListsRead::None => HashListsRead::One(start..r.position()),
+                    HashListsRead::One(_) | HashListsRead::More => HashListsRead::More,
+                };
             }
             Field::TokenIds if r.u32_array(&mut scratch.tokens).is_some() => {
                 self.tokens = List::Read;
@@ -215,6 +231,28 @@ impl<'a> RawEvent<'a> {
         }
         Ok(())
     }
+}
+
+/// Reads a `block_hashes` value into the scratch's hash buffer.
+fn read_hashes(r: &mut Reader<'_>, scratch: &mut Scratch) -> Result<List, msgpack::Error> {
+    read_list(r, &mut scratch.hashes, |r, cell| {
+        r.skip_contents(cell)?;
+        Ok(hash(cell))
+    })
+}
+
+/// Reads a `block_hashes` value as [`read`] reads it in an event, into
+/// `scratch`: the hashes when the value is a list of them; `None` for
+/// anything else (nil, another type, a cell that is no hash), which the
+/// reader may have been moved past.
+pub(crate) fn read_hash_list<'s>(
+    r: &mut Reader<'_>,
+    scratch: &'s mut Scratch,
+) -> Result<Option<&'s [i64]>, msgpack::Error> {
+    Ok(match read_hashes(r, scratch)? {
+        List::Read => Some(&scratch.hashes),
+        List::Absent | List::Unreadable => None,
+    })
 }
 
 fn type_of(tag: Item<'_>) -> Decoded<Type> {
@@ -397,12 +435,23 @@ pub(crate) enum Event<'a, 's> {
     Cleared { ownership: Option<&'a str> },
 }
 
+/// One event as read: what it is, and where a removal's hash list lies.
+pub(crate) struct ReadEvent<'a, 's> {
+    /// The event, or why it is dropped.
+    pub event: Decoded<Event<'a, 's>>,
+    /// For a `BlockRemoved` with one `block_hashes` value that is a list of
+    /// hashes: where that value lies in the payload. Reading is a function
+    /// of the event's bytes alone, so an event whose bytes match these
+    /// around its own hash list reads as this one with its own hashes.
+    pub removal_hash_list: Option<Range<usize>>,
+}
+
 /// Reads one event from the payload, consuming exactly its value: the outer
 /// error is a broken payload, the inner one a dropped event.
 pub(crate) fn read<'a, 's>(
     r: &mut Reader<'a>,
     scratch: &'s mut Scratch,
-) -> Result<Decoded<Event<'a, 's>>, msgpack::Error> {
+) -> Result<ReadEvent<'a, 's>, msgpack::Error> {
     let mut raw = RawEvent::new();
     raw.read(r, scratch)?;
     let RawEvent {
@@ -410,7 +459,12 @@ pub(crate) fn read<'a, 's>(
         fields,
         hashes,
         tokens,
+        hash_list,
     } = &raw;
+    let removal_hash_list = match (ty, hashes, hash_list) {
+        (Ok(Type::Removed), List::Read, HashListsRead::One(at)) => Some(at.clone()),
+        _ => None,
+    };
     let scratch: &'s Scratch = scratch;
     let event = ty.and_then(|ty| {
         Ok(match ty {
@@ -436,7 +490,10 @@ pub(crate) fn read<'a, 's>(
             },
         })
     });
-    Ok(event)
+    Ok(ReadEvent {
+        event,
+        removal_hash_list,
+    })
 }
 
 /// The per-block `extra_keys` lists of a store, handed out block by block.

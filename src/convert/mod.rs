@@ -23,12 +23,15 @@
 //! Files: `msgpack.rs` reads bytes, `event.rs` reads one event, `normalize.rs`
 //! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts,
 //! `spare_buffers.rs` keeps sent events' token, hash and text buffers for the
-//! next events, `transcoded.rs` holds a payload with its blocks and removals as bytes.
+//! next events, `transcoded.rs` holds a payload with its blocks and removals as bytes,
+//! `removal_memo.rs` judges a payload's removals that differ only in their
+//! hashes once.
 
 mod event;
 mod hash;
 mod msgpack;
 mod normalize;
+mod removal_memo;
 mod spare_buffers;
 mod tally;
 #[cfg(test)]
@@ -39,8 +42,10 @@ pub use tally::{DropReason, EventKind, Tally};
 pub use transcoded::{Forwarded, StoredBlocks, TranscodedPayload};
 
 use crate::proto::common::KvCacheEvent;
+use event::Event;
 use msgpack::{Item, Reader};
-use normalize::{Normalized, Normalizer};
+use normalize::{Normalized, Normalizer, forwarded_removal};
+use removal_memo::RemovalMemo;
 
 /// The smallest event that can be forwarded, `["AllBlocksCleared"]`: the
 /// output never needs room for more events than the payload has bytes for.
@@ -216,11 +221,36 @@ impl Converter {
             return Err(PayloadError::BadEnvelope("events is not an array"));
         };
         sink.reserve(r.room_for(count, MIN_FORWARDED_EVENT_BYTES));
+        let mut memo: Option<RemovalMemo<'_>> = None;
         for _ in 0..count {
             let event_id = self.next_event_id;
             self.next_event_id += 1;
-            let converted = event::read(&mut r, &mut self.scratch)?
-                .and_then(|event| self.normalizer.normalize(rank, event));
+            let groups_stamp = self.normalizer.groups_stamp();
+            let remembered = memo
+                .as_ref()
+                .and_then(|memo| memo.reuse(&mut r, &mut self.scratch, groups_stamp));
+            let converted = match remembered {
+                Some((verdict, hashes)) => verdict.map(|fields| forwarded_removal(fields, hashes)),
+                None => {
+                    let start = r.position();
+                    let read = event::read(&mut r, &mut self.scratch)?;
+                    match (read.event, read.removal_hash_list) {
+                        (Ok(Event::Removed(removed)), Some(hash_list)) => {
+                            let verdict = self.normalizer.removed(rank, &removed.placement);
+                            memo = Some(RemovalMemo::new(
+                                r.read_since(start),
+                                hash_list.start - start..hash_list.end - start,
+                                self.normalizer.groups_stamp(),
+                                verdict,
+                            ));
+                            verdict.map(|fields| forwarded_removal(fields, removed.hashes))
+                        }
+                        (event, _) => {
+                            event.and_then(|event| self.normalizer.normalize(rank, event))
+                        }
+                    }
+                }
+            };
             match converted {
                 Ok((kind, event)) => {
                     tally.count_forwarded(kind);

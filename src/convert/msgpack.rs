@@ -351,6 +351,33 @@ impl<'a> Reader<'a> {
         self.skip_values(1)?;
         Ok(&self.buf[start..self.pos])
     }
+
+    /// Where the next read starts, in the whole input.
+    pub(crate) fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// The input from `start` (an earlier [`Reader::position`]) up to
+    /// where the next read starts.
+    pub(crate) fn read_since(&self, start: usize) -> &'a [u8] {
+        &self.buf[start..self.pos]
+    }
+
+    /// Consumes `bytes` if the unread input starts with them; otherwise
+    /// reads nothing.
+    pub(crate) fn eat(&mut self, bytes: &[u8]) -> bool {
+        let matches = self.buf[self.pos..].starts_with(bytes);
+        if matches {
+            self.pos += bytes.len();
+        }
+        matches
+    }
+
+    /// Goes back to `position`, an earlier [`Reader::position`].
+    pub(crate) fn rewind(&mut self, position: usize) {
+        debug_assert!(position <= self.pos, "only back");
+        self.pos = position;
+    }
 }
 
 #[cfg(test)]

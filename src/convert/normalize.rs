@@ -9,7 +9,7 @@
 
 use std::borrow::Cow;
 
-use super::event::{Event, ExtraKeys, Placement, Removed, Stored};
+use super::event::{Event, ExtraKeys, Placement, Stored};
 use super::spare_buffers::SpareBuffers;
 use super::tally::{DropReason, EventKind};
 use crate::proto::common::{
@@ -85,6 +85,17 @@ impl<'e> StoredFields<'e> {
     }
 }
 
+/// A removal as forwarded: its judged `fields` with its `hashes`.
+pub(crate) fn forwarded_removal<'e>(
+    fields: RemovedFields<'e>,
+    hashes: &'e [i64],
+) -> (EventKind, Normalized<'e>) {
+    (
+        EventKind::Removed,
+        Normalized::Removed(RemovedFields { hashes, ..fields }),
+    )
+}
+
 /// Medium names (compared ignoring ASCII case) and their tiers.
 const MEDIUM_TIERS: [(&str, KvCacheTier); 13] = [
     ("GPU", KvCacheTier::Device),
@@ -151,6 +162,9 @@ pub(crate) struct Normalizer {
     /// What the payload being converted changed in `group_is_main`, with the
     /// values before, so a payload that fails can be undone.
     journal: Vec<((u32, u32), Option<bool>)>,
+    /// Counts the changes to `group_is_main`: a judgement made under one
+    /// count holds while it stays the same (`removal_memo.rs`).
+    groups_changed: u64,
     /// Reused to find repeated hashes without allocating per store.
     sorted: Vec<i64>,
     /// Token, hash and text buffers of sent events, for the next events.
@@ -160,6 +174,12 @@ pub(crate) struct Normalizer {
 impl Normalizer {
     pub(crate) fn forget_rank(&mut self, rank: u32) {
         self.group_is_main.retain(|&(r, _), _| r != rank);
+        self.groups_changed += 1;
+    }
+
+    /// Changes whenever the cache groups' kinds do, and only then.
+    pub(crate) fn groups_stamp(&self) -> u64 {
+        self.groups_changed
     }
 
     /// Keeps what the current payload taught.
@@ -169,6 +189,7 @@ impl Normalizer {
 
     /// Forgets what the current payload taught.
     pub(crate) fn roll_back(&mut self) {
+        self.groups_changed += 1;
         for (group, before) in self.journal.drain(..).rev() {
             match before {
                 Some(main) => self.group_is_main.insert(group, main),
@@ -188,10 +209,9 @@ impl Normalizer {
                 self.stored(stored, tier)
                     .map(|fields| (EventKind::Stored, Normalized::Stored(fields)))
             }
-            Event::Removed(removed) => {
-                let tier = self.admit(rank, &removed.placement)?;
-                Ok((EventKind::Removed, removed_fields(removed, tier)))
-            }
+            Event::Removed(removed) => self
+                .removed(rank, &removed.placement)
+                .map(|fields| forwarded_removal(fields, removed.hashes)),
             Event::Cleared { ownership } => {
                 if ownership.is_some_and(is_kvcr) {
                     return Err(DropReason::UnsupportedOwnership);
@@ -205,6 +225,25 @@ impl Normalizer {
                 ))
             }
         }
+    }
+
+    /// Judges a removal placed at `placement`: the fields it is forwarded
+    /// with, its hashes left empty (they play no part), or why it is dropped.
+    pub(crate) fn removed<'a>(
+        &mut self,
+        rank: u32,
+        placement: &Placement<'a>,
+    ) -> Result<RemovedFields<'a>, DropReason> {
+        let tier = self.admit(rank, placement)?;
+        Ok(RemovedFields {
+            hashes: &[],
+            cache_level: cache_level(tier),
+            tier: Some(tier.into()),
+            medium: placement.medium,
+            group_idx: placement.group_idx,
+            locality: Some(KvCacheLocality::Local.into()),
+            ownership: placement.ownership,
+        })
     }
 
     /// Learns the event's group kind, then applies the rules every store and
@@ -246,6 +285,7 @@ impl Normalizer {
                 if before != Some(main) && room {
                     self.group_is_main.insert(key, main);
                     self.journal.push((key, before));
+                    self.groups_changed += 1;
                 }
                 main
             }
@@ -355,19 +395,6 @@ impl Normalizer {
 
 /// What a forwarded removal carries: its blocks' tier (and the matching
 /// `cache_level`), local, and the engine's medium, group and owner.
-fn removed_fields<'e>(removed: Removed<'e, 'e>, tier: KvCacheTier) -> Normalized<'e> {
-    let Removed { placement, hashes } = removed;
-    Normalized::Removed(RemovedFields {
-        hashes,
-        cache_level: cache_level(tier),
-        tier: Some(tier.into()),
-        medium: placement.medium,
-        group_idx: placement.group_idx,
-        locality: Some(KvCacheLocality::Local.into()),
-        ownership: placement.ownership,
-    })
-}
-
 /// vLLM puts the cache salt among block 0's extra keys, after the LoRA name;
 /// it is the first text key there that is not that name.
 fn salt_from_extra_keys(block_0: Vec<KvBlockExtraKey>, lora_name: Option<&str>) -> Option<String> {

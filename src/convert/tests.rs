@@ -1666,3 +1666,195 @@ fn any_store() -> impl Strategy<Value = V> {
             },
         )
 }
+
+// ---- removals alike but for their hashes, judged once (`removal_memo.rs`) ----
+
+/// Converts `events` as one payload and, with a converter of its own, each
+/// event alone in a payload of its own, where no removal can take another's
+/// verdict: the same events, ids included, and the same tallies.
+fn converts_as_each_alone(rank: u32, events: &[V]) -> Vec<KvCacheEvent> {
+    let (mut whole, mut alone) = (Converter::new(), Converter::new());
+    let (together, together_tally) = convert_with(&mut whole, rank, events.to_vec());
+    let (mut one_by_one, mut one_by_one_tally) = (Vec::new(), Tally::default());
+    for event in events {
+        let (out, tally) = convert_with(&mut alone, rank, vec![event.clone()]);
+        one_by_one.extend(out);
+        one_by_one_tally.add(&tally);
+    }
+    assert_eq!(together, one_by_one);
+    assert_eq!(together_tally, one_by_one_tally);
+    together
+}
+
+/// vLLM's removal: `{type, block_hashes, medium, group_idx}`.
+fn vllm_removal(hashes: V) -> V {
+    m(&[
+        ("type", s("BlockRemoved")),
+        ("block_hashes", hashes),
+        ("medium", s("GPU")),
+        ("group_idx", V::U(0)),
+    ])
+}
+
+#[test]
+fn removals_alike_but_for_their_hashes_are_each_forwarded_with_their_own_hashes() {
+    let events = [
+        vllm_removal(ints([u64::MAX])),
+        vllm_removal(ints([1])),
+        vllm_removal(ints([])),
+        vllm_removal(a([V::I(-2), V::B(vec![7; 20]), V::U(300)])),
+    ];
+    let out = converts_as_each_alone(0, &events);
+    let hashes: Vec<(u64, Vec<i64>)> = out
+        .into_iter()
+        .map(|event| match event.data {
+            Some(Data::Removed(removed)) => (event.event_id, removed.block_hashes),
+            other => panic!("expected a removal, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        hashes,
+        [
+            (1, vec![-1]),
+            (2, vec![1]),
+            (3, vec![]),
+            (4, vec![-2, fold_bytes(&[7; 20]), 300])
+        ]
+    );
+}
+
+#[test]
+fn a_removal_alike_but_for_a_list_that_holds_no_hashes_is_malformed_as_it_would_be_alone() {
+    let events = [
+        vllm_removal(ints([1])),
+        vllm_removal(a([V::U(2), s("not a hash")])),
+        vllm_removal(V::Nil),
+        vllm_removal(s("not a list")),
+        vllm_removal(ints([3])),
+    ];
+    converts_as_each_alone(0, &events);
+    let (out, tally) = convert(events.to_vec());
+    assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), [1, 5]);
+    assert_eq!(tally.dropped(DropReason::Malformed), 3);
+}
+
+#[test]
+fn a_group_kind_learned_between_alike_removals_judges_the_ones_after_it() {
+    let kindless = |hash| {
+        m(&[
+            ("type", s("BlockRemoved")),
+            ("block_hashes", ints([hash])),
+            ("group_idx", V::U(1)),
+        ])
+    };
+    let kind = |kind| {
+        stored(
+            &[9],
+            &[("group_idx", V::U(1)), ("kv_cache_spec_kind", s(kind))],
+        )
+    };
+    let events = [
+        kindless(1),
+        kindless(2),
+        kind("sliding_window"),
+        kindless(3),
+        kindless(4),
+        kind("full_attention"),
+        kindless(5),
+    ];
+    let out = converts_as_each_alone(0, &events);
+    assert_eq!(
+        out.iter().map(|e| e.event_id).collect::<Vec<_>>(),
+        [1, 2, 6, 7]
+    );
+}
+
+/// Payloads of removals alike but for their hashes: each event takes one
+/// of two removal shapes (any medium, group and kind a removal may carry,
+/// the map form or vLLM's tag-first array, its hash list now and then
+/// repeated) with hashes of its own, now and then a list that holds no
+/// hashes; or it is a store teaching group 1's kind.
+fn alike_removals() -> impl Strategy<Value = Vec<V>> {
+    let hash = prop_oneof![
+        6 => any::<u64>().prop_map(V::U),
+        2 => (0u64..128).prop_map(V::U),
+        2 => any::<i64>().prop_map(V::I),
+        1 => proptest::collection::vec(any::<u8>(), 0..9).prop_map(V::B),
+        1 => Just(s("not a hash")),
+    ];
+    let hashes = prop_oneof![
+        12 => proptest::collection::vec(hash, 0..4).prop_map(V::A),
+        1 => Just(V::Nil),
+        1 => Just(V::U(7)),
+    ];
+    let shape = (
+        prop_oneof![
+            Just(V::Nil),
+            proptest::sample::select(&["GPU", "cpu", "tape"][..]).prop_map(s),
+            Just(V::U(1)),
+        ],
+        prop_oneof![Just(V::Nil), (0u64..3).prop_map(V::U)],
+        prop_oneof![
+            3 => Just(None),
+            1 => proptest::sample::select(&["full_attention", "sliding_window"][..]).prop_map(Some),
+        ],
+        any::<bool>(),
+        prop_oneof![5 => Just(false), 1 => Just(true)],
+    );
+    (
+        proptest::collection::vec(shape, 2),
+        proptest::collection::vec((0u8..12, hashes), 0..24),
+    )
+        .prop_map(|(shapes, picks)| {
+            picks
+                .into_iter()
+                .map(|(pick, hashes)| {
+                    let (medium, group, kind, array_form, repeated) =
+                        shapes[usize::from(pick % 2)].clone();
+                    match pick {
+                        0 => stored(
+                            &[1],
+                            &[
+                                ("group_idx", V::U(1)),
+                                ("kv_cache_spec_kind", s("sliding_window")),
+                            ],
+                        ),
+                        1 => stored(
+                            &[1],
+                            &[
+                                ("group_idx", V::U(1)),
+                                ("kv_cache_spec_kind", s("full_attention")),
+                            ],
+                        ),
+                        _ if array_form => a([s("BlockRemoved"), hashes, medium, group]),
+                        _ => {
+                            let mut fields = vec![("type", s("BlockRemoved"))];
+                            if repeated {
+                                fields.push(("block_hashes", ints([5])));
+                            }
+                            fields.extend([
+                                ("block_hashes", hashes),
+                                ("medium", medium),
+                                ("group_idx", group),
+                            ]);
+                            fields.extend(kind.map(|kind| ("kv_cache_spec_kind", s(kind))));
+                            V::M(fields.into_iter().map(|(k, v)| (s(k), v)).collect())
+                        }
+                    }
+                })
+                .collect()
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    #[test]
+    fn removals_alike_but_for_their_hashes_convert_and_transcode_as_each_would_alone(
+        events in alike_removals(),
+        rank in 0u32..2,
+    ) {
+        converts_as_each_alone(rank, &events);
+        transcoded_as_built(&[batch(events)]);
+    }
+}
