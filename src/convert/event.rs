@@ -440,9 +440,10 @@ pub(crate) struct ReadEvent<'a, 's> {
     /// The event, or why it is dropped.
     pub event: Decoded<Event<'a, 's>>,
     /// For a `BlockRemoved` with one `block_hashes` value that is a list of
-    /// hashes: where that value lies in the payload. Reading is a function
-    /// of the event's bytes alone, so an event whose bytes match these
-    /// around its own hash list reads as this one with its own hashes.
+    /// hashes (whether or not the rest of it is readable): where that value
+    /// lies in the payload. Reading is a function of the event's bytes
+    /// alone, so an event whose bytes match these around its own hash list
+    /// reads as this one with its own hashes.
     pub removal_hash_list: Option<Range<usize>>,
 }
 

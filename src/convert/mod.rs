@@ -24,8 +24,8 @@
 //! applies the contract's policy, `hash.rs` folds hashes, `tally.rs` counts,
 //! `spare_buffers.rs` keeps sent events' token, hash and text buffers for the
 //! next events, `transcoded.rs` holds a payload with its blocks and removals as bytes,
-//! `removal_memo.rs` judges a payload's removals that differ only in their
-//! hashes once.
+//! `removal_memo.rs` lets a payload's removals that differ only in their
+//! hashes be read and judged once.
 
 mod event;
 mod hash;

@@ -162,8 +162,9 @@ pub(crate) struct Normalizer {
     /// What the payload being converted changed in `group_is_main`, with the
     /// values before, so a payload that fails can be undone.
     journal: Vec<((u32, u32), Option<bool>)>,
-    /// Counts the changes to `group_is_main`: a judgement made under one
-    /// count holds while it stays the same (`removal_memo.rs`).
+    /// Counts what may have changed `group_is_main` (a kind learned, a
+    /// payload undone, a rank forgotten): a judgement made under one count
+    /// holds while it stays the same (`removal_memo.rs`).
     groups_changed: u64,
     /// Reused to find repeated hashes without allocating per store.
     sorted: Vec<i64>,
@@ -177,7 +178,7 @@ impl Normalizer {
         self.groups_changed += 1;
     }
 
-    /// Changes whenever the cache groups' kinds do, and only then.
+    /// Changes whenever the cache groups' kinds may have changed.
     pub(crate) fn groups_stamp(&self) -> u64 {
         self.groups_changed
     }

@@ -1739,6 +1739,36 @@ fn a_removal_alike_but_for_a_list_that_holds_no_hashes_is_malformed_as_it_would_
 }
 
 #[test]
+fn a_payload_of_alike_removals_cut_anywhere_is_rejected_whole_and_teaches_no_group_kind() {
+    let sliding = stored(
+        &[9],
+        &[
+            ("group_idx", V::U(0)),
+            ("kv_cache_spec_kind", s("sliding_window")),
+        ],
+    );
+    let payload = batch(vec![
+        sliding,
+        vllm_removal(ints([1])),
+        vllm_removal(ints([2])),
+        vllm_removal(ints([u64::MAX])),
+    ]);
+    let mut converter = Converter::new();
+    let mut tally = Tally::default();
+    for cut in 0..payload.len() {
+        assert!(
+            converter.convert(0, &payload[..cut], &mut tally).is_err(),
+            "cut at {cut}"
+        );
+    }
+    assert_eq!(tally, Tally::default());
+    // Group 0 was never learned as sliding: a removal in it is forwarded,
+    // with the first event id.
+    let (out, _) = convert_with(&mut converter, 0, vec![vllm_removal(ints([3]))]);
+    assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), [1]);
+}
+
+#[test]
 fn a_group_kind_learned_between_alike_removals_judges_the_ones_after_it() {
     let kindless = |hash| {
         m(&[
@@ -1770,7 +1800,7 @@ fn a_group_kind_learned_between_alike_removals_judges_the_ones_after_it() {
 }
 
 /// Payloads of removals alike but for their hashes: each event takes one
-/// of two removal shapes (any medium, group and kind a removal may carry,
+/// of two removal shapes (any medium, group, kind, locality and ownership a removal may carry,
 /// the map form or vLLM's tag-first array, its hash list now and then
 /// repeated) with hashes of its own, now and then a list that holds no
 /// hashes; or it is a store teaching group 1's kind.
@@ -1798,6 +1828,10 @@ fn alike_removals() -> impl Strategy<Value = Vec<V>> {
             3 => Just(None),
             1 => proptest::sample::select(&["full_attention", "sliding_window"][..]).prop_map(Some),
         ],
+        prop_oneof![
+            3 => Just(None),
+            1 => proptest::sample::select(&["LOCAL", "peer", "kvcr", "engine"][..]).prop_map(Some),
+        ],
         any::<bool>(),
         prop_oneof![5 => Just(false), 1 => Just(true)],
     );
@@ -1809,7 +1843,7 @@ fn alike_removals() -> impl Strategy<Value = Vec<V>> {
             picks
                 .into_iter()
                 .map(|(pick, hashes)| {
-                    let (medium, group, kind, array_form, repeated) =
+                    let (medium, group, kind, locality_or_ownership, array_form, repeated) =
                         shapes[usize::from(pick % 2)].clone();
                     match pick {
                         0 => stored(
@@ -1838,6 +1872,10 @@ fn alike_removals() -> impl Strategy<Value = Vec<V>> {
                                 ("group_idx", group),
                             ]);
                             fields.extend(kind.map(|kind| ("kv_cache_spec_kind", s(kind))));
+                            fields.extend(locality_or_ownership.map(|value| match value {
+                                "LOCAL" | "peer" => ("locality", s(value)),
+                                _ => ("ownership", s(value)),
+                            }));
                             V::M(fields.into_iter().map(|(k, v)| (s(k), v)).collect())
                         }
                     }
