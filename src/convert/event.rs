@@ -530,6 +530,11 @@ impl<'a> ExtraKeys<'a> {
             return Vec::new();
         }
         self.blocks_left -= 1;
+        // vLLM's block pool gives every block a slot, nil when nothing
+        // went into its hash beside the tokens: most blocks' entry.
+        if self.reader.eat(NIL) {
+            return Vec::new();
+        }
         let Ok(entry) = self.reader.value_bytes() else {
             self.blocks_left = 0;
             return Vec::new();
