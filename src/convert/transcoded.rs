@@ -19,7 +19,10 @@ use std::ops::Range;
 
 use super::normalize::{Normalized, Normalizer};
 use crate::proto::common::{KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
-use crate::wire::event::{BlockFields, EncodedBlock, encode_store_event, split_entries};
+use crate::wire::event::{
+    BlockFields, EncodedBlock, RemovedFields, encode_removal_event, encode_store_event,
+    split_entries,
+};
 
 /// One payload's events in engine order, blocks and removals as bytes.
 #[derive(Debug, Default)]
@@ -38,6 +41,58 @@ pub struct TranscodedPayload {
     encoded: Vec<u8>,
     /// The removals' and the stored blocks' hashes, end to end.
     hashes: Vec<i64>,
+    /// The last removal's fields after its hashes, as written; kept from
+    /// payload to payload.
+    last_placement: WrittenPlacement,
+}
+
+/// A removal's fields after its hashes, as written, and what they were
+/// written from: the next removal placed alike (a full engine's are, but
+/// for their hashes) copies the bytes instead of writing its fields again.
+#[derive(Debug, Default)]
+struct WrittenPlacement {
+    /// `cache_level`, `tier`, `group_idx`, `locality`; `None` before the
+    /// first removal.
+    scalars: Option<(Option<i32>, Option<i32>, Option<u32>, Option<i32>)>,
+    medium: Option<String>,
+    ownership: Option<String>,
+    bytes: Vec<u8>,
+}
+
+impl WrittenPlacement {
+    /// `fields`' placement as written: the last one's bytes if it is the
+    /// same, else written anew.
+    fn of(&mut self, fields: &RemovedFields<'_>) -> &[u8] {
+        let scalars = (
+            fields.cache_level,
+            fields.tier,
+            fields.group_idx,
+            fields.locality,
+        );
+        if self.scalars != Some(scalars)
+            || self.medium.as_deref() != fields.medium
+            || self.ownership.as_deref() != fields.ownership
+        {
+            self.scalars = Some(scalars);
+            keep(&mut self.medium, fields.medium);
+            keep(&mut self.ownership, fields.ownership);
+            self.bytes.clear();
+            fields.encode_placement(&mut self.bytes);
+        }
+        &self.bytes
+    }
+}
+
+/// Sets `slot` to `text`, in the buffer it has.
+fn keep(slot: &mut Option<String>, text: Option<&str>) {
+    match text {
+        Some(text) => {
+            let kept = slot.get_or_insert_with(String::new);
+            kept.clear();
+            kept.push_str(text);
+        }
+        None => *slot = None,
+    }
 }
 
 /// One forwarded event of a [`TranscodedPayload`].
@@ -193,7 +248,8 @@ impl TranscodedPayload {
             }
             Normalized::Removed(fields) => {
                 let body_start = self.encoded.len();
-                fields.encode_event(event_id, &mut self.encoded);
+                let placement = self.last_placement.of(&fields);
+                encode_removal_event(event_id, fields.hashes, placement, &mut self.encoded);
                 let hashes_start = self.hashes.len();
                 self.hashes.extend_from_slice(fields.hashes);
                 self.order.push(Transcoded::Removal(Removal {

@@ -135,7 +135,7 @@ impl EncodedBlock<'_> {
 
     /// Writes the `KvBlock` body, byte for byte as [`BlockFields::encode`].
     pub fn encode(&self, buf: &mut Vec<u8>) {
-        buf.reserve(1 + WIDEST_HASH_BYTES + self.rest.len());
+        buf.reserve(1 + WIDEST_VARINT_BYTES + self.rest.len());
         put_hash_field(self.hash, buf);
         buf.extend_from_slice(self.rest);
     }
@@ -210,53 +210,66 @@ pub struct RemovedFields<'a> {
 }
 
 impl RemovedFields<'_> {
-    /// Appends the body of the `KvCacheEvent` numbered `event_id` that
-    /// carries this removal, byte for byte as prost writes it.
-    pub fn encode_event(&self, event_id: u64, out: &mut Vec<u8>) {
-        if event_id != 0 {
-            put_varint_field(EVENT_ID_FIELD, event_id, out);
+    /// Appends the removal's fields after its hashes (`cache_level` to
+    /// `ownership`) as prost writes them: the bytes every removal placed
+    /// alike ends with, whatever its hashes.
+    pub fn encode_placement(&self, out: &mut Vec<u8>) {
+        // `int32` and enum values are written sign-extended, as prost does.
+        if let Some(cache_level) = self.cache_level {
+            put_varint_field(2, i64::from(cache_level) as u64, out);
         }
-        let hashes_guess = self.hashes.len() * WIDEST_HASH_BYTES;
-        let width_guess = length_width_guess(hashes_guess + REMOVAL_FIELDS_BYTES);
-        write_delimited(REMOVED_FIELD, width_guess, out, |out| {
-            if !self.hashes.is_empty() {
-                write_delimited(1, length_width_guess(hashes_guess), out, |out| {
-                    out.reserve(hashes_guess);
-                    for &hash in self.hashes {
-                        put_varint(hash as u64, out);
-                    }
-                });
-            }
-            // `int32` and enum values are written sign-extended, as prost does.
-            if let Some(cache_level) = self.cache_level {
-                put_varint_field(2, i64::from(cache_level) as u64, out);
-            }
-            if let Some(tier) = self.tier {
-                put_varint_field(3, i64::from(tier) as u64, out);
-            }
-            if let Some(medium) = self.medium {
-                put_str_field(4, medium, out);
-            }
-            if let Some(group_idx) = self.group_idx {
-                put_varint_field(5, u64::from(group_idx), out);
-            }
-            if let Some(locality) = self.locality {
-                put_varint_field(6, i64::from(locality) as u64, out);
-            }
-            if let Some(ownership) = self.ownership {
-                put_str_field(7, ownership, out);
-            }
-        });
+        if let Some(tier) = self.tier {
+            put_varint_field(3, i64::from(tier) as u64, out);
+        }
+        if let Some(medium) = self.medium {
+            put_str_field(4, medium, out);
+        }
+        if let Some(group_idx) = self.group_idx {
+            put_varint_field(5, u64::from(group_idx), out);
+        }
+        if let Some(locality) = self.locality {
+            put_varint_field(6, i64::from(locality) as u64, out);
+        }
+        if let Some(ownership) = self.ownership {
+            put_str_field(7, ownership, out);
+        }
     }
 }
 
-/// A hash at its widest (a negative `int64`, 10 varint bytes; engines'
-/// random hashes are negative half the time).
-const WIDEST_HASH_BYTES: usize = 10;
+/// Appends the body of the `KvCacheEvent` numbered `event_id` that carries
+/// the removal of `hashes` whose other fields `placement` holds as
+/// [`RemovedFields::encode_placement`] wrote them, byte for byte as prost
+/// writes that event. Its lengths are worked out first: a removal is a few
+/// bytes, and it is written with no room left to guess at.
+pub fn encode_removal_event(event_id: u64, hashes: &[i64], placement: &[u8], out: &mut Vec<u8>) {
+    let packed: usize = hashes
+        .iter()
+        .map(|&hash| encoding::encoded_len_varint(hash as u64))
+        .sum();
+    let hashes_field = if hashes.is_empty() {
+        0
+    } else {
+        1 + encoding::encoded_len_varint(packed as u64) + packed
+    };
+    let body = hashes_field + placement.len();
+    out.reserve(2 * WIDEST_VARINT_BYTES + 2 + body);
+    if event_id != 0 {
+        put_varint_field(EVENT_ID_FIELD, event_id, out);
+    }
+    out.push(one_byte_key(REMOVED_FIELD, WireType::LengthDelimited));
+    put_varint(body as u64, out);
+    if !hashes.is_empty() {
+        out.push(one_byte_key(1, WireType::LengthDelimited));
+        put_varint(packed as u64, out);
+        for &hash in hashes {
+            put_varint(hash as u64, out);
+        }
+    }
+    out.extend_from_slice(placement);
+}
 
-/// About what a removal's fields besides its hashes take (tier, locality,
-/// a short medium name), to guess its length.
-const REMOVAL_FIELDS_BYTES: usize = 16;
+/// The widest varint: 10 bytes for 64 bits.
+const WIDEST_VARINT_BYTES: usize = 10;
 
 /// Writes the body of `event` into `out` (cleared first). The blocks of a
 /// store are set aside while prost writes the store's other fields, so the
@@ -387,7 +400,7 @@ fn put_varint(value: u64, buf: &mut Vec<u8>) {
         return;
     }
     let (low, high, width) = varint_of_u64(value);
-    let mut staged = [0u8; 10];
+    let mut staged = [0u8; WIDEST_VARINT_BYTES];
     staged[..8].copy_from_slice(&low.to_le_bytes());
     staged[8..].copy_from_slice(&high.to_le_bytes());
     let start = buf.len();
