@@ -51,13 +51,15 @@ pub struct TranscodedPayload {
 /// for their hashes) copies the bytes instead of writing its fields again.
 #[derive(Debug, Default)]
 struct WrittenPlacement {
-    /// `cache_level`, `tier`, `group_idx`, `locality`; `None` before the
-    /// first removal.
-    scalars: Option<(Option<i32>, Option<i32>, Option<u32>, Option<i32>)>,
+    /// `None` before the first removal.
+    scalars: Option<PlacementScalars>,
     medium: Option<String>,
     ownership: Option<String>,
     bytes: Vec<u8>,
 }
+
+/// A removal's `cache_level`, `tier`, `group_idx` and `locality`.
+type PlacementScalars = (Option<i32>, Option<i32>, Option<u32>, Option<i32>);
 
 impl WrittenPlacement {
     /// `fields`' placement as written: the last one's bytes if it is the
