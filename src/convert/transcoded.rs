@@ -83,7 +83,26 @@ impl WrittenPlacement {
         }
         &self.bytes
     }
+
+    /// Forgets an outsized placement (an engine's removal may name an
+    /// owner of any length), so its buffers are not kept for good.
+    fn shrink(&mut self) {
+        let kept = |text: &Option<String>| text.as_ref().map_or(0, String::capacity);
+        if self
+            .bytes
+            .capacity()
+            .max(kept(&self.medium))
+            .max(kept(&self.ownership))
+            > KEPT_PLACEMENT_BYTES
+        {
+            *self = WrittenPlacement::default();
+        }
+    }
 }
+
+/// Bytes a kept placement's buffers may hold between payloads: every
+/// medium and owner engines name is far shorter.
+const KEPT_PLACEMENT_BYTES: usize = 256;
 
 /// Sets `slot` to `text`, in the buffer it has.
 fn keep(slot: &mut Option<String>, text: Option<&str>) {
@@ -194,6 +213,7 @@ impl TranscodedPayload {
         self.built.shrink_to(KEPT_EVENTS);
         self.encoded.shrink_to(KEPT_BYTES);
         self.hashes.shrink_to(KEPT_BYTES / size_of::<i64>());
+        self.last_placement.shrink();
     }
 
     /// Room for `events` more events.
@@ -414,6 +434,37 @@ mod tests {
         assert_eq!(stored, blocks as usize);
         assert!(payload.encoded.capacity() <= KEPT_BYTES);
         assert!(payload.hashes.capacity() * size_of::<i64>() <= KEPT_BYTES);
+    }
+
+    #[test]
+    fn an_outsized_owner_s_placement_is_not_kept_once_its_payload_is_drained() {
+        let mut payload = Vec::new();
+        rmp::encode::write_array_len(&mut payload, 3).unwrap();
+        rmp::encode::write_f64(&mut payload, 1.0).unwrap();
+        rmp::encode::write_array_len(&mut payload, 1).unwrap();
+        rmp::encode::write_map_len(&mut payload, 3).unwrap();
+        for (key, value) in [
+            ("type", "BlockRemoved"),
+            ("ownership", &"o".repeat(100_000)),
+        ] {
+            rmp::encode::write_str(&mut payload, key).unwrap();
+            rmp::encode::write_str(&mut payload, value).unwrap();
+        }
+        rmp::encode::write_str(&mut payload, "block_hashes").unwrap();
+        rmp::encode::write_array_len(&mut payload, 1).unwrap();
+        rmp::encode::write_uint(&mut payload, 1).unwrap();
+        rmp::encode::write_uint(&mut payload, 0).unwrap();
+        let mut converter = Converter::new();
+        let mut out = TranscodedPayload::default();
+        converter
+            .transcode(0, &payload, &mut Tally::default(), &mut out)
+            .unwrap();
+        assert!(out.last_placement.bytes.len() > 100_000);
+        let mut removals = 0;
+        out.drain(|_| removals += 1);
+        assert_eq!(removals, 1);
+        assert!(out.last_placement.bytes.capacity() <= KEPT_PLACEMENT_BYTES);
+        assert!(out.last_placement.ownership.is_none());
     }
 
     #[test]
