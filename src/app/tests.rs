@@ -245,7 +245,7 @@ async fn a_state_directory_in_use_or_beyond_reach_fails_the_start_saying_why_onc
     let held = scratch.join("held");
     let state_dir =
         |dir: &std::path::Path| serve_args(&["--demo", "--state-dir", dir.to_str().unwrap()]);
-    let _holder = Gateway::start(state_dir(&held)).await.unwrap();
+    let holder = Gateway::start(state_dir(&held)).await.unwrap();
     let file = scratch.join("a-file");
     std::fs::write(&file, b"").unwrap();
     let under_a_file = file.join("state");
@@ -261,5 +261,8 @@ async fn a_state_directory_in_use_or_beyond_reach_fails_the_start_saying_why_onc
         assert!(message.starts_with("--state-dir "), "{message}");
         assert_eq!(message.matches(why).count(), 1, "{message}");
     }
+    // Stopped first: a running holder may write into its directory while
+    // it is being removed.
+    holder.shutdown().await.unwrap();
     std::fs::remove_dir_all(&scratch).unwrap();
 }
