@@ -235,6 +235,9 @@ impl Converter {
                     let start = r.position();
                     let read = event::read(&mut r, &mut self.scratch)?;
                     match (read.event, read.removal_hash_list) {
+                        // Judged as `normalize` judges a removal, but here:
+                        // the memo keeps the verdict, which borrows only the
+                        // payload, not the scratch its hashes are in.
                         (Ok(Event::Removed(removed)), Some(hash_list)) => {
                             let verdict = self.normalizer.removed(rank, &removed.placement);
                             memo = Some(RemovalMemo::new(
