@@ -25,8 +25,10 @@
 //! `spare_buffers.rs` keeps sent events' token, hash and text buffers for the
 //! next events, `transcoded.rs` holds a payload with its blocks and removals as bytes,
 //! `removal_memo.rs` lets a payload's removals that differ only in their
-//! hashes be read and judged once.
+//! hashes be read and judged once, `distinct_hashes.rs` finds a store's
+//! repeated hashes.
 
+mod distinct_hashes;
 mod event;
 mod hash;
 mod msgpack;

@@ -366,7 +366,9 @@ impl<'a> Reader<'a> {
     /// Consumes `bytes` if the unread input starts with them; otherwise
     /// reads nothing.
     pub(crate) fn eat(&mut self, bytes: &[u8]) -> bool {
-        let matches = self.buf[self.pos..].starts_with(bytes);
+        let matches = self.buf[self.pos..]
+            .get(..bytes.len())
+            .is_some_and(|start| same_bytes(start, bytes));
         if matches {
             self.pos += bytes.len();
         }
@@ -380,9 +382,54 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Whether `a` and `b`, of one length, hold the same bytes: 8 at a time,
+/// the last 8 overlapping those before, inlined. Not `==`, which calls
+/// `memcmp`: a call per comparison of a removal's bytes around its hashes
+/// with the memo's (tens of bytes, lengths known only at run time) cost
+/// about 17 ns each in the evicting ingest's profile.
+#[inline]
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    debug_assert_eq!(a.len(), b.len());
+    let len = a.len();
+    if len < 8 {
+        return a == b;
+    }
+    let word = |bytes: &[u8], at: usize| {
+        u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
+    };
+    let mut at = 0;
+    while at + 8 < len {
+        if word(a, at) != word(b, at) {
+            return false;
+        }
+        at += 8;
+    }
+    word(a, len - 8) == word(b, len - 8)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn eat_consumes_exactly_the_bytes_it_is_given_and_nothing_on_any_difference() {
+        let input: Vec<u8> = (1..=48).collect();
+        for len in 0..=40 {
+            let start = &input[..len];
+            let mut r = Reader::new(&input);
+            assert!(r.eat(start), "{len} bytes");
+            assert_eq!(r.position(), len);
+            for differing in 0..len {
+                let mut other = start.to_vec();
+                other[differing] ^= 0x80;
+                let mut r = Reader::new(&input);
+                assert!(!r.eat(&other), "{len} bytes, byte {differing} differs");
+                assert_eq!(r.position(), 0);
+            }
+            let mut r = Reader::new(&input[..len.saturating_sub(1)]);
+            assert_eq!(r.eat(start), len == 0, "input shorter than {len} bytes");
+        }
+    }
 
     fn items(bytes: &[u8]) -> Result<Vec<Item<'_>>, Error> {
         let mut r = Reader::new(bytes);

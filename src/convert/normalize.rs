@@ -9,6 +9,7 @@
 
 use std::borrow::Cow;
 
+use super::distinct_hashes::DistinctHashes;
 use super::event::{Event, ExtraKeys, Placement, Stored};
 use super::spare_buffers::SpareBuffers;
 use super::tally::{DropReason, EventKind};
@@ -167,7 +168,7 @@ pub(crate) struct Normalizer {
     /// holds while it stays the same (`removal_memo.rs`).
     groups_changed: u64,
     /// Reused to find repeated hashes without allocating per store.
-    sorted: Vec<i64>,
+    distinct_hashes: DistinctHashes,
     /// Token, hash and text buffers of sent events, for the next events.
     pub(crate) spare_buffers: SpareBuffers,
 }
@@ -328,11 +329,7 @@ impl Normalizer {
         if hashes.len().checked_mul(block_size as usize) != Some(tokens.len()) {
             return Err(DropReason::UnalignedBlocks);
         }
-        self.sorted.clear();
-        self.sorted.extend_from_slice(hashes);
-        self.sorted.sort_unstable();
-        let repeats = self.sorted.windows(2).any(|pair| pair[0] == pair[1]);
-        if repeats || parent.is_some_and(|p| self.sorted.binary_search(&p).is_ok()) {
+        if !self.distinct_hashes.all_distinct(hashes, parent) {
             return Err(DropReason::SelfReferencingHashes);
         }
         let lora_name = non_empty(lora_name);
