@@ -534,7 +534,62 @@ fn fan_out(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, convert, ingest, state, snapshot, fan_out);
+/// What this host's memory costs, to read beside the ingest figures: a
+/// random cache line of a working set about the evicting engine's live
+/// state (16 MiB), read once the line before it is (the latency of one
+/// miss), and read with many others in flight (the most the CPU overlaps
+/// them: what the drain's passes over a payload's lookups can reach at
+/// best). The same code ingests at half the speed on a host whose lines
+/// cost twice as much (BENCHMARKS.md, issue 22, "Session 28").
+fn host(c: &mut Criterion) {
+    const LINES: usize = (16 << 20) / 64;
+    const READS: usize = 1 << 16;
+    #[derive(Clone, Copy)]
+    #[repr(align(64))]
+    struct Line {
+        next: usize,
+    }
+    // One random cycle through every line (Sattolo's shuffle), from a
+    // fixed seed (splitmix64).
+    let mut seed = 7u64;
+    let mut random = |below: usize| {
+        seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) % below as u64) as usize
+    };
+    let mut order: Vec<usize> = (0..LINES).collect();
+    for i in (1..LINES).rev() {
+        order.swap(i, random(i));
+    }
+    let mut lines = vec![Line { next: 0 }; LINES];
+    for (i, &line) in order.iter().enumerate() {
+        lines[line].next = order[(i + 1) % LINES];
+    }
+    let mut group = c.benchmark_group("host");
+    group.throughput(Throughput::Elements(READS as u64));
+    group.bench_function("random-line-after-the-last-16MiB", |b| {
+        let mut at = 0;
+        b.iter(|| {
+            for _ in 0..READS {
+                at = black_box(&lines)[at].next;
+            }
+            at
+        });
+    });
+    group.bench_function("random-lines-together-16MiB", |b| {
+        let mut start = 0;
+        b.iter(|| {
+            let reads = &order[start..start + READS];
+            start = (start + READS) % (LINES - READS);
+            reads.iter().map(|&line| lines[line].next).sum::<usize>()
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, convert, ingest, state, snapshot, fan_out, host);
 fn main() {
     kvgate::allocator::bench_on_the_gateways_heap(); // `criterion_main!`
     benches();
