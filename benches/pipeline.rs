@@ -544,7 +544,7 @@ fn host(c: &mut Criterion) {
     const LINES: usize = (16 << 20) / 64;
     const READS: usize = 1 << 16;
     // Each sample reads the next `READS` lines of the order, round it all.
-    const _: () = assert!(LINES % READS == 0);
+    const _: () = assert!(LINES.is_multiple_of(READS));
     #[derive(Clone, Copy)]
     #[repr(align(64))]
     struct Line {
