@@ -517,7 +517,7 @@ fn spawn_drain(
         max_bytes: args.max_batch_bytes as usize,
     };
     let seed = store.as_ref().map_or_else(epoch_seed, store::Opened::seed);
-    let mut drain = Drain::new(limits, seed, hub, metrics);
+    let mut drain = Drain::new(limits, seed, hub, metrics).with_engine_ranks(args.dp_size);
     if let Some(opened) = store {
         drain = drain.with_state_dir(opened);
     }

@@ -10,16 +10,25 @@ fn read(path: &str) -> String {
 }
 
 #[test]
-fn docs_contract_is_a_copy_of_the_shared_spec() {
+fn docs_contract_starts_with_the_shared_spec_and_ends_with_kvgates_additions() {
     let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/spec/contract.md");
     // Only where the shared spec is checked out next to the repository.
     let Ok(spec) = std::fs::read_to_string(&shared) else {
         eprintln!("SKIPPED: {} not found", shared.display());
         return;
     };
+    let ours = read("docs/contract.md");
+    let Some(additions) = ours.strip_prefix(&spec) else {
+        panic!("docs/contract.md does not start with ../shared/spec/contract.md: copy it again")
+    };
     assert!(
-        read("docs/contract.md") == spec,
-        "docs/contract.md differs from ../shared/spec/contract.md: copy it again"
+        additions.is_empty() || additions.starts_with("\n## kvgate's additions\n"),
+        "after the shared text, docs/contract.md holds only its last section, \"kvgate's additions\""
+    );
+    assert_eq!(
+        additions.matches("\n## ").count(),
+        usize::from(!additions.is_empty()),
+        "\"kvgate's additions\" is the last section"
     );
 }
 

@@ -12,8 +12,10 @@
 //!   means the restart rule never even comes into play, so
 //!   `RouterView::restarts` stays 0. That is the exact invariant: kvgate
 //!   never needs the router's restart rule, because an engine restart or
-//!   clear reaches the router as an ownerless clear *at the next number*
-//!   (applied in order; it empties that rank only) and a snapshot bypasses
+//!   clear reaches the router *at the next number* (applied in order): with
+//!   one rank as an ownerless clear, with several as removals of every block
+//!   the rank held (the router clears the whole worker on any clear, so a
+//!   clear would take the other ranks' blocks too), and a snapshot bypasses
 //!   admission;
 //! - each connection delivers consecutive stream positions, starting right
 //!   after the resumed cursor's batch or the snapshot's cut;
@@ -188,6 +190,12 @@ struct Gateway {
 }
 
 impl Gateway {
+    /// A gateway for an engine of `ranks` ranks (1 unless told).
+    fn with_engine_ranks(mut self, ranks: u32) -> Self {
+        self.drain = self.drain.with_engine_ranks(ranks);
+        self
+    }
+
     /// A gateway whose drain stamps load records for `ranks` ranks.
     fn with_load_records(mut self, ranks: u32) -> Self {
         let (board, feed) = BoardWriter::new(ranks, None);
@@ -915,6 +923,54 @@ fn with_three_ranks_resuming_never_trips_the_restart_rule() {
 fn an_engine_restart_reaches_subscribers_as_an_ownerless_clear_and_numbering_goes_on() {
     let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 1024);
     let mut subscriber = Subscriber::join(&gateway);
+    gateway.publish_cycle(0, &[store(&[1, 2], None)]);
+    subscriber.read_to_end(&gateway);
+    let last = subscriber.router.cursor(0).unwrap();
+
+    // Restarted and quiet: the clear goes out alone at the next number.
+    gateway.restart_engine(0);
+    gateway.cycle();
+    let batches = subscriber.read_to_end(&gateway);
+    assert_eq!(batches.len(), 1);
+    assert_eq!(batches[0].sequence_number, last + 1);
+    assert!(is_ownerless_clear(&batches[0]));
+    assert!(subscriber.router.blocks(0).is_empty());
+
+    // The new engine counts from 0 again; kvgate's numbers go on.
+    gateway.publish_cycle(0, &[store(&[3], None)]);
+    assert_eq!(gateway.engines.counters[&0], 1);
+    // Restarted and publishing in the same cycle: its events follow the
+    // clear in one batch.
+    gateway.restart_engine(0);
+    gateway.publish_cycle(0, &[store(&[4], None)]);
+    // Restarted and clearing by itself: no second clear.
+    gateway.restart_engine(0);
+    gateway.publish_cycle(0, &[EventPlan::Clear, store(&[5], None)]);
+    let batches = subscriber.read_to_end(&gateway);
+    assert_eq!(sequences(&batches, 0), vec![last + 2, last + 3, last + 4]);
+    assert_eq!(
+        batches.iter().map(clears).collect::<Vec<_>>(),
+        vec![0, 1, 1]
+    );
+    assert_eq!(batches[1].events[0].event_id, 0, "kvgate's own clear");
+    assert_ne!(batches[2].events[0].event_id, 0, "the engine's clear");
+    subscriber.assert_holds_the_engines_blocks(&gateway, 1);
+}
+
+/// The clears `batch` carries.
+fn clears(batch: &KvEventBatch) -> usize {
+    batch
+        .events
+        .iter()
+        .filter(|event| matches!(event.data, Some(Data::Cleared(_))))
+        .count()
+}
+
+#[test]
+fn one_ranks_engine_restart_or_clear_reaches_subscribers_as_removals_of_its_blocks_and_numbering_goes_on()
+ {
+    let mut gateway = Gateway::new(4, UNBOUNDED_HISTORY, 1024).with_engine_ranks(2);
+    let mut subscriber = Subscriber::join(&gateway);
     gateway.publish_cycle(0, &[store(&[1], None)]);
     gateway.publish_cycle(1, &[store(&[1, 2], None)]);
     subscriber.read_to_end(&gateway);
@@ -926,41 +982,37 @@ fn an_engine_restart_reaches_subscribers_as_an_ownerless_clear_and_numbering_goe
             .collect::<Vec<_>>()
     };
 
-    // Restarted and quiet: the clear goes out alone at the next number.
+    // Restarted and quiet: its blocks' removals go out at the next number.
     gateway.restart_engine(1);
     gateway.cycle();
     let batches = rank1_batches(&mut subscriber, &gateway);
     assert_eq!(batches.len(), 1);
     assert_eq!(batches[0].sequence_number, last + 1);
-    assert!(is_ownerless_clear(&batches[0]));
+    assert_eq!(clears(&batches[0]), 0);
     assert!(subscriber.router.blocks(1).is_empty());
     assert!(!subscriber.router.blocks(0).is_empty(), "only that rank");
 
-    // The new engine counts from 0 again; kvgate's numbers go on.
+    // Restarted and publishing in the same cycle, then clearing by itself:
+    // never a clear, and kvgate's numbers go on.
     gateway.publish_cycle(1, &[store(&[3], None)]);
-    assert_eq!(gateway.engines.counters[&1], 1);
-    // Restarted and publishing in the same cycle: its events follow the
-    // clear in one batch.
     gateway.restart_engine(1);
     gateway.publish_cycle(1, &[store(&[4], None)]);
-    // Restarted and clearing by itself: no second clear.
-    gateway.restart_engine(1);
-    gateway.publish_cycle(1, &[EventPlan::Clear, store(&[5], None)]);
-    let batches = rank1_batches(&mut subscriber, &gateway);
-    assert_eq!(sequences(&batches, 1), vec![last + 2, last + 3, last + 4]);
-    let clears = |batch: &KvEventBatch| {
-        batch
-            .events
-            .iter()
-            .filter(|event| matches!(event.data, Some(Data::Cleared(_))))
-            .count()
-    };
-    assert_eq!(
-        batches.iter().map(clears).collect::<Vec<_>>(),
-        vec![0, 1, 1]
+    gateway.publish_cycle(
+        1,
+        &[store(&[6], Some(4)), EventPlan::Clear, store(&[5], None)],
     );
-    assert_eq!(batches[1].events[0].event_id, 0, "kvgate's own clear");
-    assert_ne!(batches[2].events[0].event_id, 0, "the engine's clear");
+    let batches = rank1_batches(&mut subscriber, &gateway);
+    let sent = sequences(&batches, 1);
+    assert_eq!(
+        sent,
+        (last + 2..last + 2 + sent.len() as u64).collect::<Vec<_>>()
+    );
+    assert_eq!(batches.iter().map(clears).sum::<usize>(), 0);
+    assert_eq!(
+        subscriber.router.blocks(1).len(),
+        1,
+        "what followed the clear"
+    );
     subscriber.assert_holds_the_engines_blocks(&gateway, 2);
 }
 
@@ -981,7 +1033,7 @@ fn routers_following_simulated_engines_end_with_the_engines_own_blocks() {
         .unwrap()
     };
     let mut engines: Vec<SimEngine> = (11..14).map(engine).collect();
-    let mut gateway = Gateway::new(3, history_of(24), 4);
+    let mut gateway = Gateway::new(3, history_of(24), 4).with_engine_ranks(3);
     let mut subscribers: Vec<Subscriber> = (0..3).map(|_| Subscriber::join(&gateway)).collect();
     for step in 0..60usize {
         for (rank, engine) in (0..).zip(&mut engines) {
@@ -1116,7 +1168,8 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn run(setup: &Setup, ops: &[Op], load_records: bool) {
-    let mut gateway = Gateway::new(setup.live_capacity, setup.history, setup.max_batch_events);
+    let mut gateway = Gateway::new(setup.live_capacity, setup.history, setup.max_batch_events)
+        .with_engine_ranks(setup.ranks);
     if load_records {
         gateway = gateway.with_load_records(setup.ranks);
     }

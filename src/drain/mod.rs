@@ -21,6 +21,14 @@
 //! point, when every cycle handed over is announced; while one waits, the
 //! drain takes no engine message, so the wait ends under any load.
 //!
+//! In an engine of several ranks, one rank's restart or own clear goes out
+//! as removals of every block the rank held, never as a clear (a router
+//! clears the whole worker on any clear): the rank's blocks leave the state
+//! at once and their removals go out a cycle's budget at a time, while
+//! whatever comes meanwhile waits behind them, so no removal can overtake
+//! a store of the rank's new incarnation. A resync of every rank, or a
+//! clear a router-side source sends, is the worker's whole cache: one clear.
+//!
 //! With load records on, every batch carries its rank's latest record,
 //! stamped as it is encoded, and `load_only` batches go out between cycles
 //! (see `crate::load::records`); they take no sequence number and no place
@@ -29,8 +37,10 @@
 pub mod batcher;
 mod rank_counters;
 pub(crate) mod sequence;
+#[cfg(test)]
+mod several_ranks_tests;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -47,6 +57,7 @@ use crate::proto::common::{KvCacheEvent, kv_cache_event::Data};
 use crate::source::continuity::ResumePoint;
 use crate::source::{EngineMessage, SourceEvent};
 use crate::state::LiveState;
+use crate::state::retraction::Retraction;
 use crate::state::snapshot::SnapshotCut;
 use crate::store::{LogCycle, LogThread, RankMark};
 use crate::wire::OpenBatch;
@@ -64,6 +75,11 @@ use sequence::Sequencer;
 /// Upper bound on engine messages folded into one drain cycle, so a flood
 /// cannot hold finished batches back.
 const MAX_MESSAGES_PER_CYCLE: usize = 256;
+
+/// Copies of a retracted rank's blocks named per drain cycle: about what a
+/// cycle of engine messages stores (256 payloads of 256 blocks), so a
+/// rank of millions of blocks holds the drain no longer than a cycle.
+const RETRACTED_COPIES_PER_CYCLE: usize = 65_536;
 
 /// Bytes the store body buffer keeps between stores: a store of about
 /// 1,000 blocks of 16 tokens; an outsized store's room is not kept for good.
@@ -85,6 +101,20 @@ pub struct Drain {
     since_rank0: BTreeSet<u32>,
     /// Ranks whose publisher restarted and that still owe subscribers a clear.
     owe_clear: BTreeSet<u32>,
+    /// Every rank started over (a resync of an engine of several ranks):
+    /// one clear is owed, before the next events of any rank.
+    owe_worker_clear: bool,
+    /// The engine's data-parallel ranks as configured: with several (or once
+    /// a rank other than 0 is seen), a rank's restart or own clear is sent
+    /// as removals of its blocks (`retractions`).
+    engine_ranks: u32,
+    /// Ranks whose blocks are going out as removals, a cycle's budget at a
+    /// time.
+    retractions: BTreeMap<u32, Retraction>,
+    /// What came while removals were still going out, in order: it follows
+    /// them. Engine messages are not taken meanwhile, so this holds at most
+    /// one cycle's messages and the rest of one payload.
+    deferred: VecDeque<Deferred>,
     state: LiveState,
     /// The first engine sequence number seen per rank since its publisher
     /// (re)started: that many engine messages came before kvgate's record.
@@ -133,6 +163,10 @@ impl Drain {
             ready: Vec::new(),
             since_rank0: BTreeSet::new(),
             owe_clear: BTreeSet::new(),
+            owe_worker_clear: false,
+            engine_ranks: 1,
+            retractions: BTreeMap::new(),
+            deferred: VecDeque::new(),
             state: LiveState::default(),
             first_engine_sequence: BTreeMap::new(),
             hub,
@@ -179,6 +213,12 @@ impl Drain {
         self
     }
 
+    /// Follows an engine of `ranks` data-parallel ranks (1 unless told).
+    pub fn with_engine_ranks(mut self, ranks: u32) -> Self {
+        self.engine_ranks = ranks;
+        self
+    }
+
     /// Stamps load records on the batches and sends `load_only` batches.
     pub fn with_load_records(mut self, records: LoadRecords) -> Self {
         self.records = Some(records);
@@ -206,16 +246,24 @@ impl Drain {
             let takes_events = self.takes_events();
             let takes_cuts = self.waiting_cut.is_none();
             let takes_load = !self.load_waiting;
+            let catching_up = self.catching_up();
             tokio::select! {
                 biased;
                 () = &mut stopped => break,
                 () = written_signal(written), if out > 0 => {}
                 request = self.hub.next_cut_request(), if takes_cuts => self.answer(request),
                 () = load_wake(&mut self.records), if takes_load => self.load_woke(),
+                () = std::future::ready(()), if catching_up && self.store_takes_cycles() => {
+                    self.catch_up_step();
+                    self.end_cycle();
+                }
                 first = events.recv(), if takes_events => {
                     let Some(first) = first else { break };
                     self.ingest(first);
                     for _ in 1..MAX_MESSAGES_PER_CYCLE {
+                        if self.catching_up() {
+                            break;
+                        }
                         match events.try_recv() {
                             Ok(event) => self.ingest(event),
                             Err(_) => break,
@@ -241,15 +289,75 @@ impl Drain {
         self.store.as_ref().is_none_or(|store| store.out() == 0)
     }
 
-    /// Whether `run` takes engine messages now: not while something waits
-    /// for a quiet point, nor while the log writer is `LOG_QUEUE` behind.
+    /// Whether `run` takes engine messages now: not while a rank's
+    /// removals are still going out, nor while something waits for a quiet
+    /// point, nor while the log writer is `LOG_QUEUE` behind.
     fn takes_events(&self) -> bool {
+        !self.catching_up()
+            && self.store_takes_cycles()
+            && self
+                .store
+                .as_ref()
+                .is_none_or(|store| !store.wants_checkpoint())
+    }
+
+    /// Whether the store takes another cycle now: not while the log writer
+    /// is `LOG_QUEUE` behind, nor while something waits for a quiet point.
+    fn store_takes_cycles(&self) -> bool {
         self.store.as_ref().is_none_or(|store| {
-            !store.is_full()
-                && self.waiting_cut.is_none()
-                && !self.load_waiting
-                && !store.wants_checkpoint()
+            !store.is_full() && self.waiting_cut.is_none() && !self.load_waiting
         })
+    }
+
+    /// A rank's removals are still going out, or what came meanwhile still
+    /// waits behind them.
+    fn catching_up(&self) -> bool {
+        !self.retractions.is_empty() || !self.deferred.is_empty()
+    }
+
+    /// Sends the next removals of the first rank still being retracted, a
+    /// cycle's budget of them; once none is left, takes what waited.
+    fn catch_up_step(&mut self) {
+        if let Some(mut retracting) = self.retractions.first_entry() {
+            let rank = *retracting.key();
+            let mut removals = Vec::new();
+            let done = retracting
+                .get_mut()
+                .step(RETRACTED_COPIES_PER_CYCLE, |removal| removals.push(removal));
+            if done {
+                crate::state::free(retracting.remove().into_blocks());
+            }
+            let timestamp = unix_now();
+            for removal in removals {
+                self.push_unrecorded(rank, removal, timestamp);
+            }
+            return;
+        }
+        while !self.catching_up_on_retraction()
+            && let Some(deferred) = self.deferred.pop_front()
+        {
+            match deferred {
+                Deferred::Source(event) => self.ingest_now(event),
+                Deferred::EngineEvents {
+                    rank,
+                    timestamp,
+                    events,
+                } => self.push_engine_events(rank, events, timestamp),
+            }
+        }
+    }
+
+    /// The engine has several ranks: it was configured so, or a rank other
+    /// than 0 has sent something (a recording or an upstream of several
+    /// ranks, whatever `--dp-size` says).
+    fn several_ranks(&self) -> bool {
+        self.engine_ranks > 1
+            || (self.sequencer.ranks().chain(self.state.ranks())).any(|rank| rank != 0)
+    }
+
+    /// Some rank's removals are still going out.
+    fn catching_up_on_retraction(&self) -> bool {
+        !self.retractions.is_empty()
     }
 
     fn answer(&mut self, request: CutRequest) {
@@ -293,7 +401,16 @@ impl Drain {
     }
 
     /// Handles one source event; batches that fill up wait in `ready`.
+    /// While a rank's removals are still going out, it waits behind them.
     pub fn ingest(&mut self, event: SourceEvent) {
+        if self.catching_up() {
+            self.deferred.push_back(Deferred::Source(event));
+        } else {
+            self.ingest_now(event);
+        }
+    }
+
+    fn ingest_now(&mut self, event: SourceEvent) {
         match event {
             SourceEvent::Message(message) => self.ingest_message(message),
             SourceEvent::PublisherRestarted { rank } => self.restart_rank(rank),
@@ -305,20 +422,52 @@ impl Drain {
             SourceEvent::Resync => {
                 let ranks: BTreeSet<u32> =
                     self.sequencer.ranks().chain(self.state.ranks()).collect();
-                for rank in ranks {
-                    self.restart_rank(rank);
+                if self.several_ranks() {
+                    for &rank in &ranks {
+                        self.close_batch(rank);
+                        self.state.reset_rank(rank);
+                        self.forget_publisher(rank);
+                    }
+                    self.owe_worker_clear = true;
+                } else {
+                    for rank in ranks {
+                        self.restart_rank(rank);
+                    }
                 }
             }
         }
     }
 
-    /// Everything known about `rank`'s cache is void; subscribers get an
-    /// ownerless clear for it before its next events.
+    /// Everything known about `rank`'s cache is void. With one rank,
+    /// subscribers get an ownerless clear before its next events; with
+    /// several, removals of every block it held.
     fn restart_rank(&mut self, rank: u32) {
         // What the old engine sent still goes out, then the clear.
         self.close_batch(rank);
-        self.owe_clear.insert(rank);
-        self.state.reset_rank(rank);
+        if self.several_ranks() {
+            self.retract(rank);
+        } else {
+            self.owe_clear.insert(rank);
+            self.state.reset_rank(rank);
+        }
+        self.forget_publisher(rank);
+    }
+
+    /// Takes `rank`'s blocks out of the state, their removals to go out
+    /// after what the rank sent before; `false` when it held none, so
+    /// nothing need wait.
+    fn retract(&mut self, rank: u32) -> bool {
+        self.close_batch(rank);
+        let Some(blocks) = self.state.take_rank(rank) else {
+            return false;
+        };
+        self.retractions.insert(rank, Retraction::of(blocks));
+        true
+    }
+
+    /// Forgets what was known of `rank`'s publisher: its cache groups and
+    /// where kvgate's record of it begins and ends.
+    fn forget_publisher(&mut self, rank: u32) {
         self.converter.forget_rank(rank);
         self.first_engine_sequence.remove(&rank);
         if self.store.is_some() {
@@ -373,19 +522,69 @@ impl Drain {
     /// their blocks' entries as they are.
     fn push_transcoded(&mut self, rank: u32, payload: &mut TranscodedPayload) {
         let timestamp = payload.timestamp;
-        self.pay_owed_clear(rank, payload.starts_with_ownerless_clear(), timestamp);
+        // An engine's own clear stands for the one owed only where it goes
+        // out as a clear: in an engine of one rank.
+        let starts_with_clear = !self.several_ranks() && payload.starts_with_ownerless_clear();
+        self.pay_owed_clear(rank, starts_with_clear, timestamp);
         self.state.prefetch_lookups(rank, payload.lookups());
-        payload.drain(|event| match event {
-            Forwarded::Event(event) => self.push_event(rank, event, timestamp),
-            Forwarded::Store { event, blocks } => self.push_store(rank, event, blocks, timestamp),
-            Forwarded::Removal { body, tier, hashes } => {
-                if self.push_encoded(rank, body, timestamp) {
-                    self.state.remove_blocks(rank, tier, hashes);
-                } else {
-                    self.push_decoded(rank, body, timestamp);
+        // After a rank's own clear in an engine of several ranks, the rest
+        // of the payload waits behind the clear's removals.
+        let mut after_clear: Option<Vec<KvCacheEvent>> = None;
+        payload.drain(|event| {
+            if let Some(rest) = &mut after_clear {
+                rest.push(owned(event));
+                return;
+            }
+            match event {
+                Forwarded::Event(event) if self.several_ranks() && is_clear(&event) => {
+                    if self.retract(rank) {
+                        after_clear = Some(Vec::new());
+                    }
+                }
+                Forwarded::Event(event) => self.push_event(rank, event, timestamp),
+                Forwarded::Store { event, blocks } => {
+                    self.push_store(rank, event, blocks, timestamp);
+                }
+                Forwarded::Removal { body, tier, hashes } => {
+                    if self.push_encoded(rank, body, timestamp) {
+                        self.state.remove_blocks(rank, tier, hashes);
+                    } else {
+                        self.push_decoded(rank, body, timestamp);
+                    }
                 }
             }
         });
+        if let Some(events) = after_clear.filter(|events| !events.is_empty()) {
+            self.deferred.push_front(Deferred::EngineEvents {
+                rank,
+                timestamp,
+                events,
+            });
+        }
+    }
+
+    /// Events of an engine's payload, as `push_transcoded` batches them:
+    /// a rank's own clear in an engine of several ranks becomes its
+    /// removals, and what follows it waits behind them.
+    fn push_engine_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
+        let mut events = events.into_iter();
+        while let Some(event) = events.next() {
+            if self.several_ranks() && is_clear(&event) {
+                if !self.retract(rank) {
+                    continue;
+                }
+                let rest: Vec<KvCacheEvent> = events.collect();
+                if !rest.is_empty() {
+                    self.deferred.push_front(Deferred::EngineEvents {
+                        rank,
+                        timestamp,
+                        events: rest,
+                    });
+                }
+                return;
+            }
+            self.push_event(rank, event, timestamp);
+        }
     }
 
     /// Completes a transcoded store from the state, as `push_event` does,
@@ -436,23 +635,53 @@ impl Drain {
         self.push_event(rank, event, timestamp);
     }
 
-    /// Sends the clear a restarted rank owes before its first events,
-    /// unless they start with one.
+    /// Sends the clear a restarted rank (or, after a resync, the worker)
+    /// owes before its first events, unless they start with one.
     fn pay_owed_clear(&mut self, rank: u32, starts_with_clear: bool, timestamp: f64) {
-        if self.owe_clear.remove(&rank) && !starts_with_clear {
+        let owed = self.owe_clear.remove(&rank) | std::mem::take(&mut self.owe_worker_clear);
+        if owed && !starts_with_clear {
             self.push_event(rank, KvCacheEvent::ownerless_clear(), timestamp);
         }
     }
 
-    /// Batches one message's events, after the clear a restarted rank owes,
-    /// with the state's lookups for all of them fetched first.
+    /// Batches one message's events from a source that speaks the router's
+    /// stream (an upstream gateway, a recording, a trace), after the clear
+    /// owed, with the state's lookups for all of them fetched first. There
+    /// a clear is the whole worker's, as a router takes it: in an engine of
+    /// several ranks it empties every rank.
     fn push_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
         let starts_with_clear = events.first().is_some_and(KvCacheEvent::is_ownerless_clear);
         self.pay_owed_clear(rank, starts_with_clear, timestamp);
         self.state.prefetch(rank, &events);
         for event in events {
+            if self.several_ranks() && is_clear(&event) {
+                self.empty_other_ranks(rank);
+            }
             self.push_event(rank, event, timestamp);
         }
+    }
+
+    /// Empties every rank but `rank` for a clear of the whole worker sent
+    /// on `rank`: what they sent before goes out first.
+    fn empty_other_ranks(&mut self, rank: u32) {
+        let others: Vec<u32> = (self.sequencer.ranks().chain(self.state.ranks()))
+            .filter(|&other| other != rank)
+            .collect();
+        for other in others {
+            self.close_batch(other);
+            self.state.reset_rank(other);
+        }
+    }
+
+    /// Batches a removal of blocks already taken out of the state.
+    fn push_unrecorded(&mut self, rank: u32, event: KvCacheEvent, timestamp: f64) {
+        let ready = &mut self.ready;
+        batcher_of(&mut self.batchers, rank, self.limits).push(event, timestamp, &mut |output| {
+            match output {
+                Output::Batch(batch) => ready.push((rank, batch)),
+                Output::Sent(_) | Output::Oversized { .. } => {}
+            }
+        });
     }
 
     /// Completes `event` from the state, batches it, and records in the
@@ -505,6 +734,10 @@ impl Drain {
     /// `run` loop, nothing else would reach a quiet point).
     pub fn flush(&mut self) {
         self.end_cycle();
+        while self.catching_up() {
+            self.catch_up_step();
+            self.end_cycle();
+        }
         if self
             .store
             .as_ref()
@@ -530,6 +763,9 @@ impl Drain {
         // A restarted rank that sent nothing since still gets its clear now.
         for rank in std::mem::take(&mut self.owe_clear) {
             self.push_event(rank, KvCacheEvent::ownerless_clear(), unix_now());
+        }
+        if std::mem::take(&mut self.owe_worker_clear) {
+            self.push_event(0, KvCacheEvent::ownerless_clear(), unix_now());
         }
         for (&rank, batcher) in &mut self.batchers {
             if let Some(batch) = batcher.close() {
@@ -615,7 +851,8 @@ impl Drain {
             self.send_load_records();
             self.report();
         }
-        if self.store.as_ref().is_some_and(LogThread::wants_checkpoint) {
+        // A checkpoint must not leave out blocks whose removals are not out.
+        if !self.catching_up() && self.store.as_ref().is_some_and(LogThread::wants_checkpoint) {
             let cut = self.cut();
             let marks = marks(&self.first_engine_sequence, &self.resume_points).collect();
             if let Some(store) = &mut self.store {
@@ -722,6 +959,42 @@ impl Drain {
         self.metrics.events_out.inc_by(u64::from(event_count));
         self.metrics.bytes_out.inc_by(framed.message().len() as u64);
         self.outgoing.push((rank, sequence, framed));
+    }
+}
+
+/// What waits behind a rank's removals.
+#[derive(Debug)]
+enum Deferred {
+    /// A source's event, ingested as it came.
+    Source(SourceEvent),
+    /// The rest of an engine payload after a rank's own clear.
+    EngineEvents {
+        rank: u32,
+        timestamp: f64,
+        events: Vec<KvCacheEvent>,
+    },
+}
+
+/// A clear, owned or not.
+fn is_clear(event: &KvCacheEvent) -> bool {
+    matches!(event.data, Some(Data::Cleared(_)))
+}
+
+/// A transcoded event as a `KvCacheEvent` of its own, to be batched later.
+fn owned(event: Forwarded<'_>) -> KvCacheEvent {
+    match event {
+        Forwarded::Event(event) => event,
+        Forwarded::Store { event, blocks } => {
+            let Some(Data::Stored(stored)) = &event.data else {
+                unreachable!("a transcoded store is built as a store");
+            };
+            let mut body = Vec::new();
+            blocks.encode_event(event.event_id, stored, &mut body);
+            KvCacheEvent::decode(body.as_slice()).expect("an event the drain wrote decodes")
+        }
+        Forwarded::Removal { body, .. } => {
+            KvCacheEvent::decode(body).expect("an event the drain wrote decodes")
+        }
     }
 }
 

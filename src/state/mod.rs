@@ -14,6 +14,7 @@
 
 pub(crate) mod cow_map;
 mod prefetch;
+pub mod retraction;
 pub mod snapshot;
 mod spare_bytes;
 pub(crate) mod tier;
@@ -364,16 +365,15 @@ impl LiveState {
     /// runs on the worker that serves every stream, and a million frees
     /// there would hold all of them up.
     pub fn reset_rank(&mut self, rank: u32) {
-        let Some(blocks) = self.ranks.remove(&rank) else {
-            return;
-        };
-        if blocks.copies.total() > FREED_IN_PLACE {
-            // Should the thread not start, its closure, and the blocks with
-            // it, are dropped here instead.
-            let _ = std::thread::Builder::new()
-                .name("kvgate-free".into())
-                .spawn(move || drop(blocks));
+        if let Some(blocks) = self.ranks.remove(&rank) {
+            free(blocks);
         }
+    }
+
+    /// Takes every block of `rank` out of the state, for its removals to
+    /// be sent (`retraction`).
+    pub fn take_rank(&mut self, rank: u32) -> Option<RankBlocks> {
+        self.ranks.remove(&rank)
     }
 
     /// A consistent view of every rank now; cheap, the maps are shared until written.
@@ -477,9 +477,20 @@ impl LiveState {
     }
 }
 
-/// Blocks a rank may hold for [`LiveState::reset_rank`] to free them in
-/// place (a few milliseconds at most).
+/// Blocks a rank may hold for [`free`] to free them in place (a few
+/// milliseconds at most).
 const FREED_IN_PLACE: u64 = 65_536;
+
+/// Frees a rank's blocks; a large rank's on a thread of their own.
+pub fn free(blocks: RankBlocks) {
+    if blocks.copies.total() > FREED_IN_PLACE {
+        // Should the thread not start, its closure, and the blocks with
+        // it, are dropped here instead.
+        let _ = std::thread::Builder::new()
+            .name("kvgate-free".into())
+            .spawn(move || drop(blocks));
+    }
+}
 
 /// Calls `visit` with the tier and hash of every block that applying
 /// `events` looks up: stored blocks and their store's parent (`complete`

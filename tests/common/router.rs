@@ -1,5 +1,7 @@
 //! A subscriber that admits batches exactly as the SMG router does
 //! (contract section 3) and keeps the block set each rank holds as a result.
+//! Like the router, whose index pools a worker's ranks, it clears the whole
+//! worker on any `KvCacheCleared`, whichever rank's batch carries it.
 //! Every resume, lag, restart and snapshot test goes through it, so a stream
 //! that would make the real router clear a worker or see a gap fails here.
 
@@ -126,8 +128,12 @@ impl RouterView {
     }
 
     fn apply(&mut self, rank: i32, batch: &KvEventBatch) {
-        let blocks = self.blocks.entry(rank).or_default();
         for event in &batch.events {
+            if let Some(Data::Cleared(_)) = &event.data {
+                self.blocks.clear();
+                continue;
+            }
+            let blocks = self.blocks.entry(rank).or_default();
             match &event.data {
                 Some(Data::Stored(stored)) => {
                     for block in &stored.blocks {
@@ -144,8 +150,7 @@ impl RouterView {
                         }
                     }
                 }
-                Some(Data::Cleared(_)) => blocks.clear(),
-                None => {}
+                Some(Data::Cleared(_)) | None => {}
             }
         }
     }

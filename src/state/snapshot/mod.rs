@@ -1,8 +1,10 @@
 //! A snapshot: the state at one cut, as a run of `KvEventBatch` chunks.
 //!
 //! Invariants (contract section 3, "Snapshots"): one rank per chunk, every
-//! known rank has at least one; each rank's first chunk starts with an
-//! ownerless clear (so chunk 0 does); blocks follow parents before children,
+//! known rank has at least one; chunk 0 starts with an ownerless clear, the
+//! only clear of the snapshot (a router clears the whole worker on any
+//! clear, so one in a later rank's chunk would wipe the ranks sent before
+//! it); blocks follow parents before children,
 //! a chain of blocks with the same fields in one store event, each extra
 //! physical copy as its own one-block store; `event_id` 0 throughout; a
 //! chunk holds at most `MAX_CHUNK_BLOCKS` blocks and about `MAX_CHUNK_BYTES`;
@@ -94,7 +96,8 @@ impl Plan {
     /// by a walk of those ranks alone. Blocking work when some rank walks.
     fn of(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
         let walk = ranks_to_walk(&cut);
-        let mut plan = Plan::walked(Arc::clone(&cut), timestamp, walk);
+        let opening = emission_order(&cut).first().copied();
+        let mut plan = Plan::walked(Arc::clone(&cut), timestamp, walk, opening);
         for &rank in cut.last_sequences.keys() {
             if plan.chunks_per_rank.contains_key(&rank) {
                 continue;
@@ -103,7 +106,8 @@ impl Plan {
                 .state
                 .get(&rank)
                 .map_or(0, |blocks| blocks.counts().total());
-            // The first chunk holds the rank's clear even with no blocks.
+            // A rank with no blocks still has a chunk: its numbering ends
+            // at its last sequence.
             let chunks = blocks.div_ceil(MAX_CHUNK_BLOCKS as u64).max(1);
             plan.chunks_per_rank.insert(rank, chunks);
             plan.count += u32::try_from(chunks).expect("fewer than 2^32 chunks");
@@ -114,8 +118,14 @@ impl Plan {
 
     /// The plan of `ranks` alone, from a walk of them that counts bytes
     /// without writing them.
-    fn walked(cut: Arc<SnapshotCut>, timestamp: f64, ranks: Vec<u32>) -> Self {
-        let mut planning = RawChunks::walk(cut, timestamp, Pass::Planning, ranks);
+    /// `opening` is the rank whose first chunk is chunk 0.
+    fn walked(
+        cut: Arc<SnapshotCut>,
+        timestamp: f64,
+        ranks: Vec<u32>,
+        opening: Option<u32>,
+    ) -> Self {
+        let mut planning = RawChunks::walk(cut, timestamp, Pass::Planning, ranks, opening);
         let mut chunks_per_rank = BTreeMap::new();
         let mut count = 0u32;
         while let Some((rank, _)) = planning.next() {
@@ -160,8 +170,9 @@ impl SnapshotEncoder {
     pub fn plan(cut: Arc<SnapshotCut>, timestamp: f64) -> Self {
         let plan = Plan::of(Arc::clone(&cut), timestamp);
         let ranks = emission_order(&cut);
+        let opening = ranks.first().copied();
         Self {
-            chunks: RawChunks::walk(cut, timestamp, Pass::Reading, ranks),
+            chunks: RawChunks::walk(cut, timestamp, Pass::Reading, ranks, opening),
             plan,
             index: 0,
             current: None,
@@ -218,9 +229,16 @@ self_cell::self_cell!(
 );
 
 impl RawChunks {
-    /// Walks `ranks` of `cut`, in that order.
-    fn walk(cut: Arc<SnapshotCut>, timestamp: f64, pass: Pass, ranks: Vec<u32>) -> Self {
-        Self::new(cut, |_| ChunkWalk::new(ranks, timestamp, pass))
+    /// Walks `ranks` of `cut`, in that order; `opening`'s walk starts
+    /// with the snapshot's clear.
+    fn walk(
+        cut: Arc<SnapshotCut>,
+        timestamp: f64,
+        pass: Pass,
+        ranks: Vec<u32>,
+        opening: Option<u32>,
+    ) -> Self {
+        Self::new(cut, |_| ChunkWalk::new(ranks, opening, timestamp, pass))
     }
 
     fn next(&mut self) -> Option<(u32, OpenBatch)> {
@@ -263,6 +281,8 @@ struct ChunkWalk<'cut> {
     pass: Pass,
     /// The ranks to walk, in order.
     ranks: Vec<u32>,
+    /// The rank whose first chunk is the snapshot's chunk 0.
+    opening: Option<u32>,
     next_rank: usize,
     walking: Option<RankWalk<'cut>>,
     /// Blocks (copies counted) of the ranks walked to the end.
@@ -270,11 +290,12 @@ struct ChunkWalk<'cut> {
 }
 
 impl<'cut> ChunkWalk<'cut> {
-    fn new(ranks: Vec<u32>, timestamp: f64, pass: Pass) -> Self {
+    fn new(ranks: Vec<u32>, opening: Option<u32>, timestamp: f64, pass: Pass) -> Self {
         Self {
             timestamp,
             pass,
             ranks,
+            opening,
             next_rank: 0,
             walking: None,
             blocks: 0,
@@ -286,7 +307,8 @@ impl<'cut> ChunkWalk<'cut> {
             let Some(walking) = &mut self.walking else {
                 let &rank = self.ranks.get(self.next_rank)?;
                 self.next_rank += 1;
-                self.walking = Some(RankWalk::new(rank, self.timestamp, self.pass));
+                let opens = self.opening == Some(rank);
+                self.walking = Some(RankWalk::new(rank, opens, self.timestamp, self.pass));
                 continue;
             };
             if let Some(chunk) = walking.chunker.done.pop_front() {
@@ -302,7 +324,8 @@ impl<'cut> ChunkWalk<'cut> {
     }
 }
 
-/// One rank's walk: an ownerless clear, then every live block, tier by tier.
+/// One rank's walk: the snapshot's clear if the rank opens the snapshot,
+/// then every live block, tier by tier.
 struct RankWalk<'cut> {
     rank: u32,
     /// Tiers begun so far, in `Tier::ALL` order.
@@ -313,9 +336,11 @@ struct RankWalk<'cut> {
 }
 
 impl RankWalk<'_> {
-    fn new(rank: u32, timestamp: f64, pass: Pass) -> Self {
+    fn new(rank: u32, opens: bool, timestamp: f64, pass: Pass) -> Self {
         let mut chunker = Chunker::new(timestamp, pass.output());
-        chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
+        if opens {
+            chunker.push_event(&KvCacheEvent::ownerless_clear(), 0);
+        }
         Self {
             rank,
             tiers_begun: 0,
@@ -598,7 +623,8 @@ mod tests {
     /// The plan a walk of every rank of `cut` finds.
     fn walked_whole(cut: &Arc<SnapshotCut>) -> Plan {
         let ranks = cut.last_sequences.keys().copied().collect();
-        Plan::walked(Arc::clone(cut), 1.0, ranks)
+        let opening = emission_order(cut).first().copied();
+        Plan::walked(Arc::clone(cut), 1.0, ranks, opening)
     }
 
     fn cut_of(state: &LiveState, ranks: &[u32]) -> Arc<SnapshotCut> {

@@ -1,0 +1,263 @@
+//! The drain with an engine of several ranks: a rank's restart or own
+//! clear reaches routers as removals of its blocks, never as a clear.
+
+use std::collections::HashMap;
+
+use kvgate_sim::SimEvent;
+
+use super::*;
+use crate::hub::{HistoryLimits, HubReader, hub};
+use crate::proto::common::KvEventBatch;
+
+/// A drain for an engine of `ranks` ranks on a hub of its own.
+fn drain_of(ranks: u32) -> (Drain, HubReader) {
+    let (writer, reader) = hub(
+        64,
+        HistoryLimits {
+            batches: 100_000,
+            bytes: 1 << 30,
+        },
+    );
+    let limits = BatchLimits {
+        max_events: 1024,
+        max_bytes: 1 << 20,
+    };
+    let drain = Drain::new(limits, 1, writer, Metrics::default()).with_engine_ranks(ranks);
+    (drain, reader)
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>) -> SimEvent {
+    SimEvent::Stored {
+        hashes: hashes.to_vec(),
+        parent,
+        tokens: vec![7; hashes.len() * 2],
+        block_size: 2,
+    }
+}
+
+/// `events` as one engine payload of `rank`, ingested (not flushed).
+fn engine_sends(drain: &mut Drain, rank: u32, engine_sequence: u64, events: &[SimEvent]) {
+    let mut payload = Vec::new();
+    kvgate_sim::encode_batch(1.0, events, Some(rank), &mut payload);
+    drain.ingest(SourceEvent::Message(EngineMessage {
+        rank,
+        engine_sequence,
+        payload: payload.into(),
+    }));
+}
+
+/// Every batch published so far, in order.
+fn published(reader: &HubReader) -> Vec<KvEventBatch> {
+    let (oldest, newest) = reader.history().span();
+    (oldest..=newest)
+        .filter_map(|position| reader.history().get(position))
+        .map(|batch| KvEventBatch::decode(batch.encoded.clone()).unwrap())
+        .collect()
+}
+
+/// What a router holds per rank after `batches`, copies counted; a
+/// clear empties the whole worker, as the router's does.
+fn router_view(batches: &[KvEventBatch]) -> BTreeMap<i32, HashMap<i64, u32>> {
+    let mut view: BTreeMap<i32, HashMap<i64, u32>> = BTreeMap::new();
+    for batch in batches {
+        let rank = batch.dp_rank.unwrap_or(0);
+        for event in &batch.events {
+            match &event.data {
+                Some(Data::Stored(stored)) => {
+                    for block in &stored.blocks {
+                        *view
+                            .entry(rank)
+                            .or_default()
+                            .entry(block.block_hash)
+                            .or_default() += 1;
+                    }
+                }
+                Some(Data::Removed(removed)) => {
+                    let blocks = view.entry(rank).or_default();
+                    for hash in &removed.block_hashes {
+                        let copies = blocks.get_mut(hash).expect("a removal names a live block");
+                        *copies -= 1;
+                        if *copies == 0 {
+                            blocks.remove(hash);
+                        }
+                    }
+                }
+                Some(Data::Cleared(_)) => view.clear(),
+                None => {}
+            }
+        }
+    }
+    view.retain(|_, blocks| !blocks.is_empty());
+    view
+}
+
+fn hashes(view: &BTreeMap<i32, HashMap<i64, u32>>, rank: i32) -> Vec<(i64, u32)> {
+    let mut held: Vec<(i64, u32)> = view
+        .get(&rank)
+        .map(|blocks| blocks.iter().map(|(&h, &c)| (h, c)).collect())
+        .unwrap_or_default();
+    held.sort_unstable();
+    held
+}
+
+fn clears(batches: &[KvEventBatch]) -> usize {
+    batches
+        .iter()
+        .flat_map(|batch| &batch.events)
+        .filter(|event| matches!(event.data, Some(Data::Cleared(_))))
+        .count()
+}
+
+/// Rank 0 holds 1 and 2; rank 1 holds 10 (two copies), 11 and 12.
+fn two_ranks_holding_blocks() -> (Drain, HubReader) {
+    let (mut drain, reader) = drain_of(2);
+    engine_sends(&mut drain, 0, 1, &[stored(&[1, 2], None)]);
+    engine_sends(
+        &mut drain,
+        1,
+        1,
+        &[stored(&[10, 11, 12], None), stored(&[10], None)],
+    );
+    drain.flush();
+    (drain, reader)
+}
+
+#[test]
+fn a_ranks_own_clear_goes_out_as_removals_of_its_blocks_and_what_follows_it_after_them() {
+    let (mut drain, reader) = two_ranks_holding_blocks();
+    engine_sends(
+        &mut drain,
+        1,
+        2,
+        &[
+            stored(&[13], Some(12)),
+            SimEvent::Cleared,
+            stored(&[20], None),
+        ],
+    );
+    drain.flush();
+    let batches = published(&reader);
+    assert_eq!(clears(&batches), 0, "no clear reaches the router");
+    let view = router_view(&batches);
+    assert_eq!(hashes(&view, 0), [(1, 1), (2, 1)], "rank 0 untouched");
+    assert_eq!(
+        hashes(&view, 1),
+        [(20, 1)],
+        "rank 1 holds what followed the clear"
+    );
+    let cut = drain.cut();
+    assert_eq!(cut.state[&1].counts().total(), 1);
+    assert_eq!(cut.state[&0].counts().total(), 2);
+}
+
+#[test]
+fn a_ranks_restart_goes_out_as_removals_of_every_copy_it_held_in_its_own_numbering() {
+    let (mut drain, reader) = two_ranks_holding_blocks();
+    let before = published(&reader).len();
+    let rank1_last = drain.sequencer.last(1);
+    drain.ingest(SourceEvent::PublisherRestarted { rank: 1 });
+    engine_sends(&mut drain, 1, 1, &[stored(&[30], None)]);
+    drain.flush();
+    let batches = published(&reader);
+    assert_eq!(clears(&batches), 0);
+    let view = router_view(&batches);
+    assert_eq!(hashes(&view, 0), [(1, 1), (2, 1)]);
+    assert_eq!(hashes(&view, 1), [(30, 1)]);
+    let rank1: Vec<&KvEventBatch> = batches[before..]
+        .iter()
+        .filter(|batch| batch.dp_rank == Some(1))
+        .collect();
+    assert_eq!(
+        rank1[0].sequence_number,
+        rank1_last + 1,
+        "its numbering goes on"
+    );
+    let removed: usize = rank1
+        .iter()
+        .flat_map(|batch| &batch.events)
+        .filter_map(|event| match &event.data {
+            Some(Data::Removed(removed)) => Some(removed.block_hashes.len()),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(removed, 4, "three blocks, one with a second copy");
+}
+
+#[test]
+fn a_large_ranks_removals_go_out_over_several_cycles_and_its_next_store_waits_behind_them() {
+    let (mut drain, reader) = drain_of(2);
+    let blocks: Vec<u64> = (1..=150_000).collect();
+    for (sequence, chunk) in (1..).zip(blocks.chunks(10_000)) {
+        engine_sends(&mut drain, 1, sequence, &[stored(chunk, None)]);
+    }
+    engine_sends(&mut drain, 0, 1, &[stored(&[1], None)]);
+    drain.flush();
+    engine_sends(&mut drain, 1, 100, &[SimEvent::Cleared, stored(&[5], None)]);
+    drain.end_cycle();
+    let mut steps = 0;
+    while drain.catching_up() {
+        // Another engine message meanwhile waits too.
+        if steps == 1 {
+            engine_sends(&mut drain, 1, 101, &[stored(&[6], Some(5))]);
+        }
+        drain.catch_up_step();
+        drain.end_cycle();
+        steps += 1;
+        assert!(steps < 100, "the removals end");
+    }
+    assert!(steps >= 3, "150k copies in {steps} cycles of 65,536");
+    let batches = published(&reader);
+    assert_eq!(clears(&batches), 0);
+    let view = router_view(&batches);
+    assert_eq!(hashes(&view, 1), [(5, 1), (6, 1)]);
+    assert_eq!(hashes(&view, 0), [(1, 1)]);
+    assert!(batches.iter().all(|batch| batch.events.len() <= 1024));
+}
+
+#[test]
+fn with_one_rank_a_restart_and_a_clear_still_go_out_as_a_clear() {
+    let (mut drain, reader) = drain_of(1);
+    engine_sends(&mut drain, 0, 1, &[stored(&[1, 2], None)]);
+    engine_sends(&mut drain, 0, 2, &[SimEvent::Cleared, stored(&[3], None)]);
+    drain.ingest(SourceEvent::PublisherRestarted { rank: 0 });
+    drain.flush();
+    let batches = published(&reader);
+    assert_eq!(clears(&batches), 2);
+    assert!(router_view(&batches).is_empty());
+}
+
+#[test]
+fn a_resync_of_every_rank_is_one_clear_of_the_whole_worker() {
+    let (mut drain, reader) = two_ranks_holding_blocks();
+    drain.ingest(SourceEvent::Resync);
+    drain.ingest(SourceEvent::Events {
+        rank: 1,
+        timestamp: 1.0,
+        events: vec![crate::state::stored_event(
+            None,
+            &[40],
+            crate::proto::common::KvCacheTier::Device,
+            2,
+        )],
+    });
+    drain.flush();
+    let batches = published(&reader);
+    assert_eq!(clears(&batches), 1);
+    let view = router_view(&batches);
+    assert_eq!(hashes(&view, 1), [(40, 1)]);
+    assert!(hashes(&view, 0).is_empty());
+    assert!(!drain.cut().state.contains_key(&0));
+}
+
+#[test]
+fn a_clear_from_a_router_side_source_empties_every_rank_as_the_router_does() {
+    let (mut drain, reader) = two_ranks_holding_blocks();
+    drain.ingest(SourceEvent::Events {
+        rank: 1,
+        timestamp: 1.0,
+        events: vec![KvCacheEvent::ownerless_clear()],
+    });
+    drain.flush();
+    assert!(router_view(&published(&reader)).is_empty());
+    assert!(drain.cut().state.is_empty(), "kvgate's state agrees");
+}
