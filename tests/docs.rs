@@ -479,3 +479,35 @@ fn every_performance_figure_in_the_readme_is_one_of_the_current_targets_table() 
         "README.md's Performance figures missing from BENCHMARKS.md's Current targets: {missing:?}"
     );
 }
+
+#[test]
+fn kvgate_version_says_the_version_and_the_commit_it_was_built_from() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let commit = kvgate::metrics::GIT_COMMIT;
+    assert_eq!(
+        String::from_utf8(output.stdout).unwrap(),
+        format!("kvgate {} ({commit})\n", env!("CARGO_PKG_VERSION"))
+    );
+    // Built in a checkout without an explicit KVGATE_GIT_COMMIT, the commit
+    // is the checkout's HEAD (build.rs reruns when HEAD or its ref moves).
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|output| output.status.success());
+    match head {
+        Some(head) if std::env::var_os("KVGATE_GIT_COMMIT").is_none() => {
+            let head = String::from_utf8(head.stdout).unwrap();
+            assert!(
+                commit.len() >= 7 && head.starts_with(commit),
+                "built from {commit}, HEAD is {head}"
+            );
+        }
+        _ => eprintln!("SKIPPED: not a git checkout, or KVGATE_GIT_COMMIT set"),
+    }
+}
