@@ -91,6 +91,6 @@ fuzz:
 	PROPTEST_CASES=20000 cargo test --release --locked --test fuzz
 
 # The container image, built with buildah and checked in a chroot (see the
-# README's "Container image").
+# docs/deploy.md).
 image:
 	deploy/image/build.sh
