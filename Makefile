@@ -37,7 +37,7 @@ load:
 	target/release/kvgate-bench --subscribers 1,8,32,64 --rate 0 \
 		--json benchmarks/load-max.json --svg benchmarks/load-max.svg
 
-# Issue 13's figures: CPU per batch delivered at 1, 8 and 64 subscribers
+# The fan-out figures: CPU per batch delivered at 1, 8 and 64 subscribers
 # (20k events/s), ingest, snapshot encode and memory (BENCHMARKS.md).
 fan-out:
 	cargo build --release --locked --workspace --bins
@@ -54,7 +54,7 @@ fan-out:
 release:
 	deploy/pgo/build.sh
 
-# Issue 22: kvgate as shipped (`make release`) against smg 1.13's Rust
+# kvgate as shipped (`make release`) against smg 1.13's Rust
 # relay, alternating run by run, the libzmq floor beside kvgate's cost per
 # subscriber, and the floor relay (a relay that does nothing but relay)
 # beside kvgate's CPU per event. PEER_PYTHON is a Python with smg, pyzmq,
@@ -76,7 +76,7 @@ peer: release
 	$(PEER_PYTHON) benchmarks/floor.py --kvgate $(SHIPPED) --relay --counts 32 \
 		--rate 312.5 --rounds 2 --rust-receivers target/release/kvgate-bench
 
-# Issue 13's flame graphs (needs perf and `cargo install inferno`).
+# The fan-out flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:
 	cargo build --release --locked --workspace --bins
 	benchmarks/flamegraph.sh target/release/kvgate-bench 8 benchmarks/flame-fan-out-8x20k
@@ -91,6 +91,6 @@ fuzz:
 	PROPTEST_CASES=20000 cargo test --release --locked --test fuzz
 
 # The container image, built with buildah and checked in a chroot (see the
-# README's "Container image").
+# docs/deploy.md).
 image:
 	deploy/image/build.sh

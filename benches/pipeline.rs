@@ -539,7 +539,7 @@ fn fan_out(c: &mut Criterion) {
 /// state (16 MiB), read once the line before it is (the latency of one
 /// miss), and read with many others in flight (the most the CPU overlaps
 /// them: what the drain's passes over a payload's lookups can reach at
-/// best). BENCHMARKS.md, issue 22, "Session 28".
+/// best). BENCHMARKS.md, "The evicting ingest on `xeon-167`".
 fn host(c: &mut Criterion) {
     const LINES: usize = (16 << 20) / 64;
     const READS: usize = 1 << 16;

@@ -13,7 +13,7 @@
 //! set is never overridden.
 //!
 //! Chosen by measurement against mimalloc and jemalloc (BENCHMARKS.md,
-//! issue 22, "Allocator and hashers"). With the defaults, the one worker
+//! "Allocator and hashers"). With the defaults, the one worker
 //! thread's arena grew and was trimmed back 180–250 times a second
 //! (`mprotect`, at 20k events/s). Larger steps remove that churn, for as
 //! much less CPU per event as mimalloc gave, at no cost in idle or peak
@@ -23,7 +23,7 @@
 //! 4 KiB pages under a hypervisor each lookup's address translation is a
 //! walk of its own: 7–10% less CPU per event at one subscriber, for about
 //! 3.5 MB more idle RSS, each heap's first touched huge page
-//! (BENCHMARKS.md, issue 22, "Session 25").
+//! (BENCHMARKS.md, "Huge pages for the heap").
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 use std::ffi::{OsStr, OsString};
@@ -99,9 +99,9 @@ const RESTARTS_VARIABLE: &str = "KVGATE_HUGE_PAGE_RESTARTS";
 /// glibc 2.36 (Debian 12's, the image's) reads the kernel's mode into a
 /// buffer it does not end with a NUL, so whether it takes the tunable
 /// depends on the byte after it, which the address layout (random at each
-/// start) leaves there: 25–80% of starts took it here (BENCHMARKS.md,
-/// issue 22, "Session 26"). A start takes about 4 ms; at one chance in
-/// four, all 32 miss once in 10,000.
+/// start) leaves there: 25–80% of starts took it on the benchmark host
+/// (BENCHMARKS.md, "Huge pages for the heap"). A start takes about 4 ms;
+/// at one chance in four, all 32 miss once in 10,000.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 const MOST_RESTARTS: u32 = 32;
 

@@ -17,7 +17,9 @@ use kvgate_endpoint::TcpEndpoint;
 #[derive(Debug, Parser)]
 #[command(
     name = "kvgate",
-    version,
+    // The version and the commit it was built from (build.rs), so a
+    // running binary names its exact source.
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("KVGATE_GIT_COMMIT"), ")"),
     about = "gRPC streaming gateway for LLM KV-cache events"
 )]
 #[allow(missing_docs)] // clap would show a doc comment as help text

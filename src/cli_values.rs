@@ -25,7 +25,7 @@ pub fn byte_size(range: RangeInclusive<u64>) -> impl TypedValueParser<Value = u6
     })
 }
 
-/// A size in bytes as the README writes it: `2MiB`, `256MiB`, `4096`;
+/// A size in bytes as the documents write it: `2MiB`, `256MiB`, `4096`;
 /// units in any case. Binary, 1024-based: `KiB MiB GiB TiB` and
 /// Kubernetes' `Ki Mi Gi Ti`; decimal, 1000-based: `kB MB GB TB` and
 /// Kubernetes' `k M G T` (so `2mb` is 2,000,000 bytes, `2Mi` 2,097,152).

@@ -43,8 +43,9 @@ fn main() -> std::process::ExitCode {
         HugePages::NothingToAsk => {}
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    // The gateway's runtime shape is measured (issue 22: a wake-up of
-    // another worker per delivery cost more than the parallelism gave);
+    // The gateway's runtime shape is measured (a wake-up of another worker
+    // per delivery cost more than the parallelism gave: BENCHMARKS.md,
+    // "One worker thread");
     // the client commands keep tokio's one worker per core.
     if let Command::Serve(args) = &cli.command {
         builder.worker_threads(args.worker_threads as usize);

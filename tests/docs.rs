@@ -1,6 +1,8 @@
 //! The documents a newcomer reads agree with the project: the wire contract
 //! in `docs/` is the shared spec's, the licence file is the one Cargo.toml
-//! names, and every replay-port example keeps the bases `--dp-size` apart.
+//! names, every replay-port example keeps the bases `--dp-size` apart, the
+//! reference's tables are the flags' own, the README stays a short first
+//! page, `--version` names its commit, and no file dates the work.
 
 use std::path::Path;
 
@@ -265,7 +267,7 @@ fn numeric_range(serve: &clap::Command, arg: &clap::Arg, default: u64) -> (u64, 
     (lowest, highest)
 }
 
-/// The README's `kvgate serve` options table, made from clap's model of the
+/// `docs/options.md`'s `kvgate serve` options table, made from clap's model of the
 /// command line: flag, variable, default, the range the flag's parser
 /// takes (probed) and its help text.
 fn options_table() -> String {
@@ -343,51 +345,88 @@ fn options_table() -> String {
 const OPTIONS_BEGIN: &str = "<!-- kvgate serve options: generated from the flags; KVGATE_BLESS=1 cargo test --test docs rewrites it -->\n";
 const OPTIONS_END: &str = "<!-- end of kvgate serve options -->\n";
 
+/// The page of the reference that holds the generated options table.
+const OPTIONS_PAGE: &str = "docs/options.md";
+
 #[test]
-fn the_readme_options_table_is_the_one_the_flags_make() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
-    let readme = read("README.md");
-    let begin = readme
+fn the_options_page_table_is_the_one_the_flags_make() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(OPTIONS_PAGE);
+    let page = read(OPTIONS_PAGE);
+    let begin = page
         .find(OPTIONS_BEGIN)
-        .expect("README.md marks its options table")
+        .unwrap_or_else(|| panic!("{OPTIONS_PAGE} marks its options table"))
         + OPTIONS_BEGIN.len();
     let end = begin
-        + readme[begin..]
+        + page[begin..]
             .find(OPTIONS_END)
-            .expect("README.md marks the end of its options table");
+            .unwrap_or_else(|| panic!("{OPTIONS_PAGE} marks the end of its options table"));
     let table = options_table();
-    if readme[begin..end] == table {
+    if page[begin..end] == table {
         return;
     }
     if std::env::var_os("KVGATE_BLESS").is_some() {
-        let updated = format!("{}{table}{}", &readme[..begin], &readme[end..]);
+        let updated = format!("{}{table}{}", &page[..begin], &page[end..]);
         std::fs::write(&path, updated).unwrap();
-        eprintln!("README.md: options table rewritten from the flags");
+        eprintln!("{OPTIONS_PAGE}: options table rewritten from the flags");
         return;
     }
     panic!(
-        "README.md's options table differs from the flags (kvgate serve --help); \
+        "{OPTIONS_PAGE}'s options table differs from the flags (kvgate serve --help); \
          regenerate it with `KVGATE_BLESS=1 cargo test --test docs`:\n{table}"
     );
 }
 
-/// A figure as the README writes it in a table: `512`, `1 MiB`, `1000 ms`,
+/// A figure as the documents write it in a table: `512`, `1 MiB`, `1000 ms`,
 /// `10M`.
 fn amount(cell: &str) -> Option<u64> {
     let cell = cell.trim().trim_end_matches(" ms").trim_end_matches(" s");
     kvgate::cli_values::parse_byte_size(&cell.replace(' ', "")).ok()
 }
 
+/// The README and every page of `docs/`, by path.
+fn documents() -> Vec<(String, String)> {
+    let mut paths = vec!["README.md".to_owned()];
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
+    for entry in std::fs::read_dir(docs).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name.ends_with(".md") {
+            paths.push(format!("docs/{name}"));
+        }
+    }
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|path| {
+            let text = read(&path);
+            (path, text)
+        })
+        .collect()
+}
+
 #[test]
-fn every_default_and_range_the_readme_gives_a_flag_elsewhere_is_the_flags_own() {
+fn every_default_and_range_the_documents_give_a_flag_elsewhere_is_the_flags_own() {
     use clap::CommandFactory;
     let cli = kvgate::cli::Cli::command();
     let serve = cli.find_subcommand("serve").expect("kvgate serve").clone();
-    let readme = read("README.md");
-    let generated = readme.find(OPTIONS_BEGIN).unwrap()..readme.find(OPTIONS_END).unwrap();
+    let mut checked = 0;
+    for (path, text) in documents() {
+        checked += check_flag_rows(&serve, &path, &text);
+    }
+    // The guarantees page alone holds dozens of bounds.
+    assert!(checked >= 10, "found only {checked} figures to check");
+}
+
+/// Checks every table row of `text` outside the generated options table
+/// that names a serve flag: its default and ranges are the flag's own.
+/// Returns how many figures it checked.
+fn check_flag_rows(serve: &clap::Command, path: &str, text: &str) -> usize {
+    let generated = match (text.find(OPTIONS_BEGIN), text.find(OPTIONS_END)) {
+        (Some(begin), Some(end)) => begin..end,
+        _ => 0..0,
+    };
     let mut checked = 0;
     let mut offset = 0;
-    for line in readme.split_inclusive('\n') {
+    for line in text.split_inclusive('\n') {
         let at = offset;
         offset += line.len();
         if generated.contains(&at) || !line.starts_with('|') {
@@ -420,21 +459,25 @@ fn every_default_and_range_the_readme_gives_a_flag_elsewhere_is_the_flags_own() 
                 continue;
             }
             if let Some(bound) = cell.strip_prefix("≥ ") {
-                let (low, high) = numeric_range(&serve, arg, default.unwrap());
+                let (low, high) = numeric_range(serve, arg, default.unwrap());
                 assert_eq!(
                     (amount(bound), high),
                     (Some(low), None),
-                    "--{long}: README says {cell}: {line}"
+                    "--{long}: {path} says {cell}: {line}"
                 );
             } else if let Some((low, high)) = cell.split_once('–') {
-                let (lowest, highest) = numeric_range(&serve, arg, default.unwrap());
+                let (lowest, highest) = numeric_range(serve, arg, default.unwrap());
                 assert_eq!(
                     (amount(low), amount(high)),
                     (Some(lowest), highest),
-                    "--{long}: README says {cell}: {line}"
+                    "--{long}: {path} says {cell}: {line}"
                 );
             } else if let Some(figure) = amount(cell).filter(|_| !default_seen) {
-                assert_eq!(Some(figure), default, "--{long}'s default: {line}");
+                assert_eq!(
+                    Some(figure),
+                    default,
+                    "--{long}'s default in {path}: {line}"
+                );
                 default_seen = true;
             } else {
                 break;
@@ -442,7 +485,7 @@ fn every_default_and_range_the_readme_gives_a_flag_elsewhere_is_the_flags_own() 
             checked += 1;
         }
     }
-    assert!(checked >= 10, "found only {checked} figures to check");
+    checked
 }
 
 /// The figures of a text: every run of digits with its decimal part
@@ -486,5 +529,160 @@ fn every_performance_figure_in_the_readme_is_one_of_the_current_targets_table() 
     assert!(
         missing.is_empty(),
         "README.md's Performance figures missing from BENCHMARKS.md's Current targets: {missing:?}"
+    );
+}
+
+#[test]
+fn kvgate_version_says_the_version_and_the_commit_it_was_built_from() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let commit = kvgate::metrics::GIT_COMMIT;
+    assert_eq!(
+        String::from_utf8(output.stdout).unwrap(),
+        format!("kvgate {} ({commit})\n", env!("CARGO_PKG_VERSION"))
+    );
+    // Built in a checkout without an explicit KVGATE_GIT_COMMIT, the commit
+    // is the checkout's HEAD (build.rs reruns when HEAD or its ref moves).
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|output| output.status.success());
+    match head {
+        Some(head) if std::env::var_os("KVGATE_GIT_COMMIT").is_none() => {
+            let head = String::from_utf8(head.stdout).unwrap();
+            assert!(
+                commit.len() >= 7 && head.starts_with(commit),
+                "built from {commit}, HEAD is {head}"
+            );
+        }
+        _ => eprintln!("SKIPPED: not a git checkout, or KVGATE_GIT_COMMIT set"),
+    }
+}
+
+#[test]
+fn a_newcomer_finds_the_two_commands_on_the_first_screen_of_a_short_readme() {
+    let readme = read("README.md");
+    let first_screen: Vec<&str> = readme.lines().take(30).collect();
+    for command in ["make run", "make test"] {
+        assert!(
+            first_screen.iter().any(|line| line.starts_with(command)),
+            "README.md's first 30 lines do not show `{command}`"
+        );
+    }
+    let lines = readme.lines().count();
+    assert!(
+        lines < 400,
+        "README.md has {lines} lines: move reference to docs/"
+    );
+}
+
+#[test]
+fn every_link_between_the_documents_reaches_a_file() {
+    let mut documents = documents();
+    for path in ["BENCHMARKS.md", "CHANGELOG.md"] {
+        documents.push((path.to_owned(), read(path)));
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for (path, text) in &documents {
+        let dir = root.join(path).parent().unwrap().to_owned();
+        for (at, _) in text.match_indices("](") {
+            let target: String = text[at + 2..].chars().take_while(|&c| c != ')').collect();
+            let file = target.split('#').next().unwrap();
+            if file.is_empty() || file.contains("://") {
+                continue;
+            }
+            assert!(
+                dir.join(file).exists(),
+                "{path} links to {target}, which does not exist"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "found only {checked} links");
+}
+
+/// Every file the repository tracks: `git ls-files` in a checkout, else
+/// every file under the crate's directory but `target/` and `.git/`.
+fn tracked_files() -> Vec<std::path::PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let listed = std::process::Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(root)
+        .output()
+        .ok()
+        .filter(|output| output.status.success() && !output.stdout.is_empty());
+    if let Some(listed) = listed {
+        return listed
+            .stdout
+            .split(|&byte| byte == 0)
+            .filter(|name| !name.is_empty())
+            .map(|name| root.join(String::from_utf8_lossy(name).as_ref()))
+            .collect();
+    }
+    let mut files = Vec::new();
+    let mut dirs = vec![root.to_owned()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy();
+            if path.is_dir() {
+                if name != "target" && name != ".git" {
+                    dirs.push(path);
+                }
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files
+}
+
+/// Whether `line` dates the work by the sitting it was done in: the word
+/// for a sitting, singular or plural, a space and a digit, in any case
+/// (what `git grep -inE` finds with the issue's pattern).
+fn dates_the_work(line: &str, word: &str) -> bool {
+    let line = line.to_lowercase();
+    line.match_indices(word).any(|(at, _)| {
+        let rest = &line[at + word.len()..];
+        let rest = rest.strip_prefix('s').unwrap_or(rest);
+        rest.strip_prefix(' ')
+            .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+    })
+}
+
+#[test]
+fn no_tracked_file_dates_the_work_by_the_sitting_it_was_done_in() {
+    // Built here so that this file does not match its own pattern.
+    let word = ["ses", "sion"].concat();
+    assert!(dates_the_work(&format!("as {word} 12 found"), &word));
+    assert!(dates_the_work(
+        &format!("{}S 3 and 4", word.to_uppercase()),
+        &word
+    ));
+    assert!(!dates_the_work(&format!("{word}_id 7"), &word));
+    assert!(!dates_the_work(&format!("the {word} id"), &word));
+    let files = tracked_files();
+    assert!(files.len() > 50, "only {} files found", files.len());
+    let mut found = Vec::new();
+    for file in files {
+        let Ok(bytes) = std::fs::read(&file) else {
+            continue; // listed but absent (deleted in the work tree)
+        };
+        for (number, line) in String::from_utf8_lossy(&bytes).lines().enumerate() {
+            if dates_the_work(line, &word) {
+                found.push(format!("{}:{}: {line}", file.display(), number + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "say what the project does and why, measured how, not when: \n{}",
+        found.join("\n")
     );
 }

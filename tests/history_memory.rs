@@ -1,5 +1,5 @@
 //! The history's memory follows its flags, measured on the real binary: its
-//! resident bytes stay within the README's formula, and flags that would
+//! resident bytes stay within the formula of docs/guarantees.md, and flags that would
 //! make it allocate more than it ever fills are refused at start.
 
 mod common;

@@ -1,4 +1,4 @@
-//! What kvgate guarantees under bad input, round two (issue 25): an
+//! What kvgate guarantees under bad input, at its edges: an
 //! upstream that names ranks kvgate does not serve, a publisher whose
 //! counter jumps wildly, and a flood of half-sent requests on the admin
 //! port under a low open-file limit. Each attack runs against the real

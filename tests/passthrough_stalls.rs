@@ -3,8 +3,8 @@
 //! `kvgate` binary, raw `h2` clients that open streams with a zero window
 //! and never read them (their connections still answer PINGs), and a
 //! well-behaved tonic client on its own connection. Unread responses must
-//! hold back no other call and no `GetLoads` poll (README, "What kvgate
-//! guarantees under bad input").
+//! hold back no other call and no `GetLoads` poll (docs/guarantees.md,
+//! "Connections and HTTP/2").
 
 mod common;
 

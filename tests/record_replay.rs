@@ -1,4 +1,4 @@
-//! Record and replay (issue 23): `kvgate record` keeps a live stream through
+//! Record and replay: `kvgate record` keeps a live stream through
 //! a gateway restart and a dropped connection, `kvgate serve --replay-file`
 //! plays it back to routers, damaged recordings are cut or refused with the
 //! file and offset named, and `--trace-file` plays a Mooncake trace through

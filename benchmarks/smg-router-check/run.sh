@@ -1,5 +1,5 @@
 #!/bin/bash
-# The SMG router 1.13 behind kvgate with pushed load (BENCHMARKS.md, issue 21).
+# The SMG router 1.13 behind kvgate with pushed load (BENCHMARKS.md, "Load pushed end to end").
 # Start first, each in the background:
 #   python engine.py SMG_PROTO_DIR > engine.log        (prints PORT n)
 #   python sglang_load.py SGLANG_WHEEL_DIR             (KV PUB on 25557, load PUB on 25558)

@@ -10,8 +10,8 @@
 # 4. builds kvgate again with them (`-Cprofile-use`).
 #
 # The result spends 15% less CPU per event than `cargo build --release` at
-# one subscriber × 20k events/s, 9% at 8 (BENCHMARKS.md, issue 22,
-# "Session 19"). Both builds go to their own target directories under
+# one subscriber × 20k events/s, 9% at 8 (BENCHMARKS.md, "The shipped
+# build: optimized with a profile of its hot path"). Both builds go to their own target directories under
 # target/pgo, so the plain release and test builds stay cached; about 18
 # minutes from scratch on two cores, 5 once the instrumented build is
 # cached.

@@ -2,7 +2,7 @@
 //! evictions one engine's prefix cache would publish while serving the
 //! trace's requests, at the trace's pace.
 //!
-//! The model, and its limits (the README's "Playing a trace" says more):
+//! The model, and its limits (docs/recordings.md says more):
 //! each JSON line is one request (`timestamp` in ms, `input_length`,
 //! `output_length`, `hash_ids`: one id per 512-token block, shared by
 //! requests that share the prefix). It goes to rank hash(request) mod

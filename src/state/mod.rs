@@ -340,8 +340,8 @@ impl LiveState {
     /// a write reads), the next looks every block up and fetches its
     /// record, the last fetches the bytes of each block found (which a
     /// removal frees), while the CPU overlaps
-    /// the misses of neighbouring lookups (BENCHMARKS.md, issue 13's
-    /// prefetch and issue 22's session 12). A hint only: nothing is
+    /// the misses of neighbouring lookups (BENCHMARKS.md, "The block
+    /// index: one cache line per lookup"). A hint only: nothing is
     /// written, so no shard a cut shares is copied.
     pub fn prefetch(&self, rank: u32, events: &[KvCacheEvent]) {
         let Some(blocks) = self.ranks.get(&rank) else {

@@ -22,7 +22,7 @@ const DISTURBED_PERCENT: f64 = 10.0;
 /// buffers: its figures include the growth's page faults and reallocations.
 const GROWING_SHARE: f64 = 0.05;
 const GROWING_MIN_MB: f64 = 2.0;
-/// Subscriber counts the comparison with a peer is stated at (issue 22).
+/// Subscriber counts the comparison with a peer is stated at.
 const PEER_COUNTS: [usize; 3] = [1, 8, 32];
 /// How many times less CPU per delivered event than the peer kvgate aims at.
 const PEER_CPU_RATIO: f64 = 3.0;
@@ -321,7 +321,7 @@ fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
     checks
 }
 
-/// Issue 22's comparison at each count both subjects ran: the peer's figure
+/// The comparison with a peer at each count both subjects ran: the peer's figure
 /// over kvgate's, each the mean of its rounds.
 fn against_peer(peer: &str, runs: &[RunReport]) -> Vec<TargetCheck> {
     let mean = |subject: &str, subscribers: usize, pick: fn(&RunReport) -> f64| {
