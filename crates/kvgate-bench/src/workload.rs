@@ -172,7 +172,7 @@ fn traced(file: &Path, shape: WorkloadShape) -> anyhow::Result<Vec<Vec<SimEvent>
                 line + 1
             )
         })?;
-        let admission = cache.admit(&request.blocks(shape.block_size));
+        let admission = cache.admit(&request.blocks(shape.block_size, shape.live_blocks));
         let mut events = Vec::with_capacity(2);
         if !admission.evicted.is_empty() {
             events.push(SimEvent::Removed {
