@@ -438,6 +438,8 @@ fn frames_of(batch: &KvEventBatch) -> Vec<u8> {
 /// in MiB, as the kernel counted it for that child (`wait4`).
 fn peak_rss_of_run(args: &[&str]) -> (u64, std::process::ExitStatus) {
     use std::os::unix::process::ExitStatusExt as _;
+    // Reaped by `wait4`, which alone says what the child's peak was.
+    #[allow(clippy::zombie_processes)]
     let child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .args(args)
         .env("RUST_LOG", "error")
