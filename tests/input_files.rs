@@ -9,40 +9,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::recording::{Scratch, header, store_batch, writer};
 use common::router::RouterView;
 use common::{DEADLINE, Gateway, next_batch, output_within_deadline, subscribe};
 use kvgate::proto::common::kv_cache_event::Data;
 use kvgate::proto::common::{KvBlock, KvBlocksStored, KvCacheEvent, KvEventBatch};
 use prost::Message as _;
-
-/// A scratch directory under /tmp, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "input-files-{name}-{}-{}",
-            std::process::id(),
-            kvgate::clock::unix_micros_now()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Runs `kvgate <args>` to its end (killed by pid past the deadline).
 fn kvgate(args: &[&str]) -> Output {
@@ -64,37 +40,6 @@ fn serve_refused(args: &[&str]) -> String {
     let output = kvgate(&all);
     assert!(!output.status.success(), "kvgate serve {args:?} started");
     String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-/// A batch of rank 0 numbered `seq` that stores block `seq`.
-fn store_batch(seq: u64) -> KvEventBatch {
-    KvEventBatch {
-        sequence_number: seq,
-        dp_rank: Some(0),
-        events: vec![KvCacheEvent {
-            event_id: seq,
-            data: Some(Data::Stored(KvBlocksStored {
-                blocks: vec![KvBlock {
-                    block_hash: seq as i64,
-                    block_size: 16,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })),
-        }],
-        ..Default::default()
-    }
-}
-
-fn header() -> kvgate::recording::Header {
-    kvgate::recording::Header {
-        kvgate_version: "test".into(),
-        source: "127.0.0.1:1".into(),
-        service: "kvgate.v1.KvGate".into(),
-        started_unix_ms: 0,
-        dp_size: 1,
-        part: 0,
-    }
 }
 
 /// A gateway playing `args`, subscribed from a snapshot, read until rank
@@ -287,22 +232,21 @@ async fn a_trace_line_claiming_millions_of_blocks_costs_no_more_than_a_cache_of_
     assert!(peak_mib < 400, "peak RSS {peak_mib} MiB");
 }
 
-/// A recording whose part holds a header and then `garbage`.
+/// An empty closed recording, split: its header, and its closing frame.
+fn header_and_closing(path: &Path) -> (Vec<u8>, Vec<u8>) {
+    writer(path).finish().unwrap();
+    let mut head = std::fs::read(path).unwrap();
+    let json_len = u32::from_le_bytes(head[10..14].try_into().unwrap()) as usize;
+    let closing = head.split_off(18 + json_len);
+    (head, closing)
+}
+
+/// A recording whose part holds a header and then `garbage`: no intact
+/// record.
 fn recording_then(path: &Path, garbage: &[u8]) {
-    let limits = kvgate::recording::WriterLimits {
-        rotate_bytes: 1 << 30,
-        frame_bytes: 4096,
-    };
-    kvgate::recording::Writer::create(path, header(), limits)
-        .unwrap()
-        .finish()
-        .unwrap();
-    // The closing frame is replaced: no intact record is left.
-    let bytes = std::fs::read(path).unwrap();
-    let json_len = u32::from_le_bytes(bytes[10..14].try_into().unwrap()) as usize;
-    let mut damaged = bytes[..18 + json_len].to_vec();
-    damaged.extend_from_slice(garbage);
-    std::fs::write(path, damaged).unwrap();
+    let (mut file, _) = header_and_closing(path);
+    file.extend_from_slice(garbage);
+    std::fs::write(path, file).unwrap();
 }
 
 /// CPU seconds `pid` used so far (user + system), from /proc.
@@ -315,15 +259,16 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
-/// Starts a gateway looping `args` at max speed with its stderr in a file;
-/// waits until it says it stops looping; returns it, the log's path and
-/// the CPU it used over the second after.
-fn looped_gateway(scratch: &Scratch, args: &[&str]) -> (Gateway, PathBuf, f64) {
+/// Plays `args` at max speed with `--replay-loop`, its stderr in a file,
+/// and checks that the loop stops (it says so), that the gateway then idles
+/// (under 0.2 s of CPU in the second after), that it logged a few lines, not
+/// a line a pass, and that SIGTERM ends it cleanly. Returns the log.
+fn loop_stops_quietly(scratch: &Scratch, args: &[&str]) -> String {
     let log = scratch.path("stderr.log");
     let file = std::fs::File::create(&log).unwrap();
     let mut all = args.to_vec();
     all.extend(["--replay-loop", "--replay-speed", "max"]);
-    let gateway = Gateway::start_configured(&all, |command| {
+    let mut gateway = Gateway::start_configured(&all, |command| {
         command.stderr(file);
     });
     let deadline = Instant::now() + DEADLINE;
@@ -336,17 +281,7 @@ fn looped_gateway(scratch: &Scratch, args: &[&str]) -> (Gateway, PathBuf, f64) {
     }
     let before = cpu_seconds(gateway.pid());
     std::thread::sleep(Duration::from_secs(1));
-    let used = cpu_seconds(gateway.pid()) - before;
-    (gateway, log, used)
-}
-
-#[test]
-fn a_looped_recording_with_no_intact_record_stops_looping_and_logs_little() {
-    let scratch = Scratch::new("garbage-loop");
-    let path = scratch.path("garbage.kvrec");
-    recording_then(&path, &[0xff; 4096]);
-    let (mut gateway, log, cpu) =
-        looped_gateway(&scratch, &["--replay-file", path.to_str().unwrap()]);
+    let cpu = cpu_seconds(gateway.pid()) - before;
     let exit = gateway.terminate();
     let log = std::fs::read_to_string(log).unwrap();
     assert!(
@@ -354,8 +289,17 @@ fn a_looped_recording_with_no_intact_record_stops_looping_and_logs_little() {
         "{cpu} s of CPU in the second after the loop stopped"
     );
     assert!(log.lines().count() < 20, "{log}");
-    assert!(log.contains("garbage.kvrec"), "the damage is named: {log}");
     assert!(exit.success(), "SIGTERM ends it cleanly: {exit}");
+    log
+}
+
+#[test]
+fn a_looped_recording_with_no_intact_record_stops_looping_and_logs_little() {
+    let scratch = Scratch::new("garbage-loop");
+    let path = scratch.path("garbage.kvrec");
+    recording_then(&path, &[0xff; 4096]);
+    let log = loop_stops_quietly(&scratch, &["--replay-file", path.to_str().unwrap()]);
+    assert!(log.contains("garbage.kvrec"), "the damage is named: {log}");
 }
 
 #[test]
@@ -365,16 +309,7 @@ fn a_looped_trace_that_stores_nothing_stops_looping_and_logs_little() {
     // Prompts shorter than one block: nothing to store.
     let line = "{\"timestamp\": 0, \"input_length\": 100, \"hash_ids\": [1]}\n";
     std::fs::write(&trace, line.repeat(3)).unwrap();
-    let (mut gateway, log, cpu) =
-        looped_gateway(&scratch, &["--trace-file", trace.to_str().unwrap()]);
-    let exit = gateway.terminate();
-    let log = std::fs::read_to_string(log).unwrap();
-    assert!(
-        cpu < 0.2,
-        "{cpu} s of CPU in the second after the loop stopped"
-    );
-    assert!(log.lines().count() < 20, "{log}");
-    assert!(exit.success(), "SIGTERM ends it cleanly: {exit}");
+    loop_stops_quietly(&scratch, &["--trace-file", trace.to_str().unwrap()]);
 }
 
 /// A recording of `frames` zstd frames, each 64 MiB of the tiniest batch
@@ -392,18 +327,7 @@ fn record_bomb(path: &Path, frames: usize, batch: &[u8]) {
     record.extend_from_slice(&body);
     let raw = record.repeat((64 << 20) / record.len());
     let compressed = zstd::bulk::compress(&raw, 3).unwrap();
-    let limits = kvgate::recording::WriterLimits {
-        rotate_bytes: 1 << 30,
-        frame_bytes: 4096,
-    };
-    kvgate::recording::Writer::create(path, header(), limits)
-        .unwrap()
-        .finish()
-        .unwrap();
-    let bytes = std::fs::read(path).unwrap();
-    let json_len = u32::from_le_bytes(bytes[10..14].try_into().unwrap()) as usize;
-    let (head, closing) = bytes.split_at(18 + json_len);
-    let mut file = head.to_vec();
+    let (mut file, closing) = header_and_closing(path);
     for _ in 0..frames {
         file.extend_from_slice(&(compressed.len() as u32).to_le_bytes());
         file.extend_from_slice(&crc32c::crc32c(&compressed).to_le_bytes());
@@ -412,7 +336,7 @@ fn record_bomb(path: &Path, frames: usize, batch: &[u8]) {
     // Block 42 in a frame of its own, then the closing frame.
     let tail = frames_of(&store_batch(42));
     file.extend_from_slice(&tail);
-    file.extend_from_slice(closing);
+    file.extend_from_slice(&closing);
     std::fs::write(path, file).unwrap();
 }
 
@@ -421,11 +345,7 @@ fn record_bomb(path: &Path, frames: usize, batch: &[u8]) {
 fn frames_of(batch: &KvEventBatch) -> Vec<u8> {
     let dir = Scratch::new("one-batch");
     let path = dir.path("one.kvrec");
-    let limits = kvgate::recording::WriterLimits {
-        rotate_bytes: 1 << 30,
-        frame_bytes: 4096,
-    };
-    let mut writer = kvgate::recording::Writer::create(&path, header(), limits).unwrap();
+    let mut writer = writer(&path);
     writer.flush().unwrap();
     let empty = std::fs::metadata(&path).unwrap().len() as usize;
     writer.batch(0, &batch.encode_to_vec()).unwrap();

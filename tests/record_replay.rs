@@ -12,6 +12,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::recording::{Scratch, store_batch, write_batches};
 use common::router::{Admission, RouterView};
 use common::{DEADLINE, Gateway, next_batch, subscribe};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
@@ -19,31 +20,6 @@ use kvgate::recording::{Ending, Entry, Recording};
 use prost::Message as _;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
-
-/// A scratch directory under /tmp, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "record-test-{name}-{}-{}",
-            std::process::id(),
-            kvgate::clock::unix_micros_now()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A running `kvgate record`, killed by pid when dropped.
 struct Recorder(Option<Child>);
@@ -356,54 +332,9 @@ fn kvgate_cli(args: &[&str]) -> Output {
         .expect("kvgate runs")
 }
 
-/// A batch of rank 0 numbered `seq` that stores block `seq`.
-fn store_batch(seq: u64) -> KvEventBatch {
-    use kvgate::proto::common::{KvBlock, KvBlocksStored, KvCacheEvent};
-    KvEventBatch {
-        sequence_number: seq,
-        dp_rank: Some(0),
-        events: vec![KvCacheEvent {
-            event_id: seq,
-            data: Some(Data::Stored(KvBlocksStored {
-                blocks: vec![KvBlock {
-                    block_hash: seq as i64,
-                    block_size: 16,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })),
-        }],
-        ..Default::default()
-    }
-}
-
 /// A closed recording of `n` batches of [`store_batch`] from 100.
 fn write_recording(path: &Path, n: u64) {
     write_batches(path, (100..100 + n).map(store_batch));
-}
-
-/// A closed recording of `batches`, received 1 ms apart, a frame every 10.
-fn write_batches(path: &Path, batches: impl IntoIterator<Item = KvEventBatch>) {
-    let header = kvgate::recording::Header {
-        kvgate_version: "test".into(),
-        source: "127.0.0.1:1".into(),
-        service: "kvgate.v1.KvGate".into(),
-        started_unix_ms: 0,
-        dp_size: 1,
-        part: 0,
-    };
-    let limits = kvgate::recording::WriterLimits {
-        rotate_bytes: 1 << 30,
-        frame_bytes: 4096,
-    };
-    let mut writer = kvgate::recording::Writer::create(path, header, limits).unwrap();
-    for (n, batch) in (0_u64..).zip(batches) {
-        writer.batch(n * 1000, &batch.encode_to_vec()).unwrap();
-        if n % 10 == 9 {
-            writer.flush().unwrap();
-        }
-    }
-    writer.finish().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
