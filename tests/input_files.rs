@@ -16,8 +16,7 @@ use std::time::{Duration, Instant};
 use common::recording::{Scratch, header, store_batch, writer};
 use common::router::RouterView;
 use common::{DEADLINE, Gateway, next_batch, output_within_deadline, subscribe};
-use kvgate::proto::common::kv_cache_event::Data;
-use kvgate::proto::common::{KvBlock, KvBlocksStored, KvCacheEvent, KvEventBatch};
+use kvgate::proto::common::KvEventBatch;
 use prost::Message as _;
 
 /// Runs `kvgate <args>` to its end (killed by pid past the deadline).
