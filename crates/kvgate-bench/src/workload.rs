@@ -160,7 +160,8 @@ fn traced(file: &Path, shape: WorkloadShape) -> anyhow::Result<Vec<Vec<SimEvent>
         shape.block_size
     );
     let reader = BufReader::new(
-        std::fs::File::open(file).with_context(|| format!("--workload {}", file.display()))?,
+        kvgate::regular_file::open(file)
+            .with_context(|| format!("--workload {}", file.display()))?,
     );
     let mut cache = PrefixCache::new(shape.live_blocks);
     let mut payloads = Vec::new();
