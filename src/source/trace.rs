@@ -16,7 +16,11 @@
 //! evictable), and anything about token ids.
 //!
 //! Invariant: a malformed or oversized line is counted and skipped, never
-//! the end of the stream; the cache never holds more than its capacity.
+//! the end of the stream; the cache never holds more than its capacity, and
+//! no request more than that many blocks (capped before they are
+//! collected, whatever its line claims); the requests read ahead hold at
+//! most `READ_AHEAD_BYTES` of blocks (or the one request being read). The
+//! trace is a regular file, opened without waiting for anything else.
 
 use std::hash::{Hash as _, Hasher as _};
 use std::io::{BufRead as _, BufReader, Read as _};
