@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod pem;
 pub mod proto;
 pub mod recording;
+pub mod regular_file;
 pub mod router_rules;
 pub mod server;
 pub mod source;

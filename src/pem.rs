@@ -36,38 +36,20 @@ impl FlagFile {
     }
 
     /// The file's bytes; the error names the flag and the file. Only a
-    /// regular file is read: a FIFO would block the reader until a writer
-    /// shows up, and a device could feed it for ever, so the file is opened
-    /// without waiting (`O_NONBLOCK`, never as a controlling terminal) and
-    /// refused when the opened descriptor is anything else. A file over
+    /// regular file is read, opened without waiting for whatever else the
+    /// path is ([`crate::regular_file`]). A file over
     /// `MAX_FILE_BYTES` is refused (a flag pointed at the wrong file must
     /// not fill the memory, now or at a reload). Reading a regular file can
     /// still stall (a hung network mount): a caller on the async runtime
     /// reads on a blocking thread, with a deadline.
     pub fn read(&self) -> anyhow::Result<Vec<u8>> {
         use std::io::Read as _;
-        use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(&self.path)
-            .with_context(|| format!("{self}: cannot read"))?;
-        let kind = file
-            .metadata()
-            .with_context(|| format!("{self}: cannot read"))?
-            .file_type();
-        if !kind.is_file() {
-            let what = if kind.is_fifo() {
-                "a FIFO"
-            } else if kind.is_dir() {
-                "a directory"
-            } else if kind.is_socket() {
-                "a socket"
-            } else {
-                "a device"
-            };
-            anyhow::bail!("{self}: {what}, not a regular file");
-        }
+        let file = crate::regular_file::open(&self.path).map_err(|refused| match refused {
+            crate::regular_file::OpenRefused::Io(error) => {
+                anyhow::Error::new(error).context(format!("{self}: cannot read"))
+            }
+            not_regular => anyhow::anyhow!("{self}: {not_regular}"),
+        })?;
         let mut bytes = Vec::new();
         file.take(MAX_FILE_BYTES + 1)
             .read_to_end(&mut bytes)

@@ -5,6 +5,7 @@
 //! the command line or the gateway's wiring. docs/architecture.md states the
 //! rule; this scans the source for a path that breaks it.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
@@ -84,4 +85,59 @@ fn the_client_side_commands_import_neither_the_command_line_nor_the_gateways_wir
         "src/tools/ imports the layer above it:\n{}",
         offending.join("\n")
     );
+}
+
+#[test]
+fn no_two_client_side_commands_import_each_other_round_a_circle() {
+    let lines = code_lines();
+    let command = |file: &str| {
+        file.strip_prefix("tools/")
+            .and_then(|name| name.strip_suffix(".rs"))
+            .filter(|name| *name != "mod")
+            .map(str::to_owned)
+    };
+    let commands: BTreeSet<String> = lines
+        .iter()
+        .filter_map(|(file, ..)| command(file))
+        .collect();
+    assert!(commands.len() >= 3, "found the commands {commands:?}");
+    // Who names whom: `super::tail`, `tools::tail`, `use super::{tail, ...}`.
+    let mut imports: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (file, _, line) in &lines {
+        let Some(importer) = command(file) else {
+            continue;
+        };
+        for imported in &commands {
+            let named = ["super::", "tools::"].iter().any(|prefix| {
+                names_module(line, &format!("{prefix}{imported}"))
+                    || (line.contains(&format!("{prefix}{{")) && names_module(line, imported))
+            });
+            if named && imported != &importer {
+                imports
+                    .entry(importer.clone())
+                    .or_default()
+                    .insert(imported.clone());
+            }
+        }
+    }
+    // A circle is a path back to where it started.
+    for start in &commands {
+        let mut seen = BTreeSet::new();
+        let mut frontier: Vec<Vec<String>> = vec![vec![start.clone()]];
+        while let Some(walk) = frontier.pop() {
+            let last = walk.last().unwrap();
+            for next in imports.get(last).into_iter().flatten() {
+                let mut longer = walk.clone();
+                longer.push(next.clone());
+                assert!(
+                    next != start,
+                    "src/tools/ modules import each other round a circle: {}",
+                    longer.join(" -> ")
+                );
+                if seen.insert(next.clone()) {
+                    frontier.push(longer);
+                }
+            }
+        }
+    }
 }

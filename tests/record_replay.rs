@@ -12,6 +12,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::recording::{Scratch, store_batch, write_batches};
 use common::router::{Admission, RouterView};
 use common::{DEADLINE, Gateway, next_batch, subscribe};
 use kvgate::proto::common::{KvEventBatch, kv_cache_event::Data};
@@ -19,31 +20,6 @@ use kvgate::recording::{Ending, Entry, Recording};
 use prost::Message as _;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
-
-/// A scratch directory under /tmp, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "record-test-{name}-{}-{}",
-            std::process::id(),
-            kvgate::clock::unix_micros_now()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A running `kvgate record`, killed by pid when dropped.
 struct Recorder(Option<Child>);
@@ -356,54 +332,9 @@ fn kvgate_cli(args: &[&str]) -> Output {
         .expect("kvgate runs")
 }
 
-/// A batch of rank 0 numbered `seq` that stores block `seq`.
-fn store_batch(seq: u64) -> KvEventBatch {
-    use kvgate::proto::common::{KvBlock, KvBlocksStored, KvCacheEvent};
-    KvEventBatch {
-        sequence_number: seq,
-        dp_rank: Some(0),
-        events: vec![KvCacheEvent {
-            event_id: seq,
-            data: Some(Data::Stored(KvBlocksStored {
-                blocks: vec![KvBlock {
-                    block_hash: seq as i64,
-                    block_size: 16,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })),
-        }],
-        ..Default::default()
-    }
-}
-
 /// A closed recording of `n` batches of [`store_batch`] from 100.
 fn write_recording(path: &Path, n: u64) {
     write_batches(path, (100..100 + n).map(store_batch));
-}
-
-/// A closed recording of `batches`, received 1 ms apart, a frame every 10.
-fn write_batches(path: &Path, batches: impl IntoIterator<Item = KvEventBatch>) {
-    let header = kvgate::recording::Header {
-        kvgate_version: "test".into(),
-        source: "127.0.0.1:1".into(),
-        service: "kvgate.v1.KvGate".into(),
-        started_unix_ms: 0,
-        dp_size: 1,
-        part: 0,
-    };
-    let limits = kvgate::recording::WriterLimits {
-        rotate_bytes: 1 << 30,
-        frame_bytes: 4096,
-    };
-    let mut writer = kvgate::recording::Writer::create(path, header, limits).unwrap();
-    for (n, batch) in (0_u64..).zip(batches) {
-        writer.batch(n * 1000, &batch.encode_to_vec()).unwrap();
-        if n % 10 == 9 {
-            writer.flush().unwrap();
-        }
-    }
-    writer.finish().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -759,5 +690,198 @@ async fn a_mooncake_trace_never_holds_more_than_the_cache_on_any_rank() {
             &seen, blocks,
             "rank {rank}: the router holds what the events say"
         );
+    }
+}
+
+/// A stream with every kind of event and load record tail prints: stores
+/// (with extra keys of each kind), removals, clears, a snapshot chunk, a
+/// load record riding on a batch and a `load_only` one.
+fn every_kind_of_batch() -> Vec<KvEventBatch> {
+    use kvgate::proto::common::{
+        EngineLoad, EngineMemory, KvBlock, KvBlockExtraKey, KvBlocksRemoved, KvBlocksStored,
+        KvCacheCleared, KvCacheEvent, KvCacheTier, KvMultimodalKey, KvSnapshotChunk,
+        kv_block_extra_key::Key,
+    };
+    let extra_keys = vec![
+        KvBlockExtraKey {
+            key: Some(Key::Text("lora-a".into())),
+        },
+        KvBlockExtraKey {
+            key: Some(Key::Blob(vec![0, 255, 7])),
+        },
+        KvBlockExtraKey {
+            key: Some(Key::Number(-3)),
+        },
+        KvBlockExtraKey {
+            key: Some(Key::Multimodal(KvMultimodalKey {
+                identifier: "image-1".into(),
+                offset: 12,
+            })),
+        },
+    ];
+    let stored = KvCacheEvent {
+        event_id: 1,
+        data: Some(Data::Stored(KvBlocksStored {
+            blocks: vec![KvBlock {
+                block_hash: -9_007_199_254_740_993,
+                token_ids: vec![1, 2, 3],
+                block_size: 3,
+                lora_id: Some(4),
+                cache_level: Some(0),
+                extra_keys,
+            }],
+            parent_block_hash: Some(77),
+            tier: Some(KvCacheTier::Device as i32),
+            medium: Some("GPU".into()),
+            group_idx: Some(0),
+            ..Default::default()
+        })),
+    };
+    let removed = KvCacheEvent {
+        event_id: 2,
+        data: Some(Data::Removed(KvBlocksRemoved {
+            block_hashes: vec![5, -6],
+            tier: Some(KvCacheTier::Host as i32),
+            cache_level: Some(1),
+            ..Default::default()
+        })),
+    };
+    let cleared = KvCacheEvent {
+        event_id: 3,
+        data: Some(Data::Cleared(KvCacheCleared {
+            ownership: Some("engine".into()),
+        })),
+    };
+    let load = EngineLoad {
+        running_requests: 4,
+        waiting_requests: 1,
+        waiting_uncached_tokens: Some(256),
+        token_usage: 0.5,
+        gen_throughput: 812.5,
+        max_running_requests: 64,
+        age_ms: 3,
+        sample: 12,
+        max_total_num_tokens: Some(4096),
+        num_used_tokens: Some(100),
+        memory: Some(EngineMemory {
+            kv_cache_gb: 1.5,
+            token_capacity: 4096,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    vec![
+        KvEventBatch {
+            sequence_number: 1,
+            timestamp: 1.5,
+            dp_rank: Some(0),
+            events: vec![stored.clone()],
+            snapshot: Some(KvSnapshotChunk {
+                index: 0,
+                count: 1,
+                blocks: 1,
+                unknown_before: 2,
+            }),
+            ..Default::default()
+        },
+        KvEventBatch {
+            sequence_number: 2,
+            dp_rank: Some(1),
+            events: vec![stored, removed, cleared],
+            load: Some(load.clone()),
+            ..Default::default()
+        },
+        KvEventBatch {
+            sequence_number: 2,
+            dp_rank: Some(1),
+            load: Some(EngineLoad {
+                load_only: true,
+                ..load
+            }),
+            ..Default::default()
+        },
+    ]
+}
+
+/// What `tail --json` must print for `batch`, made from the proto3 JSON
+/// mapping as prost-reflect's serde prints it with its default options
+/// (grpcurl's spelling): one line per event, its batch's number, rank and
+/// snapshot beside the event's own fields, then a line for the load record.
+fn proto3_json_lines(batch: &KvEventBatch) -> Vec<serde_json::Value> {
+    use serde_json::{Map, Value};
+    let pool = prost_reflect::DescriptorPool::decode(kvgate::proto::FILE_DESCRIPTOR_SET).unwrap();
+    let descriptor = pool
+        .get_message_by_name("smg.grpc.common.KvEventBatch")
+        .unwrap();
+    let message =
+        prost_reflect::DynamicMessage::decode(descriptor, batch.encode_to_vec().as_slice())
+            .unwrap();
+    let Value::Object(mut json) = serde_json::to_value(&message).unwrap() else {
+        panic!("a batch is a JSON object");
+    };
+    // The envelope tail gives every line (the mapping leaves out a zero).
+    let mut envelope = Map::new();
+    envelope.insert(
+        "sequenceNumber".into(),
+        json.remove("sequenceNumber").unwrap_or_else(|| "0".into()),
+    );
+    envelope.insert("dpRank".into(), json.remove("dpRank").unwrap_or(0.into()));
+    let mut lines = Vec::new();
+    for event in json.remove("events").into_iter().flat_map(|events| {
+        let Value::Array(events) = events else {
+            panic!("events are an array")
+        };
+        events
+    }) {
+        let mut line = envelope.clone();
+        if let Some(snapshot) = json.get("snapshot") {
+            line.insert("snapshot".into(), snapshot.clone());
+        }
+        let Value::Object(event) = event else {
+            panic!("an event is an object")
+        };
+        line.extend(event);
+        lines.push(Value::Object(line));
+    }
+    if let Some(load) = json.remove("load") {
+        let mut line = envelope;
+        line.insert("load".into(), load);
+        lines.push(Value::Object(line));
+    }
+    lines
+}
+
+#[test]
+fn tail_json_prints_every_field_in_proto3_json_names_as_grpcurl_does() {
+    let scratch = Scratch::new("tail-json");
+    let file = scratch.path("stream.kvrec");
+    let batches = every_kind_of_batch();
+    write_batches(&file, batches.clone());
+    let printed = kvgate_cli(&["tail", "--file", file.to_str().unwrap(), "--json"]);
+    assert!(printed.status.success(), "{printed:?}");
+    let lines: Vec<serde_json::Value> = String::from_utf8(printed.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let expected: Vec<serde_json::Value> = batches.iter().flat_map(proto3_json_lines).collect();
+    assert_eq!(lines, expected);
+    // The names a router's operator greps for, spelled as grpcurl spells them.
+    let text = serde_json::to_string(&lines).unwrap();
+    for name in [
+        "ageMs",
+        "dpRank",
+        "loadOnly",
+        "maxRunningRequests",
+        "maxTotalNumTokens",
+        "extraKeys",
+        "blockHashes",
+        "parentBlockHash",
+        "unknownBefore",
+    ] {
+        assert!(text.contains(&format!("\"{name}\"")), "{name} in {text}");
+    }
+    for snake in ["age_ms", "dp_rank", "load_only", "block_hash", "extra_keys"] {
+        assert!(!text.contains(snake), "{snake} in {text}");
     }
 }

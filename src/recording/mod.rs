@@ -142,5 +142,28 @@ pub fn parts(files: &[PathBuf]) -> Vec<PathBuf> {
     }
 }
 
+/// A recorded batch, decoded; `n` counts the recording's batches from 1,
+/// for the message.
+pub fn decode_batch(bytes: &[u8], n: u64) -> anyhow::Result<crate::proto::common::KvEventBatch> {
+    use anyhow::Context as _;
+    use prost::Message as _;
+    crate::proto::common::KvEventBatch::decode(bytes)
+        .with_context(|| format!("recorded batch {n} is not a KvEventBatch"))
+}
+
+/// How a reading ended, as a command's result: damage is an error (after
+/// what was intact was used); an unclosed recording is only worth a
+/// warning.
+pub fn ending_result(ending: Option<&Ending>) -> anyhow::Result<()> {
+    match ending {
+        Some(ending @ Ending::Cut { .. }) => Err(anyhow::anyhow!("{ending}")),
+        Some(ending @ Ending::Unclosed { .. }) => {
+            tracing::warn!("{ending}");
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests;

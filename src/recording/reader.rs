@@ -7,13 +7,14 @@
 //! reading at the last intact record, and [`Ending`] names the file and the
 //! offset. No input makes it panic.
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufReader, Read as _};
 use std::path::{Path, PathBuf};
 
 use bytes::{Buf as _, Bytes};
+
+use crate::regular_file::OpenRefused;
 
 use super::{
     Entry, FORMAT_VERSION, Header, Kind, MAGIC, MAX_FRAME_BYTES, MAX_FRAME_RAW_BYTES,
@@ -39,6 +40,15 @@ pub enum OpenError {
         /// What the system said (in the message, so not the `source`: as
         /// both, `{:#}` printed it twice).
         error: std::io::Error,
+    },
+    /// The path is no regular file: it is refused without waiting for it
+    /// (a FIFO would hang the reader, a device feed it for ever).
+    #[error("{path}: {kind}, not a regular file")]
+    NotRegular {
+        /// The part.
+        path: String,
+        /// What it is.
+        kind: crate::regular_file::NotRegular,
     },
     /// The file does not start with the recording magic.
     #[error("{path}: not a kvgate recording (no recording header at offset 0)")]
@@ -125,7 +135,14 @@ struct PartReader {
     offset: u64,
     len: u64,
     header: Header,
-    records: VecDeque<Record>,
+    /// What is left of the frame being read: records are split off it one
+    /// at a time, as they are asked for, so a frame of millions of tiny
+    /// records costs its own bytes and nothing more.
+    frame: Bytes,
+    /// Where that frame starts, for a message about damage in it.
+    frame_at: u64,
+    /// Its next record's index.
+    in_frame: usize,
     end: Option<PartEnd>,
 }
 
@@ -136,7 +153,13 @@ impl PartReader {
             path: shown.clone(),
             error,
         };
-        let file = File::open(path).map_err(io)?;
+        let file = crate::regular_file::open(path).map_err(|refused| match refused {
+            OpenRefused::Io(error) => io(error),
+            OpenRefused::NotRegular(kind) => OpenError::NotRegular {
+                path: shown.clone(),
+                kind,
+            },
+        })?;
         let len = file.metadata().map_err(io)?.len();
         let mut file = BufReader::new(file);
         let bad = |offset: u64, what: String| OpenError::BadHeader {
@@ -190,7 +213,9 @@ impl PartReader {
             offset: 18 + u64::from(json_len),
             len,
             header,
-            records: VecDeque::new(),
+            frame: Bytes::new(),
+            frame_at: 0,
+            in_frame: 0,
             end: None,
         })
     }
@@ -198,17 +223,23 @@ impl PartReader {
     /// The next record of this part; `None` once `end` is set.
     fn next_record(&mut self) -> Option<Record> {
         loop {
-            if let Some(record) = self.records.pop_front() {
-                return Some(record);
-            }
             if self.end.is_some() {
                 return None;
             }
-            self.read_frame();
+            if !self.frame.has_remaining() {
+                self.read_frame();
+                continue;
+            }
+            match self.split_record() {
+                Ok(Some(record)) => return Some(record),
+                Ok(None) => {}
+                Err(what) => self.cut(self.frame_at, what),
+            }
         }
     }
 
     fn cut(&mut self, offset: u64, what: String) {
+        self.frame = Bytes::new();
         self.end = Some(PartEnd::Over(Ending::Cut {
             path: self.path.clone(),
             offset,
@@ -216,7 +247,7 @@ impl PartReader {
         }));
     }
 
-    /// Reads one frame's records into `records`, or sets `end`.
+    /// Reads the next frame into `frame`, or sets `end`.
     fn read_frame(&mut self) {
         let at = self.offset;
         let left = self.len - at;
@@ -263,60 +294,62 @@ impl PartReader {
             Err(what) => return self.cut(at, what),
         };
         self.offset = at + 8 + u64::from(length);
-        if let Err(what) = self.parse_records(Bytes::from(raw)) {
-            self.cut(at, what);
-        }
+        self.frame = Bytes::from(raw);
+        self.frame_at = at;
+        self.in_frame = 0;
     }
 
-    /// Splits a frame into records; an error names the first bad one (the
-    /// records before it are kept).
-    fn parse_records(&mut self, mut raw: Bytes) -> Result<(), String> {
-        let mut index = 0;
-        while raw.has_remaining() {
-            if self.end.is_some() {
-                return Err(format!("record {index} follows the part's last record"));
-            }
-            if raw.remaining() < 8 {
-                return Err(format!("record {index}: torn record header"));
-            }
-            let length = raw.get_u32_le();
-            let crc = raw.get_u32_le();
-            if !(RECORD_FIXED_BYTES..=MAX_RECORD_BYTES).contains(&length)
-                || length as usize > raw.remaining()
-            {
-                return Err(format!(
-                    "record {index}: length {length} outside {RECORD_FIXED_BYTES}..={MAX_RECORD_BYTES} \
-                     or past the frame's end"
-                ));
-            }
-            let mut body = raw.split_to(length as usize);
-            if crc32c::crc32c(&body) != crc {
-                return Err(format!("record {index}: checksum mismatch"));
-            }
-            let received_unix_micros = body.get_u64_le();
-            let kind = body.get_u8();
-            let entry = match Kind::from_byte(kind) {
-                // A copy: a slice would pin the whole decompressed frame
-                // (up to 64 MiB) for as long as the batch waits to be played.
-                Some(Kind::Batch) => Entry::Batch(Bytes::copy_from_slice(&body)),
-                Some(Kind::Resync) => Entry::Resync(String::from_utf8_lossy(&body).into_owned()),
-                Some(Kind::End) => {
-                    self.end = Some(PartEnd::End);
-                    continue;
-                }
-                Some(Kind::Next) => {
-                    self.end = Some(PartEnd::Next);
-                    continue;
-                }
-                None => return Err(format!("record {index}: unknown kind {kind}")),
-            };
-            self.records.push_back(Record {
-                received_unix_micros,
-                entry,
-            });
-            index += 1;
+    /// Splits the frame's next record off: a batch or a resync, or `None`
+    /// for a record that ends the part (then `end` is set). An error names
+    /// the bad record (the records before it were handed out).
+    fn split_record(&mut self) -> Result<Option<Record>, String> {
+        let index = self.in_frame;
+        self.in_frame += 1;
+        let raw = &mut self.frame;
+        if raw.remaining() < 8 {
+            return Err(format!("record {index}: torn record header"));
         }
-        Ok(())
+        let length = raw.get_u32_le();
+        let crc = raw.get_u32_le();
+        if !(RECORD_FIXED_BYTES..=MAX_RECORD_BYTES).contains(&length)
+            || length as usize > raw.remaining()
+        {
+            return Err(format!(
+                "record {index}: length {length} outside {RECORD_FIXED_BYTES}..={MAX_RECORD_BYTES} \
+                 or past the frame's end"
+            ));
+        }
+        let mut body = raw.split_to(length as usize);
+        if crc32c::crc32c(&body) != crc {
+            return Err(format!("record {index}: checksum mismatch"));
+        }
+        let received_unix_micros = body.get_u64_le();
+        let kind = body.get_u8();
+        let entry = match Kind::from_byte(kind) {
+            // A copy: a slice would pin the whole decompressed frame
+            // (up to 64 MiB) for as long as the batch waits to be played.
+            Some(Kind::Batch) => Entry::Batch(Bytes::copy_from_slice(&body)),
+            Some(Kind::Resync) => Entry::Resync(String::from_utf8_lossy(&body).into_owned()),
+            Some(last @ (Kind::End | Kind::Next)) => {
+                if raw.has_remaining() {
+                    return Err(format!(
+                        "record {} follows the part's last record",
+                        index + 1
+                    ));
+                }
+                self.end = Some(if last == Kind::End {
+                    PartEnd::End
+                } else {
+                    PartEnd::Next
+                });
+                return Ok(None);
+            }
+            None => return Err(format!("record {index}: unknown kind {kind}")),
+        };
+        Ok(Some(Record {
+            received_unix_micros,
+            entry,
+        }))
     }
 }
 

@@ -6,9 +6,9 @@
 //! drift; a time earlier than the first (a clock stepped back) is due at
 //! once; at `max` nothing waits and the drain's queue paces the source. A
 //! pass after the first starts with a resync, an ownerless clear of every
-//! rank, as after an engine restart; after the last pass the source holds
-//! until kvgate stops, serving the final state (an ended source would fail
-//! the gateway).
+//! rank, as after an engine restart; a loop ends at a pass that played
+//! nothing; after the last pass the source holds until kvgate stops,
+//! serving the final state (an ended source would fail the gateway).
 
 use std::fmt;
 use std::future::Future;
@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{DrainGone, SourceEvent, send};
 
@@ -95,6 +95,16 @@ impl Pacer {
     }
 }
 
+/// What one pass gave the drain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Played {
+    /// At least one event or load record.
+    Something,
+    /// Nothing at all (no intact record, no request that stores a block):
+    /// the next pass, over the same file, would give nothing either.
+    Nothing,
+}
+
 /// A source played from its start, pass after pass.
 pub(crate) trait Pass {
     /// Plays pass `number` at `pacer`'s pace (restarted for it).
@@ -102,11 +112,13 @@ pub(crate) trait Pass {
         &mut self,
         number: u64,
         pacer: &mut Pacer,
-    ) -> impl Future<Output = Result<(), DrainGone>> + Send;
+    ) -> impl Future<Output = Result<Played, DrainGone>> + Send;
 }
 
-/// Plays `pass` once, or forever when `looped`, until `stop` is cancelled
-/// or the drain is gone.
+/// Plays `pass` once, or again and again when `looped`, until `stop` is
+/// cancelled or the drain is gone. A loop ends at a pass that gave
+/// nothing: playing the file again would only spin a core (and, each pass
+/// opening with a resync, clear every rank for nothing).
 pub(crate) async fn play_passes(
     speed: Speed,
     looped: bool,
@@ -126,8 +138,16 @@ pub(crate) async fn play_passes(
             played = pass.play(number, &mut pacer) => played,
             () = stop.cancelled() => return,
         };
-        if played.is_err() || !looped {
-            break;
+        match played {
+            Ok(Played::Something) if looped => {}
+            Ok(Played::Nothing) if looped => {
+                warn!(
+                    pass = number,
+                    "the pass played nothing; not playing the file again"
+                );
+                break;
+            }
+            _ => break,
         }
     }
     info!("played; serving the final state");

@@ -6,8 +6,10 @@
 //! do, so the drain sees the same resyncs and restarts a router saw when the
 //! recording was made, and renumbers everything as its own. Each pass of
 //! `--replay-loop` after the first starts with a resync (an ownerless clear
-//! of every rank, as an engine restart). Damage in the file ends the pass at
-//! the last intact record; when the last pass ends, the source stays
+//! of every rank, as an engine restart); a pass that gave the drain nothing
+//! ends the loop. Damage in the file ends the pass at the last intact
+//! record, and a part that is no regular file (a FIFO, a device) is damage,
+//! refused without waiting for it; when the last pass ends, the source stays
 //! (serving the final state) until kvgate stops. Recorded load records go
 //! to a [`LoadSink`] as they come due, so the drain stamps them as it
 //! would an engine's.
@@ -20,7 +22,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::pace::{self, Pacer, Pass, Speed};
+use super::pace::{self, Pacer, Pass, Played, Speed};
 use super::upstream;
 use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
@@ -39,9 +41,10 @@ pub type LoadSink = Box<dyn Fn(u32, &EngineLoad) + Send + Sync>;
 /// Records read ahead of the pacer.
 const READ_AHEAD: usize = 1024;
 
-/// Bytes those records may hold (above the largest record, 16 MiB, so
-/// every record fits): what a paced recording holds in memory beyond the
-/// frame being read, however its records are sized.
+/// Bytes those records may hold, each counted with what holding it costs
+/// (above the largest record, 16 MiB, so every record fits): what a paced
+/// recording holds in memory beyond the frame being read, however its
+/// records are sized.
 const READ_AHEAD_BYTES: u32 = 64 << 20;
 
 /// Which recording to play, and how.
@@ -91,23 +94,37 @@ struct RecordingPass<'a> {
 }
 
 impl Pass for RecordingPass<'_> {
-    async fn play(&mut self, number: u64, pacer: &mut Pacer) -> Result<(), DrainGone> {
-        match play(self.config, pacer, self.events, self.metrics, self.loads).await? {
+    async fn play(&mut self, number: u64, pacer: &mut Pacer) -> Result<Played, DrainGone> {
+        let (ending, played) =
+            play(self.config, pacer, self.events, self.metrics, self.loads).await?;
+        // One line a second at most: a short recording looped at max speed
+        // plays thousands of passes a second.
+        crate::logging::rate_limited("recording pass", || match ending {
             Ending::Closed => info!(pass = number, "recording played to its end"),
             ending => warn!(pass = number, %ending, "recording played to its last intact record"),
-        }
-        Ok(())
+        });
+        Ok(played)
     }
 }
 
-/// One pass over the recording.
+/// What a record read ahead costs against [`READ_AHEAD_BYTES`]: its bytes
+/// and what holding it costs beside them, so a frame of millions of empty
+/// records is bounded as its bytes would be.
+fn read_ahead_cost(record: &Record) -> u32 {
+    let bytes = record.size() + size_of::<Record>();
+    u32::try_from(bytes).map_or(READ_AHEAD_BYTES, |bytes| bytes.min(READ_AHEAD_BYTES))
+}
+
+/// One pass over the recording: how it ended, and whether it gave the
+/// drain anything.
 async fn play(
     config: &RecordedConfig,
     pacer: &mut Pacer,
     events: &mpsc::Sender<SourceEvent>,
     metrics: &Metrics,
     loads: &LoadSink,
-) -> Result<Ending, DrainGone> {
+) -> Result<(Ending, Played), DrainGone> {
+    let mut played = Played::Nothing;
     let (records, mut receive) = mpsc::channel::<(Record, OwnedSemaphorePermit)>(READ_AHEAD);
     // Each record read ahead holds permits for its bytes until it is played.
     let room = Arc::new(Semaphore::new(READ_AHEAD_BYTES as usize));
@@ -117,9 +134,8 @@ async fn play(
     let reader = tokio::task::spawn_blocking(move || {
         let mut recording = Recording::open(&files)?;
         for record in recording.by_ref() {
-            let bytes = u32::try_from(record.size())
-                .map_or(READ_AHEAD_BYTES, |bytes| bytes.min(READ_AHEAD_BYTES));
-            let Ok(held) = runtime.block_on(Arc::clone(&room).acquire_many_owned(bytes)) else {
+            let cost = read_ahead_cost(&record);
+            let Ok(held) = runtime.block_on(Arc::clone(&room).acquire_many_owned(cost)) else {
                 break;
             };
             if records.blocking_send((record, held)).is_err() {
@@ -147,6 +163,7 @@ async fn play(
             metrics.count_bad_message(UNDECODABLE);
             continue;
         };
+        played = Played::Something;
         if let Some(load) = &batch.load {
             loads(rank, load);
         }
@@ -177,5 +194,5 @@ async fn play(
             what: format!("the reader stopped: {error}"),
         },
     };
-    Ok(ending)
+    Ok((ending, played))
 }

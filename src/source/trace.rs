@@ -16,18 +16,23 @@
 //! evictable), and anything about token ids.
 //!
 //! Invariant: a malformed or oversized line is counted and skipped, never
-//! the end of the stream; the cache never holds more than its capacity.
+//! the end of the stream; the cache never holds more than its capacity, and
+//! no request more than that many blocks (capped before they are
+//! collected, whatever its line claims); the requests read ahead hold at
+//! most `READ_AHEAD_BYTES` of blocks (or the one request being read). The
+//! trace is a regular file, opened without waiting for anything else.
 
 use std::hash::{Hash as _, Hasher as _};
 use std::io::{BufRead as _, BufReader, Read as _};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Deserialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::pace::{self, Pacer, Pass, Speed};
+use super::pace::{self, Pacer, Pass, Played, Speed};
 use super::prefix_cache::{Admission, PrefixCache};
 use super::{DrainGone, SourceEvent, send};
 use crate::metrics::Metrics;
@@ -44,6 +49,12 @@ pub const TRACE_BLOCK_TOKENS: u32 = 512;
 
 /// Requests read ahead of the pacer.
 const READ_AHEAD: usize = 1024;
+
+/// Bytes of blocks those requests may hold: a request holds at most
+/// `--trace-cache-blocks` blocks of 8 bytes, so at the default a full read
+/// ahead (1024 × 128 KiB) would be 128 MiB. One request larger than this
+/// is still read, alone.
+const READ_AHEAD_BYTES: usize = 32 << 20;
 
 /// Which trace to play, and the engine to simulate.
 #[derive(Clone, Debug)]
@@ -88,21 +99,38 @@ impl TraceRequest {
         (hasher.finish() % u64::from(dp_size.max(1))) as u32
     }
 
-    /// The engine blocks of its prompt that are full, as hashes: trace
-    /// block `id` becomes `id * k + j` for its k blocks of `block_tokens`.
-    pub fn blocks(&self, block_tokens: u32) -> Vec<i64> {
+    /// How many engine blocks of `block_tokens` its prompt fills: those its
+    /// hash ids cover, up to the prompt's length.
+    pub fn block_count(&self, block_tokens: u32) -> u64 {
+        let per_trace_block = u64::from(TRACE_BLOCK_TOKENS / block_tokens.max(1));
+        let covered = (self.hash_ids.len() as u64).saturating_mul(per_trace_block);
+        covered.min(self.input_length / u64::from(block_tokens.max(1)))
+    }
+
+    /// The first `max_blocks` of the engine blocks its prompt fills, as
+    /// hashes: trace block `id` becomes `id * k + j` for its k blocks of
+    /// `block_tokens`. A cache of `max_blocks` can hold no more of one
+    /// request's chain, and a line of a few bytes a hash id may claim
+    /// hundreds of thousands of blocks: the cap comes before anything is
+    /// collected.
+    pub fn blocks(&self, block_tokens: u32, max_blocks: usize) -> Vec<i64> {
         let per_trace_block = TRACE_BLOCK_TOKENS / block_tokens.max(1);
-        let full = self.input_length / u64::from(block_tokens.max(1));
-        self.hash_ids
-            .iter()
-            .flat_map(|id| {
-                (0..per_trace_block).map(move |j| {
-                    id.wrapping_mul(i64::from(per_trace_block))
-                        .wrapping_add(i64::from(j))
+        let count = usize::try_from(self.block_count(block_tokens))
+            .unwrap_or(usize::MAX)
+            .min(max_blocks);
+        let mut blocks = Vec::with_capacity(count);
+        blocks.extend(
+            self.hash_ids
+                .iter()
+                .flat_map(|id| {
+                    (0..per_trace_block).map(move |j| {
+                        id.wrapping_mul(i64::from(per_trace_block))
+                            .wrapping_add(i64::from(j))
+                    })
                 })
-            })
-            .take(usize::try_from(full).unwrap_or(usize::MAX))
-            .collect()
+                .take(count),
+        );
+        blocks
     }
 }
 
@@ -116,18 +144,30 @@ impl TraceConfig {
                 self.block_tokens
             ));
         }
-        let file = std::fs::File::open(&self.file)
-            .map_err(|error| format!("{}: {error}", self.file.display()))?;
-        let mut lines = Lines::new(BufReader::new(file), self.max_line_bytes);
-        match lines.next() {
+        let file = open(&self.file)?;
+        let empty = file.metadata().is_ok_and(|metadata| metadata.len() == 0);
+        // Line 1 only: a file of one endless line is not read to its end.
+        let first = BufReader::new(file.take(self.max_line_bytes as u64 + 1));
+        match Lines::new(first, self.max_line_bytes).next() {
             Some(Ok(_)) => Ok(()),
             Some(Err(what)) => Err(format!(
                 "{}: line 1 is not a Mooncake trace request ({what})",
                 self.file.display()
             )),
-            None => Err(format!("{}: empty trace", self.file.display())),
+            None if empty => Err(format!("{}: empty trace", self.file.display())),
+            None => Err(format!(
+                "{}: no request in its first {} bytes",
+                self.file.display(),
+                self.max_line_bytes
+            )),
         }
     }
+}
+
+/// Opens the trace: a regular file only, without waiting for anything else
+/// ([`crate::regular_file`]).
+fn open(file: &Path) -> Result<std::fs::File, String> {
+    crate::regular_file::open(file).map_err(|refused| format!("{}: {refused}", file.display()))
 }
 
 /// A trace's requests, read from `reader` a line at a time, each line at
@@ -234,23 +274,43 @@ struct TracePass<'a> {
 }
 
 impl Pass for TracePass<'_> {
-    async fn play(&mut self, number: u64, pacer: &mut Pacer) -> Result<(), DrainGone> {
+    async fn play(&mut self, number: u64, pacer: &mut Pacer) -> Result<Played, DrainGone> {
         let figures = play(self.config, pacer, self.events, self.metrics).await?;
         let hit_rate = figures.hits as f64 / figures.blocks.max(1) as f64;
-        info!(
-            pass = number,
-            requests = figures.requests,
-            malformed = figures.malformed,
-            blocks = figures.blocks,
-            hits = figures.hits,
-            hit_rate = format!("{hit_rate:.3}"),
-            stored = figures.stored,
-            evicted = figures.evicted,
-            held = figures.held,
-            "trace played to its end"
-        );
-        Ok(())
+        // One line a second at most: a short trace looped at max speed
+        // plays thousands of passes a second.
+        crate::logging::rate_limited("trace pass", || {
+            info!(
+                pass = number,
+                requests = figures.requests,
+                malformed = figures.malformed,
+                blocks = figures.blocks,
+                hits = figures.hits,
+                hit_rate = format!("{hit_rate:.3}"),
+                stored = figures.stored,
+                evicted = figures.evicted,
+                held = figures.held,
+                "trace played to its end"
+            );
+        });
+        Ok(if figures.stored + figures.evicted > 0 {
+            Played::Something
+        } else {
+            Played::Nothing
+        })
     }
+}
+
+/// A request as the reader hands it to the pacer: what the caches need of
+/// it, its hash ids dropped.
+struct Arrival {
+    /// Arrival, milliseconds from the trace's start.
+    timestamp: f64,
+    rank: u32,
+    /// Its first blocks, at most what a cache holds.
+    blocks: Vec<i64>,
+    /// All the blocks its prompt fills.
+    block_count: u64,
 }
 
 /// One pass over the trace, with every rank's cache empty at the start.
@@ -260,16 +320,34 @@ async fn play(
     events: &mpsc::Sender<SourceEvent>,
     metrics: &Metrics,
 ) -> Result<PassFigures, DrainGone> {
-    let (requests, mut receive) = mpsc::channel(READ_AHEAD);
-    let (file, max_line_bytes) = (config.file.clone(), config.max_line_bytes);
+    let (arrivals, mut receive) = mpsc::channel(READ_AHEAD);
+    // Each request read ahead holds permits for its blocks until played.
+    let room = Arc::new(Semaphore::new(READ_AHEAD_BYTES));
+    let runtime = tokio::runtime::Handle::current();
+    let reading = config.clone();
     // File reads and JSON parsing stay off the runtime's workers.
     let reader = tokio::task::spawn_blocking(move || {
-        let file = match std::fs::File::open(&file) {
+        let file = match open(&reading.file) {
             Ok(file) => file,
-            Err(error) => return warn!(file = %file.display(), %error, "trace unreadable"),
+            Err(error) => return warn!(%error, "trace unreadable"),
         };
-        for (number, line) in Lines::new(BufReader::new(file), max_line_bytes).enumerate() {
-            if requests.blocking_send((number + 1, line)).is_err() {
+        let lines = Lines::new(BufReader::new(file), reading.max_line_bytes);
+        for (index, line) in lines.enumerate() {
+            let arrival = line.map(|request| Arrival {
+                timestamp: request.timestamp,
+                rank: request.rank(reading.dp_size),
+                blocks: request.blocks(reading.block_tokens, reading.cache_blocks),
+                block_count: request.block_count(reading.block_tokens),
+            });
+            let bytes = arrival.as_ref().map_or(0, |arrival| {
+                (arrival.blocks.len() * size_of::<i64>()).min(READ_AHEAD_BYTES)
+            });
+            let Ok(held) = runtime.block_on(
+                Arc::clone(&room).acquire_many_owned(u32::try_from(bytes).unwrap_or(u32::MAX)),
+            ) else {
+                return;
+            };
+            if arrivals.blocking_send((index + 1, arrival, held)).is_err() {
                 return;
             }
         }
@@ -279,9 +357,9 @@ async fn play(
         .collect();
     let mut figures = PassFigures::default();
     let mut event_ids = vec![0_u64; caches.len()];
-    while let Some((number, line)) = receive.recv().await {
-        let request = match line {
-            Ok(request) => request,
+    while let Some((number, arrival, _held)) = receive.recv().await {
+        let arrival = match arrival {
+            Ok(arrival) => arrival,
             Err(what) => {
                 figures.malformed += 1;
                 metrics.count_bad_message(MALFORMED_LINE);
@@ -292,13 +370,12 @@ async fn play(
             }
         };
         pacer
-            .wait_for((request.timestamp.max(0.0) * 1000.0) as u64)
+            .wait_for((arrival.timestamp.max(0.0) * 1000.0) as u64)
             .await;
-        let rank = request.rank(config.dp_size);
-        let blocks = request.blocks(config.block_tokens);
-        let admission = caches[rank as usize].admit(&blocks);
+        let rank = arrival.rank;
+        let admission = caches[rank as usize].admit(&arrival.blocks);
         figures.requests += 1;
-        figures.blocks += blocks.len() as u64;
+        figures.blocks += arrival.block_count;
         figures.hits += admission.hits as u64;
         figures.stored += admission.stored.len() as u64;
         figures.evicted += admission.evicted.len() as u64;
@@ -375,9 +452,19 @@ mod tests {
     #[test]
     fn only_full_blocks_of_the_prompt_are_cached_split_to_the_engines_block_size() {
         let partial_last = request(1000, &[7, 8]);
-        assert_eq!(partial_last.blocks(512), vec![7]);
-        assert_eq!(partial_last.blocks(256), vec![14, 15, 16]);
-        assert_eq!(request(1024, &[7, 8]).blocks(512), vec![7, 8]);
+        assert_eq!(partial_last.blocks(512, 100), vec![7]);
+        assert_eq!(partial_last.blocks(256, 100), vec![14, 15, 16]);
+        assert_eq!(partial_last.block_count(256), 3);
+        assert_eq!(request(1024, &[7, 8]).blocks(512, 100), vec![7, 8]);
+    }
+
+    #[test]
+    fn a_requests_blocks_are_capped_at_what_a_cache_holds_before_they_are_collected() {
+        let huge = request(u64::MAX, &vec![3; 500_000]);
+        assert_eq!(huge.block_count(1), 500_000 * 512);
+        let blocks = huge.blocks(1, 4);
+        assert_eq!(blocks, vec![1536, 1537, 1538, 1539]);
+        assert_eq!(blocks.capacity(), 4, "nothing collected past the cap");
     }
 
     #[test]

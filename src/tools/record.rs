@@ -1,6 +1,6 @@
 //! `kvgate record`: keep a gateway's stream in a recording file
-//! (`docs/recording-format.md`), and `kvgate record --stats` /
-//! `kvgate tail --file` to look at one.
+//! (`docs/recording-format.md`), and `kvgate record --stats` to summarise
+//! one (`kvgate tail --file` prints one).
 //!
 //! Invariant: the recorder is one well-behaved router. It admits batches by
 //! the router's rules with the upstream source's [`Cursors`], so a
@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::io::{IsTerminal as _, Write as _};
+use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,7 @@ use super::GatewayArgs;
 use crate::cli_values::byte_size;
 use crate::client::{RawBatches, Target, subscribe_requesting};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
-use crate::recording::{Ending, Entry, Header, Recording, Writer, WriterLimits};
+use crate::recording::{self, Entry, Header, Recording, Writer, WriterLimits, decode_batch};
 use crate::router_rules::{Cursors, FIRST_BACKOFF, MAX_BACKOFF, Verdict};
 
 /// How often the progress line is redrawn.
@@ -297,55 +297,6 @@ impl Progress {
     }
 }
 
-/// `kvgate tail --file`: prints a recording as `tail` prints a stream; a
-/// resync shows as a line of its own. Damage is reported after everything
-/// intact was printed.
-pub fn print_recording(file: &Path, json: bool, limit: Option<u64>) -> anyhow::Result<()> {
-    let mut recording = Recording::open(&[file.to_owned()])?;
-    let mut out = std::io::stdout().lock();
-    let mut batches = 0;
-    for record in recording.by_ref() {
-        if limit.is_some_and(|limit| batches >= limit) {
-            return Ok(());
-        }
-        let written = match record.entry {
-            Entry::Batch(bytes) => {
-                batches += 1;
-                let batch = decode(&bytes, batches)?;
-                super::tail::write_batch(&mut out, &batch, json)
-            }
-            Entry::Resync(reason) if json => {
-                writeln!(out, "{}", serde_json::json!({ "resync": reason }))
-            }
-            Entry::Resync(reason) => writeln!(out, "resync (a new snapshot follows): {reason}"),
-        };
-        match written {
-            Err(error) if super::reader_gone(&error) => return Ok(()),
-            written => written?,
-        }
-    }
-    out.flush()?;
-    ending_result(recording.ending())
-}
-
-/// A recorded batch, decoded; `n` counts from 1 for the message.
-fn decode(bytes: &[u8], n: u64) -> anyhow::Result<KvEventBatch> {
-    KvEventBatch::decode(bytes).with_context(|| format!("recorded batch {n} is not a KvEventBatch"))
-}
-
-/// Damage is an error (after what was intact was used); an unclosed
-/// recording is only worth a warning.
-fn ending_result(ending: Option<&Ending>) -> anyhow::Result<()> {
-    match ending {
-        Some(ending @ Ending::Cut { .. }) => Err(anyhow::anyhow!("{ending}")),
-        Some(ending @ Ending::Unclosed { .. }) => {
-            warn!("{ending}");
-            Ok(())
-        }
-        _ => Ok(()),
-    }
-}
-
 /// What `kvgate record --stats` counts.
 #[derive(Debug, Default)]
 pub struct Stats {
@@ -391,7 +342,7 @@ impl Stats {
                 }
             };
             stats.batches += 1;
-            let batch = decode(&bytes, stats.batches)?;
+            let batch = decode_batch(&bytes, stats.batches)?;
             stats.count(&batch);
             match cursors.admit(&batch) {
                 Verdict::Restart => stats.restarts += 1,
@@ -475,5 +426,5 @@ fn print_stats(file: &Path) -> anyhow::Result<()> {
         stats.restarts,
         stats.gaps,
     );
-    ending_result(recording.ending())
+    recording::ending_result(recording.ending())
 }

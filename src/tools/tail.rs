@@ -4,6 +4,7 @@
 //! compact line of their own (`--json`: a `load` object).
 
 use std::io::Write;
+use std::path::Path;
 
 use serde_json::{Map, Value};
 
@@ -11,6 +12,7 @@ use super::GatewayArgs;
 use crate::client::subscribe_requesting;
 use crate::json::{FieldNames, to_json_with};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest, kv_cache_event::Data};
+use crate::recording::{self, Entry, Recording, decode_batch};
 
 #[derive(Debug, Clone, clap::Args)]
 #[allow(missing_docs)] // clap would show a doc comment as help text
@@ -44,7 +46,7 @@ pub struct TailArgs {
 /// reader goes away (`| head`: a quiet, successful end).
 pub async fn run(args: TailArgs) -> anyhow::Result<()> {
     if let Some(file) = &args.file {
-        return super::record::print_recording(file, args.json, args.limit);
+        return print_recording(file, args.json, args.limit);
     }
     let connected = args.gateway.connect()?;
     let request = SubscribeKvEventsRequest {
@@ -82,11 +84,7 @@ pub async fn run(args: TailArgs) -> anyhow::Result<()> {
 
 /// One batch as `tail` prints it (its events as JSON lines, or its
 /// summary), flushed.
-pub(crate) fn write_batch(
-    out: &mut impl Write,
-    batch: &KvEventBatch,
-    json: bool,
-) -> std::io::Result<()> {
+fn write_batch(out: &mut impl Write, batch: &KvEventBatch, json: bool) -> std::io::Result<()> {
     if json {
         for line in event_lines(batch).into_iter().chain(load_line(batch)) {
             writeln!(out, "{line}")?;
@@ -97,6 +95,37 @@ pub(crate) fn write_batch(
         writeln!(out, "{}", summary(batch))?;
     }
     out.flush()
+}
+
+/// `kvgate tail --file`: prints a recording as `tail` prints a stream; a
+/// resync shows as a line of its own. Damage is reported after everything
+/// intact was printed.
+fn print_recording(file: &Path, json: bool, limit: Option<u64>) -> anyhow::Result<()> {
+    let mut recording = Recording::open(&[file.to_owned()])?;
+    let mut out = std::io::stdout().lock();
+    let mut batches = 0;
+    for record in recording.by_ref() {
+        if limit.is_some_and(|limit| batches >= limit) {
+            return Ok(());
+        }
+        let written = match record.entry {
+            Entry::Batch(bytes) => {
+                batches += 1;
+                let batch = decode_batch(&bytes, batches)?;
+                write_batch(&mut out, &batch, json)
+            }
+            Entry::Resync(reason) if json => {
+                writeln!(out, "{}", serde_json::json!({ "resync": reason }))
+            }
+            Entry::Resync(reason) => writeln!(out, "resync (a new snapshot follows): {reason}"),
+        };
+        match written {
+            Err(error) if super::reader_gone(&error) => return Ok(()),
+            written => written?,
+        }
+    }
+    out.flush()?;
+    recording::ending_result(recording.ending())
 }
 
 /// `--service` names no service serving `SubscribeKvEvents`: the error says
@@ -159,18 +188,20 @@ pub fn event_lines(batch: &KvEventBatch) -> Vec<Value> {
         .collect()
 }
 
-/// The batch's load record as proto3 JSON, with its number and rank.
+/// The batch's load record as proto3 JSON (lowerCamelCase names, as
+/// grpcurl prints it), with its number and rank named as the events' lines
+/// name them.
 pub fn load_line(batch: &KvEventBatch) -> Option<Value> {
     let load = batch.load.as_ref()?;
     let mut line = Map::new();
     line.insert(
-        "sequence_number".into(),
+        "sequenceNumber".into(),
         Value::String(batch.sequence_number.to_string()),
     );
-    line.insert("dp_rank".into(), batch.dp_rank.unwrap_or(0).into());
+    line.insert("dpRank".into(), batch.dp_rank.unwrap_or(0).into());
     line.insert(
         "load".into(),
-        crate::json::to_json(load, "smg.grpc.common.EngineLoad"),
+        to_json_with(load, "smg.grpc.common.EngineLoad", FieldNames::Json),
     );
     Some(Value::Object(line))
 }
@@ -268,10 +299,12 @@ mod tests {
     #[test]
     fn json_output_includes_the_load_record_with_its_rank_and_number() {
         let line = load_line(&heartbeat()).unwrap();
-        assert_eq!(line["dp_rank"], 1);
-        assert_eq!(line["sequence_number"], "41");
-        assert_eq!(line["load"]["running_requests"], 4);
-        assert_eq!(line["load"]["load_only"], true);
+        assert_eq!(line["dpRank"], 1);
+        assert_eq!(line["sequenceNumber"], "41");
+        assert_eq!(line["load"]["runningRequests"], 4);
+        assert_eq!(line["load"]["waitingUncachedTokens"], 256);
+        assert_eq!(line["load"]["ageMs"], 3);
+        assert_eq!(line["load"]["loadOnly"], true);
         assert!(event_lines(&heartbeat()).is_empty(), "no events");
     }
 }

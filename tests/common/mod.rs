@@ -5,6 +5,7 @@
 
 pub mod pki;
 pub mod raw_codec;
+pub mod recording;
 pub mod router;
 
 use std::collections::VecDeque;

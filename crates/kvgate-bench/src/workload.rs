@@ -160,7 +160,8 @@ fn traced(file: &Path, shape: WorkloadShape) -> anyhow::Result<Vec<Vec<SimEvent>
         shape.block_size
     );
     let reader = BufReader::new(
-        std::fs::File::open(file).with_context(|| format!("--workload {}", file.display()))?,
+        kvgate::regular_file::open(file)
+            .with_context(|| format!("--workload {}", file.display()))?,
     );
     let mut cache = PrefixCache::new(shape.live_blocks);
     let mut payloads = Vec::new();
@@ -172,7 +173,7 @@ fn traced(file: &Path, shape: WorkloadShape) -> anyhow::Result<Vec<Vec<SimEvent>
                 line + 1
             )
         })?;
-        let admission = cache.admit(&request.blocks(shape.block_size));
+        let admission = cache.admit(&request.blocks(shape.block_size, shape.live_blocks));
         let mut events = Vec::with_capacity(2);
         if !admission.evicted.is_empty() {
             events.push(SimEvent::Removed {
