@@ -9,7 +9,7 @@ How to run (Dynamo lives outside the repository; nothing of it is committed):
 
     python3 -m venv /work/dynamo-venv
     /work/dynamo-venv/bin/pip install --no-deps ai-dynamo-runtime==1.6.1
-    /work/dynamo-venv/bin/pip install 'pydantic>=2.10.6,<=2.13.5' uvloop pyzmq msgpack
+    /work/dynamo-venv/bin/pip install 'pydantic>=2.10.6,<=2.13.5' uvloop pyzmq msgpack xxhash
     /work/dynamo-venv/bin/python benchmarks/dynamo-index/record.py \
         [--out tests/fixtures/dynamo-index] [--only SCENARIO ...]
 
