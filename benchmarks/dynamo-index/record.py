@@ -1024,6 +1024,59 @@ def scenario_sequence_and_replay(sc: Scenario):
     sc.workers()
 
 
+def signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def scenario_engine_layouts(sc: Scenario):
+    """One chain (blocks 1-3) stored by one worker per publisher layout, then
+    one block removed and a clear, each in that layout."""
+    for w in range(1, 9):
+        sc.worker(f"w{w}r0", instance_id=w)
+    chain = hashes(1, 3)
+    tokens = toks(1, 3)
+    digest = [hashlib.sha256(b"block-%d" % i).digest() for i in range(3)]
+    # 1: vLLM 0.33, map-tagged, uint64 hashes.
+    sc.publish("w1r0", [stored(1, 3)])
+    # 2: SGLang 0.5.23, map-tagged, signed int64 hashes, no extra keys.
+    sc.publish("w2r0", [{"type": "BlockStored", "block_hashes": [signed(x) for x in chain],
+                         "parent_block_hash": None, "token_ids": tokens, "block_size": 4,
+                         "lora_id": None, "medium": "GPU"}])
+    # 3: vLLM 0.10, tag-first arrays of 6.
+    sc.publish("w3r0", [["BlockStored", [signed(x) for x in chain], None, tokens, 4, None]])
+    # 4: vLLM 0.23, tag-first arrays of 12.
+    sc.publish("w4r0", [["BlockStored", chain, None, tokens, 4, None, "GPU", None,
+                         [None, None, None], 0, "full_attention", None]])
+    # 5: TensorRT-LLM through Dynamo's tee: map without medium, signed hashes.
+    sc.publish("w5r0", [{"type": "BlockStored", "block_hashes": [signed(x) for x in chain],
+                         "parent_block_hash": None, "token_ids": tokens, "block_size": 4,
+                         "lora_id": None}])
+    # 6: vLLM 0.33 with 32-byte digests as hashes.
+    sc.publish("w6r0", [block_stored(digest, None, tokens, 4)])
+    # 7, 8: multimodal blocks: the first block carries an image identifier
+    # (vLLM 0.33's [identifier, offset], and a bare 64-hex digest).
+    sc.publish("w7r0", [stored(1, 3, extra_keys=[[["img-7f3a", 0]], None, None])])
+    sc.publish("w8r0", [stored(1, 3, extra_keys=[["ab" * 32], None, None])])
+    sc.settle()
+    sc.query(tokens)
+    sc.http("GET", "/dump")
+    # Block 3 removed, each in its layout.
+    sc.publish("w1r0", [block_removed([chain[2]])])
+    sc.publish("w2r0", [{"type": "BlockRemoved", "block_hashes": [signed(chain[2])],
+                         "medium": "GPU"}])
+    sc.publish("w3r0", [["BlockRemoved", [signed(chain[2])]]])
+    sc.publish("w4r0", [["BlockRemoved", [chain[2]], "GPU", 0]])
+    sc.publish("w5r0", [{"type": "BlockRemoved", "block_hashes": [signed(chain[2])]}])
+    sc.publish("w6r0", [block_removed([digest[2]])])
+    sc.settle()
+    sc.query(tokens)
+    # A clear in array form, and one in map form.
+    sc.publish("w3r0", [["AllBlocksCleared"]])
+    sc.publish("w4r0", [all_cleared()])
+    sc.settle()
+    sc.query(tokens)
+
+
 def scenario_divergent_engine_hashes(sc: Scenario):
     """Not a golden: Dynamo keeps one engine hash per tree node (the first
     stored), so workers publishing different hashes for one block diverge
@@ -1093,6 +1146,11 @@ SCENARIOS = {
         scenario_sequence_and_replay,
         "A gap answered by the replay endpoint; malformed frames; a gap without a "
         "replay endpoint; a publisher restart (seq back to 0); a non-empty topic."),
+    "engine-layouts": (
+        scenario_engine_layouts,
+        "One chain stored, removed from and cleared in each publisher layout: vLLM "
+        "0.33 maps, SGLang signed hashes, vLLM 0.10 and 0.23 arrays, TensorRT-LLM's "
+        "tee, 32-byte digests; multimodal extra keys."),
     "errors": (
         scenario_errors,
         "Malformed JSON, missing and mistyped fields, wrong content types, duplicate "
