@@ -41,7 +41,9 @@ Steps, in order:
             "content_type": "..."}, "status": N,
    "response": JSON | "response_text": "..."}
       Send the request; the answer must have this status and this body
-      (JSON compared as values; `response_text` compared as text).
+      (JSON compared as values; `response_text` compared as text). A step
+      answered with an error text holds the exact `body_raw` that was sent:
+      serde's messages quote line and column of it.
       A body is sent with `content-type: application/json` unless
       `content_type` says otherwise (null: no content-type header).
   {"await_subscriber": {"socket": NAME}}
@@ -53,9 +55,12 @@ Steps, in order:
   {"settle": {"http": {...}, "status": N, "response": JSON}}
       Poll the request (bounded) until it answers exactly this; this is how
       both sides know the events published so far were applied. Each settle
-      query asks for a sentinel block stored last on every socket published
-      to since the previous settle (tokens 7_000_000 and up), so ordering
-      per socket proves everything before it was applied.
+      query asks for a sentinel block (tokens 7_000_000 and up) stored last
+      on every socket published to since the previous settle, one per tier
+      those batches touched (Dynamo applies the device tier and the lower
+      tiers on separate paths, so a device sentinel proves nothing about a
+      CPU store): ordering per socket and tier proves everything before it
+      was applied.
 
 A `/dump` step also carries `dump_blocks`: the answer flattened to one row
 per stored block, [partition, worker_id, dp_rank, storage_tier, parent_hash,
@@ -77,6 +82,9 @@ Replay (a worker registered with a `replay_endpoint`): a socket listed with
   {"publish_raw": {"socket": NAME, "frames_b64": [frame, ...]}}
       Send these frames as they are (malformed input: wrong frame count,
       short sequence frame, undecodable payload).
+
+The files are written with sorted keys, and the arrays listed in
+`unordered` sorted too, so a recording that changed nothing diffs empty.
 
 `volatile` lists fields whose values are not deterministic (timings,
 ports); a replayer checks they exist but not their values. `unordered`
@@ -110,6 +118,32 @@ RECORDED_WITH = "benchmarks/dynamo-index/record.py"
 # Batches carry a fixed timestamp so the recorded payloads are reproducible.
 BATCH_TS = 1767225600.25
 SENTINEL_BASE = 7_000_000
+SENTINEL_MEDIUM = {"device": "GPU", "host": "CPU_TIER1", "disk": "DISK",
+                   "external": "EXTERNAL"}
+LOWER_TIER = {"CPU": "host", "CPU_PINNED": "host", "CPU_TIER1": "host",
+              "CPU_TIER2": "disk", "DISK": "disk", "NVME": "disk", "STORAGE": "disk",
+              "EXTERNAL": "external", "NETWORK": "external", "REMOTE": "external",
+              "SHARED": "external"}
+
+
+def tiers_touched(events) -> set[str]:
+    """The lower tiers a batch's events name (map or array form); a clear
+    touches them all."""
+    touched = set()
+    for event in events if isinstance(events, list) else []:
+        if isinstance(event, dict):
+            kind, medium = event.get("type"), event.get("medium")
+        elif isinstance(event, list) and event:
+            kind = event[0]
+            slot = 6 if kind == "BlockStored" else 2
+            medium = event[slot] if len(event) > slot else None
+        else:
+            continue
+        if kind == "AllBlocksCleared":
+            touched |= set(LOWER_TIER.values())
+        elif isinstance(medium, str) and medium in LOWER_TIER:
+            touched.add(LOWER_TIER[medium])
+    return touched
 POLL_DEADLINE_S = 20.0
 
 
@@ -159,6 +193,17 @@ def all_cleared():
     return {"type": "AllBlocksCleared"}
 
 
+def canonical(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def dump_event_order(entry) -> str:
+    """Dump events by what they hold, their ids last (the ids vary)."""
+    event = entry["event"]
+    return canonical([entry["worker_id"], event["dp_rank"], entry["storage_tier"],
+                      event["data"], event["event_id"]])
+
+
 def replace_strings(value, pairs):
     """`value` (JSON) with every string's occurrences of each pair's first
     part replaced by its second."""
@@ -190,7 +235,7 @@ def dump_blocks(dump: dict) -> list:
                              entry["storage_tier"], parent, block["block_hash"],
                              block["tokens_hash"]])
                 parent = block["block_hash"]
-    return sorted(rows, key=lambda r: json.dumps(r))
+    return sorted(rows, key=canonical)
 
 
 class Dynamo:
@@ -250,7 +295,8 @@ class Scenario:
         self.steps: list[dict] = []
         self.volatile: list[str] = []
         self.unordered: list[str] = []
-        self.dirty: set[str] = set()
+        # Socket -> the tiers its batches touched since the last settle.
+        self.dirty: dict[str, set[str]] = {}
         self.sentinels = 0
 
     # -- sockets and registration ------------------------------------------
@@ -353,24 +399,31 @@ class Scenario:
     # -- HTTP ---------------------------------------------------------------
     def http(self, method, path, body=None, *, body_raw=None,
              content_type="application/json", volatile=False):
-        status, ctype, raw = self.dynamo.request(
-            method, path, self._substitute(body), body_raw, content_type)
-        step = {"http": {"method": method, "path": path}}
         if body is not None:
+            # The exact text is sent (and kept when the answer quotes a
+            # column of it); `{socket:NAME}` placeholders are plain strings.
+            body_raw = json.dumps(body)
+        status, ctype, raw = self.dynamo.request(
+            method, path, None, self._substitute(body_raw), content_type)
+        step = {"http": {"method": method, "path": path}}
+        text_answer = not (ctype and ctype.startswith("application/json"))
+        if body is not None and not (text_answer and status >= 400):
             step["http"]["body"] = body
-        if body_raw is not None:
+        elif body_raw is not None:
             step["http"]["body_raw"] = body_raw
-        if (body is not None or body_raw is not None) and content_type != "application/json":
+        if body_raw is not None and content_type != "application/json":
             step["http"]["content_type"] = content_type
         step["status"] = status
         parsed = None
-        if ctype and ctype.startswith("application/json"):
-            parsed = self._unsubstitute(json.loads(raw))
-            step["response"] = parsed
-        else:
+        if text_answer:
             step["response_text"] = self._unsubstitute(raw.decode())
-        if path == "/dump" and status == 200:
-            step["dump_blocks"] = dump_blocks(parsed)
+        else:
+            parsed = self._unsubstitute(json.loads(raw))
+            if path == "/dump" and status == 200:
+                step["dump_blocks"] = dump_blocks(parsed)
+                for body_of_partition in parsed.values():
+                    body_of_partition.get("events", []).sort(key=dump_event_order)
+            step["response"] = parsed
         index = len(self.steps)
         self.steps.append(step)
         if volatile:
@@ -389,6 +442,11 @@ class Scenario:
         body.update(extra)
         return self.http("POST", "/query", body)
 
+    def query_each_block(self, first_block, n_blocks):
+        """One query per block first_block.., each that block alone."""
+        for block in range(first_block, first_block + n_blocks):
+            self.query(toks(block, 1))
+
     def query_by_hash(self, hashes, *, model="m", routing_group=None, **extra):
         body = {"block_hashes": list(hashes), "model_name": model}
         if routing_group is not None:
@@ -398,9 +456,11 @@ class Scenario:
 
     def workers(self, query=""):
         index = len(self.steps)
-        out = self.http("GET", "/workers" + query)
+        status, answer = self.http("GET", "/workers" + query)
+        # In no defined order: kept sorted, so recordings compare as text.
+        answer.sort(key=canonical)
         self.unordered.append(f"steps[{index}].response")
-        return out
+        return status, answer
 
     # -- ZMQ ----------------------------------------------------------------
     def publish(self, name, events, *, dp_rank="socket", topic=b""):
@@ -414,47 +474,73 @@ class Scenario:
         self.steps.append({"publish": {
             "socket": name, "topic": topic.decode(), "seq": seq,
             "payload_b64": base64.b64encode(payload).decode()}})
-        self.dirty.add(name)
+        self.dirty.setdefault(name, set()).update(tiers_touched(events))
+
+    def publish_payload(self, name, payload: bytes):
+        """A payload as an engine wrote it (tests/fixtures/wire)."""
+        s = self.sockets[name]
+        seq = s["seq"]
+        s["seq"] += 1
+        s["sock"].send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        self.steps.append({"publish": {
+            "socket": name, "topic": "", "seq": seq,
+            "payload_b64": base64.b64encode(payload).decode()}})
+        try:
+            events = msgpack.unpackb(payload, strict_map_key=False)[1]
+        except Exception:  # a malformed payload: it touches no tier
+            events = []
+        self.dirty.setdefault(name, set()).update(tiers_touched(events))
 
     def settle(self):
-        """Store one sentinel block last on every socket published to since
-        the previous settle, then poll one query per partition until every
-        sentinel shows: everything published before it was applied."""
+        """Store a sentinel block last, on every tier published to since the
+        previous settle (the device tier always), on every socket published
+        to, then poll one query per partition and tier until every sentinel
+        shows: everything published before it on that tier was applied
+        (Dynamo applies device and lower tiers on separate paths)."""
         by_partition: dict[tuple, list[str]] = {}
         for name in sorted(self.dirty):
             by_partition.setdefault(
                 (self.sockets[name]["model"], self.sockets[name]["routing_group"]),
                 []).append(name)
+        tiers_of = {name: self.dirty[name] | {"device"} for name in self.dirty}
         self.dirty.clear()
         for (model, group), names in by_partition.items():
             bs = self.sockets[names[0]]["block_size"]
-            base = SENTINEL_BASE + self.sentinels * bs
-            self.sentinels += 1
-            tokens = [base + i for i in range(bs)]
-            for name in names:
-                self.publish(name, [block_stored([engine_hash(None, tokens)], None,
-                                                 tokens, bs)])
-            self.dirty.clear()
-            body = {"token_ids": tokens, "model_name": model}
-            if group is not None:
-                body["routing_group"] = group
-            want = {(str(self.sockets[n]["instance_id"]), str(self.sockets[n]["dp_rank"]))
-                    for n in names}
-            deadline = time.monotonic() + POLL_DEADLINE_S
-            while True:
-                status, ctype, raw = self.dynamo.request("POST", "/query", body)
-                resp = json.loads(raw) if status == 200 else None
-                if resp is not None:
-                    seen = {(w, r) for w, ranks in resp.get("scores", {}).items()
-                            for r, v in ranks.items() if v == bs}
-                    if want <= seen:
-                        break
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{self.name}: settle timed out: {status} {raw!r}")
-                time.sleep(0.02)
-            self.steps.append({"settle": {
-                "http": {"method": "POST", "path": "/query", "body": body},
-                "status": status, "response": resp}})
+            for tier, medium in SENTINEL_MEDIUM.items():
+                on = [n for n in names if tier in tiers_of[n]]
+                if on:
+                    self._settle_tier(model, group, bs, on, medium)
+        self.dirty.clear()
+
+    def _settle_tier(self, model, group, bs, names, medium):
+        base = SENTINEL_BASE + self.sentinels * bs
+        self.sentinels += 1
+        tokens = [base + i for i in range(bs)]
+        for name in names:
+            self.publish(name, [block_stored([engine_hash(None, tokens)], None, tokens, bs,
+                                             medium=medium)])
+        body = {"token_ids": tokens, "model_name": model}
+        if group is not None:
+            body["routing_group"] = group
+        want = {(str(self.sockets[n]["instance_id"]), str(self.sockets[n]["dp_rank"]))
+                for n in names}
+        deadline = time.monotonic() + POLL_DEADLINE_S
+        while True:
+            status, ctype, raw = self.dynamo.request("POST", "/query", body)
+            resp = json.loads(raw) if status == 200 else None
+            if resp is not None:
+                # A rank is listed in its worker's `dp` once it matches on
+                # any tier; on the device tier, `scores` says so too.
+                seen = {(w, r) for w, inst in resp.get("instances", {}).items()
+                        for r in inst["dp"]}
+                if want <= seen:
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: settle timed out: {status} {raw!r}")
+            time.sleep(0.02)
+        self.steps.append({"settle": {
+            "http": {"method": "POST", "path": "/query", "body": body},
+            "status": status, "response": resp}})
 
     def wait_until(self, method, path, body, predicate):
         """Poll until `predicate(status, json)` holds; record it as a settle
@@ -491,7 +577,7 @@ class Scenario:
             doc["unordered"] = self.unordered
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{self.name}.json"
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         return path
 
 
@@ -712,8 +798,7 @@ def scenario_tiers(sc: Scenario):
     sc.publish("w3r1", [stored(1, 3, medium="CPU_TIER1")])
     sc.publish("w3r1", [stored(20, 1)])
     sc.settle()
-    for i, _ in enumerate(MEDIUMS):
-        sc.query(toks(30 + i, 1))
+    sc.query_each_block(30, len(MEDIUMS))
     sc.query(toks(29, 1))
     sc.query(toks(1, 5))
     sc.query(toks(1, 3))
@@ -1077,6 +1162,116 @@ def scenario_engine_layouts(sc: Scenario):
     sc.query(tokens)
 
 
+WIRE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "wire" / "vllm-0.33.0"
+
+
+def wire_payload(name: str) -> bytes:
+    return (WIRE / f"{name}.msgpack").read_bytes()
+
+
+def wire_tokens(name: str, event: int = 0) -> list[int]:
+    return json.loads((WIRE / f"{name}.json").read_text())["input"]["events"][event]["token_ids"]
+
+
+def scenario_real_vllm_payloads(sc: Scenario):
+    """The golden payloads vLLM 0.33.0's own publisher wrote
+    (tests/fixtures/wire/vllm-0.33.0), published as they are."""
+    sc.worker("w1r0", instance_id=1, block_size=16)
+    sc.worker("w2r3", instance_id=2, dp_rank=3, block_size=16)
+    root, child = wire_tokens("stored-int-root"), wire_tokens("stored-int-parent")
+    for name in ("stored-int-root", "stored-int-parent", "stored-lora",
+                 "stored-extra-keys-mm-salt", "stored-u64-high",
+                 "stored-sliding-window-all-fields", "medium-cpu-offload",
+                 "stored-bytes-sha256", "empty-events"):
+        sc.publish_payload("w1r0", wire_payload(name))
+    sc.publish_payload("w2r3", wire_payload("dp-rank-3"))
+    sc.publish_payload("w2r3", wire_payload("stored-int-root"))
+    sc.settle()
+    sc.query(root + child)
+    sc.query(wire_tokens("stored-lora"))
+    sc.query(wire_tokens("stored-lora"), lora_name="sql-adapter")
+    sc.query(wire_tokens("stored-extra-keys-mm-salt"))
+    sc.query(wire_tokens("stored-extra-keys-mm-salt"), cache_salt="tenant-a")
+    sc.query(wire_tokens("stored-u64-high"))
+    sc.query(wire_tokens("stored-sliding-window-all-fields"))
+    sc.query(wire_tokens("medium-cpu-offload"))
+    sc.query(wire_tokens("stored-bytes-sha256"))
+    sc.query(wire_tokens("dp-rank-3"))
+    sc.http("GET", "/dump")
+    # Malformed payloads: each skipped whole, the stream goes on.
+    for name in ("malformed-envelope-map", "malformed-events-not-list",
+                 "malformed-missing-block-hashes", "malformed-truncated",
+                 "malformed-unknown-type"):
+        sc.publish_payload("w1r0", wire_payload(name))
+    sc.settle()
+    sc.query(root + child)
+    # Removals, then a clear, and a clear whose envelope rank is nil.
+    sc.publish_payload("w1r0", wire_payload("removed"))
+    sc.settle()
+    sc.query(root + child)
+    sc.publish_payload("w1r0", wire_payload("cleared"))
+    sc.publish_payload("w2r3", wire_payload("envelope-rank-nil"))
+    sc.settle()
+    sc.query(root + child)
+
+
+def kindless(first_block, group_idx):
+    """A store naming its KV-cache group but not the group's kind."""
+    event = stored(first_block, 1, group_idx=group_idx)
+    del event["kv_cache_spec_kind"]
+    return event
+
+
+def scenario_attention_groups(sc: Scenario):
+    """Hybrid models: vLLM tags each event with its KV-cache group and the
+    group's attention kind; only main attention is indexed."""
+    sc.worker("w1r0", instance_id=1)
+    kinds = ["full_attention", "mla_attention", "sink_full_attention", "sliding_window",
+             "sliding_window_mla", "mamba", "chunked_local_attention",
+             "encoder_only_attention", "cross_attention", "unknown", "no-such-kind"]
+    for i, kind in enumerate(kinds):
+        sc.publish("w1r0", [stored(10 + i, 1, group_idx=i, kv_cache_spec_kind=kind)])
+    # Group 20 without a kind; a kind without a group.
+    sc.publish("w1r0", [kindless(40, group_idx=20)])
+    event = stored(41, 1)
+    del event["group_idx"]
+    sc.publish("w1r0", [event])
+    # The same blocks in the main group 0 and in sliding-window group 3;
+    # then a removal naming group 3, one naming group 0, one naming none.
+    sc.publish("w1r0", [stored(1, 3), stored(1, 3, group_idx=3,
+                                                kv_cache_spec_kind="sliding_window")])
+    sc.settle()
+    sc.query_each_block(10, len(kinds))
+    sc.query(toks(40, 1))
+    sc.query(toks(41, 1))
+    sc.query(toks(1, 3))
+    # Events without a kind take their group's last known kind; an unknown
+    # group is main only when it is group 0.
+    sc.worker("w2r0", instance_id=2)
+    sc.worker("w3r0", instance_id=3)
+    sc.publish("w2r0", [stored(50, 1, group_idx=1, kv_cache_spec_kind="mla_attention")])
+    sc.publish("w2r0", [kindless(51, group_idx=1)])
+    sc.publish("w2r0", [stored(52, 1, group_idx=2, kv_cache_spec_kind="sliding_window")])
+    sc.publish("w2r0", [kindless(53, group_idx=2)])
+    sc.publish("w2r0", [kindless(54, group_idx=0)])
+    sc.publish("w3r0", [stored(55, 1, group_idx=0, kv_cache_spec_kind="sliding_window")])
+    sc.publish("w3r0", [kindless(56, group_idx=0)])
+    sc.publish("w3r0", [stored(57, 1, group_idx=5, kv_cache_spec_kind="full_attention")])
+    sc.publish("w3r0", [kindless(58, group_idx=5)])
+    sc.publish("w3r0", [kindless(59, group_idx=0)])
+    sc.settle()
+    sc.query_each_block(50, 10)
+    sc.publish("w1r0", [dict(block_removed([h(1, 3)]), group_idx=3)])
+    sc.settle()
+    sc.query(toks(1, 3))
+    sc.publish("w1r0", [dict(block_removed([h(1, 2)]), group_idx=0)])
+    sc.settle()
+    sc.query(toks(1, 3))
+    sc.publish("w1r0", [block_removed([h(1, 1)])])
+    sc.settle()
+    sc.query(toks(1, 3))
+
+
 def scenario_divergent_engine_hashes(sc: Scenario):
     """Not a golden: Dynamo keeps one engine hash per tree node (the first
     stored), so workers publishing different hashes for one block diverge
@@ -1151,6 +1346,15 @@ SCENARIOS = {
         "One chain stored, removed from and cleared in each publisher layout: vLLM "
         "0.33 maps, SGLang signed hashes, vLLM 0.10 and 0.23 arrays, TensorRT-LLM's "
         "tee, 32-byte digests; multimodal extra keys."),
+    "attention-groups": (
+        scenario_attention_groups,
+        "Every kv_cache_spec_kind, events with a group but no kind and the reverse, "
+        "one chain in a main and a sliding-window group, removals per group."),
+    "real-vllm-payloads": (
+        scenario_real_vllm_payloads,
+        "vLLM 0.33.0's own payloads (tests/fixtures/wire/vllm-0.33.0) published as "
+        "they are: chains, LoRA, extra keys, high hashes, offload, digests, "
+        "malformed batches, removals, clears."),
     "errors": (
         scenario_errors,
         "Malformed JSON, missing and mistyped fields, wrong content types, duplicate "

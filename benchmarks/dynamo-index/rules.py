@@ -29,6 +29,7 @@ for m in ("CPU", "CPU_PINNED", "CPU_TIER1"): TIER[m] = "host"
 for m in ("CPU_TIER2", "DISK", "NVME", "STORAGE"): TIER[m] = "disk"
 for m in ("EXTERNAL", "NETWORK", "REMOTE", "SHARED"): TIER[m] = "external"
 SALT_TAG = "dynamo-cache-salt:"
+MAIN_KINDS = {"full_attention", "mla_attention", "sink_full_attention"}
 
 def seed(lora, salt):
     s = 1337
@@ -49,6 +50,7 @@ class Model:
         self.where = {}      # wid -> (model, group)
         self.blocks = {}     # (part, wid, rank, tier) -> {ehash: (tokens_hash, parent)}
         self.socks = {}      # socket -> dict(wid, rank, part, expected, replay)
+        self.groups = {}     # (part, wid, rank) -> {group_idx: main attention?}
     def register(self, body, sock):
         part = (body["model_name"], body.get("routing_group", "default"))
         p = self.parts.setdefault(part, {"bs": body["block_size"], "workers": {}})
@@ -84,6 +86,8 @@ class Model:
             batch = msgpack.unpackb(payload, strict_map_key=False)
         except Exception:
             return
+        if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+            return
         rank = batch[2] if len(batch) > 2 and isinstance(batch[2], int) else info["rank"]
         bs = self.parts[info["part"]]["bs"]
         evs = []
@@ -94,19 +98,39 @@ class Model:
                     if t == "BlockStored":
                         e = {"type": t, "block_hashes": e[1], "parent_block_hash": e[2], "token_ids": e[3],
                              "block_size": e[4], "medium": e[6] if len(e) > 6 else None,
-                             "lora_name": e[7] if len(e) > 7 else None, "extra_keys": e[8] if len(e) > 8 else None}
+                             "lora_name": e[7] if len(e) > 7 else None, "extra_keys": e[8] if len(e) > 8 else None,
+                             "group_idx": e[9] if len(e) > 9 else None,
+                             "kv_cache_spec_kind": e[10] if len(e) > 10 else None}
                     elif t == "BlockRemoved":
-                        e = {"type": t, "block_hashes": e[1], "medium": e[2] if len(e) > 2 else None}
+                        e = {"type": t, "block_hashes": e[1], "medium": e[2] if len(e) > 2 else None,
+                             "group_idx": e[3] if len(e) > 3 else None}
                     else: e = {"type": t}
+                if e["type"] not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+                    return
+                if any(isinstance(k, bytes) for keys in e.get("extra_keys") or [] for k in keys or []):
+                    return
                 if e["type"] in ("BlockStored", "BlockRemoved"):
                     e["block_hashes"] = [u64(h) for h in e["block_hashes"]]
                     if e.get("parent_block_hash") is not None: e["parent_block_hash"] = u64(e["parent_block_hash"])
                 evs.append(e)
-        except ValueError:
+        except (ValueError, KeyError, TypeError, IndexError):
             return
         for e in evs: self.apply(info["part"], info["wid"], rank, e, bs)
+    def is_main_attention(self, part, wid, rank, e):
+        """A group's kind is the last one named with it; a kindless event
+        takes its group's, and an unknown group is main only when it is 0."""
+        groups = self.groups.setdefault((part, wid, rank), {})
+        kind, group = e.get("kv_cache_spec_kind"), e.get("group_idx")
+        if kind is not None:
+            if group is not None:
+                groups[group] = kind in MAIN_KINDS
+            return kind in MAIN_KINDS
+        return True if group is None else groups.get(group, group == 0)
+
     def apply(self, part, wid, rank, e, bs):
         key = lambda tier: (part, wid, rank, tier)
+        if e["type"] != "AllBlocksCleared" and not self.is_main_attention(part, wid, rank, e):
+            return
         if e["type"] == "AllBlocksCleared":
             for t in ("device", "host", "disk", "external"): self.blocks.pop(key(t), None)
             return
