@@ -1379,7 +1379,7 @@ def main():
                         default=here.parents[2] / "tests" / "fixtures" / "dynamo-index")
     parser.add_argument("--only", nargs="*", choices=sorted(SCENARIOS) + sorted(QUIRKS))
     parser.add_argument("--threads", type=int, default=4,
-                        help="Dynamo's --threads for the goldens (the issue's 4)")
+                        help="Dynamo's --threads for the goldens")
     args = parser.parse_args()
     for name in args.only or list(SCENARIOS) + list(QUIRKS):
         if name in QUIRKS:
