@@ -1076,6 +1076,23 @@ def scenario_sequence_and_replay(sc: Scenario):
                                  (first + 2, [stored(4, 1, h(1, 3))], 0)])
     sc.settle()
     sc.query(toks(1, 4))
+    # A replay that starts later than asked (the ring lost the first batch)
+    # and ends before the live batch, which depends on it.
+    first = sc.sockets["w1r0"]["seq"]
+    sc.sockets["w1r0"]["seq"] = first + 2
+    sc.publish("w1r0", [stored(12, 1, h(11, 1, h(1, 4)))])
+    sc.expect_replay_request("w1replay", first)
+    sc.replay_reply("w1replay", [(first + 1, [stored(11, 1, h(1, 4))], 0)])
+    sc.settle()
+    sc.query(toks(1, 4) + toks(11, 2))
+    # A replay with nothing in it (END only): the live batch still is.
+    first = sc.sockets["w1r0"]["seq"]
+    sc.sockets["w1r0"]["seq"] = first + 1
+    sc.publish("w1r0", [stored(13, 1)])
+    sc.expect_replay_request("w1replay", first)
+    sc.replay_reply("w1replay", [])
+    sc.settle()
+    sc.query(toks(13, 1))
     # Malformed frames: skipped, and they do not move the expected sequence.
     seq = sc.sockets["w2r0"]["seq"]
     sc.publish_raw("w2r0", [b"", seq.to_bytes(8, "big"), b"\xc1garbage"])

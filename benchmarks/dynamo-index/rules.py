@@ -206,18 +206,22 @@ def check(path) -> int:
             if info["waiting"]: continue
             if seq < info["expected"]: continue
             if seq > info["expected"] and info["replay"]:
-                info["waiting"] = True; continue
+                # Held until the replay of [expected, seq) has been applied.
+                info["waiting"] = (seq, payload); continue
             info["expected"] = seq + 1
             m.apply_batch(pb["socket"], payload)
         elif "publish_raw" in s:
             pass
         elif "replay_reply" in s:
             owner = [k for k, v in m.socks.items() if v["replay"] == "{socket:%s}" % s["replay_reply"]["socket"]][0]
+            live_seq, live_payload = m.socks[owner]["waiting"]
             for frames in s["replay_reply"]["messages_b64"]:
                 fr = [base64.b64decode(f) for f in frames]
                 if fr[2] == b"\xff" * 8: break
-                m.socks[owner]["expected"] = int.from_bytes(fr[2], "big") + 1
-                m.apply_batch(owner, fr[3])
+                if int.from_bytes(fr[2], "big") < live_seq:
+                    m.apply_batch(owner, fr[3])
+            m.apply_batch(owner, live_payload)
+            m.socks[owner]["expected"] = live_seq + 1
             m.socks[owner]["waiting"] = False
         elif "http" in s or "settle" in s:
             st = s.get("settle", s); h = st["http"]; body = h.get("body")
