@@ -924,6 +924,14 @@ def scenario_models_and_routing_groups(sc: Scenario):
     sc.workers()
     sc.query(toks(1, 3), model="model-a", routing_group="blue")
     sc.query(toks(1, 1, 8), model="model-b")
+    # `tenant_id`, an older name, selects nothing: registered into the default
+    # group, unregistered from every group.
+    sc.socket("a9", instance_id=9, model="model-a")
+    sc.register("a9", tenant_id="blue", additional_salt="x")
+    sc.workers("?model_name=model-a")
+    sc.http("POST", "/unregister", {"instance_id": 9, "model_name": "model-a",
+                                    "tenant_id": "blue"})
+    sc.workers("?model_name=model-a")
 
 
 def local_hash(tokens, lora_name=None, cache_salt=None):
