@@ -12,7 +12,8 @@ ai-dynamo-runtime 1.6.1 (see record.py for the install):
       answers, so a load tool can query it and sample /proc/PID itself.
       Dynamo binds 0.0.0.0: send it loopback traffic only.
 
-  peer.py measure [--ranks 33] [--blocks-per-rank 8000] [--block-size 16]
+  peer.py measure [--ranks 33] [--ranks-per-worker 4] [--blocks-per-rank 8000]
+                  [--block-size 16]
                   [--chain 32] [--shared 0.5] [--chains-per-batch 8]
                   [--queries 20000] [--connections 4] [--json OUT]
       The whole measurement on its own: starts Dynamo, binds one ZMQ PUB per
@@ -118,6 +119,7 @@ def measure(args) -> dict:
     try:
         bs, length = args.block_size, args.chain
         shared = int(length * args.shared)
+        rpw = args.ranks_per_worker
         chains = args.blocks_per_rank // length
         time.sleep(0.5)
         cpu0, rss0 = cpu_seconds(pid), rss_bytes(pid)
@@ -127,36 +129,34 @@ def measure(args) -> dict:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.bind("tcp://127.0.0.1:0")
-            body = {"instance_id": r // 4 + 1, "dp_rank": r % 4, "model_name": "m",
+            body = {"instance_id": r // rpw + 1, "dp_rank": r % rpw, "model_name": "m",
                     "block_size": bs, "endpoint": sock.getsockopt_string(zmq.LAST_ENDPOINT)}
             status, _, answer = dynamo.request("POST", "/register", body)
             assert status == 201, answer
             assert sock.poll(20_000), "no subscriber"
             sock.recv()
             socks.append(sock)
-        # Every rank's batches, encoded before the clock starts:
-        # --chains-per-batch stores (one scheduler step's worth) per batch.
-        batches = []
+        # --chains-per-batch stores (one scheduler step's worth) per batch,
+        # encoded as they are sent (a fleet's worth does not fit in memory
+        # at once); Dynamo's own CPU is what is measured.
         step = args.chains_per_batch
-        for r in range(args.ranks):
-            per_rank = []
-            for first in range(0, chains, step):
-                events = []
-                for c in range(first, min(first + step, chains)):
-                    tokens = chain_tokens(r, c, length, shared, bs)
-                    hashes, parent = [], None
-                    for b in range(length):
-                        parent = engine_hash(parent, tokens[b * bs:(b + 1) * bs])
-                        hashes.append(parent)
-                    events.append(block_stored(hashes, None, tokens, bs))
-                per_rank.append(msgpack.packb([BATCH_TS, events, r % 4], use_bin_type=True))
-            batches.append(per_rank)
+
+        def batch(rank, index):
+            events = []
+            for c in range(index * step, min((index + 1) * step, chains)):
+                tokens = chain_tokens(rank, c, length, shared, bs)
+                hashes, parent = [], None
+                for b in range(length):
+                    parent = engine_hash(parent, tokens[b * bs:(b + 1) * bs])
+                    hashes.append(parent)
+                events.append(block_stored(hashes, None, tokens, bs))
+            return msgpack.packb([BATCH_TS, events, rank % rpw], use_bin_type=True)
+
         blocks = args.ranks * chains * length
         cpu1 = cpu_seconds(pid)
-        for i in range(max(len(b) for b in batches)):
+        for i in range((chains + step - 1) // step):
             for r, sock in enumerate(socks):
-                if i < len(batches[r]):
-                    sock.send_multipart([b"", i.to_bytes(8, "big"), batches[r][i]])
+                sock.send_multipart([b"", i.to_bytes(8, "big"), batch(r, i)])
         # Applied when every rank's last chain answers at full depth.
         deadline = time.monotonic() + 600
         for r in range(args.ranks):
@@ -165,7 +165,7 @@ def measure(args) -> dict:
             while True:
                 status, _, raw = dynamo.request("POST", "/query", body)
                 scores = json.loads(raw).get("scores", {})
-                if scores.get(str(r // 4 + 1), {}).get(str(r % 4)) == length * bs:
+                if scores.get(str(r // rpw + 1), {}).get(str(r % rpw)) == length * bs:
                     break
                 assert time.monotonic() < deadline, "ingest did not finish"
                 time.sleep(0.05)
@@ -263,6 +263,7 @@ def main():
     s.add_argument("--model-name", default="default")
     m = sub.add_parser("measure")
     m.add_argument("--ranks", type=int, default=33)
+    m.add_argument("--ranks-per-worker", type=int, default=4)
     m.add_argument("--blocks-per-rank", type=int, default=8000)
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--chain", type=int, default=32)
