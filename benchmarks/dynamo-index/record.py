@@ -23,6 +23,7 @@ one scenario; it is killed by its pid afterwards.
 Fixture format (what a replayer implements):
 
     {"reference": "ai-dynamo-runtime 1.6.1 (python -m dynamo.indexer)",
+     "reference_command": "python -m dynamo.indexer --port P --threads 4",
      "recorded_with": "benchmarks/dynamo-index/record.py",
      "scenario": "<name>", "description": "<what the stream exercises>",
      "sockets": [{"name": "w1r0"}, ...],
@@ -87,7 +88,8 @@ The files are written with sorted keys, and the arrays listed in
 `unordered` sorted too, so a recording that changed nothing diffs empty.
 
 `volatile` lists fields whose values are not deterministic (timings,
-ports); a replayer checks they exist but not their values. `unordered`
+ports); a replayer checks they exist but not their values. Paths are
+`steps[i]` then `.key` per object level (keys hold no dots). `unordered`
 lists JSON arrays whose order Dynamo does not define (it iterates hash
 maps): compare them as multisets.
 """
@@ -98,7 +100,6 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import signal
 import socket
 import subprocess
