@@ -265,6 +265,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     }
     let load_push = choose_load_push(&args, demo.as_ref())?;
     let source: Arc<str> = source_config.to_string().into();
+    let engine_ranks = source_config.dp_size();
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -309,15 +310,15 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
     let load_records = start_load(supervisor, &args, load_push, load_engine, &metrics)
         .await?
         .or_else(|| replayed_loads.map(|feed| LoadRecords::new(feed, heartbeat)));
-    spawn_drain(
-        supervisor,
+    let drain = drain(
         &args,
+        engine_ranks,
         hub_writer,
         store,
-        events_rx,
         load_records,
         metrics.clone(),
     );
+    spawn_drain(supervisor, drain, events_rx);
     let admin_address = admin_listener
         .map(|listener| {
             let state = AdminState {
@@ -503,27 +504,31 @@ async fn open_store(
         .with_context(|| format!("--state-dir {}", dir.display()))
 }
 
-fn spawn_drain(
-    supervisor: &Supervisor,
+/// The drain of an engine of `engine_ranks` ranks, as the flags set it.
+fn drain(
     args: &ServeArgs,
+    engine_ranks: u32,
     hub: HubWriter,
     store: Option<store::Opened>,
-    events: mpsc::Receiver<SourceEvent>,
     load_records: Option<LoadRecords>,
     metrics: Metrics,
-) {
+) -> Drain {
     let limits = BatchLimits {
         max_events: args.max_batch_events as usize,
         max_bytes: args.max_batch_bytes as usize,
     };
     let seed = store.as_ref().map_or_else(epoch_seed, store::Opened::seed);
-    let mut drain = Drain::new(limits, seed, hub, metrics).with_engine_ranks(args.dp_size);
+    let mut drain = Drain::new(limits, seed, hub, metrics).with_engine_ranks(engine_ranks);
     if let Some(opened) = store {
         drain = drain.with_state_dir(opened);
     }
     if let Some(records) = load_records {
         drain = drain.with_load_records(records);
     }
+    drain
+}
+
+fn spawn_drain(supervisor: &Supervisor, drain: Drain, events: mpsc::Receiver<SourceEvent>) {
     let stop = supervisor.stopping();
     supervisor.spawn(TaskName::Drain, async move {
         drain.run(events, stop).await;

@@ -50,7 +50,7 @@ pub(super) enum SourceConfig {
 
 impl SourceConfig {
     /// The ranks served are `0..dp_size`, whatever the source.
-    fn dp_size(&self) -> u32 {
+    pub(super) fn dp_size(&self) -> u32 {
         match self {
             Self::Zmq(config) | Self::Demo(config) => config.dp_size,
             Self::Upstream(config) => config.dp_size,

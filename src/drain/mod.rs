@@ -104,17 +104,22 @@ pub struct Drain {
     /// Every rank started over (a resync of an engine of several ranks):
     /// one clear is owed, before the next events of any rank.
     owe_worker_clear: bool,
-    /// The engine's data-parallel ranks as configured: with several (or once
-    /// a rank other than 0 is seen), a rank's restart or own clear is sent
-    /// as removals of its blocks (`retractions`).
+    /// The engine's data-parallel ranks: with several (or once a rank other
+    /// than 0 holds blocks), a rank's restart or own clear is sent as
+    /// removals of its blocks (`retracting`).
     engine_ranks: u32,
-    /// Ranks whose blocks are going out as removals, a cycle's budget at a
-    /// time.
-    retractions: BTreeMap<u32, Retraction>,
+    /// The rank whose blocks are going out as removals, a cycle's budget at
+    /// a time. One at most: whatever could start another waits behind it.
+    retracting: Option<(u32, Retraction)>,
     /// What came while removals were still going out, in order: it follows
     /// them. Engine messages are not taken meanwhile, so this holds at most
     /// one cycle's messages and the rest of one payload.
     deferred: VecDeque<Deferred>,
+    /// The publisher marks of ranks still catching up, logged only once
+    /// they are: a kvgate stopped midway then resumes the publisher from
+    /// before the restart or clear, sees it again and sends the removals
+    /// it had not.
+    held_marks: BTreeMap<u32, HeldMark>,
     state: LiveState,
     /// The first engine sequence number seen per rank since its publisher
     /// (re)started: that many engine messages came before kvgate's record.
@@ -165,8 +170,9 @@ impl Drain {
             owe_clear: BTreeSet::new(),
             owe_worker_clear: false,
             engine_ranks: 1,
-            retractions: BTreeMap::new(),
+            retracting: None,
             deferred: VecDeque::new(),
+            held_marks: BTreeMap::new(),
             state: LiveState::default(),
             first_engine_sequence: BTreeMap::new(),
             hub,
@@ -253,9 +259,12 @@ impl Drain {
                 () = written_signal(written), if out > 0 => {}
                 request = self.hub.next_cut_request(), if takes_cuts => self.answer(request),
                 () = load_wake(&mut self.records), if takes_load => self.load_woke(),
-                () = std::future::ready(()), if catching_up && self.store_takes_cycles() => {
+                // A cut or `load_only` batch waiting for a quiet point waits
+                // for the removals too, so they go on: a bounded number.
+                () = std::future::ready(()), if catching_up && self.log_has_room() => {
                     self.catch_up_step();
                     self.end_cycle();
+                    self.answer_waiting_cut();
                 }
                 first = events.recv(), if takes_events => {
                     let Some(first) = first else { break };
@@ -304,28 +313,31 @@ impl Drain {
     /// Whether the store takes another cycle now: not while the log writer
     /// is `LOG_QUEUE` behind, nor while something waits for a quiet point.
     fn store_takes_cycles(&self) -> bool {
-        self.store.as_ref().is_none_or(|store| {
-            !store.is_full() && self.waiting_cut.is_none() && !self.load_waiting
-        })
+        self.log_has_room() && self.waiting_cut.is_none() && !self.load_waiting
+    }
+
+    /// The log writer (if any) is less than `LOG_QUEUE` cycles behind.
+    fn log_has_room(&self) -> bool {
+        self.store.as_ref().is_none_or(|store| !store.is_full())
     }
 
     /// A rank's removals are still going out, or what came meanwhile still
     /// waits behind them.
     fn catching_up(&self) -> bool {
-        !self.retractions.is_empty() || !self.deferred.is_empty()
+        self.retracting.is_some() || !self.deferred.is_empty()
     }
 
-    /// Sends the next removals of the first rank still being retracted, a
-    /// cycle's budget of them; once none is left, takes what waited.
+    /// Sends the next removals of the rank being retracted, a cycle's
+    /// budget of them; once none is left, takes what waited, and then logs
+    /// the marks held meanwhile.
     fn catch_up_step(&mut self) {
-        if let Some(mut retracting) = self.retractions.first_entry() {
-            let rank = *retracting.key();
+        if let Some((rank, retraction)) = &mut self.retracting {
+            let rank = *rank;
             let mut removals = Vec::new();
-            let done = retracting
-                .get_mut()
-                .step(RETRACTED_COPIES_PER_CYCLE, |removal| removals.push(removal));
-            if done {
-                crate::state::free(retracting.remove().into_blocks());
+            let done =
+                retraction.step(RETRACTED_COPIES_PER_CYCLE, |removal| removals.push(removal));
+            if done && let Some((_, retraction)) = self.retracting.take() {
+                crate::state::free(retraction.into_blocks());
             }
             let timestamp = unix_now();
             for removal in removals {
@@ -333,7 +345,7 @@ impl Drain {
             }
             return;
         }
-        while !self.catching_up_on_retraction()
+        while self.retracting.is_none()
             && let Some(deferred) = self.deferred.pop_front()
         {
             match deferred {
@@ -345,26 +357,39 @@ impl Drain {
                 } => self.push_engine_events(rank, events, timestamp),
             }
         }
+        if !self.catching_up() {
+            for (rank, held) in std::mem::take(&mut self.held_marks) {
+                match held {
+                    HeldMark::Forget => self.forget_marks(rank),
+                    HeldMark::Last(last) => {
+                        self.cycle_last.insert(rank, last);
+                    }
+                }
+            }
+        }
     }
 
     /// The engine has several ranks: it was configured so, or a rank other
-    /// than 0 has sent something (a recording or an upstream of several
-    /// ranks, whatever `--dp-size` says).
+    /// than 0 holds blocks (a state directory written under a larger
+    /// `--dp-size`).
     fn several_ranks(&self) -> bool {
-        self.engine_ranks > 1
-            || (self.sequencer.ranks().chain(self.state.ranks())).any(|rank| rank != 0)
+        self.engine_ranks > 1 || self.state.ranks().any(|rank| rank != 0)
     }
 
-    /// Some rank's removals are still going out.
-    fn catching_up_on_retraction(&self) -> bool {
-        !self.retractions.is_empty()
-    }
-
+    /// Answers a snapshot request at once when every position assigned is
+    /// announced and no rank is mid-removal (a cut then would hold neither
+    /// the blocks the stream still has nor their removals); else later.
     fn answer(&mut self, request: CutRequest) {
-        if self.quiet() {
+        self.waiting_cut = Some(request);
+        self.answer_waiting_cut();
+    }
+
+    fn answer_waiting_cut(&mut self) {
+        if self.quiet()
+            && !self.catching_up()
+            && let Some(request) = self.waiting_cut.take()
+        {
             request.answer(self.cut());
-        } else {
-            self.waiting_cut = Some(request);
         }
     }
 
@@ -444,13 +469,16 @@ impl Drain {
     fn restart_rank(&mut self, rank: u32) {
         // What the old engine sent still goes out, then the clear.
         self.close_batch(rank);
-        if self.several_ranks() {
-            self.retract(rank);
-        } else {
+        if !self.several_ranks() {
             self.owe_clear.insert(rank);
             self.state.reset_rank(rank);
+            self.forget_publisher(rank);
+        } else if self.retract(rank) {
+            self.converter.forget_rank(rank);
+            self.held_marks.insert(rank, HeldMark::Forget);
+        } else {
+            self.forget_publisher(rank);
         }
-        self.forget_publisher(rank);
     }
 
     /// Takes `rank`'s blocks out of the state, their removals to go out
@@ -461,7 +489,7 @@ impl Drain {
         let Some(blocks) = self.state.take_rank(rank) else {
             return false;
         };
-        self.retractions.insert(rank, Retraction::of(blocks));
+        self.retracting = Some((rank, Retraction::of(blocks)));
         true
     }
 
@@ -469,6 +497,11 @@ impl Drain {
     /// where kvgate's record of it begins and ends.
     fn forget_publisher(&mut self, rank: u32) {
         self.converter.forget_rank(rank);
+        self.forget_marks(rank);
+    }
+
+    /// Forgets where kvgate's record of `rank`'s publisher begins and ends.
+    fn forget_marks(&mut self, rank: u32) {
         self.first_engine_sequence.remove(&rank);
         if self.store.is_some() {
             self.resume_points.remove(&rank);
@@ -482,10 +515,12 @@ impl Drain {
         self.first_engine_sequence
             .entry(rank)
             .or_insert(message.engine_sequence);
-        if self.store.is_some() {
+        let before = if self.store.is_some() {
             self.cycle_last
-                .insert(rank, (message.engine_sequence, message.payload.clone()));
-        }
+                .insert(rank, (message.engine_sequence, message.payload.clone()))
+        } else {
+            None
+        };
         let mut tally = Tally::default();
         let mut transcoded = std::mem::take(&mut self.transcoded);
         let converted =
@@ -515,6 +550,16 @@ impl Drain {
         }
         self.push_transcoded(rank, &mut transcoded);
         self.transcoded = transcoded;
+        if self.catching_up() && self.store.is_some() && !self.held_marks.contains_key(&rank) {
+            // The payload cleared the rank: its mark waits until the
+            // removals and the payload's rest are out.
+            if let Some(last) = self.cycle_last.remove(&rank) {
+                self.held_marks.insert(rank, HeldMark::Last(last));
+            }
+            if let Some(before) = before {
+                self.cycle_last.insert(rank, before);
+            }
+        }
     }
 
     /// Batches one payload's events as `push_events` does; its removals,
@@ -525,7 +570,11 @@ impl Drain {
         // An engine's own clear stands for the one owed only where it goes
         // out as a clear: in an engine of one rank.
         let starts_with_clear = !self.several_ranks() && payload.starts_with_ownerless_clear();
-        self.pay_owed_clear(rank, starts_with_clear, timestamp);
+        if self.pay_owed_clear(rank, starts_with_clear, timestamp) && self.several_ranks() {
+            // The whole worker's clear: nothing any rank sends next may
+            // reach a router before it.
+            self.close_batch(rank);
+        }
         self.state.prefetch_lookups(rank, payload.lookups());
         // After a rank's own clear in an engine of several ranks, the rest
         // of the payload waits behind the clear's removals.
@@ -637,49 +686,62 @@ impl Drain {
 
     /// Sends the clear a restarted rank (or, after a resync, the worker)
     /// owes before its first events, unless they start with one.
-    fn pay_owed_clear(&mut self, rank: u32, starts_with_clear: bool, timestamp: f64) {
+    /// `true` when it sent one.
+    fn pay_owed_clear(&mut self, rank: u32, starts_with_clear: bool, timestamp: f64) -> bool {
         let owed = self.owe_clear.remove(&rank) | std::mem::take(&mut self.owe_worker_clear);
-        if owed && !starts_with_clear {
+        let pays = owed && !starts_with_clear;
+        if pays {
             self.push_event(rank, KvCacheEvent::ownerless_clear(), timestamp);
         }
+        pays
     }
 
     /// Batches one message's events from a source that speaks the router's
     /// stream (an upstream gateway, a recording, a trace), after the clear
     /// owed, with the state's lookups for all of them fetched first. There
     /// a clear is the whole worker's, as a router takes it: in an engine of
-    /// several ranks it empties every rank.
+    /// several ranks every other rank's batch closes before it, so what they
+    /// sent before goes out first, and its own batch closes after the
+    /// message, so what any rank sends next goes out after it.
     fn push_events(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
+        let several = self.several_ranks();
         let starts_with_clear = events.first().is_some_and(KvCacheEvent::is_ownerless_clear);
-        self.pay_owed_clear(rank, starts_with_clear, timestamp);
+        let mut worker_cleared = self.pay_owed_clear(rank, starts_with_clear, timestamp) && several;
         self.state.prefetch(rank, &events);
         for event in events {
-            if self.several_ranks() && is_clear(&event) {
-                self.empty_other_ranks(rank);
+            if several && is_clear(&event) {
+                self.close_other_batches(rank);
+                worker_cleared = true;
             }
             self.push_event(rank, event, timestamp);
         }
+        if worker_cleared {
+            self.close_batch(rank);
+        }
     }
 
-    /// Empties every rank but `rank` for a clear of the whole worker sent
-    /// on `rank`: what they sent before goes out first.
-    fn empty_other_ranks(&mut self, rank: u32) {
-        let others: Vec<u32> = (self.sequencer.ranks().chain(self.state.ranks()))
+    /// Closes every rank's batch but `rank`'s.
+    fn close_other_batches(&mut self, rank: u32) {
+        let others: Vec<u32> = self
+            .batchers
+            .keys()
+            .copied()
             .filter(|&other| other != rank)
             .collect();
         for other in others {
             self.close_batch(other);
-            self.state.reset_rank(other);
         }
     }
 
     /// Batches a removal of blocks already taken out of the state.
     fn push_unrecorded(&mut self, rank: u32, event: KvCacheEvent, timestamp: f64) {
         let ready = &mut self.ready;
+        let metrics = &self.metrics;
         batcher_of(&mut self.batchers, rank, self.limits).push(event, timestamp, &mut |output| {
             match output {
                 Output::Batch(batch) => ready.push((rank, batch)),
-                Output::Sent(_) | Output::Oversized { .. } => {}
+                Output::Sent(_) => {}
+                Output::Oversized { .. } => metrics.count_dropped_events(OVERSIZED_EVENT, 1),
             }
         });
     }
@@ -844,9 +906,7 @@ impl Drain {
     /// sends waiting `load_only` batches, hands a cut to the checkpoint
     /// thread if the writer asks for one.
     fn at_quiet_point(&mut self) {
-        if let Some(request) = self.waiting_cut.take() {
-            request.answer(self.cut());
-        }
+        self.answer_waiting_cut();
         if std::mem::take(&mut self.load_waiting) {
             self.send_load_records();
             self.report();
@@ -963,7 +1023,6 @@ impl Drain {
 }
 
 /// What waits behind a rank's removals.
-#[derive(Debug)]
 enum Deferred {
     /// A source's event, ingested as it came.
     Source(SourceEvent),
@@ -973,6 +1032,14 @@ enum Deferred {
         timestamp: f64,
         events: Vec<KvCacheEvent>,
     },
+}
+
+/// A publisher mark held back while its rank catches up.
+enum HeldMark {
+    /// The publisher restarted: its mark is forgotten.
+    Forget,
+    /// The last message taken from it: its engine sequence and payload.
+    Last((u64, bytes::Bytes)),
 }
 
 /// A clear, owned or not.

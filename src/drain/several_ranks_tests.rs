@@ -261,3 +261,220 @@ fn a_clear_from_a_router_side_source_empties_every_rank_as_the_router_does() {
     assert!(router_view(&published(&reader)).is_empty());
     assert!(drain.cut().state.is_empty(), "kvgate's state agrees");
 }
+
+/// A rank-1 store of `hash`, as a router-side source sends it.
+fn upstream_store(rank: u32, hash: i64) -> SourceEvent {
+    SourceEvent::Events {
+        rank,
+        timestamp: 1.0,
+        events: vec![crate::state::stored_event(
+            None,
+            &[hash],
+            crate::proto::common::KvCacheTier::Device,
+            2,
+        )],
+    }
+}
+
+#[test]
+fn after_a_resync_the_clear_reaches_routers_before_any_ranks_next_events_in_the_same_cycle() {
+    let (mut drain, reader) = two_ranks_holding_blocks();
+    drain.ingest(SourceEvent::Resync);
+    drain.ingest(upstream_store(1, 40));
+    drain.ingest(upstream_store(0, 50));
+    drain.flush();
+    let view = router_view(&published(&reader));
+    assert_eq!(drain.cut().state[&0].counts().total(), 1);
+    assert_eq!(hashes(&view, 0), [(50, 1)]);
+    assert_eq!(hashes(&view, 1), [(40, 1)]);
+}
+
+#[test]
+fn a_router_side_clear_reaches_routers_before_another_ranks_next_events_in_the_same_cycle() {
+    let (mut drain, reader) = two_ranks_holding_blocks();
+    drain.ingest(SourceEvent::Events {
+        rank: 1,
+        timestamp: 1.0,
+        events: vec![KvCacheEvent::ownerless_clear()],
+    });
+    drain.ingest(upstream_store(0, 50));
+    drain.flush();
+    let view = router_view(&published(&reader));
+    assert_eq!(drain.cut().state[&0].counts().total(), 1);
+    assert_eq!(hashes(&view, 0), [(50, 1)]);
+}
+
+#[test]
+fn a_snapshot_asked_for_while_a_ranks_removals_go_out_is_cut_once_they_are_out() {
+    let (mut drain, reader) = two_ranks_holding_blocks();
+    drain.ingest(SourceEvent::PublisherRestarted { rank: 1 });
+    drain.end_cycle();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let cut = runtime.block_on(async {
+        let asked = reader.cut();
+        tokio::pin!(asked);
+        let request = tokio::select! {
+            biased;
+            _ = &mut asked => unreachable!("nobody answered yet"),
+            request = drain.hub.next_cut_request() => request,
+        };
+        drain.answer(request);
+        assert!(
+            drain.waiting_cut.is_some(),
+            "not cut while the removals go out"
+        );
+        while drain.catching_up() {
+            drain.catch_up_step();
+            drain.end_cycle();
+            drain.answer_waiting_cut();
+        }
+        asked.await.expect("answered")
+    });
+    // The cut holds exactly what the stream through its position leaves.
+    let through_cut: Vec<KvEventBatch> = published(&reader)
+        .into_iter()
+        .take(usize::try_from(cut.position).unwrap())
+        .collect();
+    let view = router_view(&through_cut);
+    assert!(hashes(&view, 1).is_empty());
+    assert!(!cut.state.contains_key(&1));
+    assert_eq!(cut.state[&0].counts().total(), 2);
+}
+
+/// A drain for an engine of `ranks` ranks keeping its state in `dir`.
+fn drain_on_state_dir(dir: &std::path::Path, ranks: u32) -> Drain {
+    let history = HistoryLimits {
+        batches: 100_000,
+        bytes: 1 << 30,
+    };
+    let config = crate::store::StoreConfig {
+        dir: dir.to_path_buf(),
+        sync_interval: std::time::Duration::from_secs(3600),
+        limits: crate::store::StoreLimits {
+            segment_bytes: 64 << 20,
+            checkpoint_bytes: 1 << 40,
+        },
+        history,
+    };
+    let opened = crate::store::open(config, &Metrics::default(), 1).unwrap();
+    let (writer, _reader) = hub(64, history);
+    let limits = BatchLimits {
+        max_events: 1024,
+        max_bytes: 1 << 20,
+    };
+    Drain::new(limits, opened.seed(), writer, Metrics::default())
+        .with_engine_ranks(ranks)
+        .with_state_dir(opened)
+}
+
+/// What a kvgate started on `dir` would restore.
+fn restored(dir: &std::path::Path) -> crate::store::restore::Restored {
+    let history = HistoryLimits {
+        batches: 100_000,
+        bytes: 1 << 30,
+    };
+    crate::store::restore::restore(
+        dir,
+        &crate::store::records::boot_id(),
+        history,
+        &mut |_, _| {},
+    )
+    .unwrap()
+}
+
+/// A scratch state directory, removed when dropped.
+struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "kvgate-several-ranks-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Rank 0 holds one block, rank 1 150,000 on a state directory.
+fn large_rank_on_state_dir(dir: &std::path::Path) -> Drain {
+    let mut drain = drain_on_state_dir(dir, 2);
+    engine_sends(&mut drain, 0, 1, &[stored(&[1], None)]);
+    let blocks: Vec<u64> = (100..=150_099).collect();
+    for (sequence, chunk) in (1..).zip(blocks.chunks(10_000)) {
+        engine_sends(&mut drain, 1, sequence, &[stored(chunk, None)]);
+    }
+    drain.flush();
+    drain.settle();
+    drain
+}
+
+/// Stops `drain` after one step of removals, as a kill would.
+fn stop_midway(mut drain: Drain) {
+    drain.end_cycle();
+    drain.catch_up_step();
+    drain.end_cycle();
+    drain.settle();
+    assert!(drain.catching_up(), "stopped midway");
+    drain.store.take().unwrap().close();
+}
+
+#[test]
+fn a_clear_read_back_from_a_state_directory_empties_every_rank_as_it_did_live() {
+    let scratch = ScratchDir::new("clear");
+    let mut drain = drain_on_state_dir(&scratch.0, 2);
+    drain.ingest(upstream_store(0, 1));
+    drain.ingest(upstream_store(1, 10));
+    drain.flush();
+    drain.ingest(SourceEvent::Events {
+        rank: 1,
+        timestamp: 1.0,
+        events: vec![KvCacheEvent::ownerless_clear()],
+    });
+    drain.flush();
+    drain.settle();
+    assert!(drain.cut().state.is_empty());
+    drain.store.take().unwrap().close();
+    assert_eq!(restored(&scratch.0).state.ranks().count(), 0);
+}
+
+#[test]
+fn a_kvgate_stopped_while_a_restarted_ranks_removals_go_out_keeps_the_old_publishers_mark() {
+    let scratch = ScratchDir::new("restart");
+    let mut drain = large_rank_on_state_dir(&scratch.0);
+    drain.ingest(SourceEvent::PublisherRestarted { rank: 1 });
+    stop_midway(drain);
+    let restored = restored(&scratch.0);
+    let left = restored
+        .state
+        .rank(1)
+        .map_or(0, |blocks| blocks.counts().total());
+    assert!(left > 0, "stopped with removals still to send");
+    assert!(
+        restored.marks.contains_key(&1),
+        "the mark that shows the restart again"
+    );
+}
+
+#[test]
+fn a_kvgate_stopped_while_a_ranks_own_clear_goes_out_keeps_the_mark_before_the_clear() {
+    let scratch = ScratchDir::new("own-clear");
+    let mut drain = large_rank_on_state_dir(&scratch.0);
+    engine_sends(&mut drain, 1, 100, &[SimEvent::Cleared, stored(&[5], None)]);
+    stop_midway(drain);
+    let restored = restored(&scratch.0);
+    let mark = restored.marks.get(&1).map(|mark| mark.resume.last);
+    assert_eq!(
+        mark,
+        Some(15),
+        "the message before the clear, to be read again"
+    );
+}

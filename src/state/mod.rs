@@ -350,12 +350,20 @@ impl LiveState {
         prefetch_passes(|visit| for_each_block_touched(blocks, events, visit));
     }
 
-    /// Records `event`, already completed, for `rank`.
+    /// Records `event`, already completed, for `rank`. A clear empties
+    /// every rank, as a router takes it (its index pools the ranks): in an
+    /// engine of several ranks the drain sends one rank's own clear as
+    /// removals instead, so a clear recorded here is always the whole
+    /// worker's, live or read back from a state directory.
     pub fn record(&mut self, rank: u32, event: &KvCacheEvent) {
         match event.data.as_ref() {
             Some(Data::Stored(stored)) => self.store(rank, stored),
             Some(Data::Removed(removed)) => self.remove(rank, removed),
-            Some(Data::Cleared(_)) => self.reset_rank(rank),
+            Some(Data::Cleared(_)) => {
+                for rank in std::mem::take(&mut self.ranks).into_values() {
+                    free(rank);
+                }
+            }
             None => {}
         }
     }
@@ -799,7 +807,7 @@ mod tests {
     }
 
     #[test]
-    fn a_clear_forgets_the_rank_and_only_that_rank() {
+    fn a_clear_forgets_every_rank_as_the_router_does() {
         let mut state = LiveState::default();
         state.apply(0, &mut store(None, &[1], Tier::Device));
         state.apply(1, &mut store(None, &[2], Tier::Device));
@@ -807,9 +815,10 @@ mod tests {
             event_id: 3,
             data: Some(Data::Cleared(KvCacheCleared::default())),
         };
-        state.apply(0, &mut clear);
-        assert!(live(&state, 0, Tier::Device).is_empty());
-        assert_eq!(live(&state, 1, Tier::Device), vec![2]);
+        state.apply(1, &mut clear);
+        assert_eq!(state.ranks().count(), 0);
+        state.apply(0, &mut store(None, &[4], Tier::Device));
+        assert_eq!(live(&state, 0, Tier::Device), vec![4]);
     }
 
     #[test]

@@ -35,15 +35,6 @@ self_cell::self_cell!(
     }
 );
 
-impl std::fmt::Debug for Retraction {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter
-            .debug_struct("Retraction")
-            .field("copies", &self.borrow_owner().counts().total())
-            .finish_non_exhaustive()
-    }
-}
-
 /// The walk over the taken blocks, tier by tier in store order.
 pub struct RetractionWalk<'taken> {
     /// Tiers begun so far, in `Tier::ALL` order.
