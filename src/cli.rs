@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand};
 
-use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
+use crate::cli_values::{byte_size, parse_grpc_uri, parse_http_url, parse_listen_address};
 use crate::logging::LogFormat;
 use kvgate_endpoint::TcpEndpoint;
 
@@ -243,6 +243,21 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
 
+    /// The engine's HTTP server (vLLM's API server, e.g.
+    /// http://127.0.0.1:8000): kvgate asks its GET /kv_event_sources where
+    /// every rank publishes, so no --zmq-endpoint is needed. Without it and
+    /// without --zmq-endpoint, --engine-grpc is asked instead (OpenEngine's
+    /// GetKvEventSources, SGLang's GetServerInfo).
+    #[arg(long, env = "KVGATE_ENGINE_HTTP", value_name = "URL", value_parser = parse_http_url)]
+    pub engine_http: Option<String>,
+
+    /// How often kvgate asks the engine again where it publishes (with
+    /// --engine-http or --engine-grpc), so an engine restarted on other
+    /// ports is followed.
+    #[arg(long, env = "KVGATE_ENGINE_DISCOVERY_MS", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub engine_discovery_ms: u64,
+
     /// How often to poll the engine's GetLoads (with --engine-grpc) for
     /// every rank whose load is not pushed (--zmq-load-endpoint), to put it
     /// on every subscriber's stream; 0 turns polling off.
@@ -443,6 +458,11 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(10..=600_000))]
     pub handshake_timeout_ms: u64,
 
+    /// Which of the flags the engine can also answer were set by the user
+    /// (command line or environment), not defaulted.
+    #[arg(skip)]
+    pub given: GivenFlags,
+
     /// A connection with no open stream for this many milliseconds is closed
     /// (with GOAWAY; clients reconnect when they next call).
     #[arg(long, env = "KVGATE_IDLE_TIMEOUT_MS", default_value_t = 300_000,
@@ -552,4 +572,14 @@ mod tests {
             }
         }
     }
+}
+
+/// Flags whose default and an explicit value must be told apart: the
+/// engine's answer fills what the user left unset, never what they set.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GivenFlags {
+    /// `--dp-size`.
+    pub dp_size: bool,
+    /// `--zmq-topic`.
+    pub zmq_topic: bool,
 }

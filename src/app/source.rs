@@ -117,6 +117,7 @@ pub(super) async fn choose_source(
         bind: args.zmq_bind,
         max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
         resume: Default::default(),
+        moves: Vec::new(),
     };
     if args.demo {
         // With a replay endpoint, like a well-configured engine: kvgate
@@ -155,8 +156,9 @@ pub(super) async fn choose_source(
         .map_err(|error| UsageError(error.to_string()))?
         .ok_or_else(|| {
             UsageError(
-                "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
-                 --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
+                "no event source: give --engine-http URL (vLLM) or --engine-grpc URI (SGLang, OpenEngine) \
+                 to ask the engine where it publishes, --zmq-endpoint tcp://HOST:PORT (the engine's \
+                 KV-event publisher), --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
                     .into(),
             )
         })?;
@@ -320,6 +322,17 @@ fn flags_of(config: &ZmqSourceConfig, error: &StartError) -> String {
 }
 
 impl SourceConfig {
+    /// Has the engine's publishers followed where the engine says they
+    /// moved (`moves[r]` for rank r).
+    pub(super) fn follow(
+        &mut self,
+        moves: Vec<watch::Receiver<crate::source::discovery::RankTarget>>,
+    ) {
+        if let Self::Zmq(config) = self {
+            config.moves = moves;
+        }
+    }
+
     /// Has an engine's publishers resumed where an earlier kvgate's record
     /// of each rank ended (sources that keep no such record start over).
     pub(super) fn resume(&mut self, points: std::collections::BTreeMap<u32, ResumePoint>) {
