@@ -5,8 +5,6 @@
 //! comes bare or as `{"sources": [...]}` (the route has returned both);
 //! other keys (`buffer_steps`, `hwm`, ...) are ignored.
 
-use http_body_util::{BodyExt, Limited};
-use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 
 use super::{ASK_TIMEOUT, MAX_ANSWER_BYTES, Reported};
@@ -30,10 +28,8 @@ struct Source {
 
 /// The ranks `url`'s `/kv_event_sources` names, or why there are none.
 pub(super) async fn ask(url: &http::Uri) -> Result<Vec<Reported>, String> {
-    let body = match tokio::time::timeout(ASK_TIMEOUT, get(url)).await {
-        Ok(body) => body?,
-        Err(_) => return Err(format!("no answer within {ASK_TIMEOUT:?}")),
-    };
+    let body =
+        crate::http_get::get(url, "/kv_event_sources", MAX_ANSWER_BYTES, ASK_TIMEOUT).await?;
     parse(&body)
 }
 
@@ -50,40 +46,6 @@ fn parse(body: &[u8]) -> Result<Vec<Reported>, String> {
             topic: source.topic.unwrap_or_default(),
         })
         .collect())
-}
-
-/// The body of a `GET` of `url`'s `/kv_event_sources` over HTTP/1.1, at
-/// most [`MAX_ANSWER_BYTES`].
-async fn get(url: &http::Uri) -> Result<Vec<u8>, String> {
-    let authority = url.authority().ok_or("the URL names no host")?.clone();
-    let port = authority.port_u16().unwrap_or(80);
-    let stream = tokio::net::TcpStream::connect((authority.host(), port))
-        .await
-        .map_err(|error| format!("cannot connect: {error}"))?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|error| format!("HTTP handshake: {error}"))?;
-    let connection = tokio::spawn(connection);
-    let path = format!("{}/kv_event_sources", url.path().trim_end_matches('/'));
-    let request = http::Request::get(path)
-        .header(http::header::HOST, authority.as_str())
-        .body(http_body_util::Empty::<bytes::Bytes>::new())
-        .map_err(|error| error.to_string())?;
-    let response = sender
-        .send_request(request)
-        .await
-        .map_err(|error| format!("HTTP request: {error}"))?;
-    let status = response.status();
-    let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
-        .collect()
-        .await
-        .map_err(|error| format!("reading the answer: {error}"))?
-        .to_bytes();
-    connection.abort();
-    if !status.is_success() {
-        return Err(format!("HTTP {status}"));
-    }
-    Ok(body.to_vec())
 }
 
 #[cfg(test)]
