@@ -269,13 +269,18 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
     let load_push = choose_load_push(&args, demo.as_ref())?;
     let (moves, learned) = engine_sources::start(engine_sources, &args, supervisor);
     source_config.follow(moves);
-    let source: Arc<str> = match &learned {
-        Some(learned) => format!(
+    let learned = learned.or_else(|| {
+        source_config
+            .learned()
+            .map(|discovered| watch::channel(discovered.clone()).1)
+    });
+    let source: Arc<str> = match (&learned, source_config.learned()) {
+        (Some(learned), None) => format!(
             "{source_config}, learned from {}",
             learned.borrow().learned_from
         )
         .into(),
-        None => source_config.to_string().into(),
+        _ => source_config.to_string().into(),
     };
 
     let listener = TcpListener::bind(args.listen)

@@ -399,10 +399,17 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_UPSTREAM_TOKEN_FILE", value_name = "PATH")]
     pub upstream_token_file: Option<PathBuf>,
 
-    /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
-    /// real one: live events with no GPU.
+    /// Run a built-in simulated engine (vLLM's or TensorRT-LLM's layout,
+    /// --demo-layout; real ZMQ) instead of a real one: live events with no
+    /// GPU. kvgate finds its publishers by asking it, as it asks vLLM.
     #[arg(long, env = "KVGATE_DEMO", value_parser = BoolishValueParser::new())]
     pub demo: bool,
+
+    /// Whose payload layout the --demo engine publishes: vLLM 0.33's, or
+    /// TensorRT-LLM's native stream (with stand-in images as multimodal
+    /// keys).
+    #[arg(long, env = "KVGATE_DEMO_LAYOUT", value_enum, default_value = "vllm")]
+    pub demo_layout: DemoLayout,
 
     /// Play a recording (`kvgate record --out FILE`) as the engine: one
     /// file and its parts FILE.1, ..., or the parts listed in order.
@@ -582,4 +589,13 @@ pub struct GivenFlags {
     pub dp_size: bool,
     /// `--zmq-topic`.
     pub zmq_topic: bool,
+}
+
+/// `--demo-layout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoLayout {
+    /// vLLM 0.33's map-tagged events.
+    Vllm,
+    /// TensorRT-LLM's native streaming publisher (KV-cache manager V2).
+    TrtllmNative,
 }
