@@ -351,7 +351,7 @@ async fn next_to_an_openengine_server_kvgate_learns_every_rank_from_get_kv_event
     );
 }
 
-fn sglang_info(publisher: &EnginePublisher) -> String {
+fn sglang_info(publisher: &EnginePublisher, load: &EnginePublisher) -> String {
     json!({
         "model_path": "Qwen/Qwen3-8B",
         "kv_events": {
@@ -362,6 +362,8 @@ fn sglang_info(publisher: &EnginePublisher) -> String {
             "block_size": 16,
             "dp_size": 1,
             "replay_endpoint_port_base": port_of(publisher.replay_endpoint().unwrap()),
+            "load_endpoint_port_base": port_of(load.endpoint()),
+            "load_topic": "load",
         }
     })
     .to_string()
@@ -370,8 +372,15 @@ fn sglang_info(publisher: &EnginePublisher) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn next_to_sglang_kvgate_reads_the_kv_events_descriptor_after_openengine_is_unimplemented() {
     let mut rank0 = publisher().await;
+    let load_options = PublisherOptions {
+        topic: kvgate_sim::LOAD_TOPIC.to_owned(),
+        ..PublisherOptions::default()
+    };
+    let mut load = EnginePublisher::bind("tcp://127.0.0.1:0", &load_options)
+        .await
+        .unwrap();
     let service = sglang::sglang_service_server::SglangServiceServer::new(Sglang(Arc::new(
-        Mutex::new(sglang_info(&rank0)),
+        Mutex::new(sglang_info(&rank0, &load)),
     )));
     let uri = grpc_engine(tonic::transport::Server::builder().add_service(service)).await;
     let gateway = Gateway::start(&[
@@ -405,6 +414,27 @@ async fn next_to_sglang_kvgate_reads_the_kv_events_descriptor_after_openengine_i
             .starts_with("sglang.runtime.v1.SglangService/GetServerInfo"),
         "{status}"
     );
+    // The load publisher came from the descriptor too: no port arithmetic.
+    let stat = kvgate_sim::LoadStat {
+        num_running_reqs: 7,
+        num_waiting_reqs: 0,
+        num_tokens: 10,
+        max_total_num_tokens: 100,
+        attn_dp_rank: Some(0),
+        num_waiting_uncached_tokens: 0,
+        num_total_tokens: 10,
+        max_running_requests: 8,
+        total_prefill_uncached_tokens: 0,
+        total_prefill_busy_us: 0,
+    };
+    let mut running = None;
+    while running != Some(7) {
+        let mut payload = Vec::new();
+        stat.encode(&mut payload);
+        load.publish(payload.into()).await.unwrap();
+        let batch = common::next_batch(&mut streams[0]).await;
+        running = batch.load.map(|load| load.running_requests);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

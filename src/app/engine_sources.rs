@@ -1,6 +1,7 @@
 //! The engine's answer to "where do you publish?" turned into the flags it
 //! stands for (`--zmq-endpoint`, `--zmq-replay-endpoint`, `--zmq-topic`,
-//! `--dp-size`), so the rest of the start reads flags alone.
+//! `--dp-size`, `--zmq-load-endpoint`), so the rest of the start reads
+//! flags alone.
 //!
 //! Invariant: flags the user set win. With `--zmq-endpoint` the engine is
 //! only asked, in the background, and a disagreement is logged once; an
@@ -110,6 +111,9 @@ fn apply(args: &mut ServeArgs, discovered: &Discovered) -> Result<(), UsageError
         }
         Vec::new()
     };
+    if args.zmq_load_endpoint.is_empty() {
+        args.zmq_load_endpoint = discovered.load_endpoint.iter().cloned().collect();
+    }
     let topic = &ranks[0].topic;
     if args.given.zmq_topic && args.zmq_topic != *topic {
         warn!(flag = %args.zmq_topic, engine = %topic, "--zmq-topic differs from the engine's topic; the flag wins");

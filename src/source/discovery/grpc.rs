@@ -6,7 +6,7 @@
 
 use serde::Deserialize;
 
-use super::{ASK_TIMEOUT, Reported};
+use super::{ASK_TIMEOUT, Answer, Reported};
 use crate::client::EngineTransport;
 use crate::proto::openengine::v1 as openengine;
 use crate::proto::sglang_runtime::v1 as sglang;
@@ -26,7 +26,7 @@ fn request<T>(message: T) -> tonic::Request<T> {
 pub(super) async fn open_engine(
     transport: &EngineTransport,
     origin: &http::Uri,
-) -> Result<Vec<Reported>, String> {
+) -> Result<Answer, String> {
     let mut client =
         openengine::control_client::ControlClient::with_origin(transport.clone(), origin.clone());
     let call =
@@ -36,7 +36,7 @@ pub(super) async fn open_engine(
         .map_err(|_| format!("no answer within {ASK_TIMEOUT:?}"))?
         .map_err(|status| call_failed(&status))?
         .into_inner();
-    from_open_engine(answer.sources)
+    from_open_engine(answer.sources).map(Answer::from)
 }
 
 fn from_open_engine(sources: Vec<openengine::KvEventSource>) -> Result<Vec<Reported>, String> {
@@ -83,6 +83,10 @@ struct Descriptor {
     dp_size: u32,
     #[serde(default)]
     replay_endpoint_port_base: Option<u16>,
+    /// Present only when SGLang publishes its load
+    /// (`--load-publish-endpoint`).
+    #[serde(default)]
+    load_endpoint_port_base: Option<u16>,
 }
 
 #[derive(Deserialize)]
@@ -95,7 +99,7 @@ struct ServerInfo {
 pub(super) async fn sglang(
     transport: &EngineTransport,
     origin: &http::Uri,
-) -> Result<Vec<Reported>, String> {
+) -> Result<Answer, String> {
     let mut client = sglang::sglang_service_client::SglangServiceClient::with_origin(
         transport.clone(),
         origin.clone(),
@@ -109,7 +113,7 @@ pub(super) async fn sglang(
     from_sglang(&answer.json_info)
 }
 
-fn from_sglang(json_info: &str) -> Result<Vec<Reported>, String> {
+fn from_sglang(json_info: &str) -> Result<Answer, String> {
     let info: ServerInfo = serde_json::from_str(json_info)
         .map_err(|error| format!("json_info is not a server-info object: {error}"))?;
     let descriptor = info.kv_events.ok_or(
@@ -123,7 +127,7 @@ fn from_sglang(json_info: &str) -> Result<Vec<Reported>, String> {
         u16::try_from(u32::from(base) + rank)
             .map_err(|_| format!("rank {rank} of base port {base} is beyond 65535"))
     };
-    (0..descriptor.dp_size)
+    let ranks = (0..descriptor.dp_size)
         .map(|rank| {
             Ok(Reported {
                 rank,
@@ -138,7 +142,13 @@ fn from_sglang(json_info: &str) -> Result<Vec<Reported>, String> {
                 topic: descriptor.topic.clone(),
             })
         })
-        .collect()
+        .collect::<Result<_, String>>()?;
+    Ok(Answer {
+        ranks,
+        load_endpoint: descriptor
+            .load_endpoint_port_base
+            .map(|base| format!("tcp://{host}:{base}")),
+    })
 }
 
 /// An IPv6 host in the brackets an endpoint needs.
@@ -159,12 +169,17 @@ mod tests {
         let info = r#"{"model_path": "m", "kv_events": {"publisher": "zmq", "endpoint_host": "*",
             "endpoint_port_base": 5557, "topic": "", "block_size": 16, "dp_size": 2,
             "replay_endpoint_port_base": 5567, "load_endpoint_port_base": 5577, "load_topic": "load"}}"#;
-        let ranks = from_sglang(info).unwrap();
+        let answer = from_sglang(info).unwrap();
+        assert_eq!(answer.load_endpoint.as_deref(), Some("tcp://*:5577"));
+        let ranks = answer.ranks;
         assert_eq!(ranks.len(), 2);
         assert_eq!(ranks[1].endpoint, "tcp://*:5558");
         assert_eq!(ranks[1].replay_endpoint.as_deref(), Some("tcp://*:5568"));
         let v6 = info.replace("\"*\"", "\"::\"");
-        assert_eq!(from_sglang(&v6).unwrap()[0].endpoint, "tcp://[::]:5557");
+        assert_eq!(
+            from_sglang(&v6).unwrap().ranks[0].endpoint,
+            "tcp://[::]:5557"
+        );
     }
 
     #[test]

@@ -71,6 +71,9 @@ impl Protocol {
 pub struct Discovered {
     /// Rank r's publisher at index r.
     pub ranks: Vec<RankSource>,
+    /// Rank 0's load publisher (rank r at its port + r), when the engine
+    /// names one (SGLang's `load_endpoint_port_base`).
+    pub load_endpoint: Option<TcpEndpoint>,
     /// The question answered, as [`Protocol::question`] words it.
     pub learned_from: String,
 }
@@ -119,10 +122,20 @@ impl Engine {
         for protocol in questions {
             let (at, answer) = self.answer(protocol).await;
             let question = protocol.question(&at.to_string());
-            match answer.and_then(|ranks| dialable(ranks, host_of(at))) {
-                Ok(ranks) => {
+            let host = host_of(at);
+            let usable = answer.and_then(|answer| {
+                let load_endpoint = answer
+                    .load_endpoint
+                    .map(|load| endpoint_of(&load, host))
+                    .transpose()
+                    .map_err(|why| format!("the load endpoint: {why}"))?;
+                Ok((dialable(answer.ranks, host)?, load_endpoint))
+            });
+            match usable {
+                Ok((ranks, load_endpoint)) => {
                     return Ok(Discovered {
                         ranks,
+                        load_endpoint,
                         learned_from: question,
                     });
                 }
@@ -133,7 +146,7 @@ impl Engine {
     }
 
     /// The engine's answer to `protocol`'s question, and where it was asked.
-    async fn answer(&self, protocol: Protocol) -> (&http::Uri, Result<Vec<Reported>, String>) {
+    async fn answer(&self, protocol: Protocol) -> (&http::Uri, Result<Answer, String>) {
         match (protocol, &self.http, &self.grpc) {
             (Protocol::VllmHttp, Some(url), _) => (url, vllm::ask(url).await),
             (Protocol::OpenEngine, _, Some((transport, origin))) => {
@@ -149,6 +162,23 @@ impl Engine {
 
 fn host_of(uri: &http::Uri) -> &str {
     uri.host().unwrap_or("127.0.0.1")
+}
+
+/// An engine's answer, not yet checked.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Answer {
+    ranks: Vec<Reported>,
+    /// Rank 0's load publisher.
+    load_endpoint: Option<String>,
+}
+
+impl From<Vec<Reported>> for Answer {
+    fn from(ranks: Vec<Reported>) -> Self {
+        Self {
+            ranks,
+            load_endpoint: None,
+        }
+    }
 }
 
 /// One rank's publisher as an engine's answer gives it, not yet checked.

@@ -7,11 +7,11 @@
 
 use serde::Deserialize;
 
-use super::{ASK_TIMEOUT, MAX_ANSWER_BYTES, Reported};
+use super::{ASK_TIMEOUT, Answer, MAX_ANSWER_BYTES, Reported};
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum Answer {
+enum Sources {
     Bare(Vec<Source>),
     Wrapped { sources: Vec<Source> },
 }
@@ -27,16 +27,16 @@ struct Source {
 }
 
 /// The ranks `url`'s `/kv_event_sources` names, or why there are none.
-pub(super) async fn ask(url: &http::Uri) -> Result<Vec<Reported>, String> {
+pub(super) async fn ask(url: &http::Uri) -> Result<Answer, String> {
     let body =
         crate::http_get::get(url, "/kv_event_sources", MAX_ANSWER_BYTES, ASK_TIMEOUT).await?;
-    parse(&body)
+    parse(&body).map(Answer::from)
 }
 
 fn parse(body: &[u8]) -> Result<Vec<Reported>, String> {
-    let answer: Answer = serde_json::from_slice(body)
+    let answer: Sources = serde_json::from_slice(body)
         .map_err(|error| format!("not a list of KV-event sources: {error}"))?;
-    let (Answer::Bare(sources) | Answer::Wrapped { sources }) = answer;
+    let (Sources::Bare(sources) | Sources::Wrapped { sources }) = answer;
     Ok(sources
         .into_iter()
         .map(|source| Reported {
