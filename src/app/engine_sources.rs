@@ -4,7 +4,8 @@
 //! flags alone.
 //!
 //! Invariant: flags the user set win. With `--zmq-endpoint` the engine is
-//! only asked, in the background, and a disagreement is logged once; an
+//! only asked (with `--engine-http`), in the background, and a disagreement
+//! is logged once; an
 //! explicit `--dp-size` or `--zmq-topic` is kept over the answer, again
 //! logged once when they differ. Without `--zmq-endpoint` an engine that
 //! names nothing usable fails the start, naming the flag and every question
@@ -65,10 +66,20 @@ pub(super) async fn learn(
     if elsewhere || (http.is_none() && grpc.is_none()) {
         return Ok(EngineSources::NotAsked);
     }
-    let engine = Engine { http, grpc };
     if !args.zmq_endpoint.is_empty() {
-        return Ok(EngineSources::Checked(engine));
+        // The flags name the publishers. Only an engine named for this
+        // question (--engine-http) is asked to compare: --engine-grpc beside
+        // --zmq-endpoint is the pass-through's, and gets no call it did not
+        // get before.
+        return Ok(match http {
+            Some(http) => EngineSources::Checked(Engine {
+                http: Some(http),
+                grpc: None,
+            }),
+            None => EngineSources::NotAsked,
+        });
     }
+    let engine = Engine { http, grpc };
     let discovered = engine
         .ask()
         .await
