@@ -5,7 +5,7 @@
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed),
 # on loopback only: a demo faces no network.
 run:
-	cargo run --release -- serve --demo --listen 127.0.0.1:50061
+	cargo run --release -- serve --demo --demo-layout trtllm-native --listen 127.0.0.1:50061
 
 # Every test of every crate: unit, golden fixtures, end to end with the real
 # binary.

@@ -13,6 +13,11 @@ const PROTOS: &[&str] = &[
     "tokenspeed_grpc_scheduler.proto",
 ];
 
+/// The engine RPCs kvgate calls to learn where the engine publishes (not
+/// served, so not in the reflection descriptor set); servers are generated
+/// for the tests' engines.
+const DISCOVERY_PROTOS: &[&str] = &["openengine_control.proto", "sglang_runtime_v1.proto"];
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     println!("cargo:rustc-env=KVGATE_GIT_COMMIT={}", git_commit());
@@ -28,6 +33,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(false)
         .build_client(true)
         .compile_fds(descriptors)?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_fds(protox::compile(DISCOVERY_PROTOS, ["proto/discovery"])?)?;
     Ok(())
 }
 

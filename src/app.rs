@@ -46,6 +46,7 @@ use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 use crate::usage::UsageError;
 use source::{choose_load_push, choose_source, start_source};
 
+mod engine_sources;
 pub mod metric_labels;
 mod source;
 #[cfg(test)]
@@ -213,7 +214,7 @@ fn pass_through_limits(args: &ServeArgs) -> anyhow::Result<PassThroughLimits> {
 
 /// Binds every port, then starts the source, drain, admin and gRPC servers
 /// and the demo engine under `supervisor`.
-async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result<Gateway> {
+async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Result<Gateway> {
     let metrics = Metrics::new(metric_labels::closed_labels());
     // Every flag and every file a flag names is checked before anything
     // binds or starts (the demo engine included): a bad one fails alone.
@@ -236,6 +237,8 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
             )
         })
         .transpose()?;
+    // Before anything counts ranks: the engine may be the one to say how many.
+    let engine_sources = engine_sources::learn(&mut args, pass_through.as_ref()).await?;
     let credentials = server_credentials(&args, &metrics)?;
     let admin_connections = args
         .metrics_listen
@@ -264,7 +267,21 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
         source_config.resume(opened.resume_points());
     }
     let load_push = choose_load_push(&args, demo.as_ref())?;
-    let source: Arc<str> = source_config.to_string().into();
+    let (moves, learned) = engine_sources::start(engine_sources, &args, supervisor);
+    source_config.follow(moves);
+    let learned = learned.or_else(|| {
+        source_config
+            .learned()
+            .map(|discovered| watch::channel(discovered.clone()).1)
+    });
+    let source: Arc<str> = match (&learned, source_config.learned()) {
+        (Some(learned), None) => format!(
+            "{source_config}, learned from {}",
+            learned.borrow().learned_from
+        )
+        .into(),
+        _ => source_config.to_string().into(),
+    };
     let engine_ranks = source_config.dp_size();
 
     let listener = TcpListener::bind(args.listen)
@@ -328,6 +345,7 @@ async fn start_tasks(supervisor: &Supervisor, args: ServeArgs) -> anyhow::Result
                 source: Arc::clone(&source),
                 started: Instant::now(),
                 store: store_status,
+                engine_sources: learned.clone(),
             };
             spawn_admin(supervisor, listener, state, admin_limits(&args))
         })

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand};
 
-use crate::cli_values::{byte_size, parse_grpc_uri, parse_listen_address};
+use crate::cli_values::{byte_size, parse_grpc_uri, parse_http_url, parse_listen_address};
 use crate::logging::LogFormat;
 use kvgate_endpoint::TcpEndpoint;
 
@@ -245,6 +245,21 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_ENGINE_GRPC", value_name = "URI", value_parser = parse_grpc_uri)]
     pub engine_grpc: Option<String>,
 
+    /// The engine's HTTP server (vLLM's API server, e.g.
+    /// http://127.0.0.1:8000): kvgate asks its GET /kv_event_sources where
+    /// every rank publishes, so no --zmq-endpoint is needed. Without it and
+    /// without --zmq-endpoint, --engine-grpc is asked instead (OpenEngine's
+    /// GetKvEventSources, SGLang's GetServerInfo).
+    #[arg(long, env = "KVGATE_ENGINE_HTTP", value_name = "URL", value_parser = parse_http_url)]
+    pub engine_http: Option<String>,
+
+    /// How often kvgate asks the engine again where it publishes (with
+    /// --engine-http or --engine-grpc), so an engine restarted on other
+    /// ports is followed.
+    #[arg(long, env = "KVGATE_ENGINE_DISCOVERY_MS", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub engine_discovery_ms: u64,
+
     /// How often to poll the engine's GetLoads (with --engine-grpc) for
     /// every rank whose load is not pushed (--zmq-load-endpoint), to put it
     /// on every subscriber's stream; 0 turns polling off.
@@ -386,10 +401,17 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_UPSTREAM_TOKEN_FILE", value_name = "PATH")]
     pub upstream_token_file: Option<PathBuf>,
 
-    /// Run a built-in simulated engine (vLLM format, real ZMQ) instead of a
-    /// real one: live events with no GPU.
+    /// Run a built-in simulated engine (vLLM's or TensorRT-LLM's layout,
+    /// --demo-layout; real ZMQ) instead of a real one: live events with no
+    /// GPU. kvgate finds its publishers by asking it, as it asks vLLM.
     #[arg(long, env = "KVGATE_DEMO", value_parser = BoolishValueParser::new())]
     pub demo: bool,
+
+    /// Whose payload layout the --demo engine publishes: vLLM 0.33's, or
+    /// TensorRT-LLM's native stream (with stand-in images as multimodal
+    /// keys).
+    #[arg(long, env = "KVGATE_DEMO_LAYOUT", value_enum, default_value = "vllm")]
+    pub demo_layout: DemoLayout,
 
     /// Play a recording (`kvgate record --out FILE`) as the engine: one
     /// file and its parts FILE.1, ..., or the parts listed in order.
@@ -444,6 +466,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_HANDSHAKE_TIMEOUT_MS", default_value_t = 10_000,
           value_parser = clap::value_parser!(u64).range(10..=600_000))]
     pub handshake_timeout_ms: u64,
+
+    /// Which of the flags the engine can also answer were set by the user
+    /// (command line or environment), not defaulted.
+    #[arg(skip)]
+    pub given: GivenFlags,
 
     /// A connection with no open stream for this many milliseconds is closed
     /// (with GOAWAY; clients reconnect when they next call).
@@ -554,4 +581,23 @@ mod tests {
             }
         }
     }
+}
+
+/// Flags whose default and an explicit value must be told apart: the
+/// engine's answer fills what the user left unset, never what they set.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GivenFlags {
+    /// `--dp-size`.
+    pub dp_size: bool,
+    /// `--zmq-topic`.
+    pub zmq_topic: bool,
+}
+
+/// `--demo-layout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoLayout {
+    /// vLLM 0.33's map-tagged events.
+    Vllm,
+    /// TensorRT-LLM's native streaming publisher (KV-cache manager V2).
+    TrtllmNative,
 }

@@ -102,6 +102,21 @@ pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("{host:?} resolves to no address"))
 }
 
+/// An `http://HOST:PORT` URL, optionally with a path prefix (the engine's
+/// HTTP server).
+pub fn parse_http_url(text: &str) -> Result<String, String> {
+    let uri: http::Uri = text
+        .parse()
+        .map_err(|error| format!("expected http://HOST:PORT, got {text:?}: {error}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("expected http://HOST:PORT, got {text:?}"));
+    }
+    match uri.authority() {
+        Some(authority) if !authority.host().is_empty() => Ok(text.to_owned()),
+        _ => Err(format!("missing host in {text:?}")),
+    }
+}
+
 /// A gRPC target `http://HOST:PORT` or `https://HOST:PORT`, kept as written.
 pub fn parse_grpc_uri(text: &str) -> Result<String, String> {
     let uri: http::Uri = text

@@ -24,6 +24,7 @@ pub(crate) mod connect_error;
 pub mod convert;
 pub mod drain;
 pub(crate) mod health;
+pub mod http_get;
 pub mod hub;
 pub mod json;
 pub mod load;

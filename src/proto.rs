@@ -55,6 +55,20 @@ pub mod tokenspeed {
     }
 }
 
+/// `openengine.v1.Control`, for `GetKvEventSources` (discovery).
+pub mod openengine {
+    pub mod v1 {
+        tonic::include_proto!("openengine.v1");
+    }
+}
+
+/// `sglang.runtime.v1.SglangService`, for `GetServerInfo` (discovery).
+pub mod sglang_runtime {
+    pub mod v1 {
+        tonic::include_proto!("sglang.runtime.v1");
+    }
+}
+
 pub use smg::grpc::common;
 
 /// Every `.proto` of kvgate as an encoded `FileDescriptorSet`.

@@ -43,6 +43,8 @@ pub enum TaskName {
     LoadPush(u32),
     /// Re-reads certificates and tokens on SIGHUP (and when they change).
     CredentialReloader,
+    /// Asks the engine where it publishes (`--engine-http`, `--engine-grpc`).
+    EngineDiscovery,
 }
 
 impl fmt::Display for TaskName {
@@ -59,6 +61,7 @@ impl fmt::Display for TaskName {
             Self::LoadPoller => f.write_str("load poller"),
             Self::LoadPush(rank) => write!(f, "load publisher socket of rank {rank}"),
             Self::CredentialReloader => f.write_str("credential reloader"),
+            Self::EngineDiscovery => f.write_str("engine discovery"),
         }
     }
 }

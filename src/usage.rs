@@ -29,7 +29,15 @@ pub fn parse_cli() -> Cli {
     let mut command = Cli::command();
     let parsed = command
         .try_get_matches_from_mut(&args)
-        .and_then(|mut matches| Cli::from_arg_matches_mut(&mut matches));
+        .and_then(|mut matches| {
+            let mut cli = Cli::from_arg_matches_mut(&mut matches)?;
+            if let (crate::cli::Command::Serve(serve), Some(("serve", matches))) =
+                (&mut cli.command, matches.subcommand())
+            {
+                serve.given = given_flags(matches);
+            }
+            Ok(cli)
+        });
     match parsed {
         Ok(cli) => cli,
         Err(error) if !error.use_stderr() => error.exit(),
@@ -50,6 +58,20 @@ pub fn parse_cli() -> Cli {
             }
             std::process::exit(USAGE_EXIT_CODE.into());
         }
+    }
+}
+
+/// Which of `serve`'s flags the user set rather than left to their default.
+fn given_flags(matches: &clap::ArgMatches) -> crate::cli::GivenFlags {
+    let given = |id: &str| {
+        matches!(
+            matches.value_source(id),
+            Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
+        )
+    };
+    crate::cli::GivenFlags {
+        dp_size: given("dp_size"),
+        zmq_topic: given("zmq_topic"),
     }
 }
 

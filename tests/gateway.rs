@@ -295,3 +295,64 @@ fn a_port_taken_between_its_choice_and_kvgate_s_bind_costs_a_retry_on_others_not
     assert_ne!(port, taken);
     assert!(gateway.address.port() > 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tensorrt_llm_native_stream_reaches_a_router_with_every_store_and_its_multimodal_keys() {
+    use kvgate::proto::common::{KvBlock, kv_block_extra_key::Key, kv_cache_event::Data};
+    let mut publisher = bound_publisher().await;
+    let gateway = Gateway::start(&["--zmq-endpoint", publisher.endpoint()]);
+    let mut streams = vec![
+        subscribe(gateway.channel().await, "trtllm.TrtllmService", 0)
+            .await
+            .unwrap(),
+    ];
+    sync_streams(&mut publisher, 0, &mut streams).await;
+    for name in [
+        "trtllm-native/stored-mm-keys",
+        "trtllm-native/stored-mm-keys-other-image",
+        "trtllm-native/stored-digest-token-then-chained",
+    ] {
+        publisher.publish(fixture(name).0.into()).await.unwrap();
+    }
+    publisher
+        .publish(common::fence_payload(50, 0))
+        .await
+        .unwrap();
+    let batches = skip_past_fence(&mut streams[0], 50).await;
+    let stores: Vec<_> = events_of(&batches)
+        .into_iter()
+        .filter_map(|event| match &event.data {
+            Some(Data::Stored(stored)) => Some(stored.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stores.len(), 4, "every store arrives, none dropped whole");
+    let images = |block: &KvBlock| -> Vec<(String, i64)> {
+        block
+            .extra_keys
+            .iter()
+            .filter_map(|key| match &key.key {
+                Some(Key::Multimodal(mm)) => Some((mm.identifier.clone(), mm.offset)),
+                _ => None,
+            })
+            .collect()
+    };
+    let (cat, dog) = (&stores[0].blocks[0], &stores[1].blocks[0]);
+    assert_eq!(
+        cat.token_ids, dog.token_ids,
+        "the same text and placeholder tokens"
+    );
+    assert_ne!(images(cat), images(dog), "told apart by their images");
+    assert_eq!(images(cat)[0].1, 5);
+    assert_eq!(
+        images(&stores[0].blocks[1])[0],
+        (images(cat)[0].0.clone(), -11)
+    );
+    let (with_digest, chained) = (&stores[2], &stores[3]);
+    assert_eq!(images(&with_digest.blocks[0]).len(), 1);
+    assert_eq!(
+        chained.parent_block_hash,
+        Some(with_digest.blocks.last().unwrap().block_hash),
+        "the chained store's parent is a block the router was sent"
+    );
+}

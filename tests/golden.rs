@@ -1,6 +1,8 @@
 //! The golden wire fixtures (`tests/fixtures/wire`, a copy of the shared
-//! corpus): every engine payload must convert to exactly its `expected`
-//! batch content and `drops` counters (contract section 2).
+//! corpus plus the payloads `make_native_fixtures.py` mirrors from
+//! TensorRT-LLM's and vLLM 0.34's structs): every engine payload must convert
+//! to exactly its `expected` batch content and `drops` counters (contract
+//! section 2 and kvgate's additions).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -11,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 /// How many fixtures the corpus holds: a lost directory must fail, not pass
 /// vacuously.
-const FIXTURE_COUNT: usize = 60;
+const FIXTURE_COUNT: usize = 70;
 
 struct Fixture {
     name: String,

@@ -8,10 +8,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
-use kvgate_sim::{DemoConfig, DemoEngine};
+use kvgate_sim::{DemoConfig, DemoEngine, Layout};
 use tokio::sync::{mpsc, watch};
 
-use crate::cli::ServeArgs;
+use crate::cli::{DemoLayout, ServeArgs};
 use crate::client::{Target, TlsFlags, TlsPaths};
 use crate::load::push::PushConfig;
 use crate::load::{Board, BoardWriter};
@@ -20,6 +20,7 @@ use crate::pem::FlagFile;
 use crate::proto::common::EngineLoad;
 use crate::source::SourceEvent;
 use crate::source::continuity::ResumePoint;
+use crate::source::discovery::{Discovered, Engine};
 use crate::source::recorded::{self, LoadSink, RecordedConfig};
 use crate::source::replay::{self, FetchBounds};
 use crate::source::trace::{self, TraceConfig};
@@ -39,8 +40,9 @@ const UPSTREAM_FLAGS: TlsFlags = TlsFlags {
 pub(super) enum SourceConfig {
     /// The engine's publishers, as the `--zmq-*` flags name them.
     Zmq(ZmqSourceConfig),
-    /// The simulated engine started here (`--demo`).
-    Demo(ZmqSourceConfig),
+    /// The simulated engine started here (`--demo`), its publishers as it
+    /// answered `GET /kv_event_sources`.
+    Demo(ZmqSourceConfig, Discovered),
     Upstream(UpstreamConfig),
     /// A recording played (`--replay-file`).
     Recorded(RecordedConfig),
@@ -52,7 +54,7 @@ impl SourceConfig {
     /// The ranks served are `0..dp_size`, whatever the source.
     pub(super) fn dp_size(&self) -> u32 {
         match self {
-            Self::Zmq(config) | Self::Demo(config) => config.dp_size,
+            Self::Zmq(config) | Self::Demo(config, _) => config.dp_size,
             Self::Upstream(config) => config.dp_size,
             Self::Recorded(config) => config.dp_size,
             Self::Trace(config) => config.dp_size,
@@ -63,9 +65,14 @@ impl SourceConfig {
 impl std::fmt::Display for SourceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Zmq(config) | Self::Demo(config) => {
+            Self::Zmq(config) => {
                 write!(f, "{} ({} rank(s))", config.endpoint, config.dp_size)
             }
+            Self::Demo(config, discovered) => write!(
+                f,
+                "{} ({} rank(s)), learned from {}",
+                config.endpoint, config.dp_size, discovered.learned_from
+            ),
             Self::Upstream(config) => write!(f, "{} ({})", config.target.uri(), config.service),
             Self::Recorded(config) => {
                 let files: Vec<String> = config
@@ -117,6 +124,7 @@ pub(super) async fn choose_source(
         bind: args.zmq_bind,
         max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
         resume: Default::default(),
+        moves: Vec::new(),
     };
     if args.demo {
         // With a replay endpoint, like a well-configured engine: kvgate
@@ -125,14 +133,35 @@ pub(super) async fn choose_source(
         config.publisher.replay_endpoint = Some("tcp://127.0.0.1:0".into());
         // And pushing its load, as SGLang does with --load-publish-endpoint.
         config.load_endpoint = Some("tcp://127.0.0.1:0".parse()?);
-        let demo = DemoEngine::bind(config).await?;
-        let endpoint = RankEndpoints::Offset(demo.endpoint().parse()?);
-        let replay = demo
-            .endpoints()
-            .first()
-            .and_then(|rank0| rank0.replay_endpoint.as_deref()?.parse().ok())
-            .map(RankEndpoints::Offset);
-        return Ok((SourceConfig::Demo(zmq(endpoint, replay)), Some(demo)));
+        config.layout = match args.demo_layout {
+            DemoLayout::Vllm => Layout::Vllm,
+            DemoLayout::TrtllmNative => Layout::TrtllmNative,
+        };
+        let mut demo = DemoEngine::bind(config).await?;
+        // Asked as kvgate asks vLLM (--engine-http), so the demo shows it.
+        let url = demo.answer_discovery().await?;
+        let engine = Engine {
+            http: Some(url.parse()?),
+            grpc: None,
+        };
+        let discovered = engine.ask().await.context("the demo engine")?;
+        let endpoint = RankEndpoints::Listed(
+            discovered
+                .ranks
+                .iter()
+                .map(|rank| rank.endpoint.clone())
+                .collect(),
+        );
+        let replay = discovered
+            .ranks
+            .iter()
+            .map(|rank| rank.replay_endpoint.clone())
+            .collect::<Option<Vec<_>>>()
+            .map(RankEndpoints::Listed);
+        return Ok((
+            SourceConfig::Demo(zmq(endpoint, replay), discovered),
+            Some(demo),
+        ));
     }
     if let Some(uri) = &args.upstream_grpc {
         let tls = TlsPaths {
@@ -155,8 +184,9 @@ pub(super) async fn choose_source(
         .map_err(|error| UsageError(error.to_string()))?
         .ok_or_else(|| {
             UsageError(
-                "no event source: give --zmq-endpoint tcp://HOST:PORT (the engine's KV-event publisher), \
-                 --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
+                "no event source: give --engine-http URL (vLLM) or --engine-grpc URI (SGLang, OpenEngine) \
+                 to ask the engine where it publishes, --zmq-endpoint tcp://HOST:PORT (the engine's \
+                 KV-event publisher), --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
                     .into(),
             )
         })?;
@@ -320,11 +350,30 @@ fn flags_of(config: &ZmqSourceConfig, error: &StartError) -> String {
 }
 
 impl SourceConfig {
+    /// Has the engine's publishers followed where the engine says they
+    /// moved (`moves[r]` for rank r).
+    pub(super) fn follow(
+        &mut self,
+        moves: Vec<watch::Receiver<crate::source::discovery::RankTarget>>,
+    ) {
+        if let Self::Zmq(config) = self {
+            config.moves = moves;
+        }
+    }
+
+    /// What the engine said of its publishers, when it was asked here.
+    pub(super) fn learned(&self) -> Option<&Discovered> {
+        match self {
+            Self::Demo(_, discovered) => Some(discovered),
+            _ => None,
+        }
+    }
+
     /// Has an engine's publishers resumed where an earlier kvgate's record
     /// of each rank ended (sources that keep no such record start over).
     pub(super) fn resume(&mut self, points: std::collections::BTreeMap<u32, ResumePoint>) {
         match self {
-            Self::Zmq(config) | Self::Demo(config) => config.resume = points,
+            Self::Zmq(config) | Self::Demo(config, _) => config.resume = points,
             Self::Upstream(_) | Self::Recorded(_) | Self::Trace(_) => {}
         }
     }
@@ -352,7 +401,7 @@ pub(super) async fn start_source(
                 })?;
             Ok(None)
         }
-        SourceConfig::Demo(config) => {
+        SourceConfig::Demo(config, _) => {
             config
                 .start(events, metrics, ready, supervisor)
                 .await

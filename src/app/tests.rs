@@ -204,6 +204,7 @@ async fn healthz(health: HealthWatch) -> (http::StatusCode, String) {
         source: "tcp://127.0.0.1:1".into(),
         started: Instant::now(),
         store: None,
+        engine_sources: None,
     });
     let request = http::Request::get("/healthz")
         .body(axum::body::Body::empty())

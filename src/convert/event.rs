@@ -42,10 +42,11 @@ enum Field {
     Ownership,
     SessionId,
     CacheSalt,
+    MmKeys,
 }
 
 impl Field {
-    const COUNT: usize = 15;
+    const COUNT: usize = 16;
 
     fn from_key(key: &[u8]) -> Option<Field> {
         Some(match key {
@@ -64,6 +65,7 @@ impl Field {
             b"ownership" => Field::Ownership,
             b"session_id" => Field::SessionId,
             b"cache_salt" => Field::CacheSalt,
+            b"mm_keys" => Field::MmKeys,
             _ => return None,
         })
     }
@@ -135,7 +137,22 @@ impl List {
 pub(crate) struct Scratch {
     hashes: Vec<i64>,
     tokens: Vec<u32>,
+    digest_tokens: Vec<DigestToken>,
 }
+
+/// A string cell of a store's `token_ids`: TensorRT-LLM's KV-cache manager
+/// V2 puts a multimodal item's content digest (hex) in place of the item's
+/// first token. Its cell in the token list holds [`DIGEST_TOKEN`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DigestToken {
+    /// The cell's index in the event's whole token list.
+    pub index: usize,
+    pub digest: String,
+}
+
+/// The token id a digest cell is forwarded as: no vocabulary and no
+/// TensorRT-LLM continuation id (`vocab_size + k`) reaches it.
+pub(crate) const DIGEST_TOKEN: u32 = u32::MAX;
 
 /// One event as consumed from the payload, before any judgement.
 struct RawEvent<'a> {
@@ -218,13 +235,23 @@ impl<'a> RawEvent<'a> {
                 };
             }
             Field::TokenIds if r.u32_array(&mut scratch.tokens).is_some() => {
+                scratch.digest_tokens.clear();
                 self.tokens = List::Read;
             }
             Field::TokenIds => {
                 // All cells must share the first cell's shape.
                 let mut pairs = None;
+                let mut index = 0;
+                let digests = &mut scratch.digest_tokens;
+                digests.clear();
                 self.tokens = read_list(r, &mut scratch.tokens, |r, cell| {
-                    token_cell(r, cell, &mut pairs)
+                    index += 1;
+                    token_cell(r, cell, &mut pairs, |digest| {
+                        digests.push(DigestToken {
+                            index: index - 1,
+                            digest: digest.to_owned(),
+                        })
+                    })
                 })?;
             }
             _ => self.fields.0[field as usize] = Some(r.value_bytes()?),
@@ -292,16 +319,26 @@ fn read_list<'a, T>(
 }
 
 /// A token cell: a u32, or a `[token, next]` pair (speculative decoding)
-/// folded to `token`; `pairs` holds the shape of the list's first cell.
+/// folded to `token`, or a digest string (a multimodal item's first token,
+/// handed to `digest` and read as [`DIGEST_TOKEN`]), which shares the plain
+/// cells' shape; `pairs` holds the shape of the list's first cell.
 fn token_cell<'a>(
     r: &mut Reader<'a>,
     cell: Item<'a>,
     pairs: &mut Option<bool>,
+    digest: impl FnOnce(&str),
 ) -> Result<Option<u32>, msgpack::Error> {
     Ok(match (cell, *pairs) {
         (Item::Int(_), None | Some(false)) => {
             *pairs = Some(false);
             token(cell)
+        }
+        (Item::Str(text), None | Some(false)) => {
+            *pairs = Some(false);
+            utf8(text).map(|text| {
+                digest(text);
+                DIGEST_TOKEN
+            })
         }
         (Item::Array(2), None | Some(true)) => {
             *pairs = Some(true);
@@ -412,6 +449,8 @@ pub(crate) struct Stored<'a, 's> {
     pub hashes: &'s [i64],
     pub parent: Option<i64>,
     pub tokens: &'s [u32],
+    /// The digest cells among `tokens`, in order.
+    pub digest_tokens: &'s [DigestToken],
     /// Any readable integer: range checks are policy (`unaligned_blocks`).
     pub block_size: i128,
     pub lora_id: Option<i64>,
@@ -420,6 +459,7 @@ pub(crate) struct Stored<'a, 's> {
     pub session_id: Option<&'a str>,
     pub sliding_window: Option<u32>,
     pub extra_keys: ExtraKeys<'a>,
+    pub mm_keys: MmKeys<'a>,
 }
 
 #[derive(Debug)]
@@ -474,6 +514,7 @@ pub(crate) fn read<'a, 's>(
                 hashes: hashes.require(&scratch.hashes)?,
                 parent: fields.hash(Field::ParentBlockHash)?,
                 tokens: tokens.require(&scratch.tokens)?,
+                digest_tokens: &scratch.digest_tokens,
                 block_size: fields.int(Field::BlockSize)?.ok_or(DropReason::Malformed)?,
                 lora_id: fields.int(Field::LoraId)?,
                 lora_name: fields.str(Field::LoraName)?,
@@ -481,6 +522,7 @@ pub(crate) fn read<'a, 's>(
                 session_id: fields.str(Field::SessionId)?,
                 sliding_window: fields.int(Field::SlidingWindow)?,
                 extra_keys: ExtraKeys::read(fields)?,
+                mm_keys: MmKeys::read(fields)?,
             }),
             Type::Removed => Event::Removed(Removed {
                 placement: Placement::read(fields)?,
@@ -497,23 +539,26 @@ pub(crate) fn read<'a, 's>(
     })
 }
 
-/// The per-block `extra_keys` lists of a store, handed out block by block.
+/// A store field holding one list (or nil) per block, aligned with
+/// `block_hashes` (`extra_keys`, `mm_keys`), handed out block by block.
 #[derive(Debug, Clone)]
-pub(crate) struct ExtraKeys<'a> {
+struct BlockLists<'a> {
     reader: Reader<'a>,
     blocks_left: u32,
 }
 
-impl<'a> ExtraKeys<'a> {
-    fn read(fields: &Fields<'a>) -> Decoded<Self> {
-        let Some(mut reader) = fields.reader(Field::ExtraKeys) else {
-            return Ok(ExtraKeys {
+impl<'a> BlockLists<'a> {
+    /// Absent or nil: no block has entries; another value than a list
+    /// makes the event malformed.
+    fn read(fields: &Fields<'a>, field: Field) -> Decoded<Self> {
+        let Some(mut reader) = fields.reader(field) else {
+            return Ok(BlockLists {
                 reader: Reader::new(&[]),
                 blocks_left: 0,
             });
         };
         match reader.item() {
-            Ok(Item::Array(blocks_left)) => Ok(ExtraKeys {
+            Ok(Item::Array(blocks_left)) => Ok(BlockLists {
                 reader,
                 blocks_left,
             }),
@@ -521,11 +566,9 @@ impl<'a> ExtraKeys<'a> {
         }
     }
 
-    /// The next block's keys: str → text, int → number, bin → blob,
-    /// `[str, int]` → multimodal; any other key, and any entry that is not a
-    /// list (nil included), contributes nothing. Blocks past the end of the
-    /// list have no keys.
-    pub(crate) fn next_block(&mut self) -> Vec<KvBlockExtraKey> {
+    /// The next block's entries that `entry` reads; a block whose value is
+    /// not a list (nil included), and blocks past the end, have none.
+    fn next_block<T>(&mut self, entry: impl FnMut(&'a [u8]) -> Option<T>) -> Vec<T> {
         if self.blocks_left == 0 {
             return Vec::new();
         }
@@ -535,18 +578,34 @@ impl<'a> ExtraKeys<'a> {
         if self.reader.eat(NIL) {
             return Vec::new();
         }
-        let Ok(entry) = self.reader.value_bytes() else {
+        let Ok(value) = self.reader.value_bytes() else {
             self.blocks_left = 0;
             return Vec::new();
         };
-        let mut r = Reader::new(entry);
+        let mut r = Reader::new(value);
         match r.item() {
             Ok(Item::Array(len)) => (0..len)
                 .map_while(|_| r.value_bytes().ok())
-                .filter_map(extra_key)
+                .filter_map(entry)
                 .collect(),
             _ => Vec::new(),
         }
+    }
+}
+
+/// The per-block `extra_keys` lists of a store, handed out block by block.
+#[derive(Debug, Clone)]
+pub(crate) struct ExtraKeys<'a>(BlockLists<'a>);
+
+impl<'a> ExtraKeys<'a> {
+    fn read(fields: &Fields<'a>) -> Decoded<Self> {
+        BlockLists::read(fields, Field::ExtraKeys).map(ExtraKeys)
+    }
+
+    /// The next block's keys: str → text, int → number, bin → blob,
+    /// `[str, int]` → multimodal; any other key contributes nothing.
+    pub(crate) fn next_block(&mut self) -> Vec<KvBlockExtraKey> {
+        self.0.next_block(extra_key)
     }
 }
 
@@ -566,4 +625,53 @@ fn extra_key(raw: &[u8]) -> Option<KvBlockExtraKey> {
         _ => return None,
     };
     Some(KvBlockExtraKey { key: Some(key) })
+}
+
+/// One `mm_keys` entry of TensorRT-LLM's native stream: a multimodal item
+/// some of whose tokens lie in the block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MmKey {
+    /// Hex of the item's content digest.
+    pub hash: String,
+    /// How far into the item the block starts: 0 when the item starts
+    /// inside the block (TensorRT-LLM's `mmStartInBlock`).
+    pub start_offset: i64,
+}
+
+/// The per-block `mm_keys` lists of a store (TensorRT-LLM), handed out
+/// block by block as [`ExtraKeys`] are.
+#[derive(Debug, Clone)]
+pub(crate) struct MmKeys<'a>(BlockLists<'a>);
+
+impl<'a> MmKeys<'a> {
+    fn read(fields: &Fields<'a>) -> Decoded<Self> {
+        BlockLists::read(fields, Field::MmKeys).map(MmKeys)
+    }
+
+    /// The next block's keys; an entry that is not a map with a str `hash`
+    /// and an int `start_offset` of at least 0 is skipped.
+    pub(crate) fn next_block(&mut self) -> Vec<MmKey> {
+        self.0.next_block(mm_key)
+    }
+}
+
+fn mm_key(raw: &[u8]) -> Option<MmKey> {
+    let mut r = Reader::new(raw);
+    let Ok(Item::Map(len)) = r.item() else {
+        return None;
+    };
+    let (mut hash, mut start_offset) = (None, None);
+    for _ in 0..len {
+        match (r.value_head().ok()?, r.item().ok()?) {
+            (Item::Str(b"hash"), Item::Str(text)) => hash = Some(utf8(text)?),
+            (Item::Str(b"start_offset"), Item::Int(offset)) => {
+                start_offset = Some(i64::try_from(offset).ok().filter(|&o| o >= 0)?)
+            }
+            (_, value) => r.skip_contents(value).ok()?,
+        }
+    }
+    Some(MmKey {
+        hash: hash?.to_owned(),
+        start_offset: start_offset?,
+    })
 }

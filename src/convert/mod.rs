@@ -26,12 +26,14 @@
 //! next events, `transcoded.rs` holds a payload with its blocks and removals as bytes,
 //! `removal_memo.rs` lets a payload's removals that differ only in their
 //! hashes be read and judged once, `distinct_hashes.rs` finds a store's
-//! repeated hashes.
+//! repeated hashes, `multimodal.rs` turns TensorRT-LLM's multimodal block
+//! keys into the ones vLLM's `extra_keys` give.
 
 mod distinct_hashes;
 mod event;
 mod hash;
 mod msgpack;
+mod multimodal;
 mod normalize;
 mod removal_memo;
 mod spare_buffers;

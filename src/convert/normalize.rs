@@ -10,7 +10,8 @@
 use std::borrow::Cow;
 
 use super::distinct_hashes::DistinctHashes;
-use super::event::{Event, ExtraKeys, Placement, Stored};
+use super::event::{DigestToken, Event, ExtraKeys, MmKeys, Placement, Stored};
+use super::multimodal;
 use super::spare_buffers::SpareBuffers;
 use super::tally::{DropReason, EventKind};
 use crate::proto::common::{
@@ -35,11 +36,13 @@ pub(crate) enum Normalized<'e> {
 pub(crate) struct StoredFields<'e> {
     pub hashes: &'e [i64],
     pub tokens: &'e [u32],
+    digest_tokens: &'e [DigestToken],
     /// Positive.
     pub block_size: i32,
     pub lora_id: Option<i64>,
     pub cache_level: Option<i32>,
     extra_keys: ExtraKeys<'e>,
+    mm_keys: MmKeys<'e>,
     pub parent: Option<i64>,
     pub tier: KvCacheTier,
     placement: Placement<'e>,
@@ -74,14 +77,30 @@ impl<'e> StoredFields<'e> {
         }
     }
 
-    /// Hands `each` every block's hash, tokens and extra keys, in order.
+    /// Hands `each` every block's hash, tokens and extra keys (its
+    /// `extra_keys`, then its multimodal keys from `mm_keys` and digest
+    /// tokens), in order.
     pub(crate) fn for_each_block(
         mut self,
         mut each: impl FnMut(i64, &'e [u32], Vec<KvBlockExtraKey>),
     ) {
-        let blocks = self.tokens.chunks_exact(self.block_size as usize);
-        for (&hash, tokens) in self.hashes.iter().zip(blocks) {
-            each(hash, tokens, self.extra_keys.next_block());
+        let block_size = self.block_size as usize;
+        let blocks = self.tokens.chunks_exact(block_size);
+        let mut digests = self.digest_tokens;
+        for (block, (&hash, tokens)) in self.hashes.iter().zip(blocks).enumerate() {
+            let mut keys = self.extra_keys.next_block();
+            let block_start = block * block_size;
+            let in_block = digests
+                .iter()
+                .take_while(|digest| digest.index < block_start + block_size)
+                .count();
+            let (here, later) = digests.split_at(in_block);
+            digests = later;
+            let mm_keys = self.mm_keys.next_block();
+            if !mm_keys.is_empty() || !here.is_empty() {
+                multimodal::append_block_keys(&mut keys, &mm_keys, here, block_start);
+            }
+            each(hash, tokens, keys);
         }
     }
 }
@@ -311,6 +330,7 @@ impl Normalizer {
             hashes,
             parent,
             tokens,
+            digest_tokens,
             block_size,
             lora_id,
             lora_name,
@@ -318,6 +338,7 @@ impl Normalizer {
             session_id,
             sliding_window,
             extra_keys,
+            mm_keys,
         } = stored;
         if hashes.is_empty() || tokens.is_empty() {
             return Err(DropReason::Placeholder);
@@ -342,10 +363,12 @@ impl Normalizer {
         Ok(StoredFields {
             hashes,
             tokens,
+            digest_tokens,
             block_size,
             lora_id,
             cache_level: cache_level(tier),
             extra_keys,
+            mm_keys,
             parent,
             tier,
             placement,

@@ -616,7 +616,7 @@ fn each_drop_reason_is_counted_under_its_name() {
         (stored(&[1], &[("block_hashes", V::U(1))]), Malformed),
         (stored(&[1], &[("parent_block_hash", V::F(1.0))]), Malformed),
         (
-            stored(&[1], &[("token_ids", a([V::U(1), s("tok")]))]),
+            stored(&[1], &[("token_ids", a([V::U(1), V::F(2.0)]))]),
             Malformed,
         ),
         (
@@ -945,6 +945,319 @@ fn extra_key_lists_shorter_or_longer_than_the_blocks_are_tolerated() {
         &[("extra_keys", a([a([s("x")]), a([s("y")])]))],
     ));
     assert_eq!(long.blocks[0].extra_keys, [text("x")]);
+}
+
+// ---- TensorRT-LLM's multimodal keys (contract: kvgate's additions) ----
+
+fn multimodal(identifier: &str, offset: i64) -> KvBlockExtraKey {
+    KvBlockExtraKey {
+        key: Some(Key::Multimodal(KvMultimodalKey {
+            identifier: identifier.into(),
+            offset,
+        })),
+    }
+}
+
+fn mm_key(hash: &str, start_offset: u64) -> V {
+    m(&[
+        ("type", s("mm_key")),
+        ("hash", s(hash)),
+        ("start_offset", V::U(start_offset)),
+    ])
+}
+
+/// A store of blocks of 4 tokens as TensorRT-LLM's V2 manager publishes it.
+fn trtllm_store(hashes: &[u64], tokens: Vec<V>, mm_keys: Option<V>) -> V {
+    let mut fields = vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(hashes.iter().copied())),
+        ("parent_block_hash", V::Nil),
+        ("token_ids", V::A(tokens)),
+        ("block_size", V::U(4)),
+        ("lora_id", V::Nil),
+        ("medium", s("GPU")),
+        ("lora_name", V::Nil),
+    ];
+    fields.extend(mm_keys.map(|keys| ("mm_keys", keys)));
+    m(&fields)
+}
+
+#[test]
+fn a_digest_token_is_forwarded_as_u32_max_with_a_multimodal_key_at_its_position() {
+    let tokens = vec![
+        V::U(7),
+        V::U(8),
+        s("ab12"),
+        V::U(1001),
+        V::U(1002),
+        V::U(9),
+        V::U(10),
+        V::U(11),
+    ];
+    let store = forwarded_store(trtllm_store(&[1, 2], tokens, None));
+    assert_eq!(store.blocks[0].token_ids, [7, 8, u32::MAX, 1001]);
+    assert_eq!(store.blocks[0].extra_keys, [multimodal("ab12", 2)]);
+    assert_eq!(store.blocks[1].token_ids, [1002, 9, 10, 11]);
+    assert!(store.blocks[1].extra_keys.is_empty());
+}
+
+#[test]
+fn mm_keys_give_vllm_s_offsets_negative_for_an_item_begun_in_an_earlier_block() {
+    let tokens = vec![
+        V::U(7),
+        s("ab12"),
+        V::U(1001),
+        V::U(1002),
+        V::U(1003),
+        V::U(1004),
+        V::U(9),
+        V::U(10),
+    ];
+    let keys = a([a([mm_key("ab12", 0)]), a([mm_key("ab12", 3)])]);
+    let store = forwarded_store(trtllm_store(&[1, 2], tokens, Some(keys)));
+    assert_eq!(store.blocks[0].extra_keys, [multimodal("ab12", 1)]);
+    assert_eq!(store.blocks[1].extra_keys, [multimodal("ab12", -3)]);
+}
+
+#[test]
+fn an_item_named_by_mm_keys_whose_digest_is_not_in_the_block_starts_at_offset_0() {
+    let tokens = (0..4).map(V::U).collect();
+    let store = forwarded_store(trtllm_store(
+        &[1],
+        tokens,
+        Some(a([a([mm_key("ab12", 0)])])),
+    ));
+    assert_eq!(store.blocks[0].extra_keys, [multimodal("ab12", 0)]);
+}
+
+#[test]
+fn odd_mm_keys_entries_are_skipped_one_by_one_and_a_digest_no_entry_names_still_gets_its_key() {
+    let tokens = vec![
+        s("cd34"),
+        V::U(1),
+        V::U(2),
+        V::U(3),
+        V::U(4),
+        V::U(5),
+        V::U(6),
+        V::U(7),
+    ];
+    let block0 = a([
+        m(&[("hash", s("ef56"))]),
+        m(&[("hash", s("ef56")), ("start_offset", V::I(-1))]),
+        m(&[("hash", V::U(1)), ("start_offset", V::U(0))]),
+        s("ef56"),
+        a([s("ef56"), V::U(0)]),
+        mm_key("ef56", 2),
+    ]);
+    let store = forwarded_store(trtllm_store(&[1, 2], tokens, Some(a([block0, s("junk")]))));
+    assert_eq!(
+        store.blocks[0].extra_keys,
+        [multimodal("ef56", -2), multimodal("cd34", 0)]
+    );
+    assert!(store.blocks[1].extra_keys.is_empty());
+}
+
+#[test]
+fn mm_keys_follow_a_block_s_extra_keys_and_lists_of_any_length_are_tolerated() {
+    let tokens = (0..8).map(V::U).collect();
+    let mut event = trtllm_store(
+        &[1, 2],
+        tokens,
+        Some(a([a([mm_key("ab", 1)]), a([]), a([mm_key("x", 0)])])),
+    );
+    if let V::M(fields) = &mut event {
+        fields.push((s("extra_keys"), a([a([s("salt")])])));
+    }
+    let store = forwarded_store(event);
+    assert_eq!(
+        store.blocks[0].extra_keys,
+        [text("salt"), multimodal("ab", -1)]
+    );
+    assert!(store.blocks[1].extra_keys.is_empty());
+    assert_dropped(
+        trtllm_store(&[1], (0..4).map(V::U).collect(), Some(s("not a list"))),
+        DropReason::Malformed,
+    );
+}
+
+#[test]
+fn a_digest_token_among_bigram_pairs_is_malformed() {
+    let tokens = vec![
+        a([V::U(1), V::U(2)]),
+        s("ab"),
+        a([V::U(3), V::U(4)]),
+        a([V::U(5), V::U(6)]),
+    ];
+    assert_dropped(trtllm_store(&[1], tokens, None), DropReason::Malformed);
+    let tokens = vec![s("ab"), a([V::U(3), V::U(4)]), V::U(5), V::U(6)];
+    assert_dropped(trtllm_store(&[1], tokens, None), DropReason::Malformed);
+}
+
+/// A store's blocks and multimodal items, to publish the vLLM way and the
+/// TensorRT-LLM way.
+#[derive(Debug, Clone)]
+struct MultimodalStore {
+    hashes: Vec<u64>,
+    parent: Option<u64>,
+    block_size: usize,
+    tokens: Vec<u32>,
+    /// `(start, len, digest)`, in token order, not overlapping.
+    items: Vec<(usize, usize, String)>,
+    with_mm_keys: bool,
+}
+
+impl MultimodalStore {
+    /// The items overlapping block `b`: digest, start relative to the block.
+    fn items_of_block(&self, b: usize) -> Vec<(String, i64)> {
+        let (start, end) = (b * self.block_size, (b + 1) * self.block_size);
+        self.items
+            .iter()
+            .filter(|(at, len, _)| *at < end && at + len > start)
+            .map(|(at, _, digest)| (digest.clone(), *at as i64 - start as i64))
+            .collect()
+    }
+
+    fn item_at(&self, t: usize) -> Option<(usize, &str)> {
+        self.items
+            .iter()
+            .find(|(at, len, _)| (*at..at + len).contains(&t))
+            .map(|(at, _, digest)| (t - at, digest.as_str()))
+    }
+
+    fn common(&self, tokens: V) -> Vec<(&'static str, V)> {
+        vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", ints(self.hashes.iter().copied())),
+            ("parent_block_hash", self.parent.map_or(V::Nil, V::U)),
+            ("token_ids", tokens),
+            ("block_size", V::U(self.block_size as u64)),
+            ("lora_id", V::Nil),
+            ("medium", s("GPU")),
+        ]
+    }
+
+    /// vLLM: image tokens are the placeholder id, items in `extra_keys`.
+    fn vllm(&self) -> V {
+        let tokens = (0..self.tokens.len())
+            .map(|t| V::U(self.item_at(t).map_or(self.tokens[t], |_| 151_655).into()));
+        let mut fields = self.common(a(tokens));
+        let keys = (0..self.hashes.len()).map(|b| {
+            a(self
+                .items_of_block(b)
+                .into_iter()
+                .map(|(digest, offset)| a([s(&digest), V::I(offset)])))
+        });
+        fields.push(("extra_keys", a(keys)));
+        m(&fields)
+    }
+
+    /// TensorRT-LLM: the digest in place of an item's first token, then
+    /// `VOCAB + k`; `mm_keys` when the engine has `mm_token_id_offset`.
+    fn trtllm(&self) -> V {
+        let tokens = (0..self.tokens.len()).map(|t| match self.item_at(t) {
+            Some((0, digest)) => s(digest),
+            Some((k, _)) => V::U(151_936 + k as u64),
+            None => V::U(self.tokens[t].into()),
+        });
+        let mut fields = self.common(a(tokens));
+        fields.push(("lora_name", V::Nil));
+        if self.with_mm_keys {
+            let keys = (0..self.hashes.len()).map(|b| {
+                a(self.items_of_block(b).into_iter().map(|(digest, offset)| {
+                    m(&[
+                        ("type", s("mm_key")),
+                        ("hash", s(&digest)),
+                        ("start_offset", V::U((-offset).max(0) as u64)),
+                        ("uuid", V::Nil),
+                    ])
+                }))
+            });
+            fields.push(("mm_keys", a(keys)));
+        }
+        m(&fields)
+    }
+}
+
+fn any_multimodal_store() -> impl Strategy<Value = MultimodalStore> {
+    (1usize..5, 1usize..9, any::<bool>(), any::<bool>())
+        .prop_flat_map(|(blocks, block_size, with_parent, with_mm_keys)| {
+            let len = blocks * block_size;
+            (
+                proptest::collection::hash_set(1u64..u64::MAX, blocks + 1),
+                proptest::collection::vec(0u32..150_000, len),
+                proptest::collection::vec((0..len, 1usize..12), 0..4),
+                Just((block_size, with_parent, with_mm_keys)),
+            )
+        })
+        .prop_map(
+            |(hashes, tokens, spans, (block_size, with_parent, with_mm_keys))| {
+                let mut hashes: Vec<u64> = hashes.into_iter().collect();
+                let parent = hashes.pop().filter(|_| with_parent);
+                let mut items = Vec::new();
+                let mut free_from = 0;
+                let mut spans = spans;
+                spans.sort();
+                for (n, (start, len)) in spans.into_iter().enumerate() {
+                    if start >= free_from {
+                        let len = len.min(tokens.len() - start);
+                        items.push((start, len, format!("{n:x}{start:x}{}", "0f".repeat(31))));
+                        free_from = start + len;
+                    }
+                }
+                MultimodalStore {
+                    hashes,
+                    parent,
+                    block_size,
+                    tokens,
+                    items,
+                    with_mm_keys,
+                }
+            },
+        )
+}
+
+fn multimodal_keys(block: &KvBlock) -> Vec<(String, i64)> {
+    block
+        .extra_keys
+        .iter()
+        .filter_map(|key| match &key.key {
+            Some(Key::Multimodal(k)) => Some((k.identifier.clone(), k.offset)),
+            _ => None,
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    #[test]
+    fn a_trtllm_store_converts_as_the_same_vllm_store_in_every_field_they_share(
+        store in any_multimodal_store(),
+    ) {
+        let vllm = forwarded_store(store.vllm());
+        let trtllm = forwarded_store(store.trtllm());
+        prop_assert_eq!(trtllm.parent_block_hash, vllm.parent_block_hash);
+        prop_assert_eq!((trtllm.tier, &trtllm.medium, trtllm.locality), (vllm.tier, &vllm.medium, vllm.locality));
+        prop_assert_eq!(trtllm.blocks.len(), vllm.blocks.len());
+        for (b, (t, v)) in trtllm.blocks.iter().zip(&vllm.blocks).enumerate() {
+            prop_assert_eq!((t.block_hash, t.block_size, t.cache_level), (v.block_hash, v.block_size, v.cache_level));
+            for (i, (&tt, &vt)) in t.token_ids.iter().zip(&v.token_ids).enumerate() {
+                match store.item_at(b * store.block_size + i) {
+                    None => prop_assert_eq!(tt, vt),
+                    Some((0, _)) => prop_assert_eq!(tt, u32::MAX),
+                    Some((k, _)) => prop_assert_eq!(tt, 151_936 + k as u32),
+                }
+            }
+            let expected = if store.with_mm_keys {
+                multimodal_keys(v)
+            } else {
+                // Without mm_keys only an item's first block names it.
+                multimodal_keys(v).into_iter().filter(|(_, offset)| *offset >= 0).collect()
+            };
+            prop_assert_eq!(multimodal_keys(t), expected, "block {}", b);
+        }
+    }
 }
 
 #[test]
@@ -1559,7 +1872,8 @@ proptest! {
 /// A store (or now and then a removal or a clear) with any mix of the
 /// fields a store may carry, valid or not: hashes of every form, blocks of
 /// 1 to 3 tokens or a misaligned list, a parent, LoRA, salt and session,
-/// extra keys of every shape, in the map form or vLLM's tag-first array.
+/// extra keys of every shape, TensorRT-LLM's digest tokens and `mm_keys`,
+/// in the map form or vLLM's tag-first array.
 fn any_store() -> impl Strategy<Value = V> {
     let hash = prop_oneof![
         4 => (0u64..64).prop_map(V::U),
@@ -1571,6 +1885,7 @@ fn any_store() -> impl Strategy<Value = V> {
         16 => (0u64..200).prop_map(V::U),
         8 => any::<u32>().prop_map(|t| V::U(t.into())),
         1 => Just(V::I(-1)),
+        1 => proptest::sample::select(&["d1", "d2"][..]).prop_map(s),
     ];
     let text = |names: &'static [&'static str]| {
         prop_oneof![
@@ -1596,6 +1911,20 @@ fn any_store() -> impl Strategy<Value = V> {
         3 => Just(V::Nil),
         2 => proptest::collection::vec(block_keys, 0..5).prop_map(V::A),
         1 => Just(s("not a list")),
+    ];
+    let mm_key = prop_oneof![
+        4 => (proptest::sample::select(&["d1", "d2", "d3"][..]), 0u64..20)
+            .prop_map(|(hash, offset)| m(&[("type", s("mm_key")), ("hash", s(hash)), ("start_offset", V::U(offset))])),
+        1 => Just(m(&[("hash", s("d1")), ("start_offset", V::I(-2))])),
+        1 => Just(s("d1")),
+    ];
+    let mm_keys = prop_oneof![
+        3 => Just(V::Nil),
+        2 => proptest::collection::vec(
+            prop_oneof![4 => proptest::collection::vec(mm_key, 0..3).prop_map(V::A), 1 => Just(V::Nil)],
+            0..5,
+        )
+        .prop_map(V::A),
     ];
     let lists = (
         proptest::collection::vec(hash.clone(), 0..6),
@@ -1624,7 +1953,7 @@ fn any_store() -> impl Strategy<Value = V> {
         text(&["sql-lora", ""]),
         text(&["tenant-a", ""]),
         text(&["s-1"]),
-        extra_keys,
+        (extra_keys, mm_keys),
         placement,
         0u8..12,
     )
@@ -1637,7 +1966,7 @@ fn any_store() -> impl Strategy<Value = V> {
                 lora_name,
                 cache_salt,
                 session_id,
-                extra_keys,
+                (extra_keys, mm_keys),
                 (group, kind, window, locality),
                 pick,
             )| match pick {
@@ -1666,6 +1995,7 @@ fn any_store() -> impl Strategy<Value = V> {
                     ("cache_salt", cache_salt),
                     ("session_id", session_id),
                     ("extra_keys", extra_keys),
+                    ("mm_keys", mm_keys),
                     ("group_idx", group),
                     ("kv_cache_spec_kind", kind),
                     ("kv_cache_spec_sliding_window", window),

@@ -29,6 +29,8 @@ pub struct AdminState {
     pub started: Instant,
     /// The state directory, with `--state-dir`.
     pub store: Option<crate::store::StoreStatus>,
+    /// What the engine said of its publishers, when kvgate asked it.
+    pub engine_sources: Option<tokio::sync::watch::Receiver<crate::source::discovery::Discovered>>,
 }
 
 #[derive(Serialize)]
@@ -48,6 +50,18 @@ struct Status {
     /// With `--state-dir`: what was restored, persistence, checkpoints.
     #[serde(skip_serializing_if = "Option::is_none")]
     state_dir: Option<crate::store::StoreStatusView>,
+    /// Where each rank's events come from and how kvgate learned it.
+    sources: Vec<RankSourceStatus>,
+}
+
+#[derive(Serialize)]
+struct RankSourceStatus {
+    rank: u32,
+    endpoint: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay_endpoint: Option<String>,
+    topic: String,
+    learned_from: String,
 }
 
 #[derive(Serialize)]
@@ -133,5 +147,21 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
         },
         ranks: state.hub.rank_reports(),
         state_dir: state.store.as_ref().map(crate::store::StoreStatus::view),
+        sources: state
+            .engine_sources
+            .as_ref()
+            .map_or_else(Vec::new, |learned| {
+                let learned = learned.borrow();
+                (0u32..)
+                    .zip(&learned.ranks)
+                    .map(|(rank, source)| RankSourceStatus {
+                        rank,
+                        endpoint: source.endpoint.to_string(),
+                        replay_endpoint: source.replay_endpoint.as_ref().map(ToString::to_string),
+                        topic: source.topic.clone(),
+                        learned_from: learned.learned_from.clone(),
+                    })
+                    .collect()
+            }),
     })
 }

@@ -6,9 +6,11 @@
 //! says about lost messages and engine restarts. Besides live engines, a
 //! recording (`recorded`) or a Mooncake trace played through a simulated
 //! prefix cache (`trace`, `prefix_cache`) can stand in for one, paced by
-//! `pace`.
+//! `pace`. Where an engine publishes can be asked of the engine itself
+//! (`discovery`).
 
 pub(crate) mod continuity;
+pub mod discovery;
 pub mod pace;
 pub(crate) mod peer;
 pub mod prefix_cache;

@@ -46,6 +46,7 @@ use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket, ZmqError, ZmqMessage};
 
 use super::continuity::{Continuity, MAX_PLAUSIBLE_GAP, PublisherCursor, ResumePoint};
+use super::discovery::RankTarget;
 use super::peer::{PeerSocket, record_dropped_peer, socket_options};
 use super::replay::{Fetch, FetchBounds, ReplayClient, ReplayError, Replayed};
 use super::{DrainGone, EngineMessage, FrameError, SourceEvent, parse_sequence, send};
@@ -76,6 +77,9 @@ pub struct ZmqSourceConfig {
     pub max_message_bytes: usize,
     /// Where an earlier kvgate process's record of each rank ended.
     pub resume: std::collections::BTreeMap<u32, ResumePoint>,
+    /// Where each rank's publisher moves when the engine says so (learned
+    /// from the engine, `discovery`); empty when the flags fix them.
+    pub moves: Vec<watch::Receiver<RankTarget>>,
 }
 
 /// Splits `[topic, sequence (8 bytes BE), payload]`.
@@ -162,6 +166,13 @@ impl ZmqSourceConfig {
                     metrics.clone(),
                 );
                 task.resume = config.resume.get(&rank).copied();
+                task.moves = config.moves.get(rank as usize).map(|targets| Moves {
+                    targets: targets.clone(),
+                    topic: config.topic.clone(),
+                    max_message_bytes: config.max_message_bytes,
+                    replay_timeout: config.replay_timeout,
+                    replay_bounds: config.replay_bounds,
+                });
                 Ok(task)
             })
             .await
@@ -206,11 +217,7 @@ impl RankSockets<'_> {
                 .endpoint
                 .for_rank(rank)
                 .map_err(|error| StartError::PublisherEndpoint { rank, error })?;
-            let mut options = socket_options(self.max_message_bytes);
-            options.no_connect_timeout();
-            let mut socket = SubSocket::with_options(options);
-            socket
-                .subscribe(self.topic)
+            let mut socket = sub_socket(self.max_message_bytes, self.topic)
                 .await
                 .map_err(StartError::Subscribe)?;
             let stop = supervisor.stopping();
@@ -262,6 +269,15 @@ impl RankSockets<'_> {
         }
         Ok(())
     }
+}
+
+/// A SUB socket subscribed to `topic`, not yet bound or connected.
+async fn sub_socket(max_message_bytes: usize, topic: &str) -> Result<SubSocket, ZmqError> {
+    let mut options = socket_options(max_message_bytes);
+    options.no_connect_timeout();
+    let mut socket = SubSocket::with_options(options);
+    socket.subscribe(topic).await?;
+    Ok(socket)
 }
 
 /// Counts a read error of a SUB socket reading `peer`, then pauses so that
@@ -371,6 +387,28 @@ struct RankTask {
     cursor: PublisherCursor,
     /// Where an earlier kvgate process's record of this rank ended.
     resume: Option<ResumePoint>,
+    /// Where the publisher moves, when the engine reports it.
+    moves: Option<Moves>,
+}
+
+/// What a rank needs to follow its publisher to another endpoint.
+struct Moves {
+    targets: watch::Receiver<RankTarget>,
+    topic: String,
+    max_message_bytes: usize,
+    replay_timeout: Duration,
+    replay_bounds: FetchBounds,
+}
+
+impl Moves {
+    /// The next target, once the engine names another.
+    async fn next(&mut self) -> RankTarget {
+        if self.targets.changed().await.is_err() {
+            // Nobody follows the engine any more: stay where we are.
+            std::future::pending::<()>().await;
+        }
+        self.targets.borrow_and_update().clone()
+    }
 }
 
 /// How resuming an earlier record went.
@@ -436,16 +474,68 @@ impl RankTask {
             metrics,
             cursor: PublisherCursor::default(),
             resume: None,
+            moves: None,
         }
     }
 
     async fn run_rank(mut self, mut socket: SubSocket, stop: CancellationToken) {
-        // Stopping may cut a replay short: what it would have given is moot.
-        tokio::select! {
-            DrainGone = self.serve(&mut socket) => {}
-            () = stop.cancelled() => {}
+        let mut moves = self.moves.take();
+        loop {
+            let moved = async {
+                match moves.as_mut() {
+                    Some(moves) => moves.next().await,
+                    None => std::future::pending().await,
+                }
+            };
+            // Stopping may cut a replay short: what it would have given is
+            // moot; so may a move: the publisher it came from is gone.
+            tokio::select! {
+                DrainGone = self.serve(&mut socket) => break,
+                () = stop.cancelled() => break,
+                target = moved => {
+                    socket.close().await;
+                    let Some(moves) = moves.as_ref() else { return };
+                    match self.move_to(target, moves, &stop).await {
+                        Some(moved) => socket = moved,
+                        None => return,
+                    }
+                }
+            }
         }
         socket.close().await;
+    }
+
+    /// Follows the publisher to `target`: an engine on other ports is a
+    /// restarted engine, so the rank is cleared and primed afresh there.
+    /// `None` when kvgate stops meanwhile.
+    async fn move_to(
+        &mut self,
+        target: RankTarget,
+        moves: &Moves,
+        stop: &CancellationToken,
+    ) -> Option<SubSocket> {
+        info!(rank = self.rank, from = %self.endpoint, to = %target.endpoint, "following the engine's publisher");
+        self.endpoint = target.endpoint;
+        self.replay = target.replay.map(|address| {
+            ReplayClient::new(
+                address,
+                self.topic.clone(),
+                moves.replay_timeout,
+                moves.replay_bounds,
+                moves.max_message_bytes,
+            )
+        });
+        self.cursor = PublisherCursor::default();
+        self.metrics.engine_restarts.inc();
+        let restarted = SourceEvent::PublisherRestarted { rank: self.rank };
+        send(&self.events, restarted).await.ok()?;
+        let mut socket = sub_socket(moves.max_message_bytes, &moves.topic)
+            .await
+            .ok()?;
+        tokio::select! {
+            () = connect_until_up(&mut socket, &self.endpoint, ENGINE, &self.metrics) => Some(socket),
+            () = stop.cancelled() => None,
+        }
     }
 
     /// Runs until the drain is gone. The SUB is not read while a hole is

@@ -32,6 +32,10 @@ pub struct StatusArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// The gateway's admin address (its --metrics-listen, HOST:PORT): adds
+    /// where each rank's events come from and how kvgate learned it.
+    #[arg(long, env = "KVGATE_ADMIN_ADDR", value_name = "ADDR")]
+    pub admin: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -51,6 +55,60 @@ pub struct GatewayStatus {
     /// likely), when none was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snapshot_refused: Option<String>,
+    /// Where events come from, as the admin port's `/status` says (with
+    /// `--admin`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub events_from: Option<EventsFrom>,
+}
+
+/// The gateway's source, from its `/status`.
+#[derive(Debug, Default, Serialize, serde::Deserialize)]
+pub struct EventsFrom {
+    /// The source as configured.
+    pub source: String,
+    /// Each rank's publisher, when the engine named it.
+    #[serde(default)]
+    pub sources: Vec<RankSource>,
+}
+
+/// One rank's publisher and how kvgate learned it.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct RankSource {
+    /// The rank.
+    pub rank: u32,
+    /// Its publisher.
+    pub endpoint: String,
+    /// Its replay endpoint, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_endpoint: Option<String>,
+    /// Its topic.
+    #[serde(default)]
+    pub topic: String,
+    /// The question the engine answered.
+    pub learned_from: String,
+}
+
+/// The most bytes of a `/status` read.
+const MAX_STATUS_BYTES: usize = 4 << 20;
+
+/// `/status` of the admin port at `admin` (HOST:PORT or http://HOST:PORT).
+async fn events_from(admin: &str) -> anyhow::Result<EventsFrom> {
+    let url: http::Uri = if admin.starts_with("http://") {
+        admin.parse()
+    } else {
+        format!("http://{admin}").parse()
+    }
+    .map_err(|error| anyhow::anyhow!("--admin {admin}: {error}"))?;
+    let body = crate::http_get::get(
+        &url,
+        "/status",
+        MAX_STATUS_BYTES,
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .map_err(|why| anyhow::anyhow!("--admin {admin}: GET /status: {why}"))?;
+    serde_json::from_slice(&body)
+        .map_err(|error| anyhow::anyhow!("--admin {admin}: /status is not kvgate's: {error}"))
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -74,7 +132,10 @@ impl GatewayStatus {
 /// `kvgate status`: collects and prints; fails unless the gateway is
 /// `SERVING`.
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
-    let status = collect(&args.gateway).await?;
+    let mut status = collect(&args.gateway).await?;
+    if let Some(admin) = &args.admin {
+        status.events_from = Some(events_from(admin).await?);
+    }
     if args.json {
         super::print(&format!("{}\n", serde_json::to_string_pretty(&status)?))?;
     } else {
@@ -120,6 +181,7 @@ pub async fn collect(gateway: &GatewayArgs) -> anyhow::Result<GatewayStatus> {
         ranks: BTreeMap::new(),
         unknown_before: 0,
         snapshot_refused: None,
+        events_from: None,
     };
     if let Err(refused) = read_snapshot(&connected, &mut status).await {
         if is_transport(&refused) {
@@ -193,6 +255,19 @@ pub fn render(status: &GatewayStatus) -> String {
             "{} engine messages came before kvgate's record\n",
             status.unknown_before
         ));
+    }
+    if let Some(events_from) = &status.events_from {
+        out.push_str(&format!("events from: {}\n", events_from.source));
+        for source in &events_from.sources {
+            let replay = source
+                .replay_endpoint
+                .as_deref()
+                .map_or_else(String::new, |replay| format!(", replay {replay}"));
+            out.push_str(&format!(
+                "rank {}: {}{replay}, topic {:?}, learned from {}\n",
+                source.rank, source.endpoint, source.topic, source.learned_from
+            ));
+        }
     }
     out
 }

@@ -2,19 +2,23 @@
 //! `kvgate serve --demo`, for tests that need a real publisher socket, and for
 //! load runs.
 //!
-//! [`payload`] encodes vLLM 0.33 batches, [`engine`] simulates the prefix
-//! cache whose changes they report, and [`publisher`] sends them the way
-//! vLLM's ZMQ publisher does; [`load`] encodes SGLang's load gauge.
+//! [`payload`] encodes vLLM 0.33 batches ([`trtllm`] the same events in
+//! TensorRT-LLM's native layout), [`engine`] simulates the prefix cache
+//! whose changes they report, and [`publisher`] sends them the way vLLM's
+//! ZMQ publisher does; [`load`] encodes SGLang's load gauge; [`discovery`]
+//! answers vLLM's `GET /kv_event_sources` for the ranks.
 //! [`DemoEngine`] runs one engine, publisher and load publisher per
 //! data-parallel rank on a timer. Invariant: rank `r` listens on rank 0's
 //! port plus `r` (replay and load likewise), the layout kvgate's source
 //! expects; a base port of 0 picks rank 0's port and the others follow it.
 
+pub mod discovery;
 pub mod endless_replay;
 pub mod engine;
 pub mod load;
 pub mod payload;
 pub mod publisher;
+pub mod trtllm;
 pub mod workload;
 
 use std::future::Future;
@@ -51,6 +55,19 @@ pub struct DemoConfig {
     /// Rank 0's load PUB endpoint (bound), SGLang's
     /// `--load-publish-endpoint`; `None` publishes no load.
     pub load_endpoint: Option<TcpEndpoint>,
+    /// Whose payload layout the ranks publish.
+    pub layout: Layout,
+}
+
+/// The engine whose KV-event payload layout the simulator speaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// vLLM 0.33 ([`payload`]).
+    #[default]
+    Vllm,
+    /// TensorRT-LLM's native streaming publisher ([`trtllm`]), with
+    /// stand-in images as multimodal keys.
+    TrtllmNative,
 }
 
 impl DemoConfig {
@@ -63,6 +80,7 @@ impl DemoConfig {
             engine: SimConfig::default(),
             interval: Duration::from_millis(200),
             load_endpoint: None,
+            layout: Layout::Vllm,
         }
     }
 }
@@ -94,6 +112,19 @@ pub struct RankEndpoints {
 pub struct DemoEngine {
     ranks: Vec<DemoRank>,
     interval: Duration,
+    layout: Layout,
+    topic: String,
+    buffer_steps: usize,
+    /// The `GET /kv_event_sources` server, once started; stopped on drop.
+    discovery: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for DemoEngine {
+    fn drop(&mut self) {
+        if let Some(discovery) = self.discovery.take() {
+            discovery.abort();
+        }
+    }
 }
 
 struct DemoRank {
@@ -167,6 +198,10 @@ impl DemoEngine {
         let demo = Self {
             ranks,
             interval: config.interval,
+            layout: config.layout,
+            topic: config.publisher.topic.clone(),
+            buffer_steps: config.publisher.buffer_steps,
+            discovery: None,
         };
         for rank in demo.endpoints() {
             match &rank.replay_endpoint {
@@ -207,6 +242,17 @@ impl DemoEngine {
             .collect()
     }
 
+    /// Answers vLLM's `GET /kv_event_sources` for the ranks from now until
+    /// the engine is dropped; the server's base URL (`http://127.0.0.1:PORT`).
+    pub async fn answer_discovery(&mut self) -> std::io::Result<String> {
+        let answer = discovery::kv_event_sources(&self.endpoints(), &self.topic, self.buffer_steps);
+        let (address, task) = discovery::serve(answer).await?;
+        if let Some(previous) = self.discovery.replace(task) {
+            previous.abort();
+        }
+        Ok(format!("http://{address}"))
+    }
+
     /// Publishes one step per rank every interval until `shutdown` completes.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<(), DemoError> {
         let mut ticks = tokio::time::interval(self.interval);
@@ -228,7 +274,12 @@ impl DemoEngine {
         for rank in &mut self.ranks {
             let events = rank.engine.step();
             let mut payload = Vec::new();
-            encode_batch(ts, &events, Some(rank.dp_rank), &mut payload);
+            match self.layout {
+                Layout::Vllm => encode_batch(ts, &events, Some(rank.dp_rank), &mut payload),
+                Layout::TrtllmNative => {
+                    trtllm::encode_batch(ts, &events, rank.dp_rank, &mut payload);
+                }
+            }
             let seq = rank.publisher.publish(payload.into()).await?;
             tracing::debug!(
                 dp_rank = rank.dp_rank,

@@ -31,13 +31,25 @@ pub fn encode_batch(ts: f64, events: &[SimEvent], dp_rank: Option<u32>, out: &mu
     write_batch(ts, events, dp_rank, out).expect("msgpack writes into a Vec cannot fail");
 }
 
-type WriteResult = Result<(), ValueWriteError>;
+pub(crate) type WriteResult = Result<(), ValueWriteError>;
 
 fn write_batch(
     ts: f64,
     events: &[SimEvent],
     dp_rank: Option<u32>,
     out: &mut Vec<u8>,
+) -> WriteResult {
+    write_envelope(ts, events, dp_rank, out, write_event)
+}
+
+/// The positional envelope every engine shares, `[ts, [events...],
+/// dp_rank]`, each event written by `write_event`.
+pub(crate) fn write_envelope(
+    ts: f64,
+    events: &[SimEvent],
+    dp_rank: Option<u32>,
+    out: &mut Vec<u8>,
+    write_event: fn(&SimEvent, &mut Vec<u8>) -> WriteResult,
 ) -> WriteResult {
     write_array_len(out, 3)?;
     write_f64(out, ts)?;
@@ -108,7 +120,7 @@ fn write_map_header(out: &mut Vec<u8>, len: u32) -> WriteResult {
     rmp::encode::write_map_len(out, len).map(drop)
 }
 
-fn write_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> WriteResult {
+pub(crate) fn write_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> WriteResult {
     write_str(out, "block_hashes")?;
     write_array_len(out, len_u32(hashes.len()))?;
     for &hash in hashes {
@@ -134,11 +146,11 @@ fn write_opt_uint(out: &mut Vec<u8>, value: Option<u64>) -> WriteResult {
     }
 }
 
-fn write_null(out: &mut Vec<u8>) -> WriteResult {
+pub(crate) fn write_null(out: &mut Vec<u8>) -> WriteResult {
     write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite)
 }
 
-fn len_u32(len: usize) -> u32 {
+pub(crate) fn len_u32(len: usize) -> u32 {
     u32::try_from(len).expect("msgpack arrays hold at most 2^32 - 1 items")
 }
 
