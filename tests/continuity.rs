@@ -542,7 +542,12 @@ async fn no_position_is_announced_or_cut_for_a_snapshot_before_its_batch_is_in_t
  {
     let scratch = ScratchDir::new("held-log");
     let mut engine = Engine::new(1000, 13).await;
-    let gateway = engine.gateway(&scratch.state());
+    // A disk slower than this pauses persistence instead (below).
+    let gateway = engine.gateway_configured(
+        &scratch.state(),
+        &["--state-io-timeout-ms", "10000"],
+        |_| {},
+    );
     let mut router = RouterView::new();
     let mut early = resume(&gateway, &mut router).await;
     // The first segment of a new directory starts at position 1; the log
@@ -611,5 +616,140 @@ async fn no_position_is_announced_or_cut_for_a_snapshot_before_its_batch_is_in_t
     assert!(
         log.starts_with(b"KVGLOG\0\0"),
         "the log went to the held segment"
+    );
+}
+
+/// Publishes fences until kvgate has taken one of the engine's messages
+/// (past the engine socket's slow joiner; a fence removes nothing).
+async fn past_the_slow_joiner(engine: &mut Engine, gateway: &Gateway) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut fence = 1u64 << 40;
+    while messages_taken(gateway).await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "no message taken");
+        engine
+            .publisher
+            .publish(common::fence_payload(fence, 0))
+            .await
+            .unwrap();
+        fence += 1;
+    }
+}
+
+/// `/status`'s restore outcome.
+async fn restore_outcome(gateway: &Gateway) -> String {
+    let (_, status) = http_get(gateway.admin.unwrap(), "/status").await;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    status["state_dir"]["restored"]["outcome"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no outcome in {status}"))
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_of_the_log_that_hangs_pauses_persistence_delivery_goes_on_health_says_why_and_sigterm_ends_it()
+ {
+    let scratch = ScratchDir::new("hung-open");
+    let mut engine = Engine::new(1000, 17).await;
+    let mut gateway = engine.gateway(&scratch.state());
+    let admin = gateway.admin.unwrap();
+    let mut router = RouterView::new();
+    let mut stream = resume(&gateway, &mut router).await;
+    // The next segment's open waits for a reader forever, as an open on a
+    // dead network mount does.
+    common::replace_with_fifo(&scratch.state().join("segment-00000000000000000001.log"));
+    past_the_slow_joiner(&mut engine, &gateway).await;
+    engine.steps(30).await;
+    catch_up(&mut engine, &mut stream, &mut router, "hung open").await;
+    assert_eq!(router.blocks(0), true_blocks(&engine.cache));
+    assert!(router.gaps.is_empty(), "{:?}", router.gaps);
+    // A new subscriber's snapshot holds it all too.
+    assert_eq!(
+        snapshot(&gateway).await.blocks(0),
+        true_blocks(&engine.cache)
+    );
+    assert_eq!(metric(&gateway, "kvgate_state_paused").await, 1.0);
+    let (code, _) = http_get(admin, "/healthz").await;
+    assert_eq!(code, 200, "serving, persistence paused");
+    let (_, status) = http_get(admin, "/status").await;
+    assert!(
+        status.contains("opening a log segment: did not complete within 250ms"),
+        "{status}"
+    );
+    let asked = std::time::Instant::now();
+    assert!(gateway.terminate().success());
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(5),
+        "SIGTERM took {:?} with the writer hung",
+        asked.elapsed()
+    );
+    drain_after_stop(&mut stream, &mut router, "stopped").await;
+
+    // The log holds none of the batches announced: the next process
+    // numbers anew, and the router's cursor is refused as a cursor.
+    std::fs::remove_file(scratch.state().join("segment-00000000000000000001.log")).unwrap();
+    let gateway = engine.gateway(&scratch.state());
+    assert_eq!(restore_outcome(&gateway).await, "empty");
+    router.reconnecting();
+    let refused = subscribe(gateway.channel().await, SERVICE, router.resume_cursor())
+        .await
+        .expect_err("a cursor of the old numbering");
+    assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_kvgate_whose_disk_took_nothing_after_a_point_restarts_under_a_numbering_no_cursor_of_the_old_reaches()
+ {
+    let scratch = ScratchDir::new("took-nothing");
+    let mut engine = Engine::new(10_000, 19).await;
+    // Every file kvgate writes stops growing at 64 KiB: from then on the
+    // disk takes no byte of the log.
+    let gateway = engine.gateway_configured(&scratch.state(), &[], |command| {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            command.pre_exec(|| {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                let limit = libc::rlimit {
+                    rlim_cur: 64 << 10,
+                    rlim_max: 64 << 10,
+                };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    let mut router = RouterView::new();
+    let mut stream = resume(&gateway, &mut router).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(&gateway, "kvgate_state_paused").await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never paused");
+        engine.steps(10).await;
+        catch_up(&mut engine, &mut stream, &mut router, "filling").await;
+    }
+    // Announced while the log takes nothing: a cursor in the middle of
+    // them, and the last.
+    engine.steps(5).await;
+    catch_up(&mut engine, &mut stream, &mut router, "paused").await;
+    let middle = router.resume_cursor();
+    engine.steps(5).await;
+    catch_up(&mut engine, &mut stream, &mut router, "paused").await;
+    let last = router.resume_cursor();
+    assert!(last > middle);
+    kill(gateway, &mut stream, &mut router).await;
+
+    let gateway = engine.gateway(&scratch.state());
+    assert_eq!(restore_outcome(&gateway).await, "renumbered");
+    for cursor in [middle, last] {
+        let refused = subscribe(gateway.channel().await, SERVICE, cursor)
+            .await
+            .expect_err("a cursor of the old numbering");
+        assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+    }
+    // The restored state goes on: a snapshot holds the engine's blocks.
+    assert_eq!(
+        snapshot(&gateway).await.blocks(0),
+        true_blocks(&engine.cache)
     );
 }

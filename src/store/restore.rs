@@ -85,8 +85,8 @@ pub struct Restored {
     pub history: Vec<Arc<Batch>>,
     /// The position the next published batch takes.
     pub next_position: u64,
-    /// Past every position a file or the mark names: where a new numbering
-    /// starts its log.
+    /// Past every position a file names: where a new numbering starts its
+    /// log.
     past_every_position: u64,
     /// The highest sequence number or numbering seed any file names: a
     /// new numbering starts above it, whatever the clock says.
@@ -343,9 +343,11 @@ pub fn restore(
         (None, Some(meta)) => meta.marks.clone(),
         (None, None) => Marks::new(),
     };
-    // Past every position a file or the mark names, so the new numbering's
-    // first segment is never named like one left from the old.
-    let past_every_position = scan.highest.max(mark.map_or(0, |mark| mark.through)) + 1;
+    // Past every position a file names, so the new numbering's first
+    // segment is never named like one left from the old. (Positions the
+    // mark names past them name no file, and never reach a router: only
+    // the mark's sequence numbers must not be used again.)
+    let past_every_position = scan.highest + 1;
     let mut restored = Restored {
         report: RestoreReport {
             outcome,
@@ -369,7 +371,8 @@ pub fn restore(
             || matches!(outcome, Outcome::Renumbered | Outcome::Fresh),
     };
     match outcome {
-        Outcome::Empty | Outcome::Fresh => restored.next_position = past_every_position,
+        Outcome::Empty => {}
+        Outcome::Fresh => restored.next_position = past_every_position,
         Outcome::Renumbered => {
             restored.next_position = past_every_position;
             restored.state = scan.state;
@@ -773,7 +776,7 @@ pub(super) mod tests {
         dir.segment(b"boot", 1000, 1, 3);
         let restored = dir.restore(mark(1000, 9));
         assert_eq!(restored.report.outcome, Outcome::Renumbered);
-        assert_eq!(restored.next_position, 10);
+        assert_eq!(restored.next_position, 4);
         assert!(restored.highest_number >= 1008);
         assert!(restored.history.is_empty());
         // A mark of another numbering proves nothing either.
