@@ -753,3 +753,147 @@ async fn a_killed_kvgate_whose_disk_took_nothing_after_a_point_restarts_under_a_
         true_blocks(&engine.cache)
     );
 }
+
+/// The names of the segments in `dir`.
+fn segment_names(dir: &Path) -> Vec<String> {
+    state_files(dir, "segment-")
+        .iter()
+        .map(|path| path.file_name().unwrap().to_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kvgate_whose_state_dir_was_replaced_pauses_saying_why_and_never_writes_into_the_new_one()
+{
+    let scratch = ScratchDir::new("replaced");
+    let mut engine = Engine::new(1000, 23).await;
+    let first = engine.gateway(&scratch.state());
+    let mut router = RouterView::new();
+    let mut stream = resume(&first, &mut router).await;
+    past_the_slow_joiner(&mut engine, &first).await;
+    engine.steps(10).await;
+    catch_up(&mut engine, &mut stream, &mut router, "before").await;
+    // The directory is moved away, a new one made at its path, and a
+    // second kvgate takes it.
+    std::fs::rename(scratch.state(), scratch.0.join("moved")).unwrap();
+    let second = engine.gateway(&scratch.state());
+    assert_eq!(restore_outcome(&second).await, "empty");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(&first, "kvgate_state_paused").await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never paused");
+        engine.steps(5).await;
+        catch_up(&mut engine, &mut stream, &mut router, "replaced").await;
+    }
+    let (_, status) = http_get(first.admin.unwrap(), "/status").await;
+    assert!(status.contains("the directory was replaced"), "{status}");
+    // Past the pause's retry: the first kvgate tries a new segment, and
+    // finds the directory still not its own.
+    let paused = std::time::Instant::now();
+    while paused.elapsed() < std::time::Duration::from_millis(1500) {
+        engine.steps(5).await;
+        catch_up(&mut engine, &mut stream, &mut router, "replaced").await;
+    }
+    assert_eq!(metric(&first, "kvgate_state_paused").await, 1.0);
+    assert_eq!(
+        router.blocks(0),
+        true_blocks(&engine.cache),
+        "delivery went on"
+    );
+    assert!(router.gaps.is_empty(), "{:?}", router.gaps);
+    // Every segment in the new directory is the second kvgate's (a new
+    // numbering's log starts at position 1; the first's is far past it).
+    assert_eq!(
+        segment_names(&scratch.state()),
+        ["segment-00000000000000000001.log"]
+    );
+    let synced = std::fs::read(scratch.state().join("synced")).unwrap();
+    let moved_synced = std::fs::read(scratch.0.join("moved").join("synced")).unwrap();
+    assert_ne!(synced, moved_synced);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kvgate_whose_lock_was_taken_from_under_it_pauses_and_the_new_owner_numbers_anew() {
+    let scratch = ScratchDir::new("lock-replaced");
+    let mut engine = Engine::new(1000, 29).await;
+    let first = engine.gateway(&scratch.state());
+    let mut router = RouterView::new();
+    let mut stream = resume(&first, &mut router).await;
+    past_the_slow_joiner(&mut engine, &first).await;
+    engine.steps(10).await;
+    catch_up(&mut engine, &mut stream, &mut router, "before").await;
+    // The lock file alone is unlinked: a second kvgate locks a new one.
+    std::fs::remove_file(scratch.state().join("lock")).unwrap();
+    let second = engine.gateway(&scratch.state());
+    // The first still runs and announces: its numbering is not the
+    // second's to continue.
+    assert_eq!(restore_outcome(&second).await, "renumbered");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(&first, "kvgate_state_paused").await == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never paused");
+        engine.steps(5).await;
+        catch_up(&mut engine, &mut stream, &mut router, "lock taken").await;
+    }
+    let (_, status) = http_get(first.admin.unwrap(), "/status").await;
+    assert!(status.contains("lock was replaced"), "{status}");
+    assert_eq!(
+        router.blocks(0),
+        true_blocks(&engine.cache),
+        "delivery went on"
+    );
+    // The first's cursor means nothing to the second.
+    router.reconnecting();
+    let refused = subscribe(second.channel().await, SERVICE, router.resume_cursor())
+        .await
+        .expect_err("a cursor of the first kvgate's numbering");
+    assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_segment_with_a_sparse_tail_of_64_gib_is_read_past_and_the_cursor_resumes() {
+    let scratch = ScratchDir::new("sparse");
+    let mut engine = Engine::new(1000, 31).await;
+    let mut router = RouterView::new();
+    let mut gateway = engine.gateway(&scratch.state());
+    let mut stream = resume(&gateway, &mut router).await;
+    engine.steps(20).await;
+    catch_up(&mut engine, &mut stream, &mut router, "before").await;
+    assert!(gateway.terminate().success());
+    drain_after_stop(&mut stream, &mut router, "stopped").await;
+    let newest = state_files(&scratch.state(), "segment-").pop().unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&newest)
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+
+    let gateway = engine.gateway(&scratch.state());
+    assert_eq!(restore_outcome(&gateway).await, "continued");
+    let mut stream = resume(&gateway, &mut router).await;
+    engine.steps(5).await;
+    catch_up(&mut engine, &mut stream, &mut router, "after").await;
+    assert_eq!(router.blocks(0), true_blocks(&engine.cache));
+    assert!(router.gaps.is_empty(), "{:?}", router.gaps);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_kvgates_checkpoint_copied_in_is_set_aside_never_served() {
+    let ours = ScratchDir::new("own-checkpoint");
+    let theirs = ScratchDir::new("their-checkpoint");
+    let mut engine = Engine::new(1000, 37).await;
+    let mut other = Engine::new(1000, 41).await;
+    fill_state_dir(&mut engine, &ours.state()).await;
+    fill_state_dir(&mut other, &theirs.state()).await;
+    // Theirs in place of ours: the only checkpoint, named as written.
+    for own in state_files(&ours.state(), "checkpoint-") {
+        std::fs::remove_file(own).unwrap();
+    }
+    let copied = state_files(&theirs.state(), "checkpoint-").pop().unwrap();
+    std::fs::copy(&copied, ours.state().join(copied.file_name().unwrap())).unwrap();
+
+    let gateway = engine.gateway(&ours.state());
+    let (_, status) = http_get(gateway.admin.unwrap(), "/status").await;
+    assert!(status.contains(": foreign"), "{status}");
+    let fresh = snapshot(&gateway).await;
+    assert_eq!(fresh.blocks(0), true_blocks(&engine.cache));
+}

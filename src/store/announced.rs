@@ -12,7 +12,9 @@
 //! missing, damaged, of another directory or another boot proves nothing.
 //! So the proof that a numbering may go on is written before each
 //! announcement, never after a fault: a disk that accepts nothing at all
-//! cannot make a restart reuse a number.
+//! cannot make a restart reuse a number. A mark names the process that
+//! keeps it (pid and start time): while that process runs (its lock was
+//! taken from under it), it proves nothing, since it may announce more.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -27,12 +29,12 @@ use memmap2::MmapMut;
 const MARK_DIR: &str = "/dev/shm";
 
 const MAGIC: &[u8; 8] = b"KVGMARK\x01";
-const MARK_BYTES: usize = 64;
-/// The fixed part (magic, directory, boot, seed), checksummed.
-const FIXED_BYTES: usize = 40;
-const CHECKSUM_AT: usize = 40;
-const THROUGH_AT: usize = 48;
-const SEQUENCE_AT: usize = 56;
+const MARK_BYTES: usize = 72;
+/// The fixed part (magic, directory, seed, boot, owner), checksummed.
+const FIXED_BYTES: usize = 48;
+const CHECKSUM_AT: usize = 48;
+const THROUGH_AT: usize = 56;
+const SEQUENCE_AT: usize = 64;
 
 /// The directory a mark belongs to: its device and inode, as the held
 /// directory handle has them.
@@ -51,6 +53,39 @@ pub struct MarkRecord {
     pub through: u64,
     /// The highest sequence number announced.
     pub highest_sequence: u64,
+    /// The process that keeps it is still running (its lock was taken
+    /// from under it): it may announce more than the mark says.
+    pub owner_running: bool,
+}
+
+/// A process, by pid and start time (so a reused pid is another one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owner {
+    pid: u32,
+    started: u64,
+}
+
+impl Owner {
+    fn this() -> Self {
+        let pid = std::process::id();
+        Self {
+            pid,
+            started: started(pid).unwrap_or(0),
+        }
+    }
+
+    fn running(self) -> bool {
+        self.pid != std::process::id() && started(self.pid) == Some(self.started)
+    }
+}
+
+/// A process's start time, in clock ticks since boot (`/proc/PID/stat`).
+fn started(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name, which may hold anything but ends at the
+    // last parenthesis: state is the first field, start time the 20th.
+    let fields = &stat[stat.rfind(')')? + 1..];
+    fields.split_whitespace().nth(19)?.parse().ok()
 }
 
 fn path(identity: DirIdentity) -> PathBuf {
@@ -60,13 +95,15 @@ fn path(identity: DirIdentity) -> PathBuf {
     ))
 }
 
-fn fixed(identity: DirIdentity, boot_id: &[u8], seed: u64) -> [u8; FIXED_BYTES] {
+fn fixed(identity: DirIdentity, boot_id: &[u8], seed: u64, owner: Owner) -> [u8; FIXED_BYTES] {
     let mut bytes = [0; FIXED_BYTES];
     bytes[..8].copy_from_slice(MAGIC);
     bytes[8..16].copy_from_slice(&identity.dev.to_le_bytes());
     bytes[16..24].copy_from_slice(&identity.ino.to_le_bytes());
-    bytes[24..28].copy_from_slice(&crc32c::crc32c(boot_id).to_le_bytes());
-    bytes[32..40].copy_from_slice(&seed.to_le_bytes());
+    bytes[24..32].copy_from_slice(&seed.to_le_bytes());
+    bytes[32..36].copy_from_slice(&crc32c::crc32c(boot_id).to_le_bytes());
+    bytes[36..40].copy_from_slice(&owner.pid.to_le_bytes());
+    bytes[40..48].copy_from_slice(&owner.started.to_le_bytes());
     bytes
 }
 
@@ -90,14 +127,19 @@ pub fn read(identity: DirIdentity, boot_id: &[u8]) -> Option<MarkRecord> {
     }
     let mut bytes = [0; MARK_BYTES];
     file.read_exact(&mut bytes).ok()?;
-    let seed = u64_at(&bytes, 32);
+    let seed = u64_at(&bytes, 24);
+    let owner = Owner {
+        pid: u32::from_le_bytes(bytes[36..40].try_into().ok()?),
+        started: u64_at(&bytes, 40),
+    };
     let checksum = u32::from_le_bytes(bytes[CHECKSUM_AT..CHECKSUM_AT + 4].try_into().ok()?);
-    let expected = fixed(identity, boot_id, seed);
+    let expected = fixed(identity, boot_id, seed, owner);
     (bytes[..FIXED_BYTES] == expected && checksum == crc32c::crc32c(&expected)).then(|| {
         MarkRecord {
             seed,
             through: u64_at(&bytes, THROUGH_AT),
             highest_sequence: u64_at(&bytes, SEQUENCE_AT),
+            owner_running: owner.running(),
         }
     })
 }
@@ -121,7 +163,7 @@ impl AnnouncedMark {
         let target = path(identity);
         let temporary = target.with_extension(format!("tmp-{}", std::process::id()));
         let mut bytes = [0; MARK_BYTES];
-        let head = fixed(identity, boot_id, record.seed);
+        let head = fixed(identity, boot_id, record.seed, Owner::this());
         bytes[..FIXED_BYTES].copy_from_slice(&head);
         bytes[CHECKSUM_AT..CHECKSUM_AT + 4].copy_from_slice(&crc32c::crc32c(&head).to_le_bytes());
         bytes[THROUGH_AT..THROUGH_AT + 8].copy_from_slice(&record.through.to_le_bytes());
@@ -183,6 +225,7 @@ mod tests {
             seed: 1000,
             through: 4,
             highest_sequence: 1003,
+            owner_running: false,
         };
         let mark = AnnouncedMark::create(identity, b"boot", record).unwrap();
         assert_eq!(read(identity, b"boot"), Some(record));
@@ -193,7 +236,8 @@ mod tests {
             Some(MarkRecord {
                 seed: 1000,
                 through: 9,
-                highest_sequence: 1010
+                highest_sequence: 1010,
+                owner_running: false,
             }),
             "the mark outlives the process's map"
         );

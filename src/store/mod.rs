@@ -189,6 +189,7 @@ pub fn open(config: StoreConfig, metrics: &Metrics, fresh_seed: u64) -> Result<O
         seed: seed_of(restored),
         through: restored.next_position - 1,
         highest_sequence: restored.highest_number,
+        owner_running: false,
     };
     let mark = match AnnouncedMark::create(identity, &boot_id, mark_for(&restored)) {
         Ok(mark) => Some(mark),

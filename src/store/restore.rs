@@ -314,7 +314,7 @@ pub fn restore(
     // Nothing was announced past the log's end: the mark, raised before
     // every announcement, says so, or a clean shutdown recorded it.
     let end_proven = |seed: u64| {
-        mark.is_some_and(|mark| mark.seed == seed && mark.through <= end)
+        mark.is_some_and(|mark| !mark.owner_running && mark.seed == seed && mark.through <= end)
             || synced_clean_at(&synced, seed, end)
     };
     let numbering_proven = match (&scan.newest, &base_meta) {
@@ -743,6 +743,7 @@ pub(super) mod tests {
             seed,
             through,
             highest_sequence: seed + through - 1,
+            owner_running: false,
         })
     }
 
