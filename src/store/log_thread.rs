@@ -350,9 +350,10 @@ impl LogThread {
         self.pending.len()
     }
 
-    /// `LOG_QUEUE` cycles are out: the disk is behind.
+    /// `LOG_QUEUE` cycles are out: the disk is behind. (Cycles a stalled
+    /// writer still holds do not count: nothing more is handed to it.)
     pub fn is_full(&self) -> bool {
-        self.pending.len().max(self.with_writer) >= LOG_QUEUE
+        self.pending.len() >= LOG_QUEUE || (!self.stalled && self.with_writer >= LOG_QUEUE)
     }
 
     /// Notified when the writer hands a cycle back (a permit is kept if

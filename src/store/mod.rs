@@ -296,14 +296,19 @@ mod tests {
     use crate::wire::OpenBatch;
     use restore::Outcome;
     use restore::tests::{Dir, LIMITS};
+    use std::os::unix::fs::OpenOptionsExt;
 
     const SEED: u64 = 1000;
 
     fn open_store(dir: &Dir) -> Opened {
+        open_store_waiting(dir, Duration::from_secs(10))
+    }
+
+    fn open_store_waiting(dir: &Dir, io_timeout: Duration) -> Opened {
         let config = StoreConfig {
             dir: dir.0.clone(),
             sync_interval: Duration::from_secs(3600),
-            io_timeout: Duration::from_secs(10),
+            io_timeout,
             limits: StoreLimits {
                 segment_bytes: 1 << 20,
                 checkpoint_bytes: 1 << 20,
@@ -378,5 +383,58 @@ mod tests {
         // the machine crashes before this process's first sync.
         drop(opened);
         assert_eq!(dir.restore(None).report.outcome, Outcome::Renumbered);
+    }
+
+    fn hand_over_one(log: &mut LogThread) {
+        let framed = FramedBatch::new(&OpenBatch::with_timestamp(1.0).encode(0, SEED, None));
+        log.hand_over(&mut vec![(0, SEED, framed)], |_| {});
+    }
+
+    #[test]
+    fn a_writer_hung_in_an_open_holds_no_announcement_past_the_timeout_however_many_cycles_come() {
+        let dir = Dir::new("hung-open");
+        let mut opened = open_store_waiting(&dir, Duration::from_millis(50));
+        // The first segment's open waits for a reader, as an open on a
+        // dead network mount does.
+        let fifo = dir.0.join(files::segment_name(1));
+        let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        for _ in 0..log_thread::LOG_QUEUE {
+            assert!(!opened.log.is_full());
+            hand_over_one(&mut opened.log);
+        }
+        assert!(opened.log.is_full(), "the writer holds every cycle");
+        let first = opened
+            .log
+            .wait_written()
+            .expect("announced past the timeout");
+        assert_eq!(first.first_position, 1);
+        for position in 2..=log_thread::LOG_QUEUE as u64 {
+            let cycle = opened
+                .log
+                .try_written()
+                .expect("announced without the writer");
+            assert_eq!(cycle.first_position, position);
+        }
+        // The writer still hangs: later cycles go out at once, and the
+        // drain is never held back.
+        for position in 17..200 {
+            assert!(!opened.log.is_full());
+            hand_over_one(&mut opened.log);
+            let cycle = opened.log.try_written().expect("announced at once");
+            assert_eq!(cycle.first_position, position);
+        }
+        let paused = opened.status().view().persist.paused.expect("paused");
+        assert!(
+            paused.contains("opening a log segment: did not complete within 50ms"),
+            "{paused}"
+        );
+        // A reader lets the hung open finish, so the thread can end.
+        let _reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
     }
 }
