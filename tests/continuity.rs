@@ -476,37 +476,54 @@ async fn a_damaged_state_dir_is_set_aside_and_kvgate_serves_only_the_engines_blo
     }
 }
 
+/// Makes every file kvgate writes stop growing at 64 KiB (`RLIMIT_FSIZE`):
+/// the log fills, and from then on the disk takes no byte of it.
+fn files_stop_at_64_kib(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let limit = libc::rlimit {
+                rlim_cur: 64 << 10,
+                rlim_max: 64 << 10,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Publishes, followed by `router`, until `gateway` pauses persistence.
+async fn follow_until_paused(
+    engine: &mut Engine,
+    gateway: &Gateway,
+    stream: &mut Streaming<KvEventBatch>,
+    router: &mut RouterView,
+    context: &str,
+) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(gateway, "kvgate_state_paused").await == 0.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{context}: never paused"
+        );
+        engine.steps(10).await;
+        catch_up(engine, stream, router, context).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_that_fills_pauses_persistence_while_serving_goes_on_and_it_resumes() {
     let scratch = ScratchDir::new("full");
     let mut engine = Engine::new(10_000, 5).await;
-    // Every file kvgate writes stops growing at 64 KiB: the log fills.
-    let gateway = engine.gateway_configured(&scratch.state(), &[], |command| {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            command.pre_exec(|| {
-                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-                let limit = libc::rlimit {
-                    rlim_cur: 64 << 10,
-                    rlim_max: 64 << 10,
-                };
-                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    });
+    let gateway = engine.gateway_configured(&scratch.state(), &[], files_stop_at_64_kib);
     let admin = gateway.admin.unwrap();
     let mut router = RouterView::new();
     let mut stream = resume(&gateway, &mut router).await;
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(&gateway, "kvgate_state_paused").await == 0.0 {
-        assert!(tokio::time::Instant::now() < deadline, "never paused");
-        engine.steps(10).await;
-        catch_up(&mut engine, &mut stream, &mut router, "filling").await;
-    }
+    follow_until_paused(&mut engine, &gateway, &mut stream, &mut router, "filling").await;
     let (_, status) = http_get(admin, "/status").await;
     assert!(status.contains("File too large"), "{status}");
     // Serving went on.
@@ -517,6 +534,7 @@ async fn a_disk_that_fills_pauses_persistence_while_serving_goes_on_and_it_resum
     // A new segment fits again: persistence resumes (at the next cycle
     // after its retry delay) with a checkpoint.
     let checkpoints = metric(&gateway, "kvgate_state_checkpoints_total").await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
     while metric(&gateway, "kvgate_state_paused").await == 1.0 {
         assert!(tokio::time::Instant::now() < deadline, "never resumed");
         engine.step().await;
@@ -556,18 +574,7 @@ async fn no_position_is_announced_or_cut_for_a_snapshot_before_its_batch_is_in_t
     // reader, as a write waits for a slow disk.
     let segment = scratch.state().join("segment-00000000000000000001.log");
     common::replace_with_fifo(&segment);
-    // Past the engine socket's slow joiner (a fence removes nothing).
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    let mut fence = 1u64 << 40;
-    while messages_taken(&gateway).await == 0.0 {
-        assert!(tokio::time::Instant::now() < deadline, "no message taken");
-        engine
-            .publisher
-            .publish(common::fence_payload(fence, 0))
-            .await
-            .unwrap();
-        fence += 1;
-    }
+    past_the_slow_joiner(&mut engine, &gateway).await;
     // The source goes on taking the engine's messages while the first
     // write waits (the drain takes up to its bound of cycles out): the
     // admin port answers, and so would the engine's.
@@ -636,6 +643,41 @@ async fn past_the_slow_joiner(engine: &mut Engine, gateway: &Gateway) {
     }
 }
 
+/// A kvgate on `dir`, and a router following it past the engine's first
+/// steps.
+async fn followed(
+    engine: &mut Engine,
+    dir: &Path,
+) -> (Gateway, RouterView, Streaming<KvEventBatch>) {
+    let gateway = engine.gateway(dir);
+    let mut router = RouterView::new();
+    let mut stream = resume(&gateway, &mut router).await;
+    past_the_slow_joiner(engine, &gateway).await;
+    engine.steps(10).await;
+    catch_up(engine, &mut stream, &mut router, "before").await;
+    (gateway, router, stream)
+}
+
+/// A new subscriber's view once the engine's newest message is in.
+async fn snapshot_caught_up(engine: &mut Engine, gateway: &Gateway) -> RouterView {
+    let mut router = RouterView::new();
+    let mut stream = resume(gateway, &mut router).await;
+    catch_up(engine, &mut stream, &mut router, "a new subscriber").await;
+    router
+}
+
+/// Asserts `gateway` refuses `cursor` as a cursor of another numbering.
+async fn refused_as_a_cursor(gateway: &Gateway, cursor: u64) {
+    let refused = subscribe(gateway.channel().await, SERVICE, cursor)
+        .await
+        .expect_err("a cursor of another numbering");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::OutOfRange,
+        "{cursor}: {refused:?}"
+    );
+}
+
 /// `/status`'s restore outcome.
 async fn restore_outcome(gateway: &Gateway) -> String {
     let (_, status) = http_get(gateway.admin.unwrap(), "/status").await;
@@ -690,11 +732,7 @@ async fn an_open_of_the_log_that_hangs_pauses_persistence_delivery_goes_on_healt
     std::fs::remove_file(scratch.state().join("segment-00000000000000000001.log")).unwrap();
     let gateway = engine.gateway(&scratch.state());
     assert_eq!(restore_outcome(&gateway).await, "empty");
-    router.reconnecting();
-    let refused = subscribe(gateway.channel().await, SERVICE, router.resume_cursor())
-        .await
-        .expect_err("a cursor of the old numbering");
-    assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+    refused_as_a_cursor(&gateway, router.resume_cursor()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -702,33 +740,10 @@ async fn a_killed_kvgate_whose_disk_took_nothing_after_a_point_restarts_under_a_
  {
     let scratch = ScratchDir::new("took-nothing");
     let mut engine = Engine::new(10_000, 19).await;
-    // Every file kvgate writes stops growing at 64 KiB: from then on the
-    // disk takes no byte of the log.
-    let gateway = engine.gateway_configured(&scratch.state(), &[], |command| {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            command.pre_exec(|| {
-                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-                let limit = libc::rlimit {
-                    rlim_cur: 64 << 10,
-                    rlim_max: 64 << 10,
-                };
-                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    });
+    let gateway = engine.gateway_configured(&scratch.state(), &[], files_stop_at_64_kib);
     let mut router = RouterView::new();
     let mut stream = resume(&gateway, &mut router).await;
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(&gateway, "kvgate_state_paused").await == 0.0 {
-        assert!(tokio::time::Instant::now() < deadline, "never paused");
-        engine.steps(10).await;
-        catch_up(&mut engine, &mut stream, &mut router, "filling").await;
-    }
+    follow_until_paused(&mut engine, &gateway, &mut stream, &mut router, "filling").await;
     // Announced while the log takes nothing: a cursor in the middle of
     // them, and the last.
     engine.steps(5).await;
@@ -743,14 +758,12 @@ async fn a_killed_kvgate_whose_disk_took_nothing_after_a_point_restarts_under_a_
     let gateway = engine.gateway(&scratch.state());
     assert_eq!(restore_outcome(&gateway).await, "renumbered");
     for cursor in [middle, last] {
-        let refused = subscribe(gateway.channel().await, SERVICE, cursor)
-            .await
-            .expect_err("a cursor of the old numbering");
-        assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+        refused_as_a_cursor(&gateway, cursor).await;
     }
-    // The restored state goes on: a snapshot holds the engine's blocks.
+    // The state kept goes on, the engine's replay filling what the log
+    // lacks.
     assert_eq!(
-        snapshot(&gateway).await.blocks(0),
+        snapshot_caught_up(&mut engine, &gateway).await.blocks(0),
         true_blocks(&engine.cache)
     );
 }
@@ -768,23 +781,13 @@ async fn a_kvgate_whose_state_dir_was_replaced_pauses_saying_why_and_never_write
 {
     let scratch = ScratchDir::new("replaced");
     let mut engine = Engine::new(1000, 23).await;
-    let first = engine.gateway(&scratch.state());
-    let mut router = RouterView::new();
-    let mut stream = resume(&first, &mut router).await;
-    past_the_slow_joiner(&mut engine, &first).await;
-    engine.steps(10).await;
-    catch_up(&mut engine, &mut stream, &mut router, "before").await;
+    let (first, mut router, mut stream) = followed(&mut engine, &scratch.state()).await;
     // The directory is moved away, a new one made at its path, and a
     // second kvgate takes it.
     std::fs::rename(scratch.state(), scratch.0.join("moved")).unwrap();
     let second = engine.gateway(&scratch.state());
     assert_eq!(restore_outcome(&second).await, "empty");
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(&first, "kvgate_state_paused").await == 0.0 {
-        assert!(tokio::time::Instant::now() < deadline, "never paused");
-        engine.steps(5).await;
-        catch_up(&mut engine, &mut stream, &mut router, "replaced").await;
-    }
+    follow_until_paused(&mut engine, &first, &mut stream, &mut router, "replaced").await;
     let (_, status) = http_get(first.admin.unwrap(), "/status").await;
     assert!(status.contains("the directory was replaced"), "{status}");
     // Past the pause's retry: the first kvgate tries a new segment, and
@@ -816,24 +819,14 @@ async fn a_kvgate_whose_state_dir_was_replaced_pauses_saying_why_and_never_write
 async fn a_kvgate_whose_lock_was_taken_from_under_it_pauses_and_the_new_owner_numbers_anew() {
     let scratch = ScratchDir::new("lock-replaced");
     let mut engine = Engine::new(1000, 29).await;
-    let first = engine.gateway(&scratch.state());
-    let mut router = RouterView::new();
-    let mut stream = resume(&first, &mut router).await;
-    past_the_slow_joiner(&mut engine, &first).await;
-    engine.steps(10).await;
-    catch_up(&mut engine, &mut stream, &mut router, "before").await;
+    let (first, mut router, mut stream) = followed(&mut engine, &scratch.state()).await;
     // The lock file alone is unlinked: a second kvgate locks a new one.
     std::fs::remove_file(scratch.state().join("lock")).unwrap();
     let second = engine.gateway(&scratch.state());
     // The first still runs and announces: its numbering is not the
     // second's to continue.
     assert_eq!(restore_outcome(&second).await, "renumbered");
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while metric(&first, "kvgate_state_paused").await == 0.0 {
-        assert!(tokio::time::Instant::now() < deadline, "never paused");
-        engine.steps(5).await;
-        catch_up(&mut engine, &mut stream, &mut router, "lock taken").await;
-    }
+    follow_until_paused(&mut engine, &first, &mut stream, &mut router, "lock taken").await;
     let (_, status) = http_get(first.admin.unwrap(), "/status").await;
     assert!(status.contains("lock was replaced"), "{status}");
     assert_eq!(
@@ -842,11 +835,7 @@ async fn a_kvgate_whose_lock_was_taken_from_under_it_pauses_and_the_new_owner_nu
         "delivery went on"
     );
     // The first's cursor means nothing to the second.
-    router.reconnecting();
-    let refused = subscribe(second.channel().await, SERVICE, router.resume_cursor())
-        .await
-        .expect_err("a cursor of the first kvgate's numbering");
-    assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+    refused_as_a_cursor(&second, router.resume_cursor()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1122,19 +1111,12 @@ async fn a_file_system_shut_down_under_kvgate_then_a_kill_never_lets_the_next_pr
     let outcome = restore_outcome(&gateway).await;
     assert_eq!(outcome, "renumbered");
     for cursor in [middle, last] {
-        let refused = subscribe(gateway.channel().await, SERVICE, cursor)
-            .await
-            .expect_err("a cursor of the old numbering");
-        assert_eq!(
-            refused.code(),
-            tonic::Code::OutOfRange,
-            "{outcome}: {refused:?}"
-        );
+        refused_as_a_cursor(&gateway, cursor).await;
     }
     // The state kept goes on, the engine's replay filling what the log
     // lacks.
-    let mut fresh = RouterView::new();
-    let mut stream = resume(&gateway, &mut fresh).await;
-    catch_up(&mut engine, &mut stream, &mut fresh, "renumbered").await;
-    assert_eq!(fresh.blocks(0), true_blocks(&engine.cache));
+    assert_eq!(
+        snapshot_caught_up(&mut engine, &gateway).await.blocks(0),
+        true_blocks(&engine.cache)
+    );
 }
