@@ -40,8 +40,27 @@ impl ScratchDir {
     }
 }
 
+/// Removes the announcement marks kvgate kept, beside its state
+/// directories, for the directories in `dir`.
+fn remove_marks_of_dirs_in(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if let Ok(metadata) = entry.metadata()
+            && metadata.is_dir()
+        {
+            let mark = format!(
+                "/dev/shm/kvgate-announced-{}-{}",
+                metadata.dev(),
+                metadata.ino()
+            );
+            let _ = std::fs::remove_file(mark);
+        }
+    }
+}
+
 impl Drop for ScratchDir {
     fn drop(&mut self) {
+        remove_marks_of_dirs_in(&self.0);
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
@@ -992,6 +1011,7 @@ impl LoopFs {
 impl Drop for LoopFs {
     fn drop(&mut self) {
         self.thaw();
+        remove_marks_of_dirs_in(&self.mount);
         let _ = run("umount", &["-l", self.mount.to_str().unwrap()]);
         let _ = std::fs::remove_dir(&self.mount);
         let _ = std::fs::remove_file(&self.image);

@@ -751,6 +751,13 @@ pub(super) mod tests {
 
     impl Drop for Dir {
         fn drop(&mut self) {
+            if let Ok(metadata) = std::fs::metadata(&self.0) {
+                use std::os::unix::fs::MetadataExt;
+                crate::store::announced::remove(crate::store::announced::DirIdentity {
+                    dev: metadata.dev(),
+                    ino: metadata.ino(),
+                });
+            }
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }
