@@ -117,9 +117,16 @@ impl Shared {
     }
 
     /// Records a failed write: the log writer pauses at its next cycle.
+    /// Logged once while the same failure repeats (a sync retried every
+    /// interval on a directory that was replaced says so once).
     pub fn fail(&self, what: &str, error: &std::io::Error) {
-        warn!(%error, "state directory: {what} failed; persistence pauses");
-        self.status.lock().expect("status lock").paused = Some(format!("{what}: {error}"));
+        let reason = format!("{what}: {error}");
+        let mut status = self.status.lock().expect("status lock");
+        if status.paused.as_ref() != Some(&reason) {
+            warn!(%error, "state directory: {what} failed; persistence pauses");
+            status.paused = Some(reason);
+        }
+        drop(status);
         self.fault.store(true, Ordering::Release);
     }
 }
