@@ -1140,3 +1140,65 @@ async fn a_file_system_shut_down_under_kvgate_then_a_kill_never_lets_the_next_pr
         true_blocks(&engine.cache)
     );
 }
+
+/// The state of each of `pid`'s threads (`R`, `S`, `D`, `Z`...).
+fn thread_states(pid: u32) -> Vec<char> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten();
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("stat")).ok())
+        .filter_map(|stat| {
+            let after_name = &stat[stat.rfind(')')? + 1..];
+            after_name.trim_start().chars().next()
+        })
+        .collect()
+}
+
+/// The state of `pid`'s main thread.
+fn main_thread_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_kvgate_whose_state_dir_hangs_while_it_is_read_back() {
+    let Some(fs) = LoopFs::new("frozen-start") else {
+        return;
+    };
+    let dir = fs.dir("state");
+    let engine = Engine::new(1000, 53).await;
+    assert!(engine.gateway(&dir).terminate().success());
+    fs.freeze();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--zmq-endpoint"])
+        .arg(engine.publisher.endpoint())
+        .arg("--state-dir")
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // Taking the directory writes its lock: the start sleeps in the frozen
+    // file system, before any port is bound.
+    let deadline = Instant::now() + DEADLINE;
+    while !thread_states(pid).contains(&'D') {
+        assert!(Instant::now() < deadline, "never reached the frozen disk");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let asked = Instant::now();
+    assert!(run("kill", &["-TERM", &pid.to_string()]));
+    while main_thread_state(pid).is_some_and(|state| state != 'Z') {
+        assert!(
+            asked.elapsed() < SIGTERM_WITHIN,
+            "SIGTERM while reading the directory back was not taken"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The thread asleep in the file system goes once it thaws.
+    fs.thaw();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}

@@ -53,6 +53,9 @@ pub struct Shared {
     /// What the log writer is doing (an `Operation`), to name what did not
     /// complete in time.
     pub operation: AtomicU8,
+    /// When the sync thread's running fsync began (Unix µs), 0 when none
+    /// runs: `/status` shows one that takes long (a hung disk).
+    pub sync_started: AtomicU64,
     /// What `/status` shows.
     pub status: Mutex<PersistStatus>,
 }
@@ -91,6 +94,11 @@ pub struct PersistStatus {
     pub last_checkpoint: Option<CheckpointStatus>,
     /// The last position fsynced.
     pub synced_through: u64,
+    /// How long the fsync under way has run, in ms (a disk that does not
+    /// finish it: the log still goes to the page cache and is announced,
+    /// but not made durable against a machine crash).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsync_running_ms: Option<u64>,
 }
 
 /// The newest checkpoint written.
@@ -196,6 +204,15 @@ impl Syncer {
     }
 
     fn sync(&self, segments: &[File], through: u64, clean: bool) -> std::io::Result<()> {
+        self.shared
+            .sync_started
+            .store(crate::clock::unix_micros_now(), Ordering::Release);
+        let synced = self.sync_and_record(segments, through, clean);
+        self.shared.sync_started.store(0, Ordering::Release);
+        synced
+    }
+
+    fn sync_and_record(&self, segments: &[File], through: u64, clean: bool) -> std::io::Result<()> {
         for segment in segments {
             segment.sync_data()?;
         }

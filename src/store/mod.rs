@@ -32,6 +32,7 @@ mod writer;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::sync_channel;
 use std::time::Duration;
 
@@ -148,10 +149,14 @@ pub(crate) struct StoreStatusView {
 
 impl StoreStatus {
     pub(crate) fn view(&self) -> StoreStatusView {
+        let mut persist = self.shared.status.lock().expect("status lock").clone();
+        let started = self.shared.sync_started.load(Ordering::Acquire);
+        persist.fsync_running_ms =
+            (started != 0).then(|| crate::clock::unix_micros_now().saturating_sub(started) / 1000);
         StoreStatusView {
             dir: self.dir.clone(),
             restored: (*self.restored).clone(),
-            persist: self.shared.status.lock().expect("status lock").clone(),
+            persist,
         }
     }
 }
