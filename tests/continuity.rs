@@ -1202,3 +1202,48 @@ async fn sigterm_stops_a_kvgate_whose_state_dir_hangs_while_it_is_read_back() {
     let status = child.wait().unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_a_frozen_file_system_thaws_persistence_resumes_and_a_kill_after_the_new_checkpoint_continues_the_numbering()
+ {
+    let Some(fs) = LoopFs::new("thaw") else {
+        return;
+    };
+    let dir = fs.dir("state");
+    let mut engine = Engine::new(10_000, 59).await;
+    let (gateway, mut router, mut stream) = followed(&mut engine, &dir).await;
+    let admin = gateway.admin.unwrap();
+    fs.freeze();
+    follow_until_paused(&mut engine, &gateway, &mut stream, &mut router, "frozen").await;
+    engine.steps(10).await;
+    catch_up(&mut engine, &mut stream, &mut router, "frozen").await;
+
+    fs.thaw();
+    let checkpoints = metric(&gateway, "kvgate_state_checkpoints_total").await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while metric(&gateway, "kvgate_state_paused").await == 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "never resumed");
+        engine.steps(1).await;
+        catch_up(&mut engine, &mut stream, &mut router, "thawed").await;
+    }
+    // The log is whole again from a new checkpoint on.
+    await_metric_where(
+        admin,
+        "kvgate_state_checkpoints_total",
+        "a new checkpoint",
+        |now| now > checkpoints,
+    )
+    .await;
+    engine.steps(5).await;
+    catch_up(&mut engine, &mut stream, &mut router, "resumed").await;
+    kill(gateway, &mut stream, &mut router).await;
+
+    let gateway = engine.gateway(&dir);
+    assert_eq!(restore_outcome(&gateway).await, "continued");
+    let mut stream = resume(&gateway, &mut router).await;
+    engine.steps(5).await;
+    catch_up(&mut engine, &mut stream, &mut router, "continued").await;
+    assert_eq!(router.blocks(0), true_blocks(&engine.cache));
+    assert!(router.gaps.is_empty(), "{:?}", router.gaps);
+    assert_eq!(router.restarts, 0);
+}
