@@ -124,6 +124,12 @@ impl Engine {
             "--state-dir",
             dir.to_str().unwrap(),
         ];
+        // A loaded CI machine can hold a test's kvgate off the CPU for
+        // longer than the default bound, which would pause persistence and
+        // renumber a restart: tests of that bound set it themselves.
+        if !extra.contains(&"--state-io-timeout-ms") {
+            args.extend_from_slice(&["--state-io-timeout-ms", "5000"]);
+        }
         args.extend_from_slice(extra);
         Gateway::start_configured(&args, configure)
     }
@@ -712,7 +718,8 @@ async fn an_open_of_the_log_that_hangs_pauses_persistence_delivery_goes_on_healt
  {
     let scratch = ScratchDir::new("hung-open");
     let mut engine = Engine::new(1000, 17).await;
-    let mut gateway = engine.gateway(&scratch.state());
+    let mut gateway =
+        engine.gateway_configured(&scratch.state(), &["--state-io-timeout-ms", "250"], |_| {});
     let admin = gateway.admin.unwrap();
     let mut router = RouterView::new();
     let mut stream = resume(&gateway, &mut router).await;
@@ -1053,7 +1060,7 @@ async fn a_frozen_file_system_pauses_persistence_while_every_batch_is_delivered_
         let mut engine = Engine::new(10_000, 43).await;
         let mut gateway = engine.gateway_configured(
             &fs.dir(&format!("state-{workers}")),
-            &["--worker-threads", workers],
+            &["--worker-threads", workers, "--state-io-timeout-ms", "250"],
             |_| {},
         );
         let admin = gateway.admin.unwrap();
@@ -1211,8 +1218,12 @@ async fn once_a_frozen_file_system_thaws_persistence_resumes_and_a_kill_after_th
     };
     let dir = fs.dir("state");
     let mut engine = Engine::new(10_000, 59).await;
-    let (gateway, mut router, mut stream) = followed(&mut engine, &dir).await;
+    let gateway = engine.gateway_configured(&dir, &["--state-io-timeout-ms", "1000"], |_| {});
     let admin = gateway.admin.unwrap();
+    let mut router = RouterView::new();
+    let mut stream = resume(&gateway, &mut router).await;
+    engine.steps(10).await;
+    catch_up(&mut engine, &mut stream, &mut router, "before").await;
     fs.freeze();
     follow_until_paused(&mut engine, &gateway, &mut stream, &mut router, "frozen").await;
     engine.steps(10).await;
