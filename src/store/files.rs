@@ -18,8 +18,9 @@ pub const SYNCED_FILE: &str = "synced";
 /// What a file in the directory is, by its name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Named {
-    /// `segment-<first position>.log`, or `….log.unfinished` once writing
-    /// it failed while kvgate went on announcing batches.
+    /// `segment-<first position>.log`, or `….log.unfinished` as earlier
+    /// versions renamed a segment whose write failed (read as a log whose
+    /// end proves nothing).
     Segment {
         first_position: u64,
         unfinished: bool,

@@ -153,7 +153,8 @@ enum Tail {
     /// Verified to its end (a torn last record is a write cut short,
     /// never announced).
     Verified,
-    /// Damaged, or left unfinished while kvgate went on announcing.
+    /// Damaged, or marked unfinished (by an earlier version, when a write
+    /// failed while it went on announcing).
     Unproven,
 }
 
