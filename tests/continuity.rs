@@ -814,8 +814,6 @@ async fn a_kvgate_whose_state_dir_was_replaced_pauses_saying_why_and_never_write
     let second = engine.gateway(&scratch.state());
     assert_eq!(restore_outcome(&second).await, "empty");
     follow_until_paused(&mut engine, &first, &mut stream, &mut router, "replaced").await;
-    let (_, status) = http_get(first.admin.unwrap(), "/status").await;
-    assert!(status.contains("the directory was replaced"), "{status}");
     // Past the pause's retry: the first kvgate tries a new segment, and
     // finds the directory still not its own.
     let paused = std::time::Instant::now();
@@ -824,6 +822,8 @@ async fn a_kvgate_whose_state_dir_was_replaced_pauses_saying_why_and_never_write
         catch_up(&mut engine, &mut stream, &mut router, "replaced").await;
     }
     assert_eq!(metric(&first, "kvgate_state_paused").await, 1.0);
+    let (_, status) = http_get(first.admin.unwrap(), "/status").await;
+    assert!(status.contains("the directory was replaced"), "{status}");
     assert_eq!(
         router.blocks(0),
         true_blocks(&engine.cache),
@@ -853,8 +853,17 @@ async fn a_kvgate_whose_lock_was_taken_from_under_it_pauses_and_the_new_owner_nu
     // second's to continue.
     assert_eq!(restore_outcome(&second).await, "renumbered");
     follow_until_paused(&mut engine, &first, &mut stream, &mut router, "lock taken").await;
-    let (_, status) = http_get(first.admin.unwrap(), "/status").await;
-    assert!(status.contains("lock was replaced"), "{status}");
+    // (Until the second kvgate made its lock, the first found none.)
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let (_, status) = http_get(first.admin.unwrap(), "/status").await;
+        if status.contains("lock was replaced") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{status}");
+        engine.steps(1).await;
+        catch_up(&mut engine, &mut stream, &mut router, "lock taken").await;
+    }
     assert_eq!(
         router.blocks(0),
         true_blocks(&engine.cache),

@@ -125,15 +125,20 @@ impl Shared {
     }
 
     /// Records a failed write: the log writer pauses at its next cycle.
-    /// Logged once while the same failure repeats (a sync retried every
-    /// interval on a directory that was replaced says so once).
+    /// Logged once while the same error repeats, whichever thread meets it
+    /// (a sync and a segment's open retried on a directory that was
+    /// replaced say so once).
     pub fn fail(&self, what: &str, error: &std::io::Error) {
-        let reason = format!("{what}: {error}");
+        let error_text = error.to_string();
         let mut status = self.status.lock().expect("status lock");
-        if status.paused.as_ref() != Some(&reason) {
+        let repeated = status
+            .paused
+            .as_ref()
+            .is_some_and(|paused| paused.ends_with(&error_text));
+        if !repeated {
             warn!(%error, "state directory: {what} failed; persistence pauses");
-            status.paused = Some(reason);
         }
+        status.paused = Some(format!("{what}: {error_text}"));
         drop(status);
         self.fault.store(true, Ordering::Release);
     }
