@@ -175,6 +175,7 @@ fn drain_on_state_dir(
     let config = StoreConfig {
         dir: dir.to_owned(),
         sync_interval: Duration::from_millis(1000),
+        io_timeout: Duration::from_millis(500),
         limits: StoreLimits {
             segment_bytes: 64 << 20,
             checkpoint_bytes,

@@ -134,6 +134,7 @@ fn drain_with_state(parent: &str) -> (Drain, kvgate::hub::HubReader, StateDirGua
     let config = StoreConfig {
         dir: dir.clone(),
         sync_interval: std::time::Duration::from_millis(1000),
+        io_timeout: std::time::Duration::from_millis(500),
         limits: StoreLimits {
             segment_bytes: 64 << 20,
             checkpoint_bytes: 256 << 20,

@@ -72,7 +72,16 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let demo = args.demo;
     let grpcurl_credentials = grpcurl_credentials(&args);
-    let gateway = Gateway::start(args).await?;
+    let mut shutdown = std::pin::pin!(shutdown);
+    // A signal while starting (reading a state directory back, say) stops
+    // it there: nothing is served yet, and what was started is abandoned.
+    let gateway = tokio::select! {
+        gateway = Gateway::start(args) => gateway?,
+        () = &mut shutdown => {
+            info!("shutting down before serving");
+            return Ok(());
+        }
+    };
     if let Some(admin) = gateway.admin_address() {
         crate::logging::announce(&format!(
             "kvgate: metrics, /healthz and /status on http://{admin}"
@@ -510,6 +519,7 @@ async fn open_store(
     let config = StoreConfig {
         dir: dir.to_owned(),
         sync_interval: Duration::from_millis(args.state_sync_ms),
+        io_timeout: Duration::from_millis(args.state_io_timeout_ms),
         limits: StoreLimits {
             segment_bytes: args.state_segment_bytes,
             checkpoint_bytes: args.state_checkpoint_bytes,

@@ -198,6 +198,15 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub state_sync_ms: u64,
 
+    /// Milliseconds the drain waits for a write or an open of the
+    /// --state-dir log (a frozen or hung file system) before it pauses
+    /// persistence and announces without the log: delivery goes on, and a
+    /// restart after an unclean stop numbers anew. Above the kernel's
+    /// longest pause of a writer for dirty pages (200 ms).
+    #[arg(long, env = "KVGATE_STATE_IO_TIMEOUT_MS", default_value_t = 500,
+          value_parser = clap::value_parser!(u64).range(10..=10_000))]
+    pub state_io_timeout_ms: u64,
+
     /// Size at which a --state-dir log segment is closed and a new one
     /// opened, e.g. 64MiB (segments are deleted whole).
     #[arg(long, env = "KVGATE_STATE_SEGMENT_BYTES", default_value = "64MiB", value_name = "SIZE",

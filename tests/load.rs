@@ -1105,9 +1105,12 @@ fn admit_checking_load_only(view: &mut RouterView, last: &mut Option<u64>, batch
 async fn with_a_state_dir_no_load_only_batch_names_a_sequence_still_being_written_to_the_log() {
     let dir = std::env::temp_dir().join(format!("load-held-log-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
+    // A write held longer than this would pause persistence instead.
     let (gateway, mut kv, mut load) = pushing_gateway(&[
         "--state-dir",
         dir.to_str().unwrap(),
+        "--state-io-timeout-ms",
+        "10000",
         "--load-heartbeat-ms",
         "100",
     ])

@@ -15,7 +15,8 @@
 //! log before any of them is announced, with the engine publishers' resume
 //! points as of the cycle's end: the drain hands the cycle to the log
 //! writer thread and goes on with the next payloads, and announces the
-//! cycle when the writer hands it back (see `crate::store`). What must not
+//! cycle when the writer hands it back, or once `--state-io-timeout-ms`
+//! has passed without it (persistence then pauses; see `crate::store`). What must not
 //! name a position or a sequence number subscribers have not been given (a
 //! snapshot cut, a checkpoint's cut, a `load_only` batch) waits for a quiet
 //! point, when every cycle handed over is announced; while one waits, the
@@ -80,6 +81,10 @@ const MAX_MESSAGES_PER_CYCLE: usize = 256;
 /// cycle of engine messages stores (256 payloads of 256 blocks), so a
 /// rank of millions of blocks holds the drain no longer than a cycle.
 const RETRACTED_COPIES_PER_CYCLE: usize = 65_536;
+
+/// How long a stopping drain waits for the state directory's last sync: a
+/// share of the gateway's shutdown grace, so a hung disk cannot hold it.
+const STORE_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Bytes the store body buffer keeps between stores: a store of about
 /// 1,000 blocks of 16 tokens; an outsized store's room is not kept for good.
@@ -249,6 +254,7 @@ impl Drain {
             self.collect_written();
             let out = self.store.as_ref().map_or(0, LogThread::out);
             let written = self.store.as_ref().map(LogThread::written_signal);
+            let deadline = self.store.as_ref().and_then(LogThread::deadline);
             let takes_events = self.takes_events();
             let takes_cuts = self.waiting_cut.is_none();
             let takes_load = !self.load_waiting;
@@ -257,6 +263,7 @@ impl Drain {
                 biased;
                 () = &mut stopped => break,
                 () = written_signal(written), if out > 0 => {}
+                () = log_deadline(deadline), if deadline.is_some() => {}
                 request = self.hub.next_cut_request(), if takes_cuts => self.answer(request),
                 () = load_wake(&mut self.records), if takes_load => self.load_woke(),
                 // A cut or `load_only` batch waiting for a quiet point waits
@@ -284,11 +291,18 @@ impl Drain {
         }
         self.hub.close();
         // The writer finishes what it has, then the last fsync: both wait
-        // for the disk, never on an async worker.
-        if let Some(store) = self.store.take()
-            && let Err(error) = tokio::task::spawn_blocking(move || store.close()).await
-        {
-            warn!(%error, "state directory: the last sync did not finish");
+        // for the disk, never on an async worker, and the drain waits for
+        // them no longer than `STORE_CLOSE_GRACE` (a hung disk's threads are
+        // left behind: the process exits without them).
+        if let Some(store) = self.store.take() {
+            let closing = tokio::task::spawn_blocking(move || store.close());
+            match tokio::time::timeout(STORE_CLOSE_GRACE, closing).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => warn!(%error, "state directory: the last sync did not finish"),
+                Err(_) => warn!(
+                    "state directory: the last sync did not finish within {STORE_CLOSE_GRACE:?}; left behind"
+                ),
+            }
         }
     }
 
@@ -1086,6 +1100,14 @@ fn marks<'a>(
             .unwrap_or(resume.last);
         (rank, RankMark { first, resume })
     })
+}
+
+/// Returns at the log writer's deadline for its oldest cycle.
+async fn log_deadline(deadline: Option<std::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Returns when the log writer hands a cycle back.

@@ -352,6 +352,7 @@ fn drain_on_state_dir(dir: &std::path::Path, ranks: u32) -> Drain {
     let config = crate::store::StoreConfig {
         dir: dir.to_path_buf(),
         sync_interval: std::time::Duration::from_secs(3600),
+        io_timeout: std::time::Duration::from_secs(60),
         limits: crate::store::StoreLimits {
             segment_bytes: 64 << 20,
             checkpoint_bytes: 1 << 40,
@@ -375,13 +376,8 @@ fn restored(dir: &std::path::Path) -> crate::store::restore::Restored {
         batches: 100_000,
         bytes: 1 << 30,
     };
-    crate::store::restore::restore(
-        dir,
-        &crate::store::records::boot_id(),
-        history,
-        &mut |_, _| {},
-    )
-    .unwrap()
+    // No announcement mark: the numbering is not what these tests read.
+    crate::store::restore::restore(dir, None, history, &mut |_, _| {}).unwrap()
 }
 
 /// A scratch state directory, removed when dropped.

@@ -13,7 +13,7 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +22,7 @@ use tracing::{info, warn};
 
 use super::files::{self, Named};
 use super::format::{FileKind, file_header, put_record, record_head};
+use super::lock::DirLock;
 use super::records::{CheckpointMeta, SyncedRecord, encode_checkpoint_end, kind};
 use crate::clock::unix_now;
 use crate::metrics::Metrics;
@@ -49,8 +50,37 @@ pub struct Shared {
     /// A background write failed since the log writer last looked: the log may
     /// lack what was announced, so the log writer pauses persistence.
     pub fault: AtomicBool,
+    /// What the log writer is doing (an `Operation`), to name what did not
+    /// complete in time.
+    pub operation: AtomicU8,
+    /// When the sync thread's running fsync began (Unix µs), 0 when none
+    /// runs: `/status` shows one that takes long (a hung disk).
+    pub sync_started: AtomicU64,
     /// What `/status` shows.
     pub status: Mutex<PersistStatus>,
+}
+
+/// What the log writer thread waits for the disk in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Operation {
+    /// Waiting for the next cycle, or framing one.
+    Idle = 0,
+    /// Creating a segment and writing its header.
+    Opening = 1,
+    /// Appending a cycle.
+    Writing = 2,
+}
+
+impl Operation {
+    /// As a pause's reason names it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Idle => "handing a cycle to the log writer",
+            Self::Opening => "opening a log segment",
+            Self::Writing => "writing the log",
+        }
+    }
 }
 
 /// Persistence as `/status` shows it.
@@ -64,6 +94,11 @@ pub struct PersistStatus {
     pub last_checkpoint: Option<CheckpointStatus>,
     /// The last position fsynced.
     pub synced_through: u64,
+    /// How long the fsync under way has run, in ms (a disk that does not
+    /// finish it: the log still goes to the page cache and is announced,
+    /// but not made durable against a machine crash).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsync_running_ms: Option<u64>,
 }
 
 /// The newest checkpoint written.
@@ -75,10 +110,36 @@ pub struct CheckpointStatus {
 }
 
 impl Shared {
+    /// The log writer starts (or ends, with `Idle`) waiting for the disk.
+    pub fn begin(&self, operation: Operation) {
+        self.operation.store(operation as u8, Ordering::Release);
+    }
+
+    /// What the log writer waits for the disk in.
+    pub fn operation(&self) -> Operation {
+        match self.operation.load(Ordering::Acquire) {
+            1 => Operation::Opening,
+            2 => Operation::Writing,
+            _ => Operation::Idle,
+        }
+    }
+
     /// Records a failed write: the log writer pauses at its next cycle.
+    /// Logged once while the same error repeats, whichever thread meets it
+    /// (a sync and a segment's open retried on a directory that was
+    /// replaced say so once).
     pub fn fail(&self, what: &str, error: &std::io::Error) {
-        warn!(%error, "state directory: {what} failed; persistence pauses");
-        self.status.lock().expect("status lock").paused = Some(format!("{what}: {error}"));
+        let error_text = error.to_string();
+        let mut status = self.status.lock().expect("status lock");
+        let repeated = status
+            .paused
+            .as_ref()
+            .is_some_and(|paused| paused.ends_with(&error_text));
+        if !repeated {
+            warn!(%error, "state directory: {what} failed; persistence pauses");
+        }
+        status.paused = Some(format!("{what}: {error_text}"));
+        drop(status);
         self.fault.store(true, Ordering::Release);
     }
 }
@@ -93,7 +154,7 @@ pub enum SyncJob {
 
 /// Fsyncs the log every `interval` and writes the `synced` record.
 pub struct Syncer {
-    pub dir: PathBuf,
+    pub dir: Arc<DirLock>,
     pub boot_id: Vec<u8>,
     pub seed: u64,
     pub interval: Duration,
@@ -134,7 +195,7 @@ impl Syncer {
                     Err(error) => self.shared.fail("fsync of the log", &error),
                 }
             }
-            let bytes = files::bytes_on_disk(&self.dir);
+            let bytes = files::bytes_on_disk(self.dir.held());
             self.metrics.state_disk_bytes.set(bytes as i64);
             {
                 let mut status = self.shared.status.lock().expect("status lock");
@@ -148,11 +209,20 @@ impl Syncer {
     }
 
     fn sync(&self, segments: &[File], through: u64, clean: bool) -> std::io::Result<()> {
+        self.shared
+            .sync_started
+            .store(crate::clock::unix_micros_now(), Ordering::Release);
+        let synced = self.sync_and_record(segments, through, clean);
+        self.shared.sync_started.store(0, Ordering::Release);
+        synced
+    }
+
+    fn sync_and_record(&self, segments: &[File], through: u64, clean: bool) -> std::io::Result<()> {
         for segment in segments {
             segment.sync_data()?;
         }
         write_synced(
-            &self.dir,
+            self.dir.checked()?,
             SyncedRecord {
                 boot_id: self.boot_id.clone(),
                 seed: self.seed,
@@ -179,7 +249,7 @@ pub struct CheckpointJob {
 /// Writes checkpoints of the cuts the drain takes (handed over through the
 /// log writer thread, which keeps count of what was logged since).
 pub struct Checkpointer {
-    pub dir: PathBuf,
+    pub dir: Arc<DirLock>,
     pub shared: Arc<Shared>,
     pub metrics: Metrics,
 }
@@ -212,22 +282,18 @@ impl Checkpointer {
                     self.shared.checkpoint_failed.store(true, Ordering::Release);
                     self.metrics.state_write_failures.inc();
                     warn!(%error, position, "state checkpoint failed; the log keeps everything until one succeeds");
-                    let _ = std::fs::remove_file(self.temporary(position));
+                    let _ = std::fs::remove_file(temporary(self.dir.held(), position));
                 }
             }
             self.shared.checkpoint_busy.store(false, Ordering::Release);
         }
     }
 
-    fn temporary(&self, position: u64) -> PathBuf {
-        self.dir
-            .join(format!("{}.tmp", files::checkpoint_name(position)))
-    }
-
     /// Writes the checkpoint and returns its block count.
     fn write(&self, job: &CheckpointJob) -> std::io::Result<u64> {
         let position = job.meta.position;
-        let temporary = self.temporary(position);
+        let dir = self.dir.checked()?;
+        let temporary = temporary(dir, position);
         let mut out = BufWriter::with_capacity(1 << 20, File::create(&temporary)?);
         let mut record = file_header(FileKind::Checkpoint).to_vec();
         put_record(&mut record, kind::CHECKPOINT_META, &[&job.meta.encode()]);
@@ -258,8 +324,8 @@ impl Checkpointer {
         let file = out.into_inner().map_err(|error| error.into_error())?;
         file.sync_all()?;
         drop(file);
-        std::fs::rename(&temporary, self.dir.join(files::checkpoint_name(position)))?;
-        files::sync_dir(&self.dir)?;
+        std::fs::rename(&temporary, dir.join(files::checkpoint_name(position)))?;
+        files::sync_dir(dir)?;
         Ok(blocks)
     }
 
@@ -268,7 +334,8 @@ impl Checkpointer {
     fn delete_covered(&self, position: u64) -> std::io::Result<()> {
         let history_oldest = self.shared.history_oldest.load(Ordering::Acquire);
         let needed_from = (position + 1).min(history_oldest.max(1));
-        let listed = files::list(&self.dir)?;
+        let dir = self.dir.checked()?;
+        let listed = files::list(dir)?;
         let open = self.shared.open_segment.load(Ordering::Acquire);
         let segments: Vec<(u64, bool, &Path)> = listed
             .iter()
@@ -303,8 +370,13 @@ impl Checkpointer {
                 warn!(%error, file = %path.display(), "state directory: cannot delete an obsolete file");
             }
         }
-        files::sync_dir(&self.dir)
+        files::sync_dir(dir)
     }
+}
+
+/// Where a checkpoint at `position` is written before it is renamed.
+fn temporary(dir: &Path, position: u64) -> PathBuf {
+    dir.join(format!("{}.tmp", files::checkpoint_name(position)))
 }
 
 #[cfg(test)]
@@ -329,7 +401,7 @@ mod tests {
         shared.open_segment.store(6, Ordering::Release);
         shared.history_oldest.store(100, Ordering::Release);
         let checkpointer = Checkpointer {
-            dir: dir.clone(),
+            dir: Arc::new(DirLock::take(&dir).unwrap()),
             shared,
             metrics: Metrics::new(ClosedLabels::default()),
         };

@@ -10,9 +10,14 @@
 //! make kvgate allocate more than that. A reader tells a torn tail (the file
 //! ends inside a record whose length verified: a write cut short by a killed
 //! process, never announced) from damage (a checksum that fails on bytes
-//! that are all there), because only the first may be cut silently.
+//! that are all there), because only the first may be cut silently. A run
+//! of zeros is read past holes (`SEEK_DATA`: a sparse file of any size
+//! costs nothing to read) and for at most `MAX_ZERO_RUN_BYTES` of zeros
+//! on disk; a longer run is damage, so no file makes a restore read long.
 
-use std::io::{self, Read};
+use std::fs::File;
+use std::io::{self, BufReader, Read, Seek, SeekFrom};
+use std::os::unix::io::AsRawFd;
 
 /// The only version of every file this build writes and reads; any other
 /// is set aside, never guessed at.
@@ -21,6 +26,15 @@ pub const VERSION: u8 = 1;
 /// The largest record kvgate writes: a batch is at most the router's 4 MiB
 /// limit, a snapshot chunk about 1 MiB.
 pub const MAX_RECORD_BYTES: usize = 16 << 20;
+
+/// The most zero bytes read (holes aside) to tell a torn tail of zeros
+/// from zeros before data: a tail a file system extended before its data
+/// landed is at most what was being written, a drain cycle (far less
+/// than this); a longer run is damage.
+pub const MAX_ZERO_RUN_BYTES: u64 = 64 << 20;
+
+/// Zeros read between two looks for the next data past a hole.
+const HOLE_LOOK_BYTES: u64 = 1 << 20;
 
 /// Bytes of a record's header before its body.
 pub const RECORD_HEADER_BYTES: usize = 12;
@@ -61,15 +75,19 @@ pub enum Damage {
     /// Wrong magic, a record that does not parse, or a file cut short
     /// where no torn write can leave it.
     Malformed,
+    /// A checkpoint of a numbering this directory's log and records never
+    /// used: another directory's, copied in.
+    Foreign,
 }
 
 impl Damage {
     /// Every kind, in label order.
-    pub const ALL: [Damage; 4] = [
+    pub const ALL: [Damage; 5] = [
         Self::Checksum,
         Self::UnknownVersion,
         Self::NotAFile,
         Self::Malformed,
+        Self::Foreign,
     ];
 
     /// The `reason` label of `state_damaged_total`.
@@ -79,6 +97,7 @@ impl Damage {
             Self::UnknownVersion => "unknown_version",
             Self::NotAFile => "not_a_file",
             Self::Malformed => "malformed",
+            Self::Foreign => "foreign",
         }
     }
 }
@@ -138,7 +157,39 @@ pub struct RecordReader<R> {
     pub offset: u64,
 }
 
-impl<R: Read> RecordReader<R> {
+/// An input that can skip the holes of a sparse file.
+pub trait Holes: Read {
+    /// Moves to the next byte, at or after the current one, that is not in
+    /// a hole; `false` when only a hole is left to the end.
+    fn skip_hole(&mut self) -> io::Result<bool>;
+}
+
+impl Holes for &[u8] {
+    fn skip_hole(&mut self) -> io::Result<bool> {
+        Ok(true)
+    }
+}
+
+impl Holes for BufReader<File> {
+    fn skip_hole(&mut self) -> io::Result<bool> {
+        let position = self.stream_position()?;
+        let offset = i64::try_from(position).map_err(io::Error::other)?;
+        // SAFETY: lseek on a descriptor this reader owns; its buffer is
+        // discarded by the seek below, whatever lseek did to the offset.
+        let data = unsafe { libc::lseek(self.get_ref().as_raw_fd(), offset, libc::SEEK_DATA) };
+        if data < 0 {
+            let error = io::Error::last_os_error();
+            self.seek(SeekFrom::Start(position))?;
+            // ENXIO: nothing but a hole to the end. Any other error (a
+            // file system without SEEK_DATA): read on.
+            return Ok(error.raw_os_error() != Some(libc::ENXIO));
+        }
+        self.seek(SeekFrom::Start(position.max(data.unsigned_abs())))?;
+        Ok(true)
+    }
+}
+
+impl<R: Holes> RecordReader<R> {
     /// Checks `input`'s file header against `kind`; `Ok(None)` when the
     /// file ends inside it (created, never written).
     pub fn open(mut input: R, kind: FileKind) -> io::Result<Result<Option<Self>, Damage>> {
@@ -194,14 +245,28 @@ impl<R: Read> RecordReader<R> {
     }
 }
 
-/// Whether `input` holds nothing but zero bytes to its end.
-fn only_zeros_left(input: &mut impl Read) -> io::Result<bool> {
+/// Whether `input` holds nothing but zero bytes to its end, holes
+/// skipped; `false` too past `MAX_ZERO_RUN_BYTES` of zeros read.
+fn only_zeros_left(input: &mut impl Holes) -> io::Result<bool> {
     let mut buffer = [0; 4096];
+    let mut zeros = 0u64;
+    let mut next_look = 0u64;
     loop {
+        if zeros >= next_look {
+            if !input.skip_hole()? {
+                return Ok(true);
+            }
+            next_look = zeros + HOLE_LOOK_BYTES;
+        }
         match input.read(&mut buffer) {
             Ok(0) => return Ok(true),
             Ok(read) if buffer[..read].iter().any(|&byte| byte != 0) => return Ok(false),
-            Ok(_) => {}
+            Ok(read) => {
+                zeros += read as u64;
+                if zeros > MAX_ZERO_RUN_BYTES {
+                    return Ok(false);
+                }
+            }
             Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
             Err(error) => return Err(error),
         }

@@ -4,49 +4,50 @@
 //! while the thread frames and writes it; the thread hands each cycle back
 //! once it is in the page cache, and only then does the drain announce it.
 //!
-//! Invariants: cycles are written and handed back in the order they were
-//! handed over, each exactly once, whether its write succeeded or paused
-//! persistence (a failing disk never stops serving; a slow or hung write
-//! holds the announcements back while it lasts). A writer thread that
-//! dies (a panic) takes the drain down with it, through the supervisor,
-//! rather than leaving it numbering cycles nobody will announce. At most
-//! `LOG_QUEUE` cycles are out at once (`LogThread::is_full`): the drain
-//! then takes no engine message until one comes back, so nothing grows
-//! while the disk is behind. The batches' bytes are shared
-//! (`FramedBatch`), never copied, and the buffers a cycle travels in go
-//! back and forth with it.
+//! Invariants: cycles are announced in the order they were handed over,
+//! each exactly once. The drain never waits for the disk longer than
+//! `--state-io-timeout-ms`: a cycle the writer has not handed back by then
+//! (a write, an open that hangs: a frozen file system, a dead network
+//! mount, a FIFO where a segment belongs) pauses persistence, and the drain
+//! announces that cycle and every later one itself, until the writer has
+//! handed back everything it was given (it then resumes with a new segment
+//! and a checkpoint). A write that fails pauses persistence too, and the
+//! cycle is handed back all the same: a failing or hung disk never stops
+//! serving. Whatever is announced is first marked announced
+//! (`announced`), so a restart never continues a numbering past a log
+//! that lacks it. A writer thread that dies (a panic) takes the drain down
+//! with it, through the supervisor, rather than leaving it numbering
+//! cycles nobody will announce. At most `LOG_QUEUE` cycles are out at once
+//! (`LogThread::is_full`): the drain then takes no engine message until
+//! one comes back, so nothing grows while the disk is behind. The batches'
+//! bytes are shared (`FramedBatch`), never copied, and a cycle's buffers
+//! are reused once the writer is done with it.
 //! While cycles come closer together than `SPIN` the thread spins for the
 //! next one, so neither side makes a system call per cycle; further apart
 //! it parks (an idle sidecar burns no CPU), and the drain unparks it only
 //! when it has parked. Each hand-back notifies the drain (`Notify`): a
 //! drain waiting for a cycle wakes, a busy one finds the cycle when it next
 //! looks and its loop takes one extra turn for the permit left behind.
-//!
-//! A cycle that comes alone (none out, the last handed over more than
-//! `SPIN` ago, so the thread is parked) is written by the drain itself,
-//! under the writer's lock, when a segment is open: waking the thread and
-//! being woken back would cost more CPU than the write and put two
-//! cross-CPU wake-ups before its announcement (p99 at 8 × 20k events/s
-//! rose 0.05–0.1 ms without this). Such a write opens no file, but it is
-//! still a write into the page cache on the drain's thread: a disk that
-//! hangs a write of an open segment holds the drain there, as before the
-//! thread existed; opening segments (where a FIFO or a dead mount hangs)
-//! and every cycle under load go to the thread. The checkpoint's cut is
-//! handed over the same way, at a quiet point, so the thread never holds
-//! the lock the drain may wait for.
+//! Everything the drain does here returns at once: the checkpoint's cut
+//! is queued to the thread like a cycle, and no lock is shared with it.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
-use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{
+    Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError, sync_channel,
+};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use super::announced::AnnouncedMark;
 use super::background::Shared;
 use super::records::{Marks, RankMark};
 use super::writer::StoreWriter;
 use crate::hub::FramedBatch;
+use crate::metrics::Metrics;
 use crate::state::snapshot::SnapshotCut;
 
 /// Cycles handed to the writer and not yet handed back. A write that waits
@@ -70,7 +71,7 @@ const WAIT_SPIN: Duration = Duration::from_micros(200);
 const WRITER_GONE: &str = "the state directory's log writer thread ended (it panicked)";
 
 /// One drain cycle on its way to the log and back.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct LogCycle {
     /// The position the first batch takes.
     pub first_position: u64,
@@ -82,53 +83,42 @@ pub struct LogCycle {
 
 enum Job {
     /// A cycle, and when the drain handed it over.
-    Cycle(LogCycle, Instant),
+    Cycle(Arc<LogCycle>, Instant),
+    /// A checkpoint's cut, taken with no cycle out.
+    Checkpoint(SnapshotCut, Marks),
     /// A clean stop: the last sync records it.
     Close,
 }
 
-/// The store's writer, used by the thread and, for a cycle that comes
-/// alone, by the drain (`LogThread::hand_over`); `None` once closed.
-type SharedWriter = Arc<Mutex<Option<StoreWriter>>>;
-
-/// The writer, for one job.
-///
-/// # Panics
-/// If a thread panicked holding it: the log's state is unknown, and the
-/// drain must go down (through the supervisor) rather than go on.
-fn lock(writer: &SharedWriter) -> std::sync::MutexGuard<'_, Option<StoreWriter>> {
-    writer
-        .lock()
-        .expect("the log writer's lock, poisoned by a panic")
-}
-
-/// Appends `cycle` with `writer` (nothing once it is closed).
-fn write_cycle(writer: &SharedWriter, cycle: &LogCycle) {
-    let mut writer = lock(writer);
-    if let Some(writer) = writer.as_mut() {
-        writer.append_cycle(cycle.first_position, &cycle.batches, &cycle.marks);
-        writer.publish_checkpoint_wanted();
-    }
-}
-
 /// The drain's side of the log writer thread.
 pub struct LogThread {
-    writer: SharedWriter,
-    /// When the last cycle was handed over: cycles further apart than
-    /// `SPIN` find the writer parked.
-    last_hand_over: Option<Instant>,
-    /// A cycle the drain wrote itself, to be collected as written.
-    written_inline: Option<LogCycle>,
     /// `None` once closed.
     jobs: Option<SyncSender<Job>>,
     /// The writer is parked (or about to): a job needs an unpark.
     parked: Arc<AtomicBool>,
-    written: Receiver<LogCycle>,
+    /// One message per cycle the writer is done with, in order.
+    written: Receiver<()>,
     notify: Arc<Notify>,
     shared: Arc<Shared>,
+    metrics: Metrics,
     thread: Option<JoinHandle<()>>,
-    /// Cycles handed over and not handed back.
-    out: usize,
+    /// Raised before each announcement; `None` when it could not be made
+    /// (then no unclean stop continues the numbering).
+    mark: Option<AnnouncedMark>,
+    /// How long a cycle may stay with the writer.
+    io_timeout: Duration,
+    /// Cycles handed over and not yet announced, oldest first, with when
+    /// each was handed over.
+    pending: VecDeque<(Arc<LogCycle>, Instant)>,
+    /// Of `pending`, how many at its front the writer has handed back.
+    confirmed: usize,
+    /// Cycles the writer has been given and not handed back.
+    with_writer: usize,
+    /// Of `with_writer`, how many were announced without it.
+    abandoned: usize,
+    /// The writer missed its deadline: cycles are announced without it
+    /// until it has handed back everything it was given.
+    stalled: bool,
     /// The position the next cycle's first batch takes.
     next_position: u64,
     /// A cycle's buffers, back from the writer, for the next one.
@@ -141,12 +131,14 @@ impl LogThread {
     pub(super) fn start(
         writer: StoreWriter,
         shared: Arc<Shared>,
+        metrics: Metrics,
+        mark: Option<AnnouncedMark>,
+        io_timeout: Duration,
         next_position: u64,
     ) -> std::io::Result<Self> {
-        // Room for every job that can be queued at once: the cycles out
-        // and the close, so a send never finds the queue full.
-        let (jobs, receiver) = sync_channel(LOG_QUEUE + 1);
-        let writer = Arc::new(Mutex::new(Some(writer)));
+        // Room for every job that can be queued at once: the cycles out,
+        // a checkpoint and the close, so a send never finds the queue full.
+        let (jobs, receiver) = sync_channel(LOG_QUEUE + 2);
         let (written_sender, written) = sync_channel(LOG_QUEUE);
         let notify = Arc::new(Notify::new());
         let parked = Arc::new(AtomicBool::new(false));
@@ -158,20 +150,23 @@ impl LogThread {
                     written: Some(written_sender),
                     notify: Arc::clone(&notify),
                 };
-                let writer = Arc::clone(&writer);
-                move || run(&writer, &receiver, &parked, &back)
+                move || run(writer, &receiver, &parked, &back)
             })?;
         Ok(Self {
-            writer,
-            last_hand_over: None,
-            written_inline: None,
             jobs: Some(jobs),
             parked,
             written,
             notify,
             shared,
+            metrics,
             thread: Some(thread),
-            out: 0,
+            mark,
+            io_timeout,
+            pending: VecDeque::new(),
+            confirmed: 0,
+            with_writer: 0,
+            abandoned: 0,
+            stalled: false,
             next_position,
             spare: None,
         })
@@ -181,6 +176,8 @@ impl LogThread {
     /// back with a spare one) take the next positions, and `marks` fills
     /// its marks. Never waits: the drain hands over no cycle while
     /// `is_full` (it settles, or `run` stops taking engine messages).
+    /// While the writer is stalled, the cycle is only queued for its
+    /// announcement.
     pub fn hand_over(
         &mut self,
         batches: &mut Vec<(u32, u64, FramedBatch)>,
@@ -192,28 +189,14 @@ impl LogThread {
         std::mem::swap(&mut cycle.batches, batches);
         cycle.marks.clear();
         marks(&mut cycle.marks);
+        let cycle = Arc::new(cycle);
         let now = Instant::now();
-        let alone = self
-            .last_hand_over
-            .is_none_or(|last| now.duration_since(last) >= SPIN);
-        self.last_hand_over = Some(now);
-        self.out += 1;
-        // A cycle that comes alone finds the writer parked: waking it, and
-        // being woken back, costs more CPU than the write and puts two
-        // cross-CPU wake-ups before the announcement. With none out and a
-        // segment open (no open that could wait), the drain writes it.
-        if alone && self.out == 1 && self.appends_to_an_open_segment() {
-            write_cycle(&self.writer, &cycle);
-            self.written_inline = Some(cycle);
-        } else {
-            self.send(Job::Cycle(cycle, now));
+        self.receive_hand_backs();
+        if !self.stalled {
+            self.send(Job::Cycle(Arc::clone(&cycle), now));
+            self.with_writer += 1;
         }
-    }
-
-    fn appends_to_an_open_segment(&self) -> bool {
-        lock(&self.writer)
-            .as_ref()
-            .is_some_and(StoreWriter::appends_to_an_open_segment)
+        self.pending.push_back((cycle, now));
     }
 
     /// Queues `job` and unparks the writer if it parked. Never waits: the
@@ -246,52 +229,114 @@ impl LogThread {
         }
     }
 
-    /// The next cycle the writer has handed back, if any (never waits).
+    /// Counts one cycle the writer is done with.
+    fn handed_back(&mut self) {
+        self.with_writer -= 1;
+        if self.abandoned > 0 {
+            self.abandoned -= 1;
+        } else {
+            self.confirmed += 1;
+        }
+    }
+
+    /// Takes every hand-back waiting (never waits); a writer back from a
+    /// stall with nothing left to announce gets cycles again.
     ///
     /// # Panics
     /// If the writer thread is gone with cycles out, which would otherwise
     /// hold every announcement back for good while health says SERVING.
-    pub fn try_written(&mut self) -> Option<LogCycle> {
-        let cycle = match self.written_inline.take() {
-            Some(cycle) => cycle,
-            None => match self.written.try_recv() {
-                Ok(cycle) => cycle,
-                Err(TryRecvError::Disconnected) if self.out > 0 => panic!("{WRITER_GONE}"),
-                Err(_) => return None,
-            },
-        };
-        self.out -= 1;
-        Some(cycle)
+    fn receive_hand_backs(&mut self) {
+        loop {
+            match self.written.try_recv() {
+                Ok(()) => self.handed_back(),
+                Err(TryRecvError::Disconnected) if self.with_writer > 0 => panic!("{WRITER_GONE}"),
+                Err(_) => break,
+            }
+        }
+        if self.stalled && self.with_writer == 0 && self.pending.is_empty() {
+            self.stalled = false;
+        }
     }
 
-    /// The next cycle back from the writer, waiting for it (the calling
-    /// thread polls, then blocks: not for the async workers). `None` when
-    /// none is out.
-    pub fn wait_written(&mut self) -> Option<LogCycle> {
-        if self.out == 0 {
+    /// When the oldest cycle with the writer is due back.
+    pub fn deadline(&self) -> Option<Instant> {
+        if self.stalled {
             return None;
         }
-        if let Some(cycle) = self.try_written() {
-            return Some(cycle);
+        self.pending
+            .get(self.confirmed)
+            .map(|(_, handed_at)| *handed_at + self.io_timeout)
+    }
+
+    /// Past the deadline, persistence pauses and every cycle out is
+    /// announced without the writer.
+    fn check_deadline(&mut self, now: Instant) {
+        if self.deadline().is_none_or(|deadline| now < deadline) {
+            return;
         }
+        self.stalled = true;
+        self.abandoned = self.with_writer;
+        self.confirmed = 0;
+        let what = self.shared.operation().describe();
+        let error = std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("did not complete within {:?}", self.io_timeout),
+        );
+        // Counted as a failed write once the writer sees it.
+        self.shared.fail(what, &error);
+        self.metrics.state_paused.set(1);
+    }
+
+    /// The next cycle to announce, if any (never waits): one the writer
+    /// has handed back, or, while it is stalled, the next one out. It is
+    /// marked announced first.
+    pub fn try_written(&mut self) -> Option<LogCycle> {
+        self.receive_hand_backs();
+        self.check_deadline(Instant::now());
+        if !self.stalled && self.confirmed == 0 {
+            return None;
+        }
+        let (cycle, _) = self.pending.pop_front()?;
+        if !self.stalled {
+            self.confirmed -= 1;
+        }
+        if let (Some(mark), Some((_, sequence, _))) = (&self.mark, cycle.batches.last()) {
+            let highest = cycle
+                .batches
+                .iter()
+                .map(|(_, sequence, _)| *sequence)
+                .fold(*sequence, u64::max);
+            mark.raise(
+                cycle.first_position + cycle.batches.len() as u64 - 1,
+                highest,
+            );
+        }
+        Some(Arc::try_unwrap(cycle).unwrap_or_else(|shared| LogCycle::clone(&shared)))
+    }
+
+    /// The next cycle to announce, waiting for it at most until its
+    /// deadline (the calling thread polls, then blocks: not for the async
+    /// workers). `None` when none is out.
+    pub fn wait_written(&mut self) -> Option<LogCycle> {
         let spinning = Instant::now();
-        let cycle = loop {
-            match self.written.try_recv() {
-                Ok(cycle) => break cycle,
+        loop {
+            if let Some(cycle) = self.try_written() {
+                return Some(cycle);
+            }
+            let deadline = self.deadline()?;
+            if spinning.elapsed() < WAIT_SPIN {
                 // Yielding, not spinning: on two cores busy with the drain
                 // and a checkpoint, the writer may need this very core.
-                Err(TryRecvError::Empty) if spinning.elapsed() < WAIT_SPIN => {
-                    std::thread::yield_now();
-                }
-                Err(TryRecvError::Empty) => match self.written.recv() {
-                    Ok(cycle) => break cycle,
-                    Err(_) => panic!("{WRITER_GONE}"),
-                },
-                Err(TryRecvError::Disconnected) => panic!("{WRITER_GONE}"),
+                std::thread::yield_now();
+                continue;
             }
-        };
-        self.out -= 1;
-        Some(cycle)
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match self.written.recv_timeout(wait) {
+                Ok(()) => self.handed_back(),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => panic!("{WRITER_GONE}"),
+            }
+        }
     }
 
     /// Keeps a handed-back cycle's buffers for the next one.
@@ -300,14 +345,15 @@ impl LogThread {
         self.spare = Some(cycle);
     }
 
-    /// Cycles handed over and not yet handed back.
+    /// Cycles handed over and not yet announced.
     pub fn out(&self) -> usize {
-        self.out
+        self.pending.len()
     }
 
-    /// `LOG_QUEUE` cycles are out: the disk is behind.
+    /// `LOG_QUEUE` cycles are out: the disk is behind. (Cycles a stalled
+    /// writer still holds do not count: nothing more is handed to it.)
     pub fn is_full(&self) -> bool {
-        self.out >= LOG_QUEUE
+        self.pending.len() >= LOG_QUEUE || (!self.stalled && self.with_writer >= LOG_QUEUE)
     }
 
     /// Notified when the writer hands a cycle back (a permit is kept if
@@ -316,24 +362,23 @@ impl LogThread {
         Arc::clone(&self.notify)
     }
 
-    /// The writer asks for a checkpoint's cut at the next quiet point.
+    /// The writer asks for a checkpoint's cut at the next quiet point, and
+    /// can take one now (it holds no cycle).
     pub fn wants_checkpoint(&self) -> bool {
-        self.shared.checkpoint_wanted.load(Ordering::Acquire)
+        !self.stalled
+            && self.with_writer == 0
+            && self.shared.checkpoint_wanted.load(Ordering::Acquire)
     }
 
-    /// Hands a cut taken with no cycle out to the checkpoint thread, with
-    /// the writer's bookkeeping of what was logged since. Done here, not by
-    /// the thread: with none out the thread holds no lock, and a thread
-    /// preempted while holding the writer's would hold the drain's next
-    /// cycle for a whole time slice.
+    /// Hands a cut taken with no cycle out to the writer, which passes it
+    /// to the checkpoint thread with its bookkeeping of what was logged
+    /// since.
     pub fn checkpoint(&mut self, cut: SnapshotCut, marks: Marks) {
-        debug_assert_eq!(self.out, 0, "a cut names only written positions");
+        debug_assert_eq!(self.out(), 0, "a cut names only written positions");
         self.shared
             .checkpoint_wanted
             .store(false, Ordering::Release);
-        if let Some(writer) = lock(&self.writer).as_mut() {
-            writer.checkpoint(cut, marks);
-        }
+        self.send(Job::Checkpoint(cut, marks));
     }
 
     /// The oldest position the history still holds.
@@ -344,8 +389,16 @@ impl LogThread {
     }
 
     /// A clean shutdown: the writer finishes the cycles it has, then the
-    /// last sync runs (`StoreWriter::close`). Blocks until it is done.
+    /// last sync runs (`StoreWriter::close`). Blocks until it is done,
+    /// unless the writer is stalled: then it is left behind, and the log,
+    /// which lacks what was announced meanwhile, gets no clean record.
     pub fn close(mut self) {
+        self.receive_hand_backs();
+        if self.stalled {
+            self.disconnect();
+            self.thread = None;
+            return;
+        }
         self.send(Job::Close);
         self.disconnect();
         if let Some(thread) = self.thread.take() {
@@ -365,13 +418,14 @@ impl Drop for LogThread {
     /// Without `close` (a drain dropped, as by a killed process): the
     /// writer finishes what it has, with no clean sync. Outside an async
     /// runtime (tests and benches that read the directory back) it is
-    /// joined, so the directory holds every cycle handed over; inside one
-    /// (a drain dropped by a panic) it is left to finish on its own, since
-    /// joining would hold an async worker, and every connection it
-    /// serves, on the disk.
+    /// joined, so the directory holds every cycle handed over, unless it
+    /// stalled; inside one (a drain dropped by a panic) it is left to
+    /// finish on its own, since joining would hold an async worker, and
+    /// every connection it serves, on the disk.
     fn drop(&mut self) {
         self.disconnect();
-        if tokio::runtime::Handle::try_current().is_err()
+        if !self.stalled
+            && tokio::runtime::Handle::try_current().is_err()
             && let Some(thread) = self.thread.take()
         {
             let _ = thread.join();
@@ -379,25 +433,23 @@ impl Drop for LogThread {
     }
 }
 
-/// The thread: writes each cycle and hands it back, until the drain's
-/// handle is gone (no last sync) or closes it (the last sync).
 /// The writer's way back to the drain. Dropped however the thread ends (a
 /// panic too): the channel closes, then the drain is woken, so a drain
 /// waiting for a cycle finds the writer gone instead of waiting for good.
 struct WayBack {
     /// `None` only while it is dropped.
-    written: Option<SyncSender<LogCycle>>,
+    written: Option<SyncSender<()>>,
     notify: Arc<Notify>,
 }
 
 impl WayBack {
-    /// Hands a written cycle back; false once the drain is gone.
-    fn hand_back(&self, cycle: LogCycle) -> bool {
+    /// Tells the drain a cycle is done; false once the drain is gone.
+    fn hand_back(&self) -> bool {
         let Some(written) = &self.written else {
             return false;
         };
         // Never full: the drain has at most LOG_QUEUE cycles out.
-        if written.send(cycle).is_err() {
+        if written.send(()).is_err() {
             return false;
         }
         self.notify.notify_one();
@@ -412,7 +464,9 @@ impl Drop for WayBack {
     }
 }
 
-fn run(writer: &SharedWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back: &WayBack) {
+/// The thread: writes each cycle and hands it back, until the drain's
+/// handle is gone (no last sync) or closes it (the last sync).
+fn run(mut writer: StoreWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back: &WayBack) {
     // Fault injection for the end-to-end tests, in debug builds only: the
     // thread panics at its first cycle, as a bug in it would.
     #[cfg(debug_assertions)]
@@ -431,16 +485,18 @@ fn run(writer: &SharedWriter, jobs: &Receiver<Job>, parked: &AtomicBool, back: &
                 // From the handing over, not from the wake-up: a parked
                 // thread's wake-up is slower than the cycles it would miss.
                 last_gap = handed_at.saturating_duration_since(idle_since);
-                write_cycle(writer, &cycle);
-                if !back.hand_back(cycle) {
+                writer.append_cycle(cycle.first_position, &cycle.batches, &cycle.marks);
+                writer.publish_checkpoint_wanted();
+                // Dropped before the hand-back, so the drain's is the only
+                // reference left and the cycle's buffers are reused.
+                drop(cycle);
+                if !back.hand_back() {
                     return;
                 }
             }
+            Job::Checkpoint(cut, marks) => writer.checkpoint(cut, marks),
             Job::Close => {
-                let closing = lock(writer).take();
-                if let Some(writer) = closing {
-                    writer.close();
-                }
+                writer.close();
                 return;
             }
         }

@@ -6,15 +6,16 @@
 //! every batch after it with no position missing, else kvgate starts with
 //! an empty state. The old numbering goes on only when the directory proves
 //! it holds every batch the old process announced: the newest segment
-//! verified to its end and, unless the machine did not reboot since it was
-//! written (same boot id, so the page cache kept every write), a `synced`
-//! record of a clean shutdown ending exactly there. Otherwise the state is
-//! kept but numbered anew, and old cursors are refused. A log cut short
+//! verified to its end and either the announcement mark (`announced`: how
+//! far the old process announced, raised before each announcement) names
+//! no position past the log's end, or a `synced` record of a clean shutdown
+//! ends exactly there. Otherwise the state is kept but numbered anew, and
+//! old cursors are refused. A log cut short
 //! before a checkpoint's or the last sync's position lacks announced
 //! batches too; one cut after them cannot be told from a write cut short
 //! by a killed process (so the directory should not be edited by hand).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::File;
 use std::io::{self, BufReader};
 use std::path::{Path, PathBuf};
@@ -24,6 +25,7 @@ use prost::Message;
 use serde::Serialize;
 use tracing::warn;
 
+use super::announced::MarkRecord;
 use super::files::{self, Listed, Named};
 use super::format::{Damage, FileKind, Next, RecordReader};
 use super::records::{
@@ -83,6 +85,9 @@ pub struct Restored {
     pub history: Vec<Arc<Batch>>,
     /// The position the next published batch takes.
     pub next_position: u64,
+    /// Past every position a file names: where a new numbering starts its
+    /// log.
+    past_every_position: u64,
     /// The highest sequence number or numbering seed any file names: a
     /// new numbering starts above it, whatever the clock says.
     pub highest_number: u64,
@@ -92,6 +97,22 @@ pub struct Restored {
     /// Something restored lives only in files that a new checkpoint
     /// should replace (set aside, renumbered, or started fresh).
     pub needs_checkpoint: bool,
+}
+
+impl Restored {
+    /// Gives up a continued numbering (this process cannot keep the mark
+    /// that would vouch for what it announces): the state goes on under a
+    /// new numbering, as after any unproven end.
+    pub fn renumber(&mut self) {
+        if self.report.outcome == Outcome::Continued {
+            self.report.outcome = Outcome::Renumbered;
+            self.numbering = None;
+            self.history.clear();
+            self.report.history_batches = 0;
+            self.next_position = self.past_every_position;
+            self.needs_checkpoint = true;
+        }
+    }
 }
 
 /// A checkpoint read back whole.
@@ -132,7 +153,8 @@ enum Tail {
     /// Verified to its end (a torn last record is a write cut short,
     /// never announced).
     Verified,
-    /// Damaged, or left unfinished while kvgate went on announcing.
+    /// Damaged, or marked unfinished (by an earlier version, when a write
+    /// failed while it went on announcing).
     Unproven,
 }
 
@@ -155,16 +177,18 @@ struct Scan {
     history: RestoredHistory,
     /// The newest cycle's marks and position.
     marks: Option<(u64, Marks)>,
-    /// (tail, boot id, seed) of the newest segment that committed a batch,
-    /// or that cannot prove it did not.
-    newest: Option<(Tail, Vec<u8>, u64)>,
+    /// (tail, seed) of the newest segment that committed a batch, or that
+    /// cannot prove it did not.
+    newest: Option<(Tail, u64)>,
 }
 
-/// Reads `dir` back; `set_aside` is told of every damaged file (already
-/// renamed). Files are never trusted: nothing here panics on their content.
+/// Reads `dir` back, with the announcement mark the last process left
+/// (`mark`, already checked to be this directory's and this boot's);
+/// `set_aside` is told of every damaged file (already renamed). Files are
+/// never trusted: nothing here panics on their content.
 pub fn restore(
     dir: &Path,
-    boot_id: &[u8],
+    mark: Option<MarkRecord>,
     limits: HistoryLimits,
     set_aside: &mut dyn FnMut(&Path, Damage),
 ) -> io::Result<Restored> {
@@ -215,13 +239,25 @@ pub fn restore(
     }
     let found_anything = !segments.is_empty() || !checkpoints.is_empty();
 
+    // The numberings this directory's history used: every process records
+    // its own in `synced` before anything else, and in each segment.
+    let known_seeds: BTreeSet<u64> = synced
+        .iter()
+        .map(|synced| synced.seed)
+        .chain(
+            segments
+                .iter()
+                .filter_map(|(_, _, path)| segment_seed(path)),
+        )
+        .collect();
     let mut base = None;
     for (position, path) in checkpoints.iter().rev() {
         match unreadable_is_damage(path, read_checkpoint(path, *position)) {
-            Ok(read) => {
+            Ok(read) if known_seeds.contains(&read.meta.seed) => {
                 base = Some(read);
                 break;
             }
+            Ok(_) => put_aside(path, Damage::Foreign),
             Err(damage) => put_aside(path, damage),
         }
     }
@@ -276,20 +312,22 @@ pub fn restore(
                 .as_ref()
                 .is_none_or(|synced| synced.seed != seed || synced.through <= scan.end)
     };
+    // Nothing was announced past the log's end: the mark, raised before
+    // every announcement, says so, or a clean shutdown recorded it.
+    let end_proven = |seed: u64| {
+        mark.is_some_and(|mark| !mark.owner_running && mark.seed == seed && mark.through <= end)
+            || synced_clean_at(&synced, seed, end)
+    };
     let numbering_proven = match (&scan.newest, &base_meta) {
-        (Some((Tail::Verified, writer_boot, seed)), _) => {
-            log_reaches(*seed)
-                && ((!boot_id.is_empty() && writer_boot.as_slice() == boot_id)
-                    || synced_clean_at(&synced, *seed, end))
-        }
-        (Some((Tail::Unproven, ..)), _) => false,
-        (None, Some(meta)) => synced_clean_at(&synced, meta.seed, end),
+        (Some((Tail::Verified, seed)), _) => log_reaches(*seed) && end_proven(*seed),
+        (Some((Tail::Unproven, _)), _) => false,
+        (None, Some(meta)) => end_proven(meta.seed),
         (None, None) => false,
     };
     let seed = scan
         .newest
         .as_ref()
-        .map(|(_, _, seed)| *seed)
+        .map(|(_, seed)| *seed)
         .or(base_meta.as_ref().map(|meta| meta.seed));
     let outcome = if !found_anything {
         Outcome::Empty
@@ -306,6 +344,11 @@ pub fn restore(
         (None, Some(meta)) => meta.marks.clone(),
         (None, None) => Marks::new(),
     };
+    // Past every position a file names, so the new numbering's first
+    // segment is never named like one left from the old. (Positions the
+    // mark names past them name no file, and never reach a router: only
+    // the mark's sequence numbers must not be used again.)
+    let past_every_position = scan.highest + 1;
     let mut restored = Restored {
         report: RestoreReport {
             outcome,
@@ -318,9 +361,11 @@ pub fn restore(
         numbering: None,
         history: Vec::new(),
         next_position: end + 1,
+        past_every_position,
         highest_number: scan
             .highest_number
-            .max(synced.as_ref().map_or(0, |synced| synced.seed)),
+            .max(synced.as_ref().map_or(0, |synced| synced.seed))
+            .max(mark.map_or(0, |mark| mark.seed.max(mark.highest_sequence))),
         state: LiveState::default(),
         marks: Marks::new(),
         needs_checkpoint: !damaged.is_empty()
@@ -328,11 +373,9 @@ pub fn restore(
     };
     match outcome {
         Outcome::Empty => {}
-        Outcome::Fresh => restored.next_position = scan.highest + 1,
+        Outcome::Fresh => restored.next_position = past_every_position,
         Outcome::Renumbered => {
-            // Past every number a file names, so the new numbering's first
-            // segment is never named like one left from the old.
-            restored.next_position = scan.highest + 1;
+            restored.next_position = past_every_position;
             restored.state = scan.state;
             restored.marks = marks;
         }
@@ -380,6 +423,17 @@ fn open_records(
 ) -> io::Result<Result<Option<RecordReader<BufReader<File>>>, Damage>> {
     let file = File::open(path)?;
     RecordReader::open(BufReader::with_capacity(1 << 20, file), kind)
+}
+
+/// The numbering a segment's header names, if it reads.
+fn segment_seed(path: &Path) -> Option<u64> {
+    let mut reader = open_records(path, FileKind::Segment).ok()?.ok()??;
+    match reader.next().ok()? {
+        Next::Record(kind::SEGMENT_HEADER, payload) => SegmentHeader::decode(&payload)
+            .ok()
+            .map(|header| header.seed),
+        _ => None,
+    }
 }
 
 fn read_synced(path: &Path) -> io::Result<Result<Option<SyncedRecord>, Damage>> {
@@ -549,14 +603,11 @@ impl Scan {
     /// committed nothing and proves it (verified, not unfinished) says
     /// nothing.
     fn segment_ended(&mut self, unproven: bool, committed: bool, header: Option<SegmentHeader>) {
-        let (boot_id, seed) = match header {
-            Some(header) => (header.boot_id, header.seed),
-            None => (Vec::new(), self.seed.unwrap_or(0)),
-        };
+        let seed = header.map_or(self.seed.unwrap_or(0), |header| header.seed);
         if unproven {
-            self.newest = Some((Tail::Unproven, boot_id, seed));
+            self.newest = Some((Tail::Unproven, seed));
         } else if committed {
-            self.newest = Some((Tail::Verified, boot_id, seed));
+            self.newest = Some((Tail::Verified, seed));
         }
     }
 
@@ -654,6 +705,21 @@ pub(super) mod tests {
             .unwrap();
         }
 
+        /// A checkpoint at `position` of numbering `seed`, holding nothing.
+        fn checkpoint(&self, seed: u64, position: u64) {
+            let mut out = file_header(FileKind::Checkpoint).to_vec();
+            let meta = CheckpointMeta {
+                position,
+                seed,
+                last_sequences: BTreeMap::from([(0, seed + position - 1)]),
+                marks: Marks::new(),
+            };
+            put_record(&mut out, kind::CHECKPOINT_META, &[&meta.encode()]);
+            let end = crate::store::records::encode_checkpoint_end(0, 0);
+            put_record(&mut out, kind::CHECKPOINT_END, &[&end]);
+            std::fs::write(self.0.join(files::checkpoint_name(position)), out).unwrap();
+        }
+
         pub(in crate::store) fn synced(&self, seed: u64, through: u64, clean: bool) {
             let mut out = file_header(FileKind::Synced).to_vec();
             let record = SyncedRecord {
@@ -666,22 +732,42 @@ pub(super) mod tests {
             std::fs::write(self.0.join(files::SYNCED_FILE), out).unwrap();
         }
 
-        pub(in crate::store) fn restore(&self, boot_id: &[u8]) -> Restored {
-            restore(&self.0, boot_id, LIMITS, &mut |_, _| {}).unwrap()
+        pub(in crate::store) fn restore(&self, mark: Option<MarkRecord>) -> Restored {
+            restore(&self.0, mark, LIMITS, &mut |_, _| {}).unwrap()
         }
     }
 
+    /// The mark a process numbering from `seed` leaves having announced
+    /// through `through` (one rank, numbered from `seed` at position 1).
+    pub(in crate::store) fn mark(seed: u64, through: u64) -> Option<MarkRecord> {
+        Some(MarkRecord {
+            seed,
+            through,
+            highest_sequence: seed + through - 1,
+            owner_running: false,
+        })
+    }
+
+    impl Dir {}
+
     impl Drop for Dir {
         fn drop(&mut self) {
+            if let Ok(metadata) = std::fs::metadata(&self.0) {
+                use std::os::unix::fs::MetadataExt;
+                crate::store::announced::remove(crate::store::announced::DirIdentity {
+                    dev: metadata.dev(),
+                    ino: metadata.ino(),
+                });
+            }
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }
 
     #[test]
-    fn the_same_boot_continues_the_numbering_where_the_log_ends() {
+    fn a_mark_within_the_log_continues_the_numbering_where_the_log_ends() {
         let dir = Dir::new("same-boot");
         dir.segment(b"boot", 1000, 1, 5);
-        let restored = dir.restore(b"boot");
+        let restored = dir.restore(mark(1000, 5));
         assert_eq!(restored.report.outcome, Outcome::Continued);
         assert_eq!(restored.next_position, 6);
         assert_eq!(
@@ -692,20 +778,42 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn after_a_reboot_only_a_clean_sync_at_the_logs_end_continues_the_numbering() {
+    fn a_mark_past_the_logs_end_renumbers_above_every_announced_number() {
+        // The disk took nothing after position 3; the process announced
+        // through 9 and was killed.
+        let dir = Dir::new("mark-past-end");
+        dir.segment(b"boot", 1000, 1, 3);
+        let restored = dir.restore(mark(1000, 9));
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
+        assert_eq!(restored.next_position, 4);
+        assert!(restored.highest_number >= 1008);
+        assert!(restored.history.is_empty());
+        // A mark of another numbering proves nothing either.
+        assert_eq!(
+            dir.restore(mark(2000, 3)).report.outcome,
+            Outcome::Renumbered
+        );
+        assert_eq!(
+            dir.restore(mark(1000, 3)).report.outcome,
+            Outcome::Continued
+        );
+    }
+
+    #[test]
+    fn without_a_mark_only_a_clean_sync_at_the_logs_end_continues_the_numbering() {
         let dir = Dir::new("reboot");
         dir.segment(b"old", 1000, 1, 5);
-        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Renumbered);
+        assert_eq!(dir.restore(None).report.outcome, Outcome::Renumbered);
         dir.synced(1000, 4, false);
-        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Renumbered);
+        assert_eq!(dir.restore(None).report.outcome, Outcome::Renumbered);
         dir.synced(1000, 5, false);
         assert_eq!(
-            dir.restore(b"new").report.outcome,
+            dir.restore(None).report.outcome,
             Outcome::Renumbered,
             "synced but not stopped: more may have been announced"
         );
         dir.synced(1000, 5, true);
-        assert_eq!(dir.restore(b"new").report.outcome, Outcome::Continued);
+        assert_eq!(dir.restore(None).report.outcome, Outcome::Continued);
     }
 
     #[test]
@@ -713,13 +821,13 @@ pub(super) mod tests {
         let dir = Dir::new("unfinished");
         dir.segment(b"boot", 1000, 1, 5);
         dir.mark_unfinished(1);
-        let restored = dir.restore(b"boot");
+        let restored = dir.restore(mark(1000, 5));
         assert_eq!(restored.report.outcome, Outcome::Renumbered);
         assert!(restored.history.is_empty());
         assert!(restored.needs_checkpoint);
 
         dir.segment(b"boot", 1000, 9, 2);
-        let restored = dir.restore(b"boot");
+        let restored = dir.restore(mark(1000, 5));
         assert_eq!(
             restored.report.outcome,
             Outcome::Fresh,
@@ -735,7 +843,7 @@ pub(super) mod tests {
         // The old process opened segment 6 and could not write to it.
         dir.segment(b"boot", 1000, 6, 0);
         dir.mark_unfinished(6);
-        let restored = dir.restore(b"boot");
+        let restored = dir.restore(mark(1000, 5));
         assert_eq!(restored.report.outcome, Outcome::Renumbered);
         assert_eq!(restored.next_position, 7);
     }
@@ -752,7 +860,7 @@ pub(super) mod tests {
             put_record(&mut bytes, kind::BATCH, &[&header, &filler]);
         }
         std::fs::write(&path, bytes).unwrap();
-        let restored = dir.restore(b"boot");
+        let restored = dir.restore(mark(1000, 3));
         assert_eq!(restored.report.set_aside.len(), 1, "{:?}", restored.report);
         assert!(restored.report.set_aside[0].ends_with("malformed"));
         // What verified before the run is still used; the numbering is not.
@@ -770,9 +878,65 @@ pub(super) mod tests {
         let cycle_len = RECORD_BYTES_OF_EMPTY_CYCLE;
         bytes.truncate(bytes.len() - cycle_len);
         std::fs::write(&path, bytes).unwrap();
-        let restored = dir.restore(b"boot");
+        let restored = dir.restore(mark(1000, 2));
         assert_eq!(restored.report.outcome, Outcome::Continued);
         assert_eq!(restored.next_position, 3);
+    }
+
+    #[test]
+    fn a_checkpoint_of_a_numbering_the_directory_never_used_is_set_aside() {
+        let dir = Dir::new("foreign");
+        dir.segment(b"boot", 1000, 1, 3);
+        // Another kvgate's, far ahead of this log.
+        dir.checkpoint(7777, 50);
+        let restored = dir.restore(mark(1000, 3));
+        assert_eq!(restored.report.set_aside.len(), 1, "{:?}", restored.report);
+        assert!(restored.report.set_aside[0].ends_with("foreign"));
+        assert_eq!(restored.report.checkpoint_position, None);
+        assert_eq!(restored.report.outcome, Outcome::Continued);
+        assert_eq!(restored.next_position, 4);
+        // One of this directory's own numbering is the state's base.
+        dir.checkpoint(1000, 2);
+        let restored = dir.restore(mark(1000, 3));
+        assert_eq!(restored.report.checkpoint_position, Some(2));
+        assert_eq!(restored.report.outcome, Outcome::Continued);
+    }
+
+    #[test]
+    fn a_sparse_tail_of_any_size_is_skipped_as_a_torn_write() {
+        let dir = Dir::new("sparse");
+        dir.segment(b"boot", 1000, 1, 3);
+        let path = dir.0.join(files::segment_name(1));
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        // A hole of 64 GiB after the records: read past it, not through.
+        file.set_len(64 << 30).unwrap();
+        let restored = dir.restore(mark(1000, 3));
+        assert_eq!(
+            restored.report.outcome,
+            Outcome::Continued,
+            "{:?}",
+            restored.report
+        );
+        assert_eq!(restored.next_position, 4);
+        assert!(restored.report.set_aside.is_empty());
+    }
+
+    #[test]
+    fn a_run_of_zeros_on_disk_longer_than_any_write_is_damage() {
+        let dir = Dir::new("zero-run");
+        dir.segment(b"boot", 1000, 1, 3);
+        let path = dir.0.join(files::segment_name(1));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.resize(
+            bytes.len() + crate::store::format::MAX_ZERO_RUN_BYTES as usize + 4096,
+            0,
+        );
+        std::fs::write(&path, bytes).unwrap();
+        let restored = dir.restore(mark(1000, 3));
+        assert_eq!(restored.report.set_aside.len(), 1, "{:?}", restored.report);
+        // What verified before the run is used; the numbering is not.
+        assert_eq!(restored.report.batches_replayed, 3);
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
     }
 
     /// A cycle record with no marks: header, kind, position and count.

@@ -8,26 +8,29 @@
 //! records and its cycle's end were handed to the kernel (a write into the
 //! page cache, no fsync), so every batch the drain announces survives a
 //! killed process. The batches' own bytes are written (`writev`), never
-//! copied into a record buffer first. When a write fails, persistence
-//! pauses: the open segment (or, before the first one opened, the newest on
-//! disk) is renamed `….unfinished` (a rename needs no free space), which
-//! tells a restart that the log may lack announced batches, and serving
-//! goes on. Every `PAUSE_RETRY` a new segment is tried; once one opens, a
-//! checkpoint is asked for at once, so the log is whole again from there.
+//! copied into a record buffer first. When a write fails (or the drain
+//! found one that did not complete in time), persistence pauses: the open
+//! segment is closed as it is, and serving goes on. Nothing is written to
+//! mark the log incomplete (a failing disk may accept nothing): the
+//! announcement mark, raised before each announcement, already names
+//! positions the log lacks. Every `PAUSE_RETRY` a new segment is tried;
+//! once one opens, a checkpoint is asked for at once, so the log is whole
+//! again from there. Every segment is created in the held directory, once
+//! it is checked to be the one taken (`DirLock::checked`).
 
 use std::fs::File;
 use std::io::{IoSlice, Write};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use tracing::info;
 
-use super::background::{CheckpointJob, Shared, SyncJob};
+use super::background::{CheckpointJob, Operation, Shared, SyncJob};
 use super::files;
 use super::format::{Fields, FileKind, RECORD_HEADER_BYTES, file_header, put_record, record_head};
+use super::lock::DirLock;
 use super::records::{
     BatchRecord, CheckpointMeta, CycleRecord, Marks, RankMark, SegmentHeader, kind,
 };
@@ -73,13 +76,12 @@ const BATCH_HEAD_BYTES: usize = RECORD_HEADER_BYTES + 1 + BatchRecord::HEADER_BY
 
 struct OpenSegment {
     file: File,
-    first_position: u64,
     bytes: u64,
 }
 
 /// Appends to the log; owned by the log writer thread.
 pub struct StoreWriter {
-    pub(super) dir: PathBuf,
+    pub(super) dir: Arc<DirLock>,
     pub(super) boot_id: Vec<u8>,
     pub(super) seed: u64,
     pub(super) limits: StoreLimits,
@@ -92,10 +94,6 @@ pub struct StoreWriter {
     /// checkpoint cut short is only a temporary file).
     pub(super) sync_thread: Option<std::thread::JoinHandle<()>>,
     segment: Option<OpenSegment>,
-    /// With no segment open: the first position of the newest segment on
-    /// disk not yet marked unfinished (the one restored, or the last one
-    /// written), which a pause marks instead so no restart trusts its end.
-    newest_closed: Option<u64>,
     /// When persistence paused, and when to try again.
     paused: Option<Instant>,
     /// The next checkpoint should be taken at the first chance.
@@ -113,7 +111,7 @@ pub struct StoreWriter {
 impl StoreWriter {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
-        dir: PathBuf,
+        dir: Arc<DirLock>,
         boot_id: Vec<u8>,
         seed: u64,
         limits: StoreLimits,
@@ -123,7 +121,6 @@ impl StoreWriter {
         checkpoint_jobs: SyncSender<CheckpointJob>,
         sync_thread: std::thread::JoinHandle<()>,
         checkpoint_due: bool,
-        newest_segment: Option<u64>,
     ) -> Self {
         Self {
             dir,
@@ -136,7 +133,6 @@ impl StoreWriter {
             checkpoint_jobs,
             sync_thread: Some(sync_thread),
             segment: None,
-            newest_closed: newest_segment,
             paused: None,
             checkpoint_due,
             logged_since_checkpoint: 0,
@@ -170,11 +166,14 @@ impl StoreWriter {
             .segment
             .as_ref()
             .is_some_and(|segment| segment.bytes >= self.limits.segment_bytes);
-        if (self.segment.is_none() || full)
-            && let Err(error) = self.open_segment(first_position)
-        {
-            self.pause(Some(("opening a log segment", error)));
-            return;
+        if self.segment.is_none() || full {
+            self.shared.begin(Operation::Opening);
+            let opened = self.open_segment(first_position);
+            self.shared.begin(Operation::Idle);
+            if let Err(error) = opened {
+                self.pause(Some((Operation::Opening.describe(), error)));
+                return;
+            }
         }
         self.heads.clear();
         let mut position = first_position;
@@ -203,7 +202,10 @@ impl StoreWriter {
         slices.push(IoSlice::new(&self.cycle_end));
         let bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
         let segment = self.segment.as_mut().expect("opened above");
-        match write_all_vectored(&mut segment.file, &mut slices) {
+        self.shared.begin(Operation::Writing);
+        let written = write_all_vectored(&mut segment.file, &mut slices);
+        self.shared.begin(Operation::Idle);
+        match written {
             Ok(()) => {
                 segment.bytes += bytes;
                 self.logged_since_checkpoint += bytes;
@@ -212,12 +214,15 @@ impl StoreWriter {
                     .written_through
                     .store(position - 1, Ordering::Release);
             }
-            Err(error) => self.pause(Some(("writing the log", error))),
+            Err(error) => self.pause(Some((Operation::Writing.describe(), error))),
         }
     }
 
     fn open_segment(&mut self, first_position: u64) -> std::io::Result<()> {
-        let path = self.dir.join(files::segment_name(first_position));
+        let path = self
+            .dir
+            .checked()?
+            .join(files::segment_name(first_position));
         let mut file = File::create(&path)?;
         let mut header = file_header(FileKind::Segment).to_vec();
         let segment_header = SegmentHeader {
@@ -238,13 +243,11 @@ impl StoreWriter {
             return Err(std::io::Error::other("the sync thread is not keeping up"));
         }
         let resumed = self.segment.is_none() && self.metrics.state_paused.get() == 1;
-        self.newest_closed = None;
         self.shared
             .open_segment
             .store(first_position, Ordering::Release);
         self.segment = Some(OpenSegment {
             file,
-            first_position,
             bytes: header.len() as u64,
         });
         if resumed {
@@ -259,9 +262,8 @@ impl StoreWriter {
         Ok(())
     }
 
-    /// Stops logging until `PAUSE_RETRY` has passed; the open segment (or,
-    /// with none open, the newest on disk) is marked unfinished so no
-    /// restart trusts its end.
+    /// Stops logging until `PAUSE_RETRY` has passed, closing the open
+    /// segment: the next opens at the next cycle's position, after a gap.
     fn pause(&mut self, failed: Option<(&str, std::io::Error)>) {
         if let Some((what, error)) = failed {
             self.shared.fail(what, &error);
@@ -270,33 +272,8 @@ impl StoreWriter {
         self.metrics.state_write_failures.inc();
         self.metrics.state_paused.set(1);
         self.paused = Some(Instant::now());
-        // Not fsynced here (announcements wait for this thread): a rename
-        // lost to a machine crash is still caught, as after a reboot only
-        // a clean `synced` record continues the numbering.
-        let newest = self
-            .segment
-            .take()
-            .map(|segment| segment.first_position)
-            .or(self.newest_closed.take());
+        self.segment = None;
         self.shared.open_segment.store(0, Ordering::Release);
-        if let Some(first_position) = newest {
-            let from = self.dir.join(files::segment_name(first_position));
-            let to = self.dir.join(files::unfinished_name(first_position));
-            if let Err(error) = std::fs::rename(&from, &to) {
-                warn!(%error, segment = %from.display(), "cannot mark the log segment unfinished");
-            }
-        }
-    }
-
-    /// Whether the next cycle goes into the open segment, so that
-    /// appending it opens no file (an open can wait on a FIFO or a hung
-    /// disk): a segment is open, not full, and persistence is not paused.
-    pub fn appends_to_an_open_segment(&self) -> bool {
-        self.paused.is_none()
-            && self
-                .segment
-                .as_ref()
-                .is_some_and(|segment| segment.bytes < self.limits.segment_bytes)
     }
 
     /// Whether the drain should hand over a cut for a checkpoint now.
