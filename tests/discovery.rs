@@ -65,6 +65,26 @@ async fn vllm_server(answer: Arc<Mutex<String>>) -> SocketAddr {
     address
 }
 
+/// kvgate started with `args` and an admin port, and one subscriber on
+/// `service`.
+async fn gateway_subscribed(
+    args: &[&str],
+    service: &str,
+) -> (
+    Gateway,
+    Vec<tonic::codec::Streaming<kvgate::proto::common::KvEventBatch>>,
+) {
+    let mut args = args.to_vec();
+    args.extend(["--metrics-listen", "127.0.0.1:0"]);
+    let gateway = Gateway::start(&args);
+    let streams = vec![
+        subscribe(gateway.channel().await, service, 0)
+            .await
+            .unwrap(),
+    ];
+    (gateway, streams)
+}
+
 async fn status_json(gateway: &Gateway) -> Value {
     let (code, body) = http_get(gateway.admin.expect("admin port"), "/status").await;
     assert_eq!(code, 200);
@@ -77,12 +97,8 @@ async fn next_to_vllm_kvgate_needs_no_port_flag_and_status_says_where_each_rank_
     let answer = Arc::new(Mutex::new(vllm_answer(&[&rank0, &rank1])));
     let engine = vllm_server(Arc::clone(&answer)).await;
     let url = format!("http://{engine}");
-    let gateway = Gateway::start(&["--engine-http", &url, "--metrics-listen", "127.0.0.1:0"]);
-    let mut streams = vec![
-        subscribe(gateway.channel().await, "vllm.grpc.engine.VllmEngine", 0)
-            .await
-            .unwrap(),
-    ];
+    let (gateway, mut streams) =
+        gateway_subscribed(&["--engine-http", &url], "vllm.grpc.engine.VllmEngine").await;
     sync_streams(&mut rank0, 0, &mut streams).await;
     sync_streams(&mut rank1, 1, &mut streams).await;
 
@@ -122,19 +138,11 @@ async fn an_engine_restarted_on_other_ports_is_followed_without_restarting_kvgat
     let answer = Arc::new(Mutex::new(vllm_answer(&[&before])));
     let engine = vllm_server(Arc::clone(&answer)).await;
     let url = format!("http://{engine}");
-    let gateway = Gateway::start(&[
-        "--engine-http",
-        &url,
-        "--engine-discovery-ms",
-        "100",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let mut streams = vec![
-        subscribe(gateway.channel().await, "kvgate.v1.KvGate", 0)
-            .await
-            .unwrap(),
-    ];
+    let (gateway, mut streams) = gateway_subscribed(
+        &["--engine-http", &url, "--engine-discovery-ms", "100"],
+        "kvgate.v1.KvGate",
+    )
+    .await;
     sync_streams(&mut before, 0, &mut streams).await;
 
     drop(before);
@@ -328,19 +336,11 @@ async fn next_to_an_openengine_server_kvgate_learns_every_rank_from_get_kv_event
     let service =
         openengine::control_server::ControlServer::new(OpenEngine(Arc::new(Mutex::new(sources))));
     let uri = grpc_engine(tonic::transport::Server::builder().add_service(service)).await;
-    let gateway = Gateway::start(&[
-        "--engine-grpc",
-        &uri,
-        "--load-poll-ms",
-        "0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let mut streams = vec![
-        subscribe(gateway.channel().await, "trtllm.TrtllmService", 0)
-            .await
-            .unwrap(),
-    ];
+    let (gateway, mut streams) = gateway_subscribed(
+        &["--engine-grpc", &uri, "--load-poll-ms", "0"],
+        "trtllm.TrtllmService",
+    )
+    .await;
     sync_streams(&mut rank0, 0, &mut streams).await;
     sync_streams(&mut rank1, 1, &mut streams).await;
     let status = status_json(&gateway).await;

@@ -653,6 +653,11 @@ impl<'a> MmKeys<'a> {
     pub(crate) fn next_block(&mut self) -> Vec<MmKey> {
         self.0.next_block(mm_key)
     }
+
+    /// No block has keys left (the store has no `mm_keys`, or an empty one).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.blocks_left == 0
+    }
 }
 
 fn mm_key(raw: &[u8]) -> Option<MmKey> {

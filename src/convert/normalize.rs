@@ -86,18 +86,21 @@ impl<'e> StoredFields<'e> {
     ) {
         let block_size = self.block_size as usize;
         let blocks = self.tokens.chunks_exact(block_size);
+        // Decided once: almost every store has neither, and its blocks then
+        // cost nothing more than their extra keys.
+        let multimodal = !self.digest_tokens.is_empty() || !self.mm_keys.is_empty();
         let mut digests = self.digest_tokens;
         for (block, (&hash, tokens)) in self.hashes.iter().zip(blocks).enumerate() {
             let mut keys = self.extra_keys.next_block();
-            let block_start = block * block_size;
-            let in_block = digests
-                .iter()
-                .take_while(|digest| digest.index < block_start + block_size)
-                .count();
-            let (here, later) = digests.split_at(in_block);
-            digests = later;
-            let mm_keys = self.mm_keys.next_block();
-            if !mm_keys.is_empty() || !here.is_empty() {
+            if multimodal {
+                let block_start = block * block_size;
+                let in_block = digests
+                    .iter()
+                    .take_while(|digest| digest.index < block_start + block_size)
+                    .count();
+                let (here, later) = digests.split_at(in_block);
+                digests = later;
+                let mm_keys = self.mm_keys.next_block();
                 multimodal::append_block_keys(&mut keys, &mm_keys, here, block_start);
             }
             each(hash, tokens, keys);
