@@ -118,13 +118,14 @@ fn the_engine_starts_its_grpc_server_with_vllms_real_flags() {
     }
     assert!(!engine.contains("--grpc-port"), "{engine}");
     assert!(deployment.contains("KVGATE_ENGINE_GRPC, value: \"http://127.0.0.1:50051\""));
-    // The README's vLLM example starts the gRPC server it points kvgate at.
-    let readme = read("README.md");
-    let example = readme
-        .split("**vLLM**")
+    // The documented vLLM-with-gRPC example starts the gRPC server it
+    // points kvgate at.
+    let engines = read("docs/engines.md");
+    let example = engines
+        .split("**vLLM with its gRPC server**")
         .nth(1)
         .and_then(|rest| rest.split("```").nth(1))
-        .expect("README.md's vLLM example");
+        .expect("docs/engines.md's vLLM-with-gRPC example");
     assert!(
         example.contains("--grpc --host 127.0.0.1 --port 50051")
             && example.contains("--engine-grpc http://127.0.0.1:50051"),
