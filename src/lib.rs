@@ -25,6 +25,7 @@ pub mod convert;
 pub mod drain;
 pub(crate) mod health;
 pub mod hub;
+pub mod index;
 pub mod json;
 pub mod load;
 pub mod logging;
