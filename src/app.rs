@@ -46,6 +46,7 @@ use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 use crate::usage::UsageError;
 use source::{choose_load_push, choose_source, start_source};
 
+pub mod index;
 pub mod metric_labels;
 mod source;
 #[cfg(test)]

@@ -19,11 +19,17 @@
 //!
 //! Files: `tier.rs` (tiers from the event's medium), `block_hash.rs` (the
 //! local hash), `tree.rs` (one partition), `partition.rs` (a tree, its block
-//! size and its counters), `overlap.rs` (a query's answer in Dynamo's
-//! shape), `writer.rs` (the one writer).
+//! size and its counters), `writer.rs` (the one writer), `registry.rs`
+//! (workers and partitions), `feed.rs` (one worker rank's ZMQ source and
+//! converter), `overlap.rs` (a query's answer per worker and rank).
 
 pub mod block_hash;
+pub mod feed;
+pub mod overlap;
+pub mod partition;
+pub mod registry;
 #[cfg(test)]
 mod tests;
 pub mod tier;
 pub mod tree;
+pub mod writer;

@@ -1,0 +1,134 @@
+//! The one writer: applies every worker's converted events to its
+//! partition's tree, in each rank's order.
+//!
+//! Invariant: the writer is the only task that changes a tree, and it holds
+//! a tree's write lock for one bounded step at a time: one removal, one clear,
+//! or at most [`MAX_BLOCKS_PER_STEP`] blocks of a store (a longer store is
+//! applied as a chain of steps, each under the last block of the one before).
+//! Its input queue is bounded, so a worker's feed waits for it rather than
+//! growing memory.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use super::block_hash::HashSeed;
+use super::partition::{Dropped, Partition};
+use super::tier::Tier;
+use super::tree::{RankKey, StoreOutcome};
+use crate::proto::common::{KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
+
+/// The most blocks one step of a store applies under the lock.
+pub const MAX_BLOCKS_PER_STEP: usize = 256;
+
+/// Events in the writer's queue before a feed waits.
+pub const QUEUE_DEPTH: usize = 1024;
+
+/// What the writer is asked to do.
+#[derive(Debug)]
+pub enum IndexInput {
+    /// One engine payload's converted events, for one rank.
+    Events {
+        partition: Arc<Partition>,
+        key: RankKey,
+        events: Vec<KvCacheEvent>,
+    },
+    /// The rank's publisher restarted (or its source resynchronises): its
+    /// cache is void.
+    ClearRank {
+        partition: Arc<Partition>,
+        key: RankKey,
+    },
+    /// The rank was unregistered.
+    RemoveRank {
+        partition: Arc<Partition>,
+        key: RankKey,
+    },
+}
+
+/// The writer's end of the queue, and a handle to send to it.
+pub fn queue() -> (mpsc::Sender<IndexInput>, mpsc::Receiver<IndexInput>) {
+    mpsc::channel(QUEUE_DEPTH)
+}
+
+/// Applies everything the queue brings until every sender is gone.
+pub async fn run(mut inputs: mpsc::Receiver<IndexInput>) {
+    while let Some(input) = inputs.recv().await {
+        apply(input);
+        // A long queue is applied without starving the runtime's other tasks.
+        tokio::task::consume_budget().await;
+    }
+}
+
+/// Applies one input.
+pub fn apply(input: IndexInput) {
+    match input {
+        IndexInput::Events {
+            partition,
+            key,
+            events,
+        } => {
+            for event in &events {
+                apply_event(&partition, key, event);
+            }
+        }
+        IndexInput::ClearRank { partition, key } => {
+            partition.write().clear(key);
+        }
+        IndexInput::RemoveRank { partition, key } => {
+            partition.write().remove_rank(key);
+        }
+    }
+}
+
+fn apply_event(partition: &Partition, key: RankKey, event: &KvCacheEvent) {
+    partition.count_event();
+    match &event.data {
+        Some(Data::Stored(stored)) => {
+            if let Err(reason) = apply_store(partition, key, stored) {
+                partition.count_dropped(reason);
+            }
+        }
+        Some(Data::Removed(removed)) => {
+            let tier = Tier::from_proto(removed.tier);
+            for step in removed.block_hashes.chunks(MAX_BLOCKS_PER_STEP) {
+                partition.write().remove(key, tier, step);
+            }
+        }
+        Some(Data::Cleared(_)) => {
+            partition.write().clear(key);
+        }
+        None => {}
+    }
+}
+
+fn apply_store(
+    partition: &Partition,
+    key: RankKey,
+    stored: &KvBlocksStored,
+) -> Result<(), Dropped> {
+    let block_size = partition.block_size();
+    if stored.blocks.iter().any(|block| {
+        u32::try_from(block.block_size).ok() != Some(block_size)
+            || block.token_ids.len() != block_size as usize
+    }) {
+        return Err(Dropped::BlockSizeMismatch);
+    }
+    let seed = HashSeed::new(stored.lora_name.as_deref(), stored.cache_salt.as_deref());
+    let tier = Tier::from_proto(stored.tier);
+    let mut parent = stored.parent_block_hash;
+    let mut step = Vec::with_capacity(stored.blocks.len().min(MAX_BLOCKS_PER_STEP));
+    for blocks in stored.blocks.chunks(MAX_BLOCKS_PER_STEP) {
+        step.clear();
+        step.extend(
+            blocks
+                .iter()
+                .map(|block| (block.block_hash, seed.block(&block.token_ids))),
+        );
+        if partition.write().store(key, parent, tier, &step) == StoreOutcome::UnknownParent {
+            return Err(Dropped::UnknownParent);
+        }
+        parent = step.last().map(|&(engine_hash, _)| engine_hash);
+    }
+    Ok(())
+}
