@@ -40,6 +40,7 @@ mod tally;
 mod tests;
 mod transcoded;
 
+pub use normalize::Alignment;
 pub use tally::{DropReason, EventKind, Tally};
 pub use transcoded::{Forwarded, StoredBlocks, TranscodedPayload};
 
@@ -184,6 +185,13 @@ impl Converter {
             self.normalizer.roll_back();
         }
         converted
+    }
+
+    /// A converter that reads misaligned stores by `alignment`.
+    pub fn with_alignment(alignment: Alignment) -> Self {
+        let mut converter = Self::new();
+        converter.normalizer.alignment = alignment;
+        converter
     }
 
     /// Forgets what `rank`'s cache groups were (call when its engine

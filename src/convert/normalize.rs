@@ -171,6 +171,20 @@ pub(crate) struct Normalizer {
     distinct_hashes: DistinctHashes,
     /// Token, hash and text buffers of sent events, for the next events.
     pub(crate) spare_buffers: SpareBuffers,
+    /// What a store whose tokens do not fill its hashes' blocks exactly becomes.
+    pub(crate) alignment: Alignment,
+}
+
+/// What a store whose token count is not its hashes × its block size becomes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Alignment {
+    /// Dropped as `unaligned_blocks` (the contract's rule for the stream).
+    #[default]
+    Exact,
+    /// Its hashes paired with full blocks of tokens while both last, the rest
+    /// ignored (Dynamo's indexer reads a store so); dropped only when not
+    /// even one block is full.
+    LeadingFullBlocks,
 }
 
 impl Normalizer {
@@ -326,9 +340,19 @@ impl Normalizer {
             .ok()
             .filter(|&size| size > 0)
             .ok_or(DropReason::UnalignedBlocks)?;
-        if hashes.len().checked_mul(block_size as usize) != Some(tokens.len()) {
-            return Err(DropReason::UnalignedBlocks);
-        }
+        let (hashes, tokens) = match self.alignment {
+            _ if hashes.len().checked_mul(block_size as usize) == Some(tokens.len()) => {
+                (hashes, tokens)
+            }
+            Alignment::Exact => return Err(DropReason::UnalignedBlocks),
+            Alignment::LeadingFullBlocks => {
+                let blocks = hashes.len().min(tokens.len() / block_size as usize);
+                if blocks == 0 {
+                    return Err(DropReason::UnalignedBlocks);
+                }
+                (&hashes[..blocks], &tokens[..blocks * block_size as usize])
+            }
+        };
         if !self.distinct_hashes.all_distinct(hashes, parent) {
             return Err(DropReason::SelfReferencingHashes);
         }

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::partition::Partition;
 use super::tree::RankKey;
 use super::writer::IndexInput;
-use crate::convert::{Converter, Tally};
+use crate::convert::{Alignment, Converter, Tally};
 use crate::metrics::Metrics;
 use crate::source::SourceEvent;
 use crate::source::replay::FetchBounds;
@@ -120,15 +120,23 @@ impl FeedStatus {
 /// Events a source may queue before its socket task waits for the feed.
 const SOURCE_QUEUE_DEPTH: usize = 256;
 
-/// Follows `config` until `stop`, feeding `writer` for the rank `key`.
+/// Follows `config` until `stop`, feeding `writer` for the rank `key`; an
+/// endpoint kvgate cannot follow (`None`: `ipc://`, `inproc://`) fails at once.
 pub async fn run(
-    config: ZmqFeedConfig,
+    config: Option<ZmqFeedConfig>,
     partition: Arc<Partition>,
     key: RankKey,
     writer: mpsc::Sender<IndexInput>,
     status: Arc<FeedStatus>,
     stop: CancellationToken,
 ) {
+    let Some(config) = config else {
+        status.enter(
+            FeedPhase::Failed,
+            Some("only tcp:// endpoints are followed".to_owned()),
+        );
+        return;
+    };
     let supervisor = Supervisor::new();
     let (events_tx, mut events) = mpsc::channel(SOURCE_QUEUE_DEPTH);
     let (ready_tx, mut ready) = watch::channel(false);
@@ -150,7 +158,7 @@ pub async fn run(
         status.enter(FeedPhase::Failed, Some(error.to_string()));
         return;
     }
-    let mut converter = Converter::new();
+    let mut converter = Converter::with_alignment(Alignment::LeadingFullBlocks);
     let mut tally = Tally::default();
     let failed = supervisor.failed();
     tokio::pin!(failed);

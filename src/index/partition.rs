@@ -31,17 +31,24 @@ pub enum Dropped {
     BlockSizeMismatch,
     /// A store under a parent its rank does not hold.
     UnknownParent,
+    /// A store or removal whose medium Dynamo does not spell so.
+    UnknownMedium,
 }
 
 impl Dropped {
     /// Every reason, in label order.
-    pub const ALL: [Dropped; 2] = [Dropped::BlockSizeMismatch, Dropped::UnknownParent];
+    pub const ALL: [Dropped; 3] = [
+        Dropped::BlockSizeMismatch,
+        Dropped::UnknownParent,
+        Dropped::UnknownMedium,
+    ];
 
     /// The metric label.
     pub const fn as_str(self) -> &'static str {
         match self {
             Dropped::BlockSizeMismatch => "block_size_mismatch",
             Dropped::UnknownParent => "unknown_parent",
+            Dropped::UnknownMedium => "unknown_medium",
         }
     }
 }

@@ -70,14 +70,8 @@ pub enum RegisterError {
         existing: u32,
         requested: u32,
     },
-    #[error("block_size must be greater than 0")]
-    ZeroBlockSize,
-    #[error("{which} {endpoint:?}: {reason}")]
-    BadEndpoint {
-        which: &'static str,
-        endpoint: String,
-        reason: String,
-    },
+    #[error("{0}")]
+    BadEndpoint(String),
     #[error("limit reached: --index-max-worker-ranks is {0}")]
     TooManyWorkerRanks(usize),
     #[error("limit reached: --index-max-partitions is {0}")]
@@ -180,15 +174,14 @@ impl Registry {
 
     /// Starts following `registration`'s rank (its feed connects in the background).
     pub fn register(&self, registration: Registration) -> Result<(), RegisterError> {
-        let endpoint = parse_endpoint("endpoint", &registration.endpoint)?;
-        let replay_endpoint = registration
-            .replay_endpoint
-            .as_deref()
-            .map(|replay| parse_endpoint("replay_endpoint", replay))
-            .transpose()?;
-        if registration.block_size == 0 {
-            return Err(RegisterError::ZeroBlockSize);
-        }
+        let endpoint =
+            validate_endpoint(&registration.endpoint).map_err(RegisterError::BadEndpoint)?;
+        let replay_endpoint = match registration.replay_endpoint.as_deref() {
+            Some(replay) => validate_endpoint(replay).map_err(|reason| {
+                RegisterError::BadEndpoint(format!("invalid replay endpoint `{replay}`: {reason}"))
+            })?,
+            None => None,
+        };
         let mut state = self.lock();
         let state = &mut *state;
         if let Some(worker) = state.workers.get(&registration.instance_id) {
@@ -239,13 +232,14 @@ impl Registry {
             worker: registration.instance_id,
             rank: registration.dp_rank,
         };
+        let config = endpoint.map(|endpoint| ZmqFeedConfig {
+            endpoint,
+            replay_endpoint,
+            replay_timeout: self.settings.replay_timeout,
+            max_message_bytes: self.settings.max_message_bytes,
+        });
         let task = tokio::spawn(feed::run(
-            ZmqFeedConfig {
-                endpoint,
-                replay_endpoint,
-                replay_timeout: self.settings.replay_timeout,
-                max_message_bytes: self.settings.max_message_bytes,
-            },
+            config,
             Arc::clone(&partition),
             key,
             self.writer.clone(),
@@ -408,21 +402,24 @@ impl Registry {
     }
 }
 
-fn parse_endpoint(
-    which: &'static str,
-    endpoint: &str,
-) -> Result<kvgate_endpoint::TcpEndpoint, RegisterError> {
-    let bad = |reason: String| RegisterError::BadEndpoint {
-        which,
-        endpoint: endpoint.to_owned(),
-        reason,
+/// A ZMQ endpoint as Dynamo validates one: `tcp://HOST:PORT`, `ipc://PATH`
+/// or `inproc://NAME`. Only `tcp://` is followed (the feed reports the
+/// others as failed); the text is Dynamo's.
+fn validate_endpoint(endpoint: &str) -> Result<Option<kvgate_endpoint::TcpEndpoint>, String> {
+    let invalid = |reason: String| format!("invalid ZMQ endpoint `{endpoint}`: {reason}");
+    let Some((scheme, rest)) = endpoint.split_once("://") else {
+        return Err(invalid("missing scheme".to_owned()));
     };
-    if endpoint.starts_with("ipc://") {
-        return Err(bad(
-            "ipc:// endpoints are not supported; publish on tcp://".to_owned()
-        ));
+    match scheme {
+        "tcp" => match rest.rsplit_once(':') {
+            Some((_, port)) if port.parse::<u16>().is_ok() => endpoint
+                .parse()
+                .map(Some)
+                .map_err(|error: kvgate_endpoint::EndpointError| invalid(error.to_string())),
+            Some(_) => Err(invalid("invalid TCP port".to_owned())),
+            None => Err(invalid("missing TCP port".to_owned())),
+        },
+        "ipc" | "inproc" => Ok(None),
+        other => Err(invalid(format!("unsupported scheme `{other}`"))),
     }
-    endpoint
-        .parse()
-        .map_err(|error: kvgate_endpoint::EndpointError| bad(error.to_string()))
 }

@@ -81,11 +81,22 @@ impl Model {
                 continue;
             };
             let tiers = &mut rank.get_mut(&path).unwrap().1;
-            if tiers.remove(&tier) {
-                removed += 1;
+            if !tiers.contains(&tier) {
+                continue;
             }
-            if tiers.is_empty() {
-                rank.remove(&path);
+            removed += 1;
+            // A device removal takes the rank's device blocks under it too.
+            let affected: Vec<Vec<u64>> = rank
+                .keys()
+                .filter(|held| **held == path || (tier == Tier::Device && held.starts_with(&path)))
+                .cloned()
+                .collect();
+            for held in affected {
+                let tiers = &mut rank.get_mut(&held).unwrap().1;
+                tiers.remove(&tier);
+                if tiers.is_empty() {
+                    rank.remove(&held);
+                }
             }
         }
         removed
@@ -287,13 +298,43 @@ fn a_device_store_under_a_parent_held_only_on_the_host_changes_nothing() {
 }
 
 #[test]
+fn a_device_removal_takes_the_ranks_device_blocks_under_it() {
+    let mut tree = Tree::new();
+    let key = RankKey { worker: 1, rank: 0 };
+    let other = RankKey { worker: 2, rank: 0 };
+    tree.store(key, None, Tier::Device, &[(1, 1), (2, 2), (3, 3)]);
+    tree.store(other, None, Tier::Device, &[(1, 1), (2, 2), (3, 3)]);
+    assert_eq!(tree.remove(key, Tier::Device, &[2]), 1);
+    tree.store(key, Some(1), Tier::Device, &[(2, 2)]);
+    let mut found = tree.overlap(&[1, 2, 3]);
+    found.sort_by_key(|found| found.key);
+    assert_eq!(
+        found,
+        [
+            RankMatch {
+                key,
+                blocks: [2, 0, 0, 0]
+            },
+            RankMatch {
+                key: other,
+                blocks: [3, 0, 0, 0]
+            }
+        ]
+    );
+}
+
+#[test]
 fn removing_the_last_holder_frees_the_node_and_its_empty_ancestors() {
     let mut tree = Tree::new();
     let key = RankKey { worker: 1, rank: 0 };
     tree.store(key, None, Tier::Device, &[(1, 1), (2, 2), (3, 3)]);
-    assert_eq!(tree.nodes(), 3);
-    assert_eq!(tree.remove(key, Tier::Device, &[1, 2]), 2);
-    assert_eq!(tree.nodes(), 3, "a held descendant keeps its ancestors");
+    tree.store(key, Some(2), Tier::Host, &[(4, 4)]);
+    assert_eq!(tree.nodes(), 4);
     assert_eq!(tree.remove(key, Tier::Device, &[3]), 1);
+    assert_eq!(tree.nodes(), 3, "a leaf goes, a held sibling stays");
+    assert_eq!(tree.remove(key, Tier::Device, &[1]), 1);
+    assert_eq!(tree.nodes(), 3, "a host block keeps its ancestors");
+    assert_eq!(tree.remove(key, Tier::Host, &[4]), 1);
     assert_eq!(tree.nodes(), 0);
+    assert_eq!(tree.held_blocks(), 0);
 }

@@ -41,12 +41,18 @@ pub struct RankKey {
 /// The root: the empty prefix, never freed.
 const ROOT: u32 = 0;
 
+/// No node (the end of a sibling list).
+const NONE: u32 = u32::MAX;
+
 /// One block in the tree.
 #[derive(Debug)]
 struct Node {
     parent: u32,
-    /// Children still in the tree.
-    children: u32,
+    /// The first of its children ([`NONE`] for a leaf), linked through
+    /// `next` and `previous`, so a removal can reach a rank's blocks under it.
+    first_child: u32,
+    next: u32,
+    previous: u32,
     /// This block's local hash (its key under `parent`).
     local: u64,
     holders: SmallVec<[Held; 1]>,
@@ -132,7 +138,9 @@ impl Tree {
         Tree {
             nodes: vec![Node {
                 parent: ROOT,
-                children: 0,
+                first_child: NONE,
+                next: NONE,
+                previous: NONE,
                 local: 0,
                 holders: SmallVec::new(),
             }],
@@ -256,15 +264,64 @@ impl Tree {
                 continue;
             }
             removed += 1;
-            holders[at].tiers &= !tier.bit();
-            if holders[at].tiers == 0 {
-                holders.swap_remove(at);
-                self.member_mut(member).blocks.remove(engine_hash);
-                self.held -= 1;
-                self.free_if_empty(node);
+            if tier == Tier::Device {
+                // Dynamo's device tree drops the rank's blocks under it too.
+                self.drop_device_subtree(member, node);
             }
+            self.drop_tier(member, *engine_hash, node, tier);
         }
         removed
+    }
+
+    /// Takes `tier` from `member`'s hold of `node` (named `engine_hash`),
+    /// forgetting the hold and freeing the node when nothing is left.
+    fn drop_tier(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
+        let holders = &mut self.nodes[node as usize].holders;
+        let Some(at) = holders.iter().position(|held| held.member == member) else {
+            return;
+        };
+        holders[at].tiers &= !tier.bit();
+        if holders[at].tiers == 0 {
+            holders.swap_remove(at);
+            self.member_mut(member).blocks.remove(&engine_hash);
+            self.held -= 1;
+            self.free_if_empty(node);
+        }
+    }
+
+    /// Takes the device tier from `member`'s holds strictly under `node`
+    /// (device holds are prefix-closed: only held children are descended).
+    fn drop_device_subtree(&mut self, member: u32, node: u32) {
+        let mut held_under = Vec::new();
+        let mut stack = vec![node];
+        while let Some(parent) = stack.pop() {
+            let mut child = self.nodes[parent as usize].first_child;
+            while child != NONE {
+                if self.tiers_of(child, member) & Tier::Device.bit() != 0 {
+                    held_under.push(child);
+                    stack.push(child);
+                }
+                child = self.nodes[child as usize].next;
+            }
+        }
+        if held_under.is_empty() {
+            return;
+        }
+        let under: rustc_hash::FxHashSet<u32> = held_under.iter().copied().collect();
+        let engine_hashes: FxHashMap<u32, i64> = self
+            .member(member)
+            .blocks
+            .iter()
+            .filter(|(_, node)| under.contains(node))
+            .map(|(&engine_hash, &node)| (node, engine_hash))
+            .collect();
+        // Leaves first, so no node is freed while a descendant is still held.
+        for &under in held_under.iter().rev() {
+            match engine_hashes.get(&under) {
+                Some(&engine_hash) => self.drop_tier(member, engine_hash, under, Tier::Device),
+                None => self.release(under, member),
+            }
+        }
     }
 
     /// Forgets every block `key` holds, in every tier (the engine cleared
@@ -397,9 +454,12 @@ impl Tree {
         if let Some(&node) = self.children.get(&(parent, local)) {
             return node;
         }
+        let next = self.nodes[parent as usize].first_child;
         let node = Node {
             parent,
-            children: 0,
+            first_child: NONE,
+            next,
+            previous: NONE,
             local,
             holders: SmallVec::new(),
         };
@@ -413,7 +473,10 @@ impl Tree {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.nodes[parent as usize].children += 1;
+        if next != NONE {
+            self.nodes[next as usize].previous = id;
+        }
+        self.nodes[parent as usize].first_child = id;
         self.children.insert((parent, local), id);
         id
     }
@@ -450,14 +513,22 @@ impl Tree {
     fn free_if_empty(&mut self, mut node: u32) {
         while node != ROOT {
             let empty = &self.nodes[node as usize];
-            if !empty.holders.is_empty() || empty.children > 0 {
+            if !empty.holders.is_empty() || empty.first_child != NONE {
                 return;
             }
-            let (parent, local) = (empty.parent, empty.local);
+            let (parent, local, next, previous) =
+                (empty.parent, empty.local, empty.next, empty.previous);
             self.children.remove(&(parent, local));
+            if previous == NONE {
+                self.nodes[parent as usize].first_child = next;
+            } else {
+                self.nodes[previous as usize].next = next;
+            }
+            if next != NONE {
+                self.nodes[next as usize].previous = previous;
+            }
             self.nodes[node as usize].holders = SmallVec::new();
             self.free_nodes.push(node);
-            self.nodes[parent as usize].children -= 1;
             node = parent;
         }
     }

@@ -16,6 +16,7 @@ use super::block_hash::HashSeed;
 use super::partition::{Dropped, Partition};
 use super::tier::Tier;
 use super::tree::{RankKey, StoreOutcome};
+use crate::proto::common::kv_block_extra_key::Key;
 use crate::proto::common::{KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
 
 /// The most blocks one step of a store applies under the lock.
@@ -81,9 +82,73 @@ pub fn apply(input: IndexInput) {
     }
 }
 
+/// Media as Dynamo's indexer spells them (exact case); the converter also
+/// takes other cases, which Dynamo drops.
+const DYNAMO_MEDIA: [&str; 13] = [
+    "GPU",
+    "DEVICE",
+    "CPU",
+    "CPU_PINNED",
+    "CPU_TIER1",
+    "CPU_TIER2",
+    "DISK",
+    "NVME",
+    "STORAGE",
+    "EXTERNAL",
+    "NETWORK",
+    "REMOTE",
+    "SHARED",
+];
+
+/// The prefix Dynamo's vLLM integration tags a cache salt with in a block's
+/// extra keys.
+const SALT_TAG: &str = "dynamo-cache-salt:";
+
+fn dynamo_medium(medium: Option<&str>) -> bool {
+    medium.is_none_or(|medium| DYNAMO_MEDIA.contains(&medium))
+}
+
+/// The salt Dynamo hashes a store with: the event's own `cache_salt`, else a
+/// tagged string in the first block's extra keys (one string equal to the
+/// LoRA name skipped). The converter also takes an untagged string from the
+/// extra keys as the salt; Dynamo does not, so such a salt is not used.
+fn dynamo_salt(stored: &KvBlocksStored) -> Option<&str> {
+    let texts = || {
+        stored
+            .blocks
+            .first()
+            .into_iter()
+            .flat_map(|block| &block.extra_keys)
+            .filter_map(|key| match &key.key {
+                Some(Key::Text(text)) => Some(text.as_str()),
+                _ => None,
+            })
+    };
+    let salt = stored.cache_salt.as_deref().filter(|salt| !salt.is_empty());
+    if let Some(salt) = salt
+        && !texts().any(|text| text == salt)
+    {
+        return Some(salt);
+    }
+    let mut lora_skipped = false;
+    texts().find_map(|text| {
+        if !lora_skipped && stored.lora_name.as_deref() == Some(text) {
+            lora_skipped = true;
+            return None;
+        }
+        text.strip_prefix(SALT_TAG)
+    })
+}
+
 fn apply_event(partition: &Partition, key: RankKey, event: &KvCacheEvent) {
     partition.count_event();
     match &event.data {
+        Some(Data::Stored(stored)) if !dynamo_medium(stored.medium.as_deref()) => {
+            partition.count_dropped(Dropped::UnknownMedium);
+        }
+        Some(Data::Removed(removed)) if !dynamo_medium(removed.medium.as_deref()) => {
+            partition.count_dropped(Dropped::UnknownMedium);
+        }
         Some(Data::Stored(stored)) => {
             if let Err(reason) = apply_store(partition, key, stored) {
                 partition.count_dropped(reason);
@@ -114,7 +179,7 @@ fn apply_store(
     }) {
         return Err(Dropped::BlockSizeMismatch);
     }
-    let seed = HashSeed::new(stored.lora_name.as_deref(), stored.cache_salt.as_deref());
+    let seed = HashSeed::new(stored.lora_name.as_deref(), dynamo_salt(stored));
     let tier = Tier::from_proto(stored.tier);
     let mut parent = stored.parent_block_hash;
     let mut step = Vec::with_capacity(stored.blocks.len().min(MAX_BLOCKS_PER_STEP));

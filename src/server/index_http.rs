@@ -84,6 +84,9 @@ struct RegisterRequest {
     model_name: String,
     #[serde(default = "default_routing_group")]
     routing_group: String,
+    /// Dynamo's old name, read (a `null` is refused) and ignored.
+    #[serde(default = "default_routing_group", rename = "tenant_id")]
+    _tenant_id: String,
     block_size: u32,
     #[serde(default)]
     dp_rank: Option<u32>,
@@ -113,6 +116,8 @@ struct QueryRequest {
     model_name: String,
     #[serde(default = "default_routing_group")]
     routing_group: String,
+    #[serde(default = "default_routing_group", rename = "tenant_id")]
+    _tenant_id: String,
     #[serde(default)]
     lora_name: Option<String>,
     #[serde(default)]
@@ -125,6 +130,8 @@ struct QueryByHashRequest {
     model_name: String,
     #[serde(default = "default_routing_group")]
     routing_group: String,
+    #[serde(default = "default_routing_group", rename = "tenant_id")]
+    _tenant_id: String,
     #[serde(default)]
     cache_salt: Option<String>,
 }
@@ -163,9 +170,7 @@ async fn register(
                 RegisterError::OtherPartition { .. }
                 | RegisterError::DuplicateRank { .. }
                 | RegisterError::BlockSizeMismatch { .. } => StatusCode::CONFLICT,
-                RegisterError::ZeroBlockSize | RegisterError::BadEndpoint { .. } => {
-                    StatusCode::BAD_REQUEST
-                }
+                RegisterError::BadEndpoint(_) => StatusCode::BAD_REQUEST,
                 RegisterError::TooManyWorkerRanks(_) | RegisterError::TooManyPartitions(_) => {
                     StatusCode::SERVICE_UNAVAILABLE
                 }
@@ -430,19 +435,31 @@ async fn dump(State(registry): State<Arc<Registry>>) -> Json<serde_json::Value> 
         let blocks = partition.read().dump();
         let events: Vec<serde_json::Value> = blocks
             .into_iter()
+            .flat_map(|block| {
+                block
+                    .tiers
+                    .clone()
+                    .into_iter()
+                    .map(move |tier| (tier, block.clone()))
+            })
             .enumerate()
-            .map(|(event_id, block)| {
-                let tier = block.tiers.first().copied().unwrap_or(Tier::Device);
+            .map(|(event_id, (tier, block))| {
                 json!({
                     "worker_id": block.key.worker,
                     "storage_tier": storage_tier(tier),
+                    "residency_domain": "worker",
                     "event": {
                         "event_id": event_id,
+                        "dp_rank": block.key.rank,
                         "data": {"stored": {
                             "parent_hash": block.parent.map(|hash| hash as u64),
-                            "blocks": [{"block_hash": block.engine_hash as u64, "tokens_hash": block.local_hash}],
+                            "start_position": null,
+                            "blocks": [{
+                                "block_hash": block.engine_hash as u64,
+                                "tokens_hash": block.local_hash,
+                                "mm_extra_info": null,
+                            }],
                         }},
-                        "dp_rank": block.key.rank,
                     },
                 })
             })

@@ -1,0 +1,707 @@
+//! `kvgate index` against Dynamo's own answers: every golden fixture in
+//! `tests/fixtures/dynamo-index/` (recorded from Dynamo's standalone indexer
+//! 1.6.1 by `benchmarks/dynamo-index/record.py`) is replayed step by step
+//! against the real binary, through real ZMQ sockets bound on loopback, and
+//! every answer must equal Dynamo's.
+//!
+//! Where kvgate answers differently on purpose (it tells the truth where
+//! Dynamo does not), the step is listed in [`DEVIATIONS`] with the reason and
+//! kvgate's own answer is checked instead.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
+use common::DEADLINE;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
+
+/// A step where kvgate's answer differs from Dynamo's on purpose:
+/// `adjust` checks the part only kvgate has and takes it out of kvgate's
+/// answer (or puts in what only Dynamo has), after which the answer must
+/// equal Dynamo's as every other step's does.
+struct Deviation {
+    fixture: &'static str,
+    steps: &'static [usize],
+    /// Why kvgate answers otherwise (the docs' "Where kvgate differs").
+    #[allow(dead_code)] // read by people: the reason stays next to the rule
+    why: &'static str,
+    adjust: fn(&mut Value) -> Result<(), String>,
+}
+
+const DEVIATIONS: &[Deviation] = &[
+    Deviation {
+        fixture: "engine-layouts",
+        steps: &[33, 48, 54],
+        why: "worker 6 publishes vLLM's sha256 block hashes (32 bytes): kvgate folds them as it does for the stream; Dynamo 1.6.1 drops those events",
+        adjust: |answer| {
+            let scores = answer["scores"].as_object_mut().unwrap().remove("6");
+            let instance = answer["instances"].as_object_mut().unwrap().remove("6");
+            match (scores, instance) {
+                (Some(_), Some(_)) => Ok(()),
+                _ => Err("kvgate does not answer for worker 6's sha256 hashes".into()),
+            }
+        },
+    },
+    Deviation {
+        fixture: "engine-layouts",
+        steps: &[34],
+        why: "worker 6's sha256-hashed blocks are in kvgate's dump, not in Dynamo's",
+        adjust: |dump| {
+            let events = dump["m:default"]["events"].as_array_mut().unwrap();
+            let before = events.len();
+            // Its sentinel block has an integer hash: both keep that one.
+            let sentinel = json!(9026104258669029293u64);
+            events.retain(|event| {
+                event["worker_id"] != 6
+                    || event["event"]["data"]["stored"]["blocks"][0]["block_hash"] == sentinel
+            });
+            if events.len() < before {
+                Ok(())
+            } else {
+                Err("no block of worker 6 in kvgate's dump".into())
+            }
+        },
+    },
+    Deviation {
+        fixture: "errors",
+        steps: &[73],
+        why: "/workers tells the truth: an ipc:// endpoint is not followed (failed, with the reason), and nobody listens at tcp://*:9 or tcp://127.0.0.1:9 (pending); Dynamo says active for the first and the last and cannot connect to the wildcard",
+        adjust: |workers| {
+            for worker in workers.as_array_mut().unwrap() {
+                let (kvgate, dynamo) = match worker["instance_id"].as_u64() {
+                    Some(4) => ("failed", "active"),
+                    Some(5) => ("pending", "failed"),
+                    Some(6) => ("pending", "active"),
+                    _ => continue,
+                };
+                if worker["listeners"]["0"]["status"] != kvgate || worker["status"] != kvgate {
+                    return Err(format!("worker {} is not {kvgate}", worker["instance_id"]));
+                }
+                let listener = worker["listeners"]["0"].as_object_mut().unwrap();
+                listener.insert("status".into(), json!(dynamo));
+                listener.remove("last_error");
+                if dynamo == "failed" {
+                    listener.insert(
+                        "last_error".into(),
+                        json!("failed to connect ZMQ SUB socket to tcp://*:9: Invalid argument"),
+                    );
+                }
+                worker["status"] = json!(dynamo);
+            }
+            Ok(())
+        },
+    },
+    Deviation {
+        fixture: "tiers",
+        steps: &[75],
+        why: "a lower-tier store under a parent its rank does not hold is dropped and counted (unknown_parent); Dynamo keeps it where no query reaches it",
+        adjust: |dump| {
+            dump["m:default"]["events"].as_array_mut().unwrap().push(json!({
+                "worker_id": 3, "storage_tier": "disk",
+                "event": {"dp_rank": 0, "data": {"stored": {
+                    "parent_hash": 12442300467861385278u64,
+                    "blocks": [{"block_hash": 4431099905322471494u64, "tokens_hash": 13457228876113522229u64}],
+                }}},
+            }));
+            Ok(())
+        },
+    },
+];
+
+/// Fixtures not replayed, and why.
+const NOT_REPLAYED: &[(&str, &str)] = &[(
+    "sequence-and-replay",
+    "kvgate follows a publisher with the sidecar's own rules: it primes from the replay endpoint on connecting, \
+     clears a rank whose publisher restarts (Dynamo ignores it until its count passes the old one) and holds \
+     to the configured topic; those rules are tested with the sidecar's source",
+)];
+
+/// A running `kvgate index`, killed by pid when dropped.
+struct IndexProcess {
+    child: Child,
+    address: SocketAddr,
+}
+
+impl IndexProcess {
+    fn start() -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+            .args(["index", "--log-format", "text", "--listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("kvgate starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(address) =
+                    line.strip_prefix("kvgate: index answering Dynamo's API on http://")
+                {
+                    let _ = tx.send(address.parse::<SocketAddr>().unwrap());
+                }
+            }
+        });
+        let address = rx
+            .recv_timeout(DEADLINE)
+            .expect("kvgate index reports its address");
+        IndexProcess { child, address }
+    }
+}
+
+impl Drop for IndexProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+enum Bound {
+    Publisher(XPubSocket),
+    Router {
+        socket: RouterSocket,
+        last_identity: Option<Bytes>,
+    },
+}
+
+struct Replayer {
+    name: String,
+    fixture: Value,
+    /// The same fixture with its objects' keys in the file's order: request
+    /// bodies are sent as the recorder sent them (Python's `json.dumps`), so
+    /// a position in a decoding error names the same column.
+    ordered: Ordered,
+    index: IndexProcess,
+    sockets: Vec<(String, String, Bound)>,
+}
+
+/// One HTTP/1.0 exchange: (status, body text).
+async fn exchange(
+    address: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    content_type: Option<&str>,
+) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let mut head = format!("{method} {path} HTTP/1.0\r\nHost: {address}\r\n");
+    if let Some(content_type) = content_type {
+        head.push_str(&format!("content-type: {content_type}\r\n"));
+    }
+    let body = body.unwrap_or_default();
+    if method == "POST" {
+        head.push_str(&format!("content-length: {}\r\n", body.len()));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let _ = stream.write_all(body).await;
+    let mut response = Vec::new();
+    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut response))
+        .await
+        .expect("an answer before the deadline")
+        .unwrap();
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = response.split_once("\r\n\r\n").expect("headers end");
+    (
+        head.split(' ').nth(1).unwrap().parse().unwrap(),
+        body.to_owned(),
+    )
+}
+
+impl Replayer {
+    async fn new(path: &Path) -> Self {
+        let text = std::fs::read_to_string(path).unwrap();
+        let fixture: Value = serde_json::from_str(&text).unwrap();
+        let ordered = Ordered::parse(&mut text.as_bytes().iter().peekable());
+        let mut sockets = Vec::new();
+        for socket in fixture["sockets"].as_array().unwrap() {
+            let name = socket["name"].as_str().unwrap().to_owned();
+            let (endpoint, bound) = if socket["kind"] == "router" {
+                let mut router = RouterSocket::new();
+                let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+                (
+                    endpoint,
+                    Bound::Router {
+                        socket: router,
+                        last_identity: None,
+                    },
+                )
+            } else {
+                let mut publisher = XPubSocket::new();
+                let endpoint = publisher
+                    .bind("tcp://127.0.0.1:0")
+                    .await
+                    .unwrap()
+                    .to_string();
+                (endpoint, Bound::Publisher(publisher))
+            };
+            sockets.push((name, endpoint, bound));
+        }
+        Replayer {
+            name: path.file_name().unwrap().to_string_lossy().into_owned(),
+            fixture,
+            ordered,
+            index: IndexProcess::start(),
+            sockets,
+        }
+    }
+
+    /// `text` with every `{socket:NAME}` replaced by its endpoint.
+    fn substitute(&self, text: &str) -> String {
+        let mut text = text.to_owned();
+        for (name, endpoint, _) in &self.sockets {
+            text = text.replace(&format!("{{socket:{name}}}"), endpoint);
+        }
+        text
+    }
+
+    fn socket(&mut self, name: &str) -> &mut Bound {
+        &mut self
+            .sockets
+            .iter_mut()
+            .find(|(named, _, _)| named == name)
+            .unwrap()
+            .2
+    }
+
+    /// Sends the request at `steps[index]` (under `settle` for a settle step).
+    async fn send(&self, index: usize, request: &Value) -> (u16, String) {
+        let method = request["method"].as_str().unwrap();
+        let path = self.substitute(request["path"].as_str().unwrap());
+        let step = self.ordered.get("steps").unwrap().at(index);
+        let ordered_request = step
+            .get("http")
+            .or_else(|| step.get("settle").and_then(|settle| settle.get("http")))
+            .unwrap();
+        let body = if let Some(raw) = request.get("body_raw") {
+            Some(self.substitute(raw.as_str().unwrap()))
+        } else {
+            ordered_request
+                .get("body")
+                .map(|body| self.substitute(&body.python()))
+        };
+        let content_type = match request.get("content_type") {
+            Some(Value::Null) => None,
+            Some(value) => Some(value.as_str().unwrap().to_owned()),
+            None if body.is_some() => Some("application/json".to_owned()),
+            None => None,
+        };
+        exchange(
+            self.index.address,
+            method,
+            &path,
+            body.as_deref().map(str::as_bytes),
+            content_type.as_deref(),
+        )
+        .await
+    }
+
+    fn expected(&self, step: &Value) -> (u16, Option<Value>, Option<String>) {
+        let status = step["status"].as_u64().unwrap() as u16;
+        let response = step
+            .get("response")
+            .map(|response| serde_json::from_str(&self.substitute(&response.to_string())).unwrap());
+        let text = step
+            .get("response_text")
+            .map(|text| self.substitute(text.as_str().unwrap()));
+        (status, response, text)
+    }
+
+    fn listed(&self, list: &str, path: &str) -> bool {
+        self.fixture[list]
+            .as_array()
+            .is_some_and(|paths| paths.iter().any(|listed| listed == path))
+    }
+
+    /// Whether kvgate's answer equals the expected one, as the fixture compares.
+    fn agrees(&self, index: usize, step: &Value, status: u16, body: &str) -> Result<(), String> {
+        let (expected_status, response, text) = self.expected(step);
+        if status != expected_status {
+            return Err(format!(
+                "status {status}, expected {expected_status}; body {body}"
+            ));
+        }
+        if let Some(text) = text {
+            if self.listed("volatile", &format!("steps[{index}].response_text")) || text == body {
+                return Ok(());
+            }
+            return Err(format!("body {body:?}, expected {text:?}"));
+        }
+        let Some(response) = response else {
+            return Ok(());
+        };
+        let got: Value =
+            serde_json::from_str(body).map_err(|error| format!("not JSON ({error}): {body}"))?;
+        if let Some(rows) = step.get("dump_blocks") {
+            let got = dump_rows(&got);
+            let rows: Vec<Value> = rows.as_array().unwrap().clone();
+            if got == rows {
+                return Ok(());
+            }
+            let extra: Vec<&Value> = got.iter().filter(|row| !rows.contains(row)).collect();
+            let missing: Vec<&Value> = rows.iter().filter(|row| !got.contains(row)).collect();
+            return Err(format!(
+                "dump rows differ: kvgate's own {extra:?}, missing {missing:?}"
+            ));
+        }
+        let got = without_kvgate_extras(got);
+        let unordered = self.listed("unordered", &format!("steps[{index}].response"));
+        if same(&got, &response, unordered) {
+            Ok(())
+        } else {
+            Err(format!("answered {got}, expected {response}"))
+        }
+    }
+
+    /// Replays every step; returns what disagreed (a settle that never
+    /// settles ends the fixture).
+    async fn run(mut self) -> Vec<String> {
+        let mut failures = Vec::new();
+        let steps = self.fixture["steps"].as_array().unwrap().clone();
+        for (index, step) in steps.iter().enumerate() {
+            let deviation = DEVIATIONS.iter().find(|deviation| {
+                deviation.fixture == self.name.trim_end_matches(".json")
+                    && deviation.steps.contains(&index)
+            });
+            if let Some(request) = step.get("http") {
+                let (status, mut body) = self.send(index, request).await;
+                let mut verdict = Ok(());
+                if let Some(deviation) = deviation {
+                    let mut answer: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                    verdict = (deviation.adjust)(&mut answer);
+                    body = answer.to_string();
+                }
+                let verdict = verdict.and_then(|()| self.agrees(index, step, status, &body));
+                if let Err(why) = verdict {
+                    failures.push(format!("{} step {index} {}: {why}", self.name, request));
+                }
+            } else if let Some(settle) = step.get("settle") {
+                let started = Instant::now();
+                loop {
+                    let (status, body) = self.send(index, &settle["http"]).await;
+                    match self.agrees(index, settle, status, &body) {
+                        Ok(()) => break,
+                        Err(why) if started.elapsed() > DEADLINE => {
+                            failures
+                                .push(format!("{} step {index} never settled: {why}", self.name));
+                            return failures;
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                    }
+                }
+            } else if let Some(wait) = step.get("await_subscriber") {
+                let name = wait["socket"].as_str().unwrap().to_owned();
+                let Bound::Publisher(publisher) = self.socket(&name) else {
+                    panic!("{name} is not a publisher")
+                };
+                tokio::time::timeout(DEADLINE, async {
+                    loop {
+                        let message = publisher.recv().await.unwrap();
+                        if message
+                            .get(0)
+                            .is_some_and(|frame| frame.first() == Some(&1))
+                        {
+                            return;
+                        }
+                    }
+                })
+                .await
+                .unwrap_or_else(|_| panic!("{}: kvgate never subscribed to {name}", self.name));
+            } else if let Some(publish) = step.get("publish") {
+                let name = publish["socket"].as_str().unwrap().to_owned();
+                let frames = vec![
+                    Bytes::from(publish["topic"].as_str().unwrap().as_bytes().to_vec()),
+                    Bytes::copy_from_slice(&publish["seq"].as_u64().unwrap().to_be_bytes()),
+                    Bytes::from(
+                        BASE64
+                            .decode(publish["payload_b64"].as_str().unwrap())
+                            .unwrap(),
+                    ),
+                ];
+                self.publish(&name, frames).await;
+            } else if let Some(publish) = step.get("publish_raw") {
+                let name = publish["socket"].as_str().unwrap().to_owned();
+                let frames = publish["frames_b64"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|frame| Bytes::from(BASE64.decode(frame.as_str().unwrap()).unwrap()))
+                    .collect();
+                self.publish(&name, frames).await;
+            } else if let Some(request) = step.get("replay_request") {
+                let name = request["socket"].as_str().unwrap().to_owned();
+                let start = request["start_seq"].as_u64().unwrap();
+                let Bound::Router {
+                    socket,
+                    last_identity,
+                } = self.socket(&name)
+                else {
+                    panic!("{name} is not a router")
+                };
+                let message = tokio::time::timeout(DEADLINE, socket.recv())
+                    .await
+                    .expect("a replay request")
+                    .unwrap();
+                let frames = message.into_vec();
+                assert_eq!(
+                    frames.get(2).map(|frame| frame.to_vec()),
+                    Some(start.to_be_bytes().to_vec()),
+                    "replay request {frames:?}"
+                );
+                *last_identity = Some(frames[0].clone());
+            } else if let Some(reply) = step.get("replay_reply") {
+                let name = reply["socket"].as_str().unwrap().to_owned();
+                let Bound::Router {
+                    socket,
+                    last_identity,
+                } = self.socket(&name)
+                else {
+                    panic!("{name} is not a router")
+                };
+                let identity = last_identity.clone().expect("a request to answer");
+                for message in reply["messages_b64"].as_array().unwrap() {
+                    let mut frames = vec![identity.clone()];
+                    frames.extend(
+                        message.as_array().unwrap().iter().map(|frame| {
+                            Bytes::from(BASE64.decode(frame.as_str().unwrap()).unwrap())
+                        }),
+                    );
+                    socket
+                        .send(ZmqMessage::try_from(frames).unwrap())
+                        .await
+                        .unwrap();
+                }
+            } else {
+                panic!("{}: unknown step {step}", self.name);
+            }
+        }
+        failures
+    }
+
+    async fn publish(&mut self, name: &str, frames: Vec<Bytes>) {
+        let Bound::Publisher(publisher) = self.socket(name) else {
+            panic!("{name} is not a publisher")
+        };
+        publisher
+            .send(ZmqMessage::try_from(frames).unwrap())
+            .await
+            .unwrap();
+    }
+}
+
+/// Equal as JSON values; arrays compared as multisets when `unordered`.
+fn same(got: &Value, expected: &Value, unordered: bool) -> bool {
+    match (got, expected) {
+        (Value::Array(got), Value::Array(expected)) if unordered => {
+            let sorted = |values: &Vec<Value>| {
+                let mut texts: Vec<String> = values.iter().map(Value::to_string).collect();
+                texts.sort();
+                texts
+            };
+            sorted(got) == sorted(expected)
+        }
+        _ => got == expected,
+    }
+}
+
+/// kvgate's answer without the keys only kvgate adds (`kvgate` in a
+/// `/workers` listener), which Dynamo's clients ignore.
+fn without_kvgate_extras(mut value: Value) -> Value {
+    fn strip(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                map.remove("kvgate");
+                map.values_mut().for_each(strip);
+            }
+            Value::Array(values) => values.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    strip(&mut value);
+    value
+}
+
+/// A dump flattened as the fixtures record it: one row per stored block,
+/// [partition, worker_id, dp_rank, storage_tier, parent_hash, block_hash,
+/// tokens_hash], sorted by the rows' JSON text.
+fn dump_rows(dump: &Value) -> Vec<Value> {
+    let mut rows = Vec::new();
+    for (partition, content) in dump.as_object().unwrap() {
+        for event in content["events"].as_array().unwrap() {
+            let stored = &event["event"]["data"]["stored"];
+            let mut parent = stored["parent_hash"].clone();
+            for block in stored["blocks"].as_array().unwrap() {
+                rows.push(json!([
+                    partition,
+                    event["worker_id"],
+                    event["event"]["dp_rank"],
+                    event["storage_tier"],
+                    parent,
+                    block["block_hash"],
+                    block["tokens_hash"],
+                ]));
+                parent = block["block_hash"].clone();
+            }
+        }
+    }
+    rows.sort_by_key(Value::to_string);
+    rows
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dynamo-index");
+    let mut fixtures: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "json"))
+        .collect();
+    fixtures.sort();
+    assert!(fixtures.len() >= 10, "the golden fixtures are missing");
+    fixtures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvgate_index_answers_every_golden_stream_as_dynamo_does() {
+    let only = std::env::var("KVGATE_GOLDEN_ONLY").ok();
+    let mut failures = Vec::new();
+    for path in fixtures() {
+        if only
+            .as_deref()
+            .is_some_and(|only| !path.to_string_lossy().contains(only))
+            || NOT_REPLAYED
+                .iter()
+                .any(|(name, _)| path.ends_with(format!("{name}.json")))
+        {
+            continue;
+        }
+        failures.extend(Replayer::new(&path).await.run().await);
+    }
+    assert!(
+        failures.is_empty(),
+        "{} steps disagree with Dynamo:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// JSON with objects' keys in their written order, numbers and strings as
+/// written: enough to write a request body as Python's `json.dumps` did.
+enum Ordered {
+    Scalar(String),
+    Array(Vec<Ordered>),
+    Object(Vec<(String, Ordered)>),
+}
+
+impl Ordered {
+    fn parse(bytes: &mut std::iter::Peekable<std::slice::Iter<'_, u8>>) -> Ordered {
+        fn skip_blank(bytes: &mut std::iter::Peekable<std::slice::Iter<'_, u8>>) {
+            while bytes.next_if(|byte| byte.is_ascii_whitespace()).is_some() {}
+        }
+        fn string(bytes: &mut std::iter::Peekable<std::slice::Iter<'_, u8>>) -> String {
+            let mut text = vec![*bytes.next().unwrap()];
+            while let Some(&byte) = bytes.next() {
+                text.push(byte);
+                match byte {
+                    b'\\' => text.push(*bytes.next().unwrap()),
+                    b'"' => break,
+                    _ => {}
+                }
+            }
+            String::from_utf8(text).unwrap()
+        }
+        skip_blank(bytes);
+        match **bytes.peek().unwrap() {
+            b'{' => {
+                bytes.next();
+                let mut entries = Vec::new();
+                loop {
+                    skip_blank(bytes);
+                    if bytes.next_if_eq(&&b'}').is_some() {
+                        return Ordered::Object(entries);
+                    }
+                    let key = string(bytes);
+                    skip_blank(bytes);
+                    assert_eq!(bytes.next(), Some(&b':'));
+                    entries.push((key, Ordered::parse(bytes)));
+                    skip_blank(bytes);
+                    bytes.next_if_eq(&&b',');
+                }
+            }
+            b'[' => {
+                bytes.next();
+                let mut items = Vec::new();
+                loop {
+                    skip_blank(bytes);
+                    if bytes.next_if_eq(&&b']').is_some() {
+                        return Ordered::Array(items);
+                    }
+                    items.push(Ordered::parse(bytes));
+                    skip_blank(bytes);
+                    bytes.next_if_eq(&&b',');
+                }
+            }
+            b'"' => Ordered::Scalar(string(bytes)),
+            _ => {
+                let mut text = String::new();
+                while let Some(&&byte) = bytes.peek() {
+                    if matches!(byte, b',' | b']' | b'}') || byte.is_ascii_whitespace() {
+                        break;
+                    }
+                    text.push(byte as char);
+                    bytes.next();
+                }
+                Ordered::Scalar(text)
+            }
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<&Ordered> {
+        match self {
+            Ordered::Object(entries) => entries
+                .iter()
+                .find(|(name, _)| name[1..name.len() - 1] == *key)
+                .map(|(_, value)| value),
+            _ => None,
+        }
+    }
+
+    fn at(&self, index: usize) -> &Ordered {
+        match self {
+            Ordered::Array(items) => &items[index],
+            _ => panic!("not an array"),
+        }
+    }
+
+    /// As Python's `json.dumps` writes it (`, ` and `: ` between items).
+    fn python(&self) -> String {
+        match self {
+            Ordered::Scalar(text) => text.clone(),
+            Ordered::Array(items) => format!(
+                "[{}]",
+                items
+                    .iter()
+                    .map(Ordered::python)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Ordered::Object(entries) => format!(
+                "{{{}}}",
+                entries
+                    .iter()
+                    .map(|(key, value)| format!("{key}: {}", value.python()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+}
