@@ -305,13 +305,19 @@ async fn registrations_and_queries_get_dynamos_status_codes() {
     assert_eq!(status, 422);
     let (status, _) = post(address, "/register", json!({"instance_id": "four", "endpoint": "tcp://127.0.0.1:1", "model_name": "m", "block_size": 16})).await;
     assert_eq!(status, 422);
-    let (status, _) = post(
+    let (status, answer) = post(
         address,
         "/register",
-        json!({"instance_id": 4, "endpoint": "ipc:///tmp/x", "model_name": "m", "block_size": 16}),
+        json!({"instance_id": 4, "endpoint": "http://127.0.0.1:1", "model_name": "m", "block_size": 16}),
     )
     .await;
-    assert_eq!(status, 400);
+    assert_eq!(
+        (status, &answer["error"]),
+        (
+            400,
+            &json!("invalid ZMQ endpoint `http://127.0.0.1:1`: unsupported scheme `http`")
+        )
+    );
 
     let (status, answer) = post(
         address,
