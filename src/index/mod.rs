@@ -24,12 +24,12 @@
 //! converter), `overlap.rs` (a query's answer per worker and rank).
 
 pub mod block_hash;
-pub mod feed;
+pub(crate) mod feed;
 pub mod overlap;
 pub mod partition;
-pub mod registry;
+pub(crate) mod registry;
 #[cfg(test)]
 mod tests;
 pub mod tier;
 pub mod tree;
-pub mod writer;
+pub(crate) mod writer;

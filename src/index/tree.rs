@@ -30,7 +30,7 @@ use super::tier::Tier;
 pub type WorkerId = u64;
 
 /// One data-parallel rank of one worker: what holds blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RankKey {
     /// The worker instance.
     pub worker: WorkerId,
@@ -76,7 +76,10 @@ struct Member {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreOutcome {
     /// Every block is held (new or already held) in the store's tier.
-    Stored { blocks: usize },
+    Stored {
+        /// How many blocks the store named.
+        blocks: usize,
+    },
     /// The parent is not a block this rank holds (on the device, for a
     /// device store): nothing changed.
     UnknownParent,
@@ -90,12 +93,6 @@ pub struct RankMatch {
     /// Blocks matched in each tier of [`Tier::WALK`], each tier continuing
     /// where the one before it stopped.
     pub blocks: [u32; 4],
-}
-
-impl Default for RankKey {
-    fn default() -> Self {
-        RankKey { worker: 0, rank: 0 }
-    }
 }
 
 /// One live block of one rank, as a dump lists it.
