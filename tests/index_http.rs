@@ -381,3 +381,90 @@ async fn registrations_and_queries_get_dynamos_status_codes() {
         "{metrics}"
     );
 }
+
+/// Polls `/workers` until worker 1's rank 0 listener is in `state`.
+async fn await_listener_state(address: SocketAddr, state: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let (_, workers) = get(address, "/workers").await;
+        let listener = workers[0]["listeners"]["0"].clone();
+        if listener["kvgate"]["state"] == state {
+            return listener;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the listener stayed {listener}, never {state}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_empty() {
+    let index = IndexProcess::start(&[]);
+    let mut publisher = publisher().await;
+    let endpoint = publisher.endpoint().to_owned();
+    let replay = publisher.replay_endpoint().unwrap().to_owned();
+    assert_eq!(
+        post(index.address, "/register", register(1, &publisher, 2))
+            .await
+            .0,
+        201
+    );
+    let before = await_listener_state(index.address, "connected").await;
+    assert_eq!(before["status"], "active");
+
+    let tokens: Vec<u32> = (0..4).collect();
+    publisher
+        .publish(stored_payload(&[21, 22], None, &tokens, 2, "GPU", 0))
+        .await
+        .unwrap();
+    let query = json!({"token_ids": tokens, "model_name": "m"});
+    let held = json!({
+        "scores": {"1": {"0": 4}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(&mut publisher, index.address, query.clone(), &held).await;
+
+    // The engine goes away: the listener says so, and since when.
+    drop(publisher);
+    let gone = await_listener_state(index.address, "disconnected").await;
+    assert_eq!(gone["status"], "pending");
+    assert!(
+        gone["kvgate"]["since"].as_f64().unwrap() >= before["kvgate"]["since"].as_f64().unwrap()
+    );
+    assert!(gone["kvgate"]["reason"].as_str().is_some(), "{gone}");
+
+    // It comes back restarted (its counter from 0, its cache empty) and
+    // stores other blocks: the old ones are gone, the new ones answered.
+    let options = PublisherOptions {
+        replay_endpoint: Some(replay),
+        ..PublisherOptions::default()
+    };
+    let mut restarted = EnginePublisher::bind(&endpoint, &options).await.unwrap();
+    await_listener_state(index.address, "connected").await;
+    let other: Vec<u32> = (100..104).collect();
+    restarted
+        .publish(stored_payload(&[31, 32], None, &other, 2, "GPU", 0))
+        .await
+        .unwrap();
+    let other_held = json!({
+        "scores": {"1": {"0": 4}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(
+        &mut restarted,
+        index.address,
+        json!({"token_ids": other, "model_name": "m"}),
+        &other_held,
+    )
+    .await;
+    let (_, answer) = post(index.address, "/query", query).await;
+    assert_eq!(
+        answer["scores"],
+        json!({}),
+        "the restarted engine's old blocks are gone"
+    );
+}

@@ -42,10 +42,13 @@ pub struct ZmqFeedConfig {
 /// Where a feed is with its source.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FeedPhase {
-    /// Connecting to the publisher (Dynamo's `pending`).
+    /// Connecting to the publisher, never connected yet (Dynamo's `pending`).
     Connecting,
     /// Connected; messages flow (Dynamo's `active`).
     Connected,
+    /// Was connected; the publisher went away, the socket redials (Dynamo's
+    /// `pending`).
+    Disconnected,
     /// The source stopped and will not come back (Dynamo's `failed`).
     Failed,
 }
@@ -54,8 +57,18 @@ impl FeedPhase {
     /// Dynamo's name for it.
     pub const fn dynamo_status(self) -> &'static str {
         match self {
-            FeedPhase::Connecting => "pending",
+            FeedPhase::Connecting | FeedPhase::Disconnected => "pending",
             FeedPhase::Connected => "active",
+            FeedPhase::Failed => "failed",
+        }
+    }
+
+    /// kvgate's own name for it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FeedPhase::Connecting => "connecting",
+            FeedPhase::Connected => "connected",
+            FeedPhase::Disconnected => "disconnected",
             FeedPhase::Failed => "failed",
         }
     }
@@ -64,10 +77,11 @@ impl FeedPhase {
 /// What a feed reports.
 #[derive(Clone, Debug)]
 pub struct FeedState {
+    /// Where it is.
     pub phase: FeedPhase,
     /// When it entered its phase.
     pub since: SystemTime,
-    /// Why it failed.
+    /// Why it failed or disconnected.
     pub error: Option<String>,
     /// Engine payloads converted and applied.
     pub payloads: u64,
@@ -139,7 +153,8 @@ pub async fn run(
     };
     let supervisor = Supervisor::new();
     let (events_tx, mut events) = mpsc::channel(SOURCE_QUEUE_DEPTH);
-    let (ready_tx, mut ready) = watch::channel(false);
+    let (ready_tx, _) = watch::channel(false);
+    let (link_tx, mut link) = watch::channel(false);
     let source = ZmqSourceConfig {
         endpoint: RankEndpoints::Offset(config.endpoint),
         replay_endpoint: config.replay_endpoint.map(RankEndpoints::Offset),
@@ -150,6 +165,7 @@ pub async fn run(
         bind: false,
         max_message_bytes: config.max_message_bytes,
         resume: Default::default(),
+        link: Some(link_tx),
     };
     if let Err(error) = source
         .start(events_tx, Metrics::default(), ready_tx, &supervisor)
@@ -162,7 +178,6 @@ pub async fn run(
     let mut tally = Tally::default();
     let failed = supervisor.failed();
     tokio::pin!(failed);
-    let mut connected = false;
     loop {
         tokio::select! {
             () = stop.cancelled() => break,
@@ -170,10 +185,14 @@ pub async fn run(
                 status.enter(FeedPhase::Failed, Some(failure.to_string()));
                 break;
             }
-            Ok(()) = ready.changed(), if !connected => {
-                connected = *ready.borrow_and_update();
-                if connected {
+            Ok(()) = link.changed() => {
+                if *link.borrow_and_update() {
                     status.enter(FeedPhase::Connected, None);
+                } else {
+                    status.enter(
+                        FeedPhase::Disconnected,
+                        Some("the publisher closed the connection; redialling".to_owned()),
+                    );
                 }
             }
             event = events.recv() => {

@@ -61,6 +61,7 @@ impl PushConfig {
             max_message_bytes: self.max_message_bytes,
             task_name: TaskName::LoadPush,
             peer: LOAD_PUBLISHER,
+            link: None,
         };
         sockets
             .open(

@@ -27,6 +27,7 @@ use tokio::net::TcpListener;
 
 use super::admin_connection::{self, AdminLimits};
 use crate::index::block_hash::HashSeed;
+use crate::index::feed::FeedPhase;
 use crate::index::overlap::{Overlap, WorkerOverlap};
 use crate::index::partition::{Dropped, PartitionKey};
 use crate::index::registry::{
@@ -234,8 +235,13 @@ struct ListenerInfo {
 struct ListenerDetail {
     #[serde(skip_serializing_if = "Option::is_none")]
     replay_endpoint: Option<String>,
-    /// When the listener entered its status (Unix seconds).
+    /// `connecting`, `connected`, `disconnected` or `failed`.
+    state: &'static str,
+    /// When the listener entered its state (Unix seconds).
     since: f64,
+    /// Why it failed or disconnected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
     payloads: u64,
     bad_payloads: u64,
     publisher_restarts: u64,
@@ -281,10 +287,15 @@ fn worker_info(worker: WorkerReport) -> WorkerInfo {
                     ListenerInfo {
                         endpoint: report.endpoint,
                         status: feed.phase.dynamo_status(),
-                        last_error: feed.error,
+                        last_error: feed
+                            .error
+                            .clone()
+                            .filter(|_| feed.phase == FeedPhase::Failed),
                         kvgate: ListenerDetail {
                             replay_endpoint: report.replay_endpoint,
+                            state: feed.phase.as_str(),
                             since: unix_seconds(feed.since),
+                            reason: feed.error,
                             payloads: feed.payloads,
                             bad_payloads: feed.bad_payloads,
                             publisher_restarts: feed.publisher_restarts,

@@ -76,6 +76,10 @@ pub struct ZmqSourceConfig {
     pub max_message_bytes: usize,
     /// Where an earlier kvgate process's record of each rank ended.
     pub resume: std::collections::BTreeMap<u32, ResumePoint>,
+    /// Told whether a connecting socket has a publisher connected right now
+    /// (true on each connection, false on each disconnection), for whoever
+    /// reports the source's state.
+    pub link: Option<watch::Sender<bool>>,
 }
 
 /// Splits `[topic, sequence (8 bytes BE), payload]`.
@@ -136,6 +140,7 @@ impl ZmqSourceConfig {
             max_message_bytes: config.max_message_bytes,
             task_name: TaskName::SourceRank,
             peer: ENGINE,
+            link: config.link.as_ref(),
         };
         let up = move || ranks_up.one_more();
         sockets
@@ -186,6 +191,8 @@ pub(crate) struct RankSockets<'a> {
     pub task_name: fn(u32) -> TaskName,
     /// Who is at the other end, for the logs.
     pub peer: &'static str,
+    /// Told each connection and disconnection of a connecting socket.
+    pub link: Option<&'a watch::Sender<bool>>,
 }
 
 impl RankSockets<'_> {
@@ -244,6 +251,15 @@ impl RankSockets<'_> {
                     Ok(())
                 });
             } else {
+                if let Some(link) = self.link {
+                    let links = socket.monitor();
+                    let link = link.clone();
+                    let link_stop = stop.clone();
+                    supervisor.spawn(name, async move {
+                        follow_link(links, link, link_stop).await;
+                        Ok(())
+                    });
+                }
                 let up = up.clone();
                 let metrics = metrics.clone();
                 info!(rank, "waiting for {peer} at {address}");
@@ -342,6 +358,31 @@ async fn count_failed_handshakes(
             event = events.next() => match event {
                 Some(SocketEvent::AcceptFailed(error)) => {
                     record_dropped_peer(&metrics, PeerSocket::Sub, &address, &error);
+                }
+                Some(_) => {}
+                None => return,
+            },
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+/// Tells `link` each connection (true) and disconnection (false) of a
+/// connecting socket, until the source stops.
+async fn follow_link(
+    mut events: futures::channel::mpsc::Receiver<SocketEvent>,
+    link: watch::Sender<bool>,
+    stop: CancellationToken,
+) {
+    use futures::StreamExt;
+    loop {
+        tokio::select! {
+            event = events.next() => match event {
+                Some(SocketEvent::Connected(..)) => {
+                    link.send_replace(true);
+                }
+                Some(SocketEvent::Disconnected(_)) => {
+                    link.send_replace(false);
                 }
                 Some(_) => {}
                 None => return,
