@@ -468,3 +468,86 @@ async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_e
         "the restarted engine's old blocks are gone"
     );
 }
+
+#[tokio::test]
+async fn workers_named_by_flags_are_followed_and_garbage_from_them_is_counted_not_fatal() {
+    let mut publisher = publisher().await;
+    let workers = format!("7:1={}", publisher.endpoint());
+    let index = IndexProcess::start(&[
+        "--workers",
+        &workers,
+        "--model-name",
+        "m",
+        "--routing-group",
+        "g",
+        "--block-size",
+        "2",
+    ]);
+    let (status, workers) = get(index.address, "/workers?routing_group=g").await;
+    assert_eq!(status, 200);
+    assert_eq!(workers[0]["instance_id"], 7);
+    assert_eq!(workers[0]["block_size"], 2);
+    assert_eq!(workers[0]["endpoints"]["1"], publisher.endpoint());
+    await_rank_one_connected(index.address).await;
+
+    let tokens: Vec<u32> = (0..2).collect();
+    // The payload names no rank: the registered rank 1 holds it.
+    let mut stored = stored_payload(&[5], None, &tokens, 2, "GPU", 1).to_vec();
+    *stored.last_mut().unwrap() = 0xc0;
+    let query = json!({"token_ids": tokens, "model_name": "m", "routing_group": "g"});
+    let expected = json!({
+        "scores": {"7": {"1": 2}},
+        "frequencies": [],
+        "instances": {"7": {"longest_matched": 2, "gpu": 2, "dp": {"1": 2}, "cpu": 2, "disk": 2}},
+    });
+    // Published until it arrives (no replay endpoint here: the first
+    // messages may go before the subscription does).
+    let started = Instant::now();
+    loop {
+        publisher
+            .publish(Bytes::from(stored.clone()))
+            .await
+            .unwrap();
+        let (_, answer) = post(index.address, "/query", query.clone()).await;
+        if answer == expected {
+            break;
+        }
+        assert!(started.elapsed() < DEADLINE, "answered {answer}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // Not msgpack, then a batch that is not [ts, events, rank]: counted, and
+    // the rank goes on.
+    publisher
+        .publish(Bytes::from_static(b"\xc1garbage"))
+        .await
+        .unwrap();
+    publisher
+        .publish(Bytes::from_static(b"\x93\xa1x\x90\x00"))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        let (_, workers) = get(index.address, "/workers").await;
+        let listener = &workers[0]["listeners"]["1"];
+        if listener["kvgate"]["bad_payloads"] == 2 {
+            assert_eq!(listener["status"], "active");
+            break;
+        }
+        assert!(started.elapsed() < DEADLINE, "not counted: {listener}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (_, answer) = post(index.address, "/query", query).await;
+    assert_eq!(answer, expected);
+}
+
+async fn await_rank_one_connected(address: SocketAddr) {
+    let started = Instant::now();
+    loop {
+        let (_, workers) = get(address, "/workers").await;
+        if workers[0]["listeners"]["1"]["kvgate"]["state"] == "connected" {
+            return;
+        }
+        assert!(started.elapsed() < DEADLINE, "never connected: {workers}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

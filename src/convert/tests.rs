@@ -1897,3 +1897,35 @@ proptest! {
         transcoded_as_built(&[batch(events)]);
     }
 }
+
+#[test]
+fn leading_full_blocks_pair_hashes_with_whole_blocks_and_drop_what_has_none() {
+    let mut converter = Converter::with_alignment(super::Alignment::LeadingFullBlocks);
+    // 3 hashes, 5 tokens of block size 2: two whole blocks.
+    let short = stored(&[1, 2, 3], &[("token_ids", ints(100..105))]);
+    // 1 hash, 6 tokens: one block, the rest ignored.
+    let long = stored(&[4], &[("token_ids", ints(200..206))]);
+    // 2 hashes, 1 token: no whole block.
+    let none = stored(&[5, 6], &[("token_ids", ints(300..301))]);
+    let (events, tally) = convert_with(&mut converter, 0, vec![short, long, none]);
+    let blocks: Vec<(i64, Vec<u32>)> = events
+        .iter()
+        .flat_map(|event| match &event.data {
+            Some(Data::Stored(stored)) => stored.blocks.clone(),
+            _ => Vec::new(),
+        })
+        .map(|block| (block.block_hash, block.token_ids))
+        .collect();
+    assert_eq!(
+        blocks,
+        [
+            (1, vec![100, 101]),
+            (2, vec![102, 103]),
+            (4, vec![200, 201])
+        ]
+    );
+    assert_eq!(tally.dropped(DropReason::UnalignedBlocks), 1);
+    // The stream's converter keeps the contract's rule.
+    let (_, tally) = convert(vec![stored(&[1, 2, 3], &[("token_ids", ints(100..105))])]);
+    assert_eq!(tally.dropped(DropReason::UnalignedBlocks), 1);
+}
