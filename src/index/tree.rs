@@ -21,6 +21,8 @@
 //!   holds on the device; each lower tier continues where the tier before it
 //!   stopped ([`Tier::WALK`]).
 
+use std::hash::BuildHasher;
+
 use rustc_hash::{FxBuildHasher, FxHashMap};
 use smallvec::SmallVec;
 
@@ -115,7 +117,13 @@ pub struct DumpedBlock {
 pub struct Tree {
     nodes: Vec<Node>,
     free_nodes: Vec<u32>,
-    children: FxHashMap<(u32, u64), u32>,
+    /// Every node but the root, found by (parent, local hash): only the
+    /// node's id is kept here, its key is read from `nodes` (4 bytes an
+    /// entry instead of 24).
+    children: hashbrown::HashTable<u32>,
+    /// Hashes (parent, local hash) with a per-process random seed, so
+    /// blocks crafted to collide cannot be chosen in advance.
+    child_hasher: foldhash::fast::RandomState,
     members: Vec<Option<Member>>,
     free_members: Vec<u32>,
     member_ids: FxHashMap<RankKey, u32>,
@@ -142,7 +150,8 @@ impl Tree {
                 holders: SmallVec::new(),
             }],
             free_nodes: Vec::new(),
-            children: FxHashMap::with_hasher(FxBuildHasher),
+            children: hashbrown::HashTable::new(),
+            child_hasher: foldhash::fast::RandomState::default(),
             members: Vec::new(),
             free_members: Vec::new(),
             member_ids: FxHashMap::with_hasher(FxBuildHasher),
@@ -354,7 +363,7 @@ impl Tree {
         let mut walking: SmallVec<[(u32, usize, [u32; 4]); 16]> = SmallVec::new();
         let mut current = ROOT;
         for (depth, local) in locals.iter().enumerate() {
-            let Some(&node) = self.children.get(&(current, *local)) else {
+            let Some(node) = self.find_child(current, *local) else {
                 break;
             };
             let holders = &self.nodes[node as usize].holders;
@@ -446,9 +455,20 @@ impl Tree {
             .map_or(0, |held| held.tiers)
     }
 
+    /// The child of `parent` with `local`, if the tree has it.
+    fn find_child(&self, parent: u32, local: u64) -> Option<u32> {
+        let hash = self.child_hasher.hash_one((parent, local));
+        self.children
+            .find(hash, |&id| {
+                let node = &self.nodes[id as usize];
+                node.parent == parent && node.local == local
+            })
+            .copied()
+    }
+
     /// The child of `parent` with `local`, made if missing.
     fn child(&mut self, parent: u32, local: u64) -> u32 {
-        if let Some(&node) = self.children.get(&(parent, local)) {
+        if let Some(node) = self.find_child(parent, local) {
             return node;
         }
         let next = self.nodes[parent as usize].first_child;
@@ -474,7 +494,12 @@ impl Tree {
             self.nodes[next as usize].previous = id;
         }
         self.nodes[parent as usize].first_child = id;
-        self.children.insert((parent, local), id);
+        let hash = self.child_hasher.hash_one((parent, local));
+        let (nodes, hasher) = (&self.nodes, &self.child_hasher);
+        self.children.insert_unique(hash, id, |&id| {
+            let node = &nodes[id as usize];
+            hasher.hash_one((node.parent, node.local))
+        });
         id
     }
 
@@ -515,7 +540,10 @@ impl Tree {
             }
             let (parent, local, next, previous) =
                 (empty.parent, empty.local, empty.next, empty.previous);
-            self.children.remove(&(parent, local));
+            let hash = self.child_hasher.hash_one((parent, local));
+            if let Ok(entry) = self.children.find_entry(hash, |&id| id == node) {
+                entry.remove();
+            }
             if previous == NONE {
                 self.nodes[parent as usize].first_child = next;
             } else {
