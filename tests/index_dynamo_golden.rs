@@ -137,20 +137,6 @@ const DEVIATIONS: &[Deviation] = &[
             }
         },
     },
-    Deviation {
-        fixture: "sequence-and-replay",
-        steps: &[34],
-        why: "a message on another topic (kv@10.0.0.7@m) is refused as the sidecar refuses it (topic_mismatch, the configured topic being empty); Dynamo accepts any topic",
-        adjust: |answer| {
-            if answer["scores"] != json!({}) {
-                return Err("kvgate indexed a message on another topic".into());
-            }
-            answer["scores"] = json!({"2": {"0": 4}});
-            answer["instances"] =
-                json!({"2": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}});
-            Ok(())
-        },
-    },
 ];
 
 /// A running `kvgate index`, killed by pid when dropped.

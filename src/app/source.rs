@@ -117,6 +117,7 @@ pub(super) async fn choose_source(
         bind: args.zmq_bind,
         max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
         resume: Default::default(),
+        any_topic: false,
         link: None,
     };
     if args.demo {

@@ -165,6 +165,8 @@ pub async fn run(
         bind: false,
         max_message_bytes: config.max_message_bytes,
         resume: Default::default(),
+        // Dynamo's indexer takes every topic a worker publishes under.
+        any_topic: true,
         link: Some(link_tx),
     };
     if let Err(error) = source

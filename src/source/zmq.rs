@@ -76,14 +76,18 @@ pub struct ZmqSourceConfig {
     pub max_message_bytes: usize,
     /// Where an earlier kvgate process's record of each rank ended.
     pub resume: std::collections::BTreeMap<u32, ResumePoint>,
+    /// Accept a message under any topic (the SUB still subscribes to
+    /// `topic` as a prefix): Dynamo's indexer reads a worker so.
+    pub any_topic: bool,
     /// Told whether a connecting socket has a publisher connected right now
     /// (true on each connection, false on each disconnection), for whoever
     /// reports the source's state.
     pub link: Option<watch::Sender<bool>>,
 }
 
-/// Splits `[topic, sequence (8 bytes BE), payload]`.
-pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), FrameError> {
+/// Splits `[topic, sequence (8 bytes BE), payload]`, holding the topic to
+/// `topic` when one is given.
+pub fn parse_frames(message: ZmqMessage, topic: Option<&[u8]>) -> Result<(u64, Bytes), FrameError> {
     let mut frames = message.into_vecdeque();
     if frames.len() != 3 {
         return Err(FrameError::WrongFrameCount);
@@ -93,7 +97,7 @@ pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), F
     else {
         return Err(FrameError::WrongFrameCount);
     };
-    if received_topic.as_ref() != topic {
+    if topic.is_some_and(|topic| received_topic.as_ref() != topic) {
         return Err(FrameError::TopicMismatch);
     }
     Ok((parse_sequence(&sequence)?, payload))
@@ -145,7 +149,7 @@ impl ZmqSourceConfig {
         let up = move || ranks_up.one_more();
         sockets
             .open(&metrics, supervisor, up, |rank, address| {
-                let topic = Bytes::from(config.topic.clone());
+                let topic = (!config.any_topic).then(|| Bytes::from(config.topic.clone()));
                 let replay = match &config.replay_endpoint {
                     Some(base) => Some(ReplayClient::new(
                         base.for_rank(rank)
@@ -403,7 +407,8 @@ struct RankTask {
     rank: u32,
     /// Where the SUB binds or connects, for the logs.
     endpoint: String,
-    topic: Bytes,
+    /// The topic every message must carry; `None`: any.
+    topic: Option<Bytes>,
     replay: Option<ReplayClient>,
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
@@ -462,7 +467,7 @@ impl RankTask {
     fn new(
         rank: u32,
         endpoint: String,
-        topic: Bytes,
+        topic: Option<Bytes>,
         replay: Option<ReplayClient>,
         events: mpsc::Sender<SourceEvent>,
         metrics: Metrics,
@@ -642,7 +647,7 @@ impl RankTask {
     /// The message's engine sequence and payload, or `None` (counted and
     /// skipped) when its framing is wrong.
     fn parse(&self, message: ZmqMessage) -> Option<(u64, Bytes)> {
-        match parse_frames(message, &self.topic) {
+        match parse_frames(message, self.topic.as_deref()) {
             Ok(parts) => {
                 self.messages.inc();
                 Some(parts)
@@ -850,7 +855,7 @@ mod tests {
                 if let Ok(received) = timeout(Duration::from_millis(20), socket.recv()).await {
                     let mut received = received.unwrap();
                     loop {
-                        let (seq, _) = parse_frames(received, b"").unwrap();
+                        let (seq, _) = parse_frames(received, Some(b"")).unwrap();
                         if seq == last {
                             break 'subscribed;
                         }
@@ -873,7 +878,7 @@ mod tests {
             let address = self.publisher.replay_endpoint().unwrap().to_owned();
             ReplayClient::new(
                 address,
-                Bytes::new(),
+                Some(Bytes::new()),
                 timeout,
                 FetchBounds::default(),
                 TEST_MAX_MESSAGE_BYTES,
@@ -890,7 +895,7 @@ mod tests {
             let mut task = RankTask::new(
                 0,
                 self.publisher.endpoint().to_owned(),
-                Bytes::new(),
+                Some(Bytes::new()),
                 replay,
                 self.sender.clone(),
                 self.metrics.clone(),
@@ -980,7 +985,7 @@ mod tests {
         let a = harness.publisher.publish(payload("a")).await.unwrap();
         harness.start(Some(ReplayClient::new(
             endless.endpoint().to_owned(),
-            Bytes::new(),
+            Some(Bytes::new()),
             crate::source::replay::DEFAULT_TIMEOUT,
             bounds,
             TEST_MAX_MESSAGE_BYTES,
@@ -1018,7 +1023,7 @@ mod tests {
         harness.start_resuming(
             Some(ReplayClient::new(
                 endless.endpoint().to_owned(),
-                Bytes::new(),
+                Some(Bytes::new()),
                 crate::source::replay::DEFAULT_TIMEOUT,
                 bounds,
                 TEST_MAX_MESSAGE_BYTES,
@@ -1106,7 +1111,7 @@ mod tests {
         let timeout = Duration::from_millis(300);
         harness.start(Some(ReplayClient::new(
             address,
-            Bytes::new(),
+            Some(Bytes::new()),
             timeout,
             FetchBounds::default(),
             TEST_MAX_MESSAGE_BYTES,
