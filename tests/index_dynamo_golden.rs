@@ -10,16 +10,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
-use common::DEADLINE;
+use common::{DEADLINE, IndexProcess};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
@@ -139,47 +137,6 @@ const DEVIATIONS: &[Deviation] = &[
     },
 ];
 
-/// A running `kvgate index`, killed by pid when dropped.
-struct IndexProcess {
-    child: Child,
-    address: SocketAddr,
-}
-
-impl IndexProcess {
-    fn start() -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
-            .args(["index", "--log-format", "text", "--listen", "127.0.0.1:0"])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("kvgate starts");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(address) =
-                    line.strip_prefix("kvgate: index answering Dynamo's API on http://")
-                {
-                    let _ = tx.send(address.parse::<SocketAddr>().unwrap());
-                }
-            }
-        });
-        let address = rx
-            .recv_timeout(DEADLINE)
-            .expect("kvgate index reports its address");
-        IndexProcess { child, address }
-    }
-}
-
-impl Drop for IndexProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 enum Bound {
     Publisher(XPubSocket),
     Router {
@@ -268,7 +225,7 @@ impl Replayer {
             name: path.file_name().unwrap().to_string_lossy().into_owned(),
             fixture,
             ordered,
-            index: IndexProcess::start(),
+            index: IndexProcess::start(&[]),
             sockets,
         }
     }

@@ -3,58 +3,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
 use bytes::Bytes;
-use common::DEADLINE;
+use common::{DEADLINE, IndexProcess};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// A running `kvgate index`, killed by pid when dropped.
-struct IndexProcess {
-    child: Child,
-    address: SocketAddr,
-}
-
-impl IndexProcess {
-    fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
-            .args(["index", "--log-format", "text", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("kvgate starts");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(address) =
-                    line.strip_prefix("kvgate: index answering Dynamo's API on http://")
-                {
-                    let _ = tx.send(address.parse::<SocketAddr>().unwrap());
-                }
-            }
-        });
-        let address = rx
-            .recv_timeout(DEADLINE)
-            .expect("kvgate index reports its address");
-        IndexProcess { child, address }
-    }
-}
-
-impl Drop for IndexProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// One HTTP/1.0 request: (status, body).
 async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
