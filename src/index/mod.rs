@@ -9,8 +9,9 @@
 //!   by an engine's own hash: an engine hash only names, per rank, which node
 //!   a removal or a child's parent refers to.
 //! - Each partition's tree has one writer ([`writer`]): it applies events in
-//!   each rank's order, one bounded step (one event, at most
-//!   [`writer::MAX_BLOCKS_PER_STEP`] blocks) per hold of the tree's lock.
+//!   each rank's order, one bounded step (at most
+//!   [`writer::MAX_BLOCKS_PER_STEP`] blocks of a store, a removal or a
+//!   clear) per hold of the tree's lock.
 //!   A query holds the read lock only for its walk, never while its answer
 //!   is written to a client, so ingest never waits on a slow client and a
 //!   query waits at most one step of ingest.

@@ -338,3 +338,30 @@ fn removing_the_last_holder_frees_the_node_and_its_empty_ancestors() {
     assert_eq!(tree.nodes(), 0);
     assert_eq!(tree.held_blocks(), 0);
 }
+
+#[test]
+fn a_clear_released_in_steps_leaves_what_a_whole_clear_leaves() {
+    let mut tree = Tree::new();
+    let key = RankKey { worker: 1, rank: 0 };
+    let other = RankKey { worker: 2, rank: 0 };
+    let chain: Vec<(i64, u64)> = (1..=10).map(|n| (n, n as u64)).collect();
+    tree.store(key, None, Tier::Device, &chain);
+    tree.store(other, None, Tier::Device, &chain[..3]);
+    let mut nodes = tree.detach(key).into_nodes();
+    while !nodes.is_empty() {
+        let step = nodes.split_step(3);
+        tree.release_detached(&step);
+    }
+    assert_eq!(tree.nodes(), 3, "the other rank's blocks stay");
+    assert_eq!(tree.held_blocks(), 3);
+    assert_eq!(
+        tree.overlap(&[1, 2, 3, 4]),
+        [RankMatch {
+            key: other,
+            blocks: [3, 0, 0, 0]
+        }]
+    );
+    // The rank stays known and stores again.
+    tree.store(key, None, Tier::Device, &chain[..1]);
+    assert_eq!(tree.rank_blocks(key), 1);
+}

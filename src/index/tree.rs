@@ -112,6 +112,56 @@ pub struct DumpedBlock {
     pub tiers: Vec<Tier>,
 }
 
+/// A rank's blocks taken out of its map ([`Tree::detach`]).
+#[derive(Debug)]
+pub struct Detached {
+    member: Option<u32>,
+    blocks: FxHashMap<i64, u32>,
+}
+
+impl Detached {
+    /// How many blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The nodes to release (built outside the tree's lock).
+    pub fn into_nodes(self) -> DetachedNodes {
+        DetachedNodes {
+            member: self.member,
+            nodes: self.blocks.into_values().collect(),
+        }
+    }
+}
+
+/// Detached nodes, released in steps by [`Tree::release_detached`].
+#[derive(Debug)]
+pub struct DetachedNodes {
+    member: Option<u32>,
+    nodes: Vec<u32>,
+}
+
+impl DetachedNodes {
+    /// Splits off the last `at_most` nodes, to release in one step.
+    pub fn split_step(&mut self, at_most: usize) -> DetachedNodes {
+        let keep = self.nodes.len().saturating_sub(at_most);
+        DetachedNodes {
+            member: self.member,
+            nodes: self.nodes.split_off(keep),
+        }
+    }
+
+    /// Whether every node was split off.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+}
+
 /// The tree (see the module's invariants).
 #[derive(Debug)]
 pub struct Tree {
@@ -333,16 +383,37 @@ impl Tree {
     /// Forgets every block `key` holds, in every tier (the engine cleared
     /// its cache, or restarted); the rank stays known.
     pub fn clear(&mut self, key: RankKey) -> usize {
-        let Some(&member) = self.member_ids.get(&key) else {
-            return 0;
-        };
-        let blocks = std::mem::take(&mut self.member_mut(member).blocks);
-        let cleared = blocks.len();
-        for (_, node) in blocks {
+        let detached = self.detach(key);
+        let cleared = detached.len();
+        let nodes = detached.into_nodes();
+        self.release_detached(&nodes);
+        cleared
+    }
+
+    /// Takes `key`'s blocks out of its map at once (O(1)); the nodes still
+    /// list the rank until [`Tree::release_detached`] releases them, a
+    /// bounded number at a time, so a clear of a million blocks never holds
+    /// the tree for all of them.
+    pub fn detach(&mut self, key: RankKey) -> Detached {
+        match self.member_ids.get(&key) {
+            Some(&member) => Detached {
+                member: Some(member),
+                blocks: std::mem::take(&mut self.member_mut(member).blocks),
+            },
+            None => Detached {
+                member: None,
+                blocks: FxHashMap::default(),
+            },
+        }
+    }
+
+    /// Releases detached nodes (from [`Detached::into_nodes`]).
+    pub fn release_detached(&mut self, nodes: &DetachedNodes) {
+        let Some(member) = nodes.member else { return };
+        for &node in &nodes.nodes {
             self.release(node, member);
         }
-        self.held -= cleared as u64;
-        cleared
+        self.held -= nodes.nodes.len() as u64;
     }
 
     /// Forgets `key` altogether (unregistered).

@@ -2,9 +2,12 @@
 //! partition's tree, in each rank's order.
 //!
 //! Invariant: the writer is the only task that changes a tree, and it holds
-//! a tree's write lock for one bounded step at a time: one removal, one clear,
-//! or at most [`MAX_BLOCKS_PER_STEP`] blocks of a store (a longer store is
-//! applied as a chain of steps, each under the last block of the one before).
+//! a tree's write lock for one bounded step at a time: at most
+//! [`MAX_BLOCKS_PER_STEP`] blocks of a store (a longer store is applied as a
+//! chain of steps, each under the last block of the one before), of a
+//! removal, or of a clear (a rank's blocks are taken out of its map in one
+//! step and their nodes released in steps). A device removal also takes the
+//! rank's device blocks under the removed one in the same step.
 //! Its input queue is bounded, so a worker's feed waits for it rather than
 //! growing memory.
 
@@ -73,10 +76,9 @@ pub fn apply(input: IndexInput) {
                 apply_event(&partition, key, event);
             }
         }
-        IndexInput::ClearRank { partition, key } => {
-            partition.write().clear(key);
-        }
+        IndexInput::ClearRank { partition, key } => clear_in_steps(&partition, key),
         IndexInput::RemoveRank { partition, key } => {
+            clear_in_steps(&partition, key);
             partition.write().remove_rank(key);
         }
     }
@@ -160,10 +162,19 @@ fn apply_event(partition: &Partition, key: RankKey, event: &KvCacheEvent) {
                 partition.write().remove(key, tier, step);
             }
         }
-        Some(Data::Cleared(_)) => {
-            partition.write().clear(key);
-        }
+        Some(Data::Cleared(_)) => clear_in_steps(partition, key),
         None => {}
+    }
+}
+
+/// Forgets `key`'s blocks: taken out of its map in one step, their nodes
+/// released [`MAX_BLOCKS_PER_STEP`] at a time.
+fn clear_in_steps(partition: &Partition, key: RankKey) {
+    let detached = partition.write().detach(key);
+    let mut nodes = detached.into_nodes();
+    while !nodes.is_empty() {
+        let step = nodes.split_step(MAX_BLOCKS_PER_STEP);
+        partition.write().release_detached(&step);
     }
 }
 
