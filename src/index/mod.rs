@@ -10,7 +10,7 @@
 //!   a removal or a child's parent refers to.
 //! - Each partition's tree has one writer ([`writer`]): it applies events in
 //!   each rank's order, one bounded step (at most
-//!   [`writer::MAX_BLOCKS_PER_STEP`] blocks of a store, a removal or a
+//!   256 blocks of a store, a removal or a
 //!   clear) per hold of the tree's lock.
 //!   A query holds the read lock only for its walk, never while its answer
 //!   is written to a client, so ingest never waits on a slow client and a
