@@ -329,6 +329,16 @@ async fn registrations_and_queries_get_dynamos_status_codes() {
     );
     let (status, _) = request(address, "POST", "/query", oversized.as_bytes()).await;
     assert_eq!(status, 413);
+    // A million tokens fit: answered, not refused.
+    let million = format!(
+        "{{\"token_ids\":[{}1],\"model_name\":\"m\"}}",
+        "1,".repeat(999_999)
+    );
+    let (status, body) = request(address, "POST", "/query", million.as_bytes()).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, r#"{"scores":{},"frequencies":[],"instances":{}}"#)
+    );
     assert_eq!(get(address, "/health").await.0, 200);
     let (status, metrics) = request(address, "GET", "/metrics", b"").await;
     assert_eq!(status, 200);
