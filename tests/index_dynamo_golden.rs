@@ -146,46 +146,38 @@ const DEVIATIONS: &[Deviation] = &[
 /// Steps where kvgate does not answer as Dynamo does yet, not by design:
 /// each is checked to differ exactly so (a change that matches Dynamo makes
 /// the test fail, to move the step out of this list).
-const NOT_YET_MATCHED: &[Deviation] = &[
-    Deviation {
-        fixture: "attention-groups",
-        steps: &[29],
-        why: "a store in cache group 20, whose kind no event named: the converter forwards it (contract section 2), Dynamo drops it",
-        adjust: |answer| remove_worker(answer, "1"),
-    },
-    Deviation {
-        fixture: "real-vllm-payloads",
-        steps: &[30],
-        why: "a lower-tier block keeps its event's parent hash in Dynamo's dump, where kvgate names the parent only while the rank holds it (and the store of step 23, see DEVIATIONS, is in kvgate's dump only)",
-        adjust: |dump| {
-            let events = dump["m:default"]["events"].as_array_mut().unwrap();
-            let before = events.len();
-            let step_23 = [
-                18137102642409613307u64,
-                13827514139469382364,
-                1379102037913496660,
-            ]
-            .map(|hash| json!(hash));
-            events.retain(|event| {
-                !step_23.contains(&event["event"]["data"]["stored"]["blocks"][0]["block_hash"])
-            });
-            if events.len() + 3 != before {
-                return Err("the blocks of step 23 are not all in kvgate's dump".into());
+const NOT_YET_MATCHED: &[Deviation] = &[Deviation {
+    fixture: "real-vllm-payloads",
+    steps: &[30],
+    why: "a lower-tier block keeps its event's parent hash in Dynamo's dump, where kvgate names the parent only while the rank holds it (and the store of step 23, see DEVIATIONS, is in kvgate's dump only)",
+    adjust: |dump| {
+        let events = dump["m:default"]["events"].as_array_mut().unwrap();
+        let before = events.len();
+        let step_23 = [
+            18137102642409613307u64,
+            13827514139469382364,
+            1379102037913496660,
+        ]
+        .map(|hash| json!(hash));
+        events.retain(|event| {
+            !step_23.contains(&event["event"]["data"]["stored"]["blocks"][0]["block_hash"])
+        });
+        if events.len() + 3 != before {
+            return Err("the blocks of step 23 are not all in kvgate's dump".into());
+        }
+        for event in events {
+            let host_block = event["storage_tier"] == "host_pinned"
+                && event["event"]["data"]["stored"]["blocks"][0]["block_hash"]
+                    == json!(646745605632185939u64);
+            let stored = &mut event["event"]["data"]["stored"];
+            if host_block && stored["parent_hash"].is_null() {
+                stored["parent_hash"] = json!(1853628909406160530u64);
+                return Ok(());
             }
-            for event in events {
-                let host_block = event["storage_tier"] == "host_pinned"
-                    && event["event"]["data"]["stored"]["blocks"][0]["block_hash"]
-                        == json!(646745605632185939u64);
-                let stored = &mut event["event"]["data"]["stored"];
-                if host_block && stored["parent_hash"].is_null() {
-                    stored["parent_hash"] = json!(1853628909406160530u64);
-                    return Ok(());
-                }
-            }
-            Err("the host block's parent is named now".into())
-        },
+        }
+        Err("the host block's parent is named now".into())
     },
-];
+}];
 
 /// Takes `worker` out of a query's answer, which must name it.
 fn remove_worker(answer: &mut Value, worker: &str) -> Result<(), String> {

@@ -40,7 +40,7 @@ mod tally;
 mod tests;
 mod transcoded;
 
-pub use normalize::Alignment;
+pub use normalize::{Alignment, UnnamedGroups};
 pub use tally::{DropReason, EventKind, Tally};
 pub use transcoded::{Forwarded, StoredBlocks, TranscodedPayload};
 
@@ -192,6 +192,13 @@ impl Converter {
         let mut converter = Self::new();
         converter.normalizer.alignment = alignment;
         converter
+    }
+
+    /// This converter, reading a kind-less event of a never-named group by
+    /// `unnamed_groups`.
+    pub fn with_unnamed_groups(mut self, unnamed_groups: UnnamedGroups) -> Self {
+        self.normalizer.unnamed_groups = unnamed_groups;
+        self
     }
 
     /// Forgets what `rank`'s cache groups were (call when its engine

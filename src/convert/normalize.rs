@@ -173,6 +173,18 @@ pub(crate) struct Normalizer {
     pub(crate) spare_buffers: SpareBuffers,
     /// What a store whose tokens do not fill its hashes' blocks exactly becomes.
     pub(crate) alignment: Alignment,
+    /// What a kind-less event of a group never named with a kind is.
+    pub(crate) unnamed_groups: UnnamedGroups,
+}
+
+/// What a kind-less event of a group no event named with a kind is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnnamedGroups {
+    /// Main attention (the contract's rule for the stream).
+    #[default]
+    Main,
+    /// Main attention only in group 0 (Dynamo's indexer reads events so).
+    MainOnlyGroupZero,
 }
 
 /// What a store whose token count is not its hashes × its block size becomes.
@@ -286,7 +298,8 @@ impl Normalizer {
 
     /// A kind names the event's own group (and is remembered for it); a
     /// kind-less event follows what its group was last seen as; a group never
-    /// seen, or no group at all, counts as main attention.
+    /// seen counts as `unnamed_groups` says, and no group at all as main
+    /// attention.
     fn is_main(&mut self, rank: u32, group_idx: Option<u32>, kind: Option<&str>) -> bool {
         let kind_is_main = kind.map(|kind| {
             MAIN_ATTENTION_KINDS
@@ -305,11 +318,12 @@ impl Normalizer {
                 }
                 main
             }
-            (Some(group), None) => self
-                .group_is_main
-                .get(&(rank, group))
-                .copied()
-                .unwrap_or(true),
+            (Some(group), None) => self.group_is_main.get(&(rank, group)).copied().unwrap_or(
+                match self.unnamed_groups {
+                    UnnamedGroups::Main => true,
+                    UnnamedGroups::MainOnlyGroupZero => group == 0,
+                },
+            ),
             (None, kind_is_main) => kind_is_main.unwrap_or(true),
         }
     }

@@ -1929,3 +1929,19 @@ fn leading_full_blocks_pair_hashes_with_whole_blocks_and_drop_what_has_none() {
     let (_, tally) = convert(vec![stored(&[1, 2, 3], &[("token_ids", ints(100..105))])]);
     assert_eq!(tally.dropped(DropReason::UnalignedBlocks), 1);
 }
+
+#[test]
+fn a_kindless_event_of_an_unnamed_group_is_main_only_in_group_zero_when_asked() {
+    let events = || {
+        vec![
+            stored(&[1], &[("group_idx", V::U(0))]),
+            stored(&[2], &[("group_idx", V::U(20))]),
+        ]
+    };
+    let mut dynamo = Converter::new().with_unnamed_groups(super::UnnamedGroups::MainOnlyGroupZero);
+    let (forwarded, tally) = convert_with(&mut dynamo, 0, events());
+    assert_eq!(forwarded.len(), 1);
+    assert_eq!(tally.dropped(DropReason::NonMainAttentionGroup), 1);
+    // The stream's converter keeps the contract's rule: both are main.
+    assert_eq!(convert(events()).0.len(), 2);
+}

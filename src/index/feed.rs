@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::partition::Partition;
 use super::tree::RankKey;
 use super::writer::IndexInput;
-use crate::convert::{Alignment, Converter, Tally};
+use crate::convert::{Alignment, Converter, Tally, UnnamedGroups};
 use crate::metrics::Metrics;
 use crate::source::SourceEvent;
 use crate::source::replay::FetchBounds;
@@ -176,7 +176,10 @@ pub async fn run(
         status.enter(FeedPhase::Failed, Some(error.to_string()));
         return;
     }
-    let mut converter = Converter::with_alignment(Alignment::LeadingFullBlocks);
+    // Read as Dynamo's indexer reads a worker: partial stores kept, an
+    // unnamed group other than 0 not main attention.
+    let mut converter = Converter::with_alignment(Alignment::LeadingFullBlocks)
+        .with_unnamed_groups(UnnamedGroups::MainOnlyGroupZero);
     let mut tally = Tally::default();
     let failed = supervisor.failed();
     tokio::pin!(failed);
