@@ -47,6 +47,7 @@ use crate::usage::UsageError;
 use source::{choose_load_push, choose_source, start_source};
 
 mod engine_sources;
+pub mod index;
 pub mod metric_labels;
 mod source;
 #[cfg(test)]

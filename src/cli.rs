@@ -44,6 +44,9 @@ pub struct Cli {
 pub enum Command {
     /// Drain an engine's KV events and serve them to any number of routers.
     Serve(Box<ServeArgs>),
+    /// Follow many engines' KV events and answer prefix-overlap queries:
+    /// Dynamo's standalone indexer API over HTTP.
+    Index(Box<IndexArgs>),
     /// Print a gateway's event stream (or a recording's, with --file).
     Tail(crate::tools::tail::TailArgs),
     /// Record a gateway's event stream to a file, to replay it later
@@ -56,6 +59,132 @@ pub enum Command {
     /// Print a man page (roff), e.g. `kvgate man serve | man -l -`, or write
     /// every page with --dir.
     Man(crate::tools::shell::ManArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+#[allow(missing_docs)] // clap would show a doc comment as help text
+pub struct IndexArgs {
+    /// HTTP address the index answers on (Dynamo's API): IP:PORT or
+    /// HOST:PORT.
+    #[arg(long, env = "KVGATE_INDEX_LISTEN", value_name = "ADDR",
+          value_parser = parse_listen_address)]
+    pub listen: SocketAddr,
+
+    /// Workers to follow from the start, as Dynamo's indexer takes them:
+    /// `id[:dp_rank]=tcp://HOST:PORT,...` (more can register over HTTP).
+    #[arg(long, env = "KVGATE_INDEX_WORKERS", value_name = "LIST",
+          value_parser = parse_index_workers, requires_all = ["model_name", "block_size"])]
+    pub workers: Option<IndexWorkers>,
+
+    /// The model the --workers serve.
+    #[arg(long, env = "KVGATE_INDEX_MODEL_NAME", value_name = "NAME")]
+    pub model_name: Option<String>,
+
+    /// The routing group the --workers are in.
+    #[arg(long, env = "KVGATE_INDEX_ROUTING_GROUP", value_name = "NAME",
+          default_value = crate::index::registry::DEFAULT_ROUTING_GROUP)]
+    pub routing_group: String,
+
+    /// Tokens per KV block of the --workers' engines.
+    #[arg(long, env = "KVGATE_INDEX_BLOCK_SIZE", value_name = "TOKENS",
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub block_size: Option<u32>,
+
+    /// Most worker ranks registered at once (each one socket); one more is
+    /// answered 503 naming this flag.
+    #[arg(long, env = "KVGATE_INDEX_MAX_WORKER_RANKS", default_value_t = 4096,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub index_max_worker_ranks: u64,
+
+    /// Most (model, routing group) partitions at once; one more is answered
+    /// 503 naming this flag.
+    #[arg(long, env = "KVGATE_INDEX_MAX_PARTITIONS", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub index_max_partitions: u64,
+
+    /// Most milliseconds one replay request to a worker's replay endpoint
+    /// may take.
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY_TIMEOUT_MS",
+          default_value_t = crate::source::replay::DEFAULT_TIMEOUT.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub zmq_replay_timeout_ms: u64,
+
+    /// Largest ZMQ message accepted from a worker's publisher or replay
+    /// endpoint, e.g. 64MiB.
+    #[arg(long, env = "KVGATE_ZMQ_MAX_MESSAGE_BYTES", default_value = "64MiB", value_name = "SIZE",
+          value_parser = byte_size(crate::source::peer::MAX_MESSAGE_BYTES_RANGE))]
+    pub zmq_max_message_bytes: u64,
+
+    /// Most connections open on the HTTP port; one more is answered 503 and
+    /// closed at once.
+    #[arg(long, env = "KVGATE_INDEX_MAX_CONNECTIONS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub http_max_connections: u32,
+
+    /// Most milliseconds a client may take to send a request's headers.
+    #[arg(long, env = "KVGATE_INDEX_HEADER_TIMEOUT_MS", default_value_t = 5_000,
+          value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub http_header_timeout_ms: u64,
+
+    /// A connection that moves no byte either way for this many
+    /// milliseconds is closed.
+    #[arg(long, env = "KVGATE_INDEX_IDLE_TIMEOUT_MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(10..=86_400_000))]
+    pub http_idle_timeout_ms: u64,
+}
+
+/// `--workers`: each rank's publisher, as Dynamo's indexer takes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexWorkers(pub Vec<IndexWorker>);
+
+/// One entry of `--workers`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexWorker {
+    /// The worker instance.
+    pub instance_id: u64,
+    /// Its rank (0 when not given).
+    pub dp_rank: u32,
+    /// The rank's publisher.
+    pub endpoint: TcpEndpoint,
+}
+
+/// Parses `id[:dp_rank]=tcp://HOST:PORT,...`.
+pub fn parse_index_workers(text: &str) -> Result<IndexWorkers, String> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|entry| !entry.is_empty())
+        .map(|entry| {
+            let (worker, endpoint) = entry
+                .split_once('=')
+                .ok_or_else(|| format!("expected id[:dp_rank]=tcp://HOST:PORT, got {entry:?}"))?;
+            let (instance_id, dp_rank) = match worker.split_once(':') {
+                Some((id, rank)) => (id, Some(rank)),
+                None => (worker, None),
+            };
+            Ok(IndexWorker {
+                instance_id: instance_id
+                    .parse()
+                    .map_err(|_| format!("bad instance id {instance_id:?} in {entry:?}"))?,
+                dp_rank: dp_rank
+                    .map(|rank| {
+                        rank.parse()
+                            .map_err(|_| format!("bad dp_rank {rank:?} in {entry:?}"))
+                    })
+                    .transpose()?
+                    .unwrap_or(0),
+                endpoint: endpoint
+                    .parse()
+                    .map_err(|error| format!("{error} in {entry:?}"))?,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .and_then(|workers| {
+            if workers.is_empty() {
+                Err("no worker given".to_owned())
+            } else {
+                Ok(IndexWorkers(workers))
+            }
+        })
 }
 
 #[derive(Debug, Clone, Args)]

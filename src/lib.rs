@@ -8,6 +8,8 @@
 //! [`server`] (gRPC services); with `--state-dir`, the drain also writes
 //! every batch and checkpoints of the state into [`store`]. [`load`] polls the engine's `GetLoads` once for
 //! every router and hands the drain the records it stamps on batches.
+//! [`index`], a stage beside the hub fed by the same sources and converter,
+//! keeps the fleet's prefix index that `kvgate index` answers from.
 //! [`app`] wires them into a [`app::Gateway`]; [`metrics`], [`client`],
 //! [`clock`] and [`proto`] are the foundation every stage may use.
 //! `docs/architecture.md` has the picture, the task tree and the import
@@ -26,6 +28,7 @@ pub mod drain;
 pub(crate) mod health;
 pub mod http_get;
 pub mod hub;
+pub mod index;
 pub mod json;
 pub mod load;
 pub mod logging;

@@ -60,6 +60,7 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Serve(args) => kvgate::app::serve(*args, shutdown_signal()).await,
+            Command::Index(args) => kvgate::app::index::run(*args, shutdown_signal()).await,
             Command::Tail(args) => kvgate::tools::tail::run(args).await,
             Command::Record(args) => kvgate::tools::record::run(*args, shutdown_signal()).await,
             Command::Status(args) => kvgate::tools::status::run(args).await,

@@ -172,6 +172,7 @@ fn every_man_page_has_environment_and_exit_status_and_sees_only_pages_written() 
         written,
         [
             "kvgate-completions.1",
+            "kvgate-index.1",
             "kvgate-man.1",
             "kvgate-record.1",
             "kvgate-serve.1",

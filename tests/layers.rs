@@ -141,3 +141,48 @@ fn no_two_client_side_commands_import_each_other_round_a_circle() {
         }
     }
 }
+
+#[test]
+fn the_index_imports_only_its_sources_the_converter_and_the_foundation() {
+    let downstream = [
+        "crate::drain",
+        "crate::hub",
+        "crate::state",
+        "crate::store",
+        "crate::server",
+        "crate::app",
+        "crate::cli",
+    ];
+    let offending: Vec<String> = code_lines()
+        .into_iter()
+        .filter(|(file, _, line)| {
+            file.starts_with("index/") && downstream.iter().any(|path| names_module(line, path))
+        })
+        .map(|(file, number, line)| format!("src/{file}:{number}: {}", line.trim()))
+        .collect();
+    assert!(
+        offending.is_empty(),
+        "src/index/ imports a stage after it or the wiring:\n{}",
+        offending.join("\n")
+    );
+}
+
+#[test]
+fn no_stage_before_the_index_imports_it() {
+    let upstream = [
+        "source/", "convert/", "drain/", "hub/", "state/", "store/", "wire/", "load/",
+    ];
+    let offending: Vec<String> = code_lines()
+        .into_iter()
+        .filter(|(file, _, line)| {
+            upstream.iter().any(|stage| file.starts_with(stage))
+                && names_module(line, "crate::index")
+        })
+        .map(|(file, number, line)| format!("src/{file}:{number}: {}", line.trim()))
+        .collect();
+    assert!(
+        offending.is_empty(),
+        "a stage before the index imports it:\n{}",
+        offending.join("\n")
+    );
+}

@@ -125,6 +125,8 @@ pub(super) async fn choose_source(
         max_message_bytes: usize::try_from(args.zmq_max_message_bytes).unwrap_or(usize::MAX),
         resume: Default::default(),
         moves: Vec::new(),
+        any_topic: false,
+        link: None,
     };
     if args.demo {
         // With a replay endpoint, like a well-configured engine: kvgate

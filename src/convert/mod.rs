@@ -42,6 +42,7 @@ mod tally;
 mod tests;
 mod transcoded;
 
+pub use normalize::{Alignment, UnnamedGroups};
 pub use tally::{DropReason, EventKind, Tally};
 pub use transcoded::{Forwarded, StoredBlocks, TranscodedPayload};
 
@@ -186,6 +187,20 @@ impl Converter {
             self.normalizer.roll_back();
         }
         converted
+    }
+
+    /// A converter that reads misaligned stores by `alignment`.
+    pub fn with_alignment(alignment: Alignment) -> Self {
+        let mut converter = Self::new();
+        converter.normalizer.alignment = alignment;
+        converter
+    }
+
+    /// This converter, reading a kind-less event of a never-named group by
+    /// `unnamed_groups`.
+    pub fn with_unnamed_groups(mut self, unnamed_groups: UnnamedGroups) -> Self {
+        self.normalizer.unnamed_groups = unnamed_groups;
+        self
     }
 
     /// Forgets what `rank`'s cache groups were (call when its engine

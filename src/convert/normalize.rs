@@ -193,6 +193,32 @@ pub(crate) struct Normalizer {
     distinct_hashes: DistinctHashes,
     /// Token, hash and text buffers of sent events, for the next events.
     pub(crate) spare_buffers: SpareBuffers,
+    /// What a store whose tokens do not fill its hashes' blocks exactly becomes.
+    pub(crate) alignment: Alignment,
+    /// What a kind-less event of a group never named with a kind is.
+    pub(crate) unnamed_groups: UnnamedGroups,
+}
+
+/// What a kind-less event of a group no event named with a kind is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnnamedGroups {
+    /// Main attention (the contract's rule for the stream).
+    #[default]
+    Main,
+    /// Main attention only in group 0 (Dynamo's indexer reads events so).
+    MainOnlyGroupZero,
+}
+
+/// What a store whose token count is not its hashes × its block size becomes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Alignment {
+    /// Dropped as `unaligned_blocks` (the contract's rule for the stream).
+    #[default]
+    Exact,
+    /// Its hashes paired with full blocks of tokens while both last, the rest
+    /// ignored (Dynamo's indexer reads a store so); dropped only when not
+    /// even one block is full.
+    LeadingFullBlocks,
 }
 
 impl Normalizer {
@@ -294,7 +320,8 @@ impl Normalizer {
 
     /// A kind names the event's own group (and is remembered for it); a
     /// kind-less event follows what its group was last seen as; a group never
-    /// seen, or no group at all, counts as main attention.
+    /// seen counts as `unnamed_groups` says, and no group at all as main
+    /// attention.
     fn is_main(&mut self, rank: u32, group_idx: Option<u32>, kind: Option<&str>) -> bool {
         let kind_is_main = kind.map(|kind| {
             MAIN_ATTENTION_KINDS
@@ -313,11 +340,12 @@ impl Normalizer {
                 }
                 main
             }
-            (Some(group), None) => self
-                .group_is_main
-                .get(&(rank, group))
-                .copied()
-                .unwrap_or(true),
+            (Some(group), None) => self.group_is_main.get(&(rank, group)).copied().unwrap_or(
+                match self.unnamed_groups {
+                    UnnamedGroups::Main => true,
+                    UnnamedGroups::MainOnlyGroupZero => group == 0,
+                },
+            ),
             (None, kind_is_main) => kind_is_main.unwrap_or(true),
         }
     }
@@ -350,9 +378,19 @@ impl Normalizer {
             .ok()
             .filter(|&size| size > 0)
             .ok_or(DropReason::UnalignedBlocks)?;
-        if hashes.len().checked_mul(block_size as usize) != Some(tokens.len()) {
-            return Err(DropReason::UnalignedBlocks);
-        }
+        let (hashes, tokens) = match self.alignment {
+            _ if hashes.len().checked_mul(block_size as usize) == Some(tokens.len()) => {
+                (hashes, tokens)
+            }
+            Alignment::Exact => return Err(DropReason::UnalignedBlocks),
+            Alignment::LeadingFullBlocks => {
+                let blocks = hashes.len().min(tokens.len() / block_size as usize);
+                if blocks == 0 {
+                    return Err(DropReason::UnalignedBlocks);
+                }
+                (&hashes[..blocks], &tokens[..blocks * block_size as usize])
+            }
+        };
         if !self.distinct_hashes.all_distinct(hashes, parent) {
             return Err(DropReason::SelfReferencingHashes);
         }

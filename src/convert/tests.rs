@@ -2227,3 +2227,51 @@ proptest! {
         transcoded_as_built(&[batch(events)]);
     }
 }
+
+#[test]
+fn leading_full_blocks_pair_hashes_with_whole_blocks_and_drop_what_has_none() {
+    let mut converter = Converter::with_alignment(super::Alignment::LeadingFullBlocks);
+    // 3 hashes, 5 tokens of block size 2: two whole blocks.
+    let short = stored(&[1, 2, 3], &[("token_ids", ints(100..105))]);
+    // 1 hash, 6 tokens: one block, the rest ignored.
+    let long = stored(&[4], &[("token_ids", ints(200..206))]);
+    // 2 hashes, 1 token: no whole block.
+    let none = stored(&[5, 6], &[("token_ids", ints(300..301))]);
+    let (events, tally) = convert_with(&mut converter, 0, vec![short, long, none]);
+    let blocks: Vec<(i64, Vec<u32>)> = events
+        .iter()
+        .flat_map(|event| match &event.data {
+            Some(Data::Stored(stored)) => stored.blocks.clone(),
+            _ => Vec::new(),
+        })
+        .map(|block| (block.block_hash, block.token_ids))
+        .collect();
+    assert_eq!(
+        blocks,
+        [
+            (1, vec![100, 101]),
+            (2, vec![102, 103]),
+            (4, vec![200, 201])
+        ]
+    );
+    assert_eq!(tally.dropped(DropReason::UnalignedBlocks), 1);
+    // The stream's converter keeps the contract's rule.
+    let (_, tally) = convert(vec![stored(&[1, 2, 3], &[("token_ids", ints(100..105))])]);
+    assert_eq!(tally.dropped(DropReason::UnalignedBlocks), 1);
+}
+
+#[test]
+fn a_kindless_event_of_an_unnamed_group_is_main_only_in_group_zero_when_asked() {
+    let events = || {
+        vec![
+            stored(&[1], &[("group_idx", V::U(0))]),
+            stored(&[2], &[("group_idx", V::U(20))]),
+        ]
+    };
+    let mut dynamo = Converter::new().with_unnamed_groups(super::UnnamedGroups::MainOnlyGroupZero);
+    let (forwarded, tally) = convert_with(&mut dynamo, 0, events());
+    assert_eq!(forwarded.len(), 1);
+    assert_eq!(tally.dropped(DropReason::NonMainAttentionGroup), 1);
+    // The stream's converter keeps the contract's rule: both are main.
+    assert_eq!(convert(events()).0.len(), 2);
+}

@@ -61,6 +61,7 @@ impl PushConfig {
             max_message_bytes: self.max_message_bytes,
             task_name: TaskName::LoadPush,
             peer: LOAD_PUBLISHER,
+            link: None,
         };
         sockets
             .open(
@@ -134,7 +135,7 @@ impl PushReceiver {
         message: ZmqMessage,
         faults: &mut Vec<PushFault>,
     ) -> Result<crate::proto::common::EngineLoad, PushFault> {
-        let (sequence, payload): (u64, Bytes) = parse_frames(message, LOAD_TOPIC.as_bytes())
+        let (sequence, payload): (u64, Bytes) = parse_frames(message, Some(LOAD_TOPIC.as_bytes()))
             .map_err(|error| match error {
                 FrameError::BadSequenceFrame => PushFault::BadSequenceFrame,
                 FrameError::TopicMismatch => PushFault::TopicMismatch,

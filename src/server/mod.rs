@@ -10,6 +10,7 @@ pub(crate) mod auth;
 pub(crate) mod connection;
 pub(crate) mod fd_limit;
 mod health;
+pub(crate) mod index_http;
 mod methods;
 pub(crate) mod passthrough;
 mod preface;

@@ -150,7 +150,8 @@ pub struct Replayed {
 #[derive(Clone, Debug)]
 pub struct ReplayClient {
     address: String,
-    topic: Bytes,
+    /// The topic a replayed message must carry; `None`: any.
+    topic: Option<Bytes>,
     timeout: Duration,
     bounds: FetchBounds,
     max_message_bytes: usize,
@@ -162,7 +163,7 @@ impl ReplayClient {
     /// drops the connection.
     pub fn new(
         address: String,
-        topic: Bytes,
+        topic: Option<Bytes>,
         timeout: Duration,
         bounds: FetchBounds,
         max_message_bytes: usize,
@@ -292,8 +293,8 @@ impl Fetch<'_> {
                     .expired(*until, self.deadline, ReplayError::Timeout)
             })?
             .map_err(ReplayError::from_recv)?;
-        let reply =
-            parse_reply(&reply.into_vec(), &self.client.topic).map_err(ReplayError::BadFrames)?;
+        let reply = parse_reply(&reply.into_vec(), self.client.topic.as_deref())
+            .map_err(ReplayError::BadFrames)?;
         let (message, next) = self.collector.accept(reply)?;
         if next == Next::PieceDone {
             self.piece = None;
@@ -319,7 +320,7 @@ pub enum Reply {
 /// Reads `["", topic, seq, payload]` or `["", seq, payload]`. END is told
 /// by its seq frame alone: vLLM's carries an empty topic, whatever the
 /// configured one.
-pub fn parse_reply(frames: &[Bytes], topic: &[u8]) -> Result<Reply, FrameError> {
+pub fn parse_reply(frames: &[Bytes], topic: Option<&[u8]>) -> Result<Reply, FrameError> {
     let [delimiter, rest @ ..] = frames else {
         return Err(FrameError::WrongFrameCount);
     };
@@ -335,7 +336,9 @@ pub fn parse_reply(frames: &[Bytes], topic: &[u8]) -> Result<Reply, FrameError> 
     if seq == END {
         return Ok(Reply::End);
     }
-    if received_topic.is_some_and(|received| received.as_ref() != topic) {
+    if let (Some(received), Some(topic)) = (received_topic, topic)
+        && received.as_ref() != topic
+    {
         return Err(FrameError::TopicMismatch);
     }
     Ok(Reply::Message {
@@ -555,7 +558,7 @@ mod tests {
                 collector.next_request();
                 let replies = case["dealer_receives_hex"].as_array().unwrap();
                 for (n, reply) in replies.iter().enumerate() {
-                    let reply = parse_reply(&frames(reply), topic).unwrap();
+                    let reply = parse_reply(&frames(reply), Some(topic)).unwrap();
                     assert_eq!(reply == Reply::End, n == replies.len() - 1, "{format}");
                     collector.accept(reply).unwrap();
                 }
@@ -577,12 +580,12 @@ mod tests {
         let frames =
             |topic: &'static str, n: u64| [Bytes::new(), Bytes::from(topic), seq(n), Bytes::new()];
         assert_eq!(
-            parse_reply(&frames("other", 3), b"kv"),
+            parse_reply(&frames("other", 3), Some(b"kv")),
             Err(FrameError::TopicMismatch)
         );
-        assert_eq!(parse_reply(&frames("", END), b"kv"), Ok(Reply::End));
+        assert_eq!(parse_reply(&frames("", END), Some(b"kv")), Ok(Reply::End));
         assert!(matches!(
-            parse_reply(&frames("kv", 3), b"kv"),
+            parse_reply(&frames("kv", 3), Some(b"kv")),
             Ok(Reply::Message { seq: 3, .. })
         ));
     }
@@ -604,7 +607,7 @@ mod tests {
             ),
         ];
         for (frames, error) in cases {
-            assert_eq!(parse_reply(&frames, b""), Err(error), "{frames:?}");
+            assert_eq!(parse_reply(&frames, Some(b"")), Err(error), "{frames:?}");
         }
     }
 
@@ -718,7 +721,7 @@ mod tests {
     fn bounded_client(address: &str, timeout: Duration, bounds: FetchBounds) -> ReplayClient {
         ReplayClient::new(
             address.to_owned(),
-            Bytes::new(),
+            Some(Bytes::new()),
             timeout,
             bounds,
             crate::source::peer::DEFAULT_MAX_MESSAGE_BYTES as usize,

@@ -80,10 +80,18 @@ pub struct ZmqSourceConfig {
     /// Where each rank's publisher moves when the engine says so (learned
     /// from the engine, `discovery`); empty when the flags fix them.
     pub moves: Vec<watch::Receiver<RankTarget>>,
+    /// Accept a message under any topic (the SUB still subscribes to
+    /// `topic` as a prefix): Dynamo's indexer reads a worker so.
+    pub any_topic: bool,
+    /// Told whether a connecting socket has a publisher connected right now
+    /// (true on each connection, false on each disconnection), for whoever
+    /// reports the source's state.
+    pub link: Option<watch::Sender<bool>>,
 }
 
-/// Splits `[topic, sequence (8 bytes BE), payload]`.
-pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), FrameError> {
+/// Splits `[topic, sequence (8 bytes BE), payload]`, holding the topic to
+/// `topic` when one is given.
+pub fn parse_frames(message: ZmqMessage, topic: Option<&[u8]>) -> Result<(u64, Bytes), FrameError> {
     let mut frames = message.into_vecdeque();
     if frames.len() != 3 {
         return Err(FrameError::WrongFrameCount);
@@ -93,7 +101,7 @@ pub fn parse_frames(message: ZmqMessage, topic: &[u8]) -> Result<(u64, Bytes), F
     else {
         return Err(FrameError::WrongFrameCount);
     };
-    if received_topic.as_ref() != topic {
+    if topic.is_some_and(|topic| received_topic.as_ref() != topic) {
         return Err(FrameError::TopicMismatch);
     }
     Ok((parse_sequence(&sequence)?, payload))
@@ -140,11 +148,12 @@ impl ZmqSourceConfig {
             max_message_bytes: config.max_message_bytes,
             task_name: TaskName::SourceRank,
             peer: ENGINE,
+            link: config.link.as_ref(),
         };
         let up = move || ranks_up.one_more();
         sockets
             .open(&metrics, supervisor, up, |rank, address| {
-                let topic = Bytes::from(config.topic.clone());
+                let topic = (!config.any_topic).then(|| Bytes::from(config.topic.clone()));
                 let replay = match &config.replay_endpoint {
                     Some(base) => Some(ReplayClient::new(
                         base.for_rank(rank)
@@ -197,6 +206,8 @@ pub(crate) struct RankSockets<'a> {
     pub task_name: fn(u32) -> TaskName,
     /// Who is at the other end, for the logs.
     pub peer: &'static str,
+    /// Told each connection and disconnection of a connecting socket.
+    pub link: Option<&'a watch::Sender<bool>>,
 }
 
 impl RankSockets<'_> {
@@ -251,6 +262,15 @@ impl RankSockets<'_> {
                     Ok(())
                 });
             } else {
+                if let Some(link) = self.link {
+                    let links = socket.monitor();
+                    let link = link.clone();
+                    let link_stop = stop.clone();
+                    supervisor.spawn(name, async move {
+                        follow_link(links, link, link_stop).await;
+                        Ok(())
+                    });
+                }
                 let up = up.clone();
                 let metrics = metrics.clone();
                 info!(rank, "waiting for {peer} at {address}");
@@ -367,6 +387,31 @@ async fn count_failed_handshakes(
     }
 }
 
+/// Tells `link` each connection (true) and disconnection (false) of a
+/// connecting socket, until the source stops.
+async fn follow_link(
+    mut events: futures::channel::mpsc::Receiver<SocketEvent>,
+    link: watch::Sender<bool>,
+    stop: CancellationToken,
+) {
+    use futures::StreamExt;
+    loop {
+        tokio::select! {
+            event = events.next() => match event {
+                Some(SocketEvent::Connected(..)) => {
+                    link.send_replace(true);
+                }
+                Some(SocketEvent::Disconnected(_)) => {
+                    link.send_replace(false);
+                }
+                Some(_) => {}
+                None => return,
+            },
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
 impl RankSocketTask for RankTask {
     fn run(self, socket: SubSocket, stop: CancellationToken) -> impl Future<Output = ()> + Send {
         self.run_rank(socket, stop)
@@ -378,7 +423,8 @@ struct RankTask {
     rank: u32,
     /// Where the SUB binds or connects, for the logs.
     endpoint: String,
-    topic: Bytes,
+    /// The topic every message must carry; `None`: any.
+    topic: Option<Bytes>,
     replay: Option<ReplayClient>,
     events: mpsc::Sender<SourceEvent>,
     metrics: Metrics,
@@ -459,7 +505,7 @@ impl RankTask {
     fn new(
         rank: u32,
         endpoint: String,
-        topic: Bytes,
+        topic: Option<Bytes>,
         replay: Option<ReplayClient>,
         events: mpsc::Sender<SourceEvent>,
         metrics: Metrics,
@@ -691,7 +737,7 @@ impl RankTask {
     /// The message's engine sequence and payload, or `None` (counted and
     /// skipped) when its framing is wrong.
     fn parse(&self, message: ZmqMessage) -> Option<(u64, Bytes)> {
-        match parse_frames(message, &self.topic) {
+        match parse_frames(message, self.topic.as_deref()) {
             Ok(parts) => {
                 self.messages.inc();
                 Some(parts)
@@ -899,7 +945,7 @@ mod tests {
                 if let Ok(received) = timeout(Duration::from_millis(20), socket.recv()).await {
                     let mut received = received.unwrap();
                     loop {
-                        let (seq, _) = parse_frames(received, b"").unwrap();
+                        let (seq, _) = parse_frames(received, Some(b"")).unwrap();
                         if seq == last {
                             break 'subscribed;
                         }
@@ -922,7 +968,7 @@ mod tests {
             let address = self.publisher.replay_endpoint().unwrap().to_owned();
             ReplayClient::new(
                 address,
-                Bytes::new(),
+                Some(Bytes::new()),
                 timeout,
                 FetchBounds::default(),
                 TEST_MAX_MESSAGE_BYTES,
@@ -939,7 +985,7 @@ mod tests {
             let mut task = RankTask::new(
                 0,
                 self.publisher.endpoint().to_owned(),
-                Bytes::new(),
+                Some(Bytes::new()),
                 replay,
                 self.sender.clone(),
                 self.metrics.clone(),
@@ -1029,7 +1075,7 @@ mod tests {
         let a = harness.publisher.publish(payload("a")).await.unwrap();
         harness.start(Some(ReplayClient::new(
             endless.endpoint().to_owned(),
-            Bytes::new(),
+            Some(Bytes::new()),
             crate::source::replay::DEFAULT_TIMEOUT,
             bounds,
             TEST_MAX_MESSAGE_BYTES,
@@ -1067,7 +1113,7 @@ mod tests {
         harness.start_resuming(
             Some(ReplayClient::new(
                 endless.endpoint().to_owned(),
-                Bytes::new(),
+                Some(Bytes::new()),
                 crate::source::replay::DEFAULT_TIMEOUT,
                 bounds,
                 TEST_MAX_MESSAGE_BYTES,
@@ -1155,7 +1201,7 @@ mod tests {
         let timeout = Duration::from_millis(300);
         harness.start(Some(ReplayClient::new(
             address,
-            Bytes::new(),
+            Some(Bytes::new()),
             timeout,
             FetchBounds::default(),
             TEST_MAX_MESSAGE_BYTES,

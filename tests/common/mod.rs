@@ -702,3 +702,47 @@ pub fn output_within_deadline(mut child: Child) -> std::process::Output {
     }
     child.wait_with_output().expect("the child's output")
 }
+
+/// A running `kvgate index`, killed by pid when dropped.
+pub struct IndexProcess {
+    child: Child,
+    pub address: SocketAddr,
+}
+
+impl IndexProcess {
+    /// Starts `kvgate index --listen 127.0.0.1:0 <args>` and waits until it
+    /// reports its address.
+    pub fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+            .args(["index", "--log-format", "text", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("kvgate starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(address) =
+                    line.strip_prefix("kvgate: index answering Dynamo's API on http://")
+                {
+                    let _ = tx.send(address.parse::<SocketAddr>().unwrap());
+                }
+            }
+        });
+        let address = rx
+            .recv_timeout(DEADLINE)
+            .expect("kvgate index reports its address");
+        IndexProcess { child, address }
+    }
+}
+
+impl Drop for IndexProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,105 @@
+//! `kvgate index`: the registry, its one writer, the workers given by
+//! flags, and the HTTP port, wired together and run until shutdown.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::cli::IndexArgs;
+use crate::index::partition::PartitionKey;
+use crate::index::registry::{FeedSettings, Registration, Registry, RegistryLimits};
+use crate::index::writer;
+use crate::server::admin_connection::AdminLimits;
+use crate::server::index_http;
+
+/// A running index: its address, until [`Index::run`] ends it.
+pub struct Index {
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    writer: tokio::task::JoinHandle<()>,
+    limits: AdminLimits,
+}
+
+impl Index {
+    /// Binds the port and registers the workers `args` names.
+    pub async fn start(args: IndexArgs) -> anyhow::Result<Self> {
+        let (queue, inputs) = writer::queue();
+        let writer = tokio::spawn(writer::run(inputs));
+        let registry = Arc::new(Registry::new(
+            queue,
+            FeedSettings {
+                replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
+                max_message_bytes: usize::try_from(args.zmq_max_message_bytes)
+                    .unwrap_or(usize::MAX),
+            },
+            RegistryLimits {
+                max_worker_ranks: usize::try_from(args.index_max_worker_ranks)
+                    .unwrap_or(usize::MAX),
+                max_partitions: usize::try_from(args.index_max_partitions).unwrap_or(usize::MAX),
+            },
+        ));
+        if let (Some(workers), Some(model_name), Some(block_size)) =
+            (&args.workers, &args.model_name, args.block_size)
+        {
+            for worker in &workers.0 {
+                registry
+                    .register(Registration {
+                        instance_id: worker.instance_id,
+                        dp_rank: worker.dp_rank,
+                        partition: PartitionKey {
+                            model_name: model_name.clone(),
+                            routing_group: args.routing_group.clone(),
+                        },
+                        block_size,
+                        endpoint: worker.endpoint.to_string(),
+                        replay_endpoint: None,
+                    })
+                    .map_err(|refused| {
+                        crate::usage_error::UsageError(format!("--workers: {refused}"))
+                    })?;
+            }
+        }
+        let listener = TcpListener::bind(args.listen)
+            .await
+            .map_err(|error| anyhow::anyhow!("cannot listen on {}: {error}", args.listen))?;
+        Ok(Index {
+            listener,
+            registry,
+            writer,
+            limits: AdminLimits {
+                max_connections: args.http_max_connections,
+                header_timeout: Duration::from_millis(args.http_header_timeout_ms),
+                idle_timeout: Duration::from_millis(args.http_idle_timeout_ms),
+            },
+        })
+    }
+
+    /// Where the HTTP port listens.
+    pub fn address(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves until `shutdown`, then stops every feed.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        let registry = Arc::clone(&self.registry);
+        index_http::serve(self.listener, registry, self.limits, shutdown).await;
+        self.registry.stop_all();
+        drop(self.registry);
+        self.writer.abort();
+        Ok(())
+    }
+}
+
+/// Runs `kvgate index` until `shutdown`.
+pub async fn run(
+    args: IndexArgs,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let index = Index::start(args).await?;
+    crate::logging::announce(&format!(
+        "kvgate: index answering Dynamo's API on http://{}",
+        index.address()?
+    ));
+    index.run(shutdown).await
+}

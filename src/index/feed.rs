@@ -1,0 +1,241 @@
+//! One registered worker rank, followed through the sidecar's own ZMQ
+//! source (priming and gap fills from the replay endpoint included) and its
+//! converter, into the writer's queue.
+//!
+//! Invariant: a feed forwards each engine payload's converted events once,
+//! in the publisher's order, attributed to the rank the payload names (the
+//! registered rank when it names none, as Dynamo does); a publisher restart
+//! clears that rank before anything after it. A payload the converter
+//! refuses is counted and changes nothing. What the feed knows of its
+//! source is in its [`FeedStatus`], updated as it happens.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::partition::Partition;
+use super::tree::RankKey;
+use super::writer::IndexInput;
+use crate::convert::{Alignment, Converter, Tally, UnnamedGroups};
+use crate::metrics::Metrics;
+use crate::source::SourceEvent;
+use crate::source::replay::FetchBounds;
+use crate::source::zmq::ZmqSourceConfig;
+use crate::supervisor::Supervisor;
+
+/// Where one worker rank publishes.
+#[derive(Clone, Debug)]
+pub struct ZmqFeedConfig {
+    /// The engine's PUB socket for this rank.
+    pub endpoint: TcpEndpoint,
+    /// Its replay ROUTER, if it has one.
+    pub replay_endpoint: Option<TcpEndpoint>,
+    /// How long one replay request may take.
+    pub replay_timeout: Duration,
+    /// Largest message accepted from the publisher.
+    pub max_message_bytes: usize,
+}
+
+/// Where a feed is with its source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FeedPhase {
+    /// Connecting to the publisher, never connected yet (Dynamo's `pending`).
+    Connecting,
+    /// Connected; messages flow (Dynamo's `active`).
+    Connected,
+    /// Was connected; the publisher went away, the socket redials (Dynamo's
+    /// `pending`).
+    Disconnected,
+    /// The source stopped and will not come back (Dynamo's `failed`).
+    Failed,
+}
+
+impl FeedPhase {
+    /// Dynamo's name for it.
+    pub const fn dynamo_status(self) -> &'static str {
+        match self {
+            FeedPhase::Connecting | FeedPhase::Disconnected => "pending",
+            FeedPhase::Connected => "active",
+            FeedPhase::Failed => "failed",
+        }
+    }
+
+    /// kvgate's own name for it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FeedPhase::Connecting => "connecting",
+            FeedPhase::Connected => "connected",
+            FeedPhase::Disconnected => "disconnected",
+            FeedPhase::Failed => "failed",
+        }
+    }
+}
+
+/// What a feed reports.
+#[derive(Clone, Debug)]
+pub struct FeedState {
+    /// Where it is.
+    pub phase: FeedPhase,
+    /// When it entered its phase.
+    pub since: SystemTime,
+    /// Why it failed or disconnected.
+    pub error: Option<String>,
+    /// Engine payloads converted and applied.
+    pub payloads: u64,
+    /// Payloads the converter refused.
+    pub bad_payloads: u64,
+    /// Publisher restarts seen (each cleared the rank).
+    pub publisher_restarts: u64,
+    /// When the last payload arrived.
+    pub last_payload: Option<SystemTime>,
+}
+
+/// A feed's state, shared with whoever reports it.
+#[derive(Debug)]
+pub struct FeedStatus(Mutex<FeedState>);
+
+impl Default for FeedStatus {
+    fn default() -> Self {
+        FeedStatus(Mutex::new(FeedState {
+            phase: FeedPhase::Connecting,
+            since: SystemTime::now(),
+            error: None,
+            payloads: 0,
+            bad_payloads: 0,
+            publisher_restarts: 0,
+            last_payload: None,
+        }))
+    }
+}
+
+impl FeedStatus {
+    /// A copy of the state now.
+    pub fn now(&self) -> FeedState {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FeedState> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn enter(&self, phase: FeedPhase, error: Option<String>) {
+        let mut state = self.lock();
+        state.phase = phase;
+        state.since = SystemTime::now();
+        state.error = error;
+    }
+}
+
+/// Events a source may queue before its socket task waits for the feed.
+const SOURCE_QUEUE_DEPTH: usize = 256;
+
+/// Follows `config` until `stop`, feeding `writer` for the rank `key`; an
+/// endpoint kvgate cannot follow (`None`: `ipc://`, `inproc://`) fails at once.
+pub async fn run(
+    config: Option<ZmqFeedConfig>,
+    partition: Arc<Partition>,
+    key: RankKey,
+    writer: mpsc::Sender<IndexInput>,
+    status: Arc<FeedStatus>,
+    stop: CancellationToken,
+) {
+    let Some(config) = config else {
+        status.enter(
+            FeedPhase::Failed,
+            Some("only tcp:// endpoints are followed".to_owned()),
+        );
+        return;
+    };
+    let supervisor = Supervisor::new();
+    let (events_tx, mut events) = mpsc::channel(SOURCE_QUEUE_DEPTH);
+    let (ready_tx, _) = watch::channel(false);
+    let (link_tx, mut link) = watch::channel(false);
+    let source = ZmqSourceConfig {
+        endpoint: RankEndpoints::Offset(config.endpoint),
+        replay_endpoint: config.replay_endpoint.map(RankEndpoints::Offset),
+        replay_timeout: config.replay_timeout,
+        replay_bounds: FetchBounds::default(),
+        dp_size: 1,
+        topic: String::new(),
+        bind: false,
+        max_message_bytes: config.max_message_bytes,
+        resume: Default::default(),
+        // The registration names the endpoint; nothing moves it.
+        moves: Vec::new(),
+        // Dynamo's indexer takes every topic a worker publishes under.
+        any_topic: true,
+        link: Some(link_tx),
+    };
+    if let Err(error) = source
+        .start(events_tx, Metrics::default(), ready_tx, &supervisor)
+        .await
+    {
+        status.enter(FeedPhase::Failed, Some(error.to_string()));
+        return;
+    }
+    // Read as Dynamo's indexer reads a worker: partial stores kept, an
+    // unnamed group other than 0 not main attention.
+    let mut converter = Converter::with_alignment(Alignment::LeadingFullBlocks)
+        .with_unnamed_groups(UnnamedGroups::MainOnlyGroupZero);
+    let mut tally = Tally::default();
+    let failed = supervisor.failed();
+    tokio::pin!(failed);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            failure = &mut failed => {
+                status.enter(FeedPhase::Failed, Some(failure.to_string()));
+                break;
+            }
+            Ok(()) = link.changed() => {
+                if *link.borrow_and_update() {
+                    status.enter(FeedPhase::Connected, None);
+                } else {
+                    status.enter(
+                        FeedPhase::Disconnected,
+                        Some("the publisher closed the connection; redialling".to_owned()),
+                    );
+                }
+            }
+            event = events.recv() => {
+                let Some(event) = event else { break };
+                let input = match event {
+                    SourceEvent::Message(message) => {
+                        match converter.convert(0, &message.payload, &mut tally) {
+                            Ok(converted) => {
+                                let mut state = status.lock();
+                                state.payloads += 1;
+                                state.last_payload = Some(SystemTime::now());
+                                drop(state);
+                                IndexInput::Events {
+                                    partition: Arc::clone(&partition),
+                                    key: RankKey { worker: key.worker, rank: converted.dp_rank.unwrap_or(key.rank) },
+                                    events: converted.events,
+                                }
+                            }
+                            Err(_) => {
+                                status.lock().bad_payloads += 1;
+                                continue;
+                            }
+                        }
+                    }
+                    SourceEvent::PublisherRestarted { .. } => {
+                        converter.forget_rank(0);
+                        status.lock().publisher_restarts += 1;
+                        IndexInput::ClearRank { partition: Arc::clone(&partition), key }
+                    }
+                    SourceEvent::Events { .. } | SourceEvent::Resync => continue,
+                };
+                if writer.send(input).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    supervisor.stop();
+}

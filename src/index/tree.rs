@@ -1,0 +1,631 @@
+//! One partition's prefix tree: every live block of every worker rank that
+//! serves one (model, routing group), shared where their prefixes agree.
+//!
+//! Invariants:
+//! - A node is one full block reached from the root by the local hashes of
+//!   every block before it ([`super::block_hash`]): a child is found under
+//!   its parent by its own local hash, so no engine's hash function has to
+//!   be known.
+//! - Each worker rank (a [`RankKey`]) maps each engine block hash it holds to
+//!   exactly one node, and that node lists the rank as a holder with the
+//!   set of tiers it holds the block in; a holder with no tier left is
+//!   removed, and so is its engine hash.
+//! - A node with no holder and no child does not exist: removing the last
+//!   holder frees it and every ancestor left empty, so memory follows the
+//!   live blocks and nothing else.
+//! - A device-tier store is placed under its parent only if the rank holds
+//!   that parent on the device (Dynamo's tree refuses it otherwise); a
+//!   lower-tier store's parent may be held in any tier. A store whose parent
+//!   is unknown changes nothing.
+//! - A query's depth for a rank is how many blocks from the root the rank
+//!   holds on the device; each lower tier continues where the tier before it
+//!   stopped ([`Tier::WALK`]).
+
+use std::hash::BuildHasher;
+
+use rustc_hash::{FxBuildHasher, FxHashMap};
+use smallvec::SmallVec;
+
+use super::tier::Tier;
+
+/// A worker instance id, as Dynamo's registry names it.
+pub type WorkerId = u64;
+
+/// One data-parallel rank of one worker: what holds blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RankKey {
+    /// The worker instance.
+    pub worker: WorkerId,
+    /// Its data-parallel rank.
+    pub rank: u32,
+}
+
+/// The root: the empty prefix, never freed.
+const ROOT: u32 = 0;
+
+/// No node (the end of a sibling list).
+const NONE: u32 = u32::MAX;
+
+/// One block in the tree.
+#[derive(Debug)]
+struct Node {
+    parent: u32,
+    /// The first of its children ([`NONE`] for a leaf), linked through
+    /// `next` and `previous`, so a removal can reach a rank's blocks under it.
+    first_child: u32,
+    next: u32,
+    previous: u32,
+    /// This block's local hash (its key under `parent`).
+    local: u64,
+    holders: SmallVec<[Held; 1]>,
+}
+
+/// A rank that holds a node, and in which tiers.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    member: u32,
+    tiers: u8,
+}
+
+/// A rank's engine hashes and the nodes they name.
+#[derive(Debug)]
+struct Member {
+    key: RankKey,
+    blocks: FxHashMap<i64, u32>,
+}
+
+/// What a store did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreOutcome {
+    /// Every block is held (new or already held) in the store's tier.
+    Stored {
+        /// How many blocks the store named.
+        blocks: usize,
+    },
+    /// The parent is not a block this rank holds (on the device, for a
+    /// device store): nothing changed.
+    UnknownParent,
+}
+
+/// How far a rank's blocks match a query, in blocks per tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankMatch {
+    /// The rank.
+    pub key: RankKey,
+    /// Blocks matched in each tier of [`Tier::WALK`], each tier continuing
+    /// where the one before it stopped.
+    pub blocks: [u32; 4],
+}
+
+/// One live block of one rank, as a dump lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DumpedBlock {
+    /// The rank holding it.
+    pub key: RankKey,
+    /// The engine's name for it.
+    pub engine_hash: i64,
+    /// The engine hash of the block before it, as this rank holds it.
+    pub parent: Option<i64>,
+    /// Its local hash.
+    pub local_hash: u64,
+    /// The tiers the rank holds it in.
+    pub tiers: Vec<Tier>,
+}
+
+/// A rank's blocks taken out of its map ([`Tree::detach`]).
+#[derive(Debug)]
+pub struct Detached {
+    member: Option<u32>,
+    blocks: FxHashMap<i64, u32>,
+}
+
+impl Detached {
+    /// How many blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The nodes to release (built outside the tree's lock).
+    pub fn into_nodes(self) -> DetachedNodes {
+        DetachedNodes {
+            member: self.member,
+            nodes: self.blocks.into_values().collect(),
+        }
+    }
+}
+
+/// Detached nodes, released in steps by [`Tree::release_detached`].
+#[derive(Debug)]
+pub struct DetachedNodes {
+    member: Option<u32>,
+    nodes: Vec<u32>,
+}
+
+impl DetachedNodes {
+    /// Splits off the last `at_most` nodes, to release in one step.
+    pub fn split_step(&mut self, at_most: usize) -> DetachedNodes {
+        let keep = self.nodes.len().saturating_sub(at_most);
+        DetachedNodes {
+            member: self.member,
+            nodes: self.nodes.split_off(keep),
+        }
+    }
+
+    /// Whether every node was split off.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+}
+
+/// The tree (see the module's invariants).
+#[derive(Debug)]
+pub struct Tree {
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    /// Every node but the root, found by (parent, local hash): only the
+    /// node's id is kept here, its key is read from `nodes` (4 bytes an
+    /// entry instead of 24).
+    children: hashbrown::HashTable<u32>,
+    /// Hashes (parent, local hash) with a per-process random seed, so
+    /// blocks crafted to collide cannot be chosen in advance.
+    child_hasher: foldhash::fast::RandomState,
+    members: Vec<Option<Member>>,
+    free_members: Vec<u32>,
+    member_ids: FxHashMap<RankKey, u32>,
+    /// Engine hashes held, over every rank.
+    held: u64,
+}
+
+impl Default for Tree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Tree {
+    /// An empty tree.
+    pub fn new() -> Self {
+        Tree {
+            nodes: vec![Node {
+                parent: ROOT,
+                first_child: NONE,
+                next: NONE,
+                previous: NONE,
+                local: 0,
+                holders: SmallVec::new(),
+            }],
+            free_nodes: Vec::new(),
+            children: hashbrown::HashTable::new(),
+            child_hasher: foldhash::fast::RandomState::default(),
+            members: Vec::new(),
+            free_members: Vec::new(),
+            member_ids: FxHashMap::with_hasher(FxBuildHasher),
+            held: 0,
+        }
+    }
+
+    /// Blocks in the tree (not counting the root).
+    pub fn nodes(&self) -> usize {
+        self.nodes.len() - 1 - self.free_nodes.len()
+    }
+
+    /// Engine hashes held, over every rank: the live blocks.
+    pub fn held_blocks(&self) -> u64 {
+        self.held
+    }
+
+    /// The ranks holding at least one block, or once registered and not removed.
+    pub fn ranks(&self) -> impl Iterator<Item = RankKey> + '_ {
+        self.members.iter().flatten().map(|member| member.key)
+    }
+
+    /// Blocks held by `key`.
+    pub fn rank_blocks(&self, key: RankKey) -> usize {
+        self.member_ids
+            .get(&key)
+            .map_or(0, |&id| self.member(id).blocks.len())
+    }
+
+    fn member(&self, id: u32) -> &Member {
+        self.members[id as usize]
+            .as_ref()
+            .expect("member ids in use name members")
+    }
+
+    fn member_mut(&mut self, id: u32) -> &mut Member {
+        self.members[id as usize]
+            .as_mut()
+            .expect("member ids in use name members")
+    }
+
+    fn member_id(&mut self, key: RankKey) -> u32 {
+        if let Some(&id) = self.member_ids.get(&key) {
+            return id;
+        }
+        let member = Member {
+            key,
+            blocks: FxHashMap::with_hasher(FxBuildHasher),
+        };
+        let id = match self.free_members.pop() {
+            Some(id) => {
+                self.members[id as usize] = Some(member);
+                id
+            }
+            None => {
+                self.members.push(Some(member));
+                (self.members.len() - 1) as u32
+            }
+        };
+        self.member_ids.insert(key, id);
+        id
+    }
+
+    /// Stores `blocks` (engine hash, local hash), a chain under `parent`,
+    /// held by `key` in `tier`.
+    pub fn store(
+        &mut self,
+        key: RankKey,
+        parent: Option<i64>,
+        tier: Tier,
+        blocks: &[(i64, u64)],
+    ) -> StoreOutcome {
+        let member = self.member_id(key);
+        let mut current = match parent {
+            None => ROOT,
+            Some(parent) => match self.member(member).blocks.get(&parent) {
+                Some(&node)
+                    if tier != Tier::Device
+                        || self.tiers_of(node, member) & Tier::Device.bit() != 0 =>
+                {
+                    node
+                }
+                _ => return StoreOutcome::UnknownParent,
+            },
+        };
+        for &(engine_hash, local) in blocks {
+            let node = self.child(current, local);
+            self.hold(member, engine_hash, node, tier);
+            current = node;
+        }
+        StoreOutcome::Stored {
+            blocks: blocks.len(),
+        }
+    }
+
+    /// Removes `key`'s blocks `engine_hashes` from `tier`; returns how many
+    /// it held there.
+    pub fn remove(&mut self, key: RankKey, tier: Tier, engine_hashes: &[i64]) -> usize {
+        let Some(&member) = self.member_ids.get(&key) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for engine_hash in engine_hashes {
+            let Some(&node) = self.member(member).blocks.get(engine_hash) else {
+                continue;
+            };
+            let holders = &mut self.nodes[node as usize].holders;
+            let Some(at) = holders.iter().position(|held| held.member == member) else {
+                // Another engine hash of this rank named the same node and
+                // took the holder with it when it left (as Dynamo's tree does).
+                self.member_mut(member).blocks.remove(engine_hash);
+                self.held -= 1;
+                continue;
+            };
+            if holders[at].tiers & tier.bit() == 0 {
+                continue;
+            }
+            removed += 1;
+            if tier == Tier::Device {
+                // Dynamo's device tree drops the rank's blocks under it too.
+                self.drop_device_subtree(member, node);
+            }
+            self.drop_tier(member, *engine_hash, node, tier);
+        }
+        removed
+    }
+
+    /// Takes `tier` from `member`'s hold of `node` (named `engine_hash`),
+    /// forgetting the hold and freeing the node when nothing is left.
+    fn drop_tier(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
+        let holders = &mut self.nodes[node as usize].holders;
+        let Some(at) = holders.iter().position(|held| held.member == member) else {
+            return;
+        };
+        holders[at].tiers &= !tier.bit();
+        if holders[at].tiers == 0 {
+            holders.swap_remove(at);
+            self.member_mut(member).blocks.remove(&engine_hash);
+            self.held -= 1;
+            self.free_if_empty(node);
+        }
+    }
+
+    /// Takes the device tier from `member`'s holds strictly under `node`
+    /// (device holds are prefix-closed: only held children are descended).
+    fn drop_device_subtree(&mut self, member: u32, node: u32) {
+        let mut held_under = Vec::new();
+        let mut stack = vec![node];
+        while let Some(parent) = stack.pop() {
+            let mut child = self.nodes[parent as usize].first_child;
+            while child != NONE {
+                if self.tiers_of(child, member) & Tier::Device.bit() != 0 {
+                    held_under.push(child);
+                    stack.push(child);
+                }
+                child = self.nodes[child as usize].next;
+            }
+        }
+        if held_under.is_empty() {
+            return;
+        }
+        let under: rustc_hash::FxHashSet<u32> = held_under.iter().copied().collect();
+        let engine_hashes: FxHashMap<u32, i64> = self
+            .member(member)
+            .blocks
+            .iter()
+            .filter(|(_, node)| under.contains(node))
+            .map(|(&engine_hash, &node)| (node, engine_hash))
+            .collect();
+        // Leaves first, so no node is freed while a descendant is still held.
+        for &under in held_under.iter().rev() {
+            match engine_hashes.get(&under) {
+                Some(&engine_hash) => self.drop_tier(member, engine_hash, under, Tier::Device),
+                None => self.release(under, member),
+            }
+        }
+    }
+
+    /// Forgets every block `key` holds, in every tier (the engine cleared
+    /// its cache, or restarted); the rank stays known.
+    pub fn clear(&mut self, key: RankKey) -> usize {
+        let detached = self.detach(key);
+        let cleared = detached.len();
+        let nodes = detached.into_nodes();
+        self.release_detached(&nodes);
+        cleared
+    }
+
+    /// Takes `key`'s blocks out of its map at once (O(1)); the nodes still
+    /// list the rank until [`Tree::release_detached`] releases them, a
+    /// bounded number at a time, so a clear of a million blocks never holds
+    /// the tree for all of them.
+    pub fn detach(&mut self, key: RankKey) -> Detached {
+        match self.member_ids.get(&key) {
+            Some(&member) => Detached {
+                member: Some(member),
+                blocks: std::mem::take(&mut self.member_mut(member).blocks),
+            },
+            None => Detached {
+                member: None,
+                blocks: FxHashMap::default(),
+            },
+        }
+    }
+
+    /// Releases detached nodes (from [`Detached::into_nodes`]).
+    pub fn release_detached(&mut self, nodes: &DetachedNodes) {
+        let Some(member) = nodes.member else { return };
+        for &node in &nodes.nodes {
+            self.release(node, member);
+        }
+        self.held -= nodes.nodes.len() as u64;
+    }
+
+    /// Forgets `key` altogether (unregistered).
+    pub fn remove_rank(&mut self, key: RankKey) -> usize {
+        let cleared = self.clear(key);
+        if let Some(member) = self.member_ids.remove(&key) {
+            self.members[member as usize] = None;
+            self.free_members.push(member);
+        }
+        cleared
+    }
+
+    /// How far each rank's blocks match `locals` (a query's local hashes,
+    /// in order), for every rank that matches at least one block in some tier.
+    pub fn overlap(&self, locals: &[u64]) -> Vec<RankMatch> {
+        /// Past the last tier: the rank's match has ended.
+        const ENDED: usize = Tier::WALK.len();
+        let mut walking: SmallVec<[(u32, usize, [u32; 4]); 16]> = SmallVec::new();
+        let mut current = ROOT;
+        for (depth, local) in locals.iter().enumerate() {
+            let Some(node) = self.find_child(current, *local) else {
+                break;
+            };
+            let holders = &self.nodes[node as usize].holders;
+            if depth == 0 {
+                walking.extend(holders.iter().map(|held| (held.member, 0, [0; 4])));
+            }
+            let mut any = false;
+            for (member, phase, blocks) in walking.iter_mut().filter(|(_, phase, _)| *phase < ENDED)
+            {
+                let tiers = holders
+                    .iter()
+                    .find(|held| held.member == *member)
+                    .map_or(0, |held| held.tiers);
+                while *phase < ENDED && tiers & (1 << *phase) == 0 {
+                    *phase += 1;
+                }
+                if *phase < ENDED {
+                    blocks[*phase] += 1;
+                    any = true;
+                }
+            }
+            if !any {
+                break;
+            }
+            current = node;
+        }
+        walking
+            .into_iter()
+            .filter(|(_, _, blocks)| blocks.iter().any(|&count| count > 0))
+            .map(|(member, _, blocks)| RankMatch {
+                key: self.member(member).key,
+                blocks,
+            })
+            .collect()
+    }
+
+    /// Every live block of every rank, each rank's blocks parents first.
+    pub fn dump(&self) -> Vec<DumpedBlock> {
+        let mut dumped = Vec::new();
+        let mut ranks: Vec<(RankKey, u32)> = self
+            .member_ids
+            .iter()
+            .map(|(&key, &id)| (key, id))
+            .collect();
+        ranks.sort_unstable();
+        for (key, member) in ranks {
+            let blocks = &self.member(member).blocks;
+            let engine_hash_of: FxHashMap<u32, i64> = blocks
+                .iter()
+                .map(|(&engine, &node)| (node, engine))
+                .collect();
+            let mut rows: Vec<(u32, i64, u32)> = blocks
+                .iter()
+                .map(|(&engine, &node)| (self.depth(node), engine, node))
+                .collect();
+            rows.sort_unstable();
+            for (_, engine_hash, node) in rows {
+                let parent_node = self.nodes[node as usize].parent;
+                let tiers = self.tiers_of(node, member);
+                dumped.push(DumpedBlock {
+                    key,
+                    engine_hash,
+                    parent: engine_hash_of.get(&parent_node).copied(),
+                    local_hash: self.nodes[node as usize].local,
+                    tiers: Tier::WALK
+                        .into_iter()
+                        .filter(|tier| tiers & tier.bit() != 0)
+                        .collect(),
+                });
+            }
+        }
+        dumped
+    }
+
+    fn depth(&self, mut node: u32) -> u32 {
+        let mut depth = 0;
+        while node != ROOT {
+            node = self.nodes[node as usize].parent;
+            depth += 1;
+        }
+        depth
+    }
+
+    fn tiers_of(&self, node: u32, member: u32) -> u8 {
+        self.nodes[node as usize]
+            .holders
+            .iter()
+            .find(|held| held.member == member)
+            .map_or(0, |held| held.tiers)
+    }
+
+    /// The child of `parent` with `local`, if the tree has it.
+    fn find_child(&self, parent: u32, local: u64) -> Option<u32> {
+        let hash = self.child_hasher.hash_one((parent, local));
+        self.children
+            .find(hash, |&id| {
+                let node = &self.nodes[id as usize];
+                node.parent == parent && node.local == local
+            })
+            .copied()
+    }
+
+    /// The child of `parent` with `local`, made if missing.
+    fn child(&mut self, parent: u32, local: u64) -> u32 {
+        if let Some(node) = self.find_child(parent, local) {
+            return node;
+        }
+        let next = self.nodes[parent as usize].first_child;
+        let node = Node {
+            parent,
+            first_child: NONE,
+            next,
+            previous: NONE,
+            local,
+            holders: SmallVec::new(),
+        };
+        let id = match self.free_nodes.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        if next != NONE {
+            self.nodes[next as usize].previous = id;
+        }
+        self.nodes[parent as usize].first_child = id;
+        let hash = self.child_hasher.hash_one((parent, local));
+        let (nodes, hasher) = (&self.nodes, &self.child_hasher);
+        self.children.insert_unique(hash, id, |&id| {
+            let node = &nodes[id as usize];
+            hasher.hash_one((node.parent, node.local))
+        });
+        id
+    }
+
+    /// Makes `member` hold `node` in `tier` under `engine_hash`; a hash that
+    /// named another node leaves it (after the new one is held, so the
+    /// freeing of the old one cannot reach the new one).
+    fn hold(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
+        let holders = &mut self.nodes[node as usize].holders;
+        match holders.iter_mut().find(|held| held.member == member) {
+            Some(held) => held.tiers |= tier.bit(),
+            None => holders.push(Held {
+                member,
+                tiers: tier.bit(),
+            }),
+        }
+        match self.member_mut(member).blocks.insert(engine_hash, node) {
+            None => self.held += 1,
+            Some(old) if old != node => self.release(old, member),
+            Some(_) => {}
+        }
+    }
+
+    /// Drops `member` from `node`'s holders (every tier), freeing what is left empty.
+    fn release(&mut self, node: u32, member: u32) {
+        let holders = &mut self.nodes[node as usize].holders;
+        if let Some(at) = holders.iter().position(|held| held.member == member) {
+            holders.swap_remove(at);
+        }
+        self.free_if_empty(node);
+    }
+
+    /// Frees `node` and then each ancestor while it has no holder and no child.
+    fn free_if_empty(&mut self, mut node: u32) {
+        while node != ROOT {
+            let empty = &self.nodes[node as usize];
+            if !empty.holders.is_empty() || empty.first_child != NONE {
+                return;
+            }
+            let (parent, local, next, previous) =
+                (empty.parent, empty.local, empty.next, empty.previous);
+            let hash = self.child_hasher.hash_one((parent, local));
+            if let Ok(entry) = self.children.find_entry(hash, |&id| id == node) {
+                entry.remove();
+            }
+            if previous == NONE {
+                self.nodes[parent as usize].first_child = next;
+            } else {
+                self.nodes[previous as usize].next = next;
+            }
+            if next != NONE {
+                self.nodes[next as usize].previous = previous;
+            }
+            self.nodes[node as usize].holders = SmallVec::new();
+            self.free_nodes.push(node);
+            node = parent;
+        }
+    }
+}

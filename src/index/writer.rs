@@ -1,0 +1,210 @@
+//! The one writer: applies every worker's converted events to its
+//! partition's tree, in each rank's order.
+//!
+//! Invariant: the writer is the only task that changes a tree, and it holds
+//! a tree's write lock for one bounded step at a time: at most
+//! [`MAX_BLOCKS_PER_STEP`] blocks of a store (a longer store is applied as a
+//! chain of steps, each under the last block of the one before), of a
+//! removal, or of a clear (a rank's blocks are taken out of its map in one
+//! step and their nodes released in steps). A device removal also takes the
+//! rank's device blocks under the removed one in the same step.
+//! Its input queue is bounded, so a worker's feed waits for it rather than
+//! growing memory.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use super::block_hash::HashSeed;
+use super::partition::{Dropped, Partition};
+use super::tier::Tier;
+use super::tree::{RankKey, StoreOutcome};
+use crate::proto::common::kv_block_extra_key::Key;
+use crate::proto::common::{KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
+
+/// The most blocks one step of a store applies under the lock.
+pub const MAX_BLOCKS_PER_STEP: usize = 256;
+
+/// Events in the writer's queue before a feed waits.
+pub const QUEUE_DEPTH: usize = 1024;
+
+/// What the writer is asked to do.
+#[derive(Debug)]
+pub enum IndexInput {
+    /// One engine payload's converted events, for one rank.
+    Events {
+        partition: Arc<Partition>,
+        key: RankKey,
+        events: Vec<KvCacheEvent>,
+    },
+    /// The rank's publisher restarted (or its source resynchronises): its
+    /// cache is void.
+    ClearRank {
+        partition: Arc<Partition>,
+        key: RankKey,
+    },
+    /// The rank was unregistered.
+    RemoveRank {
+        partition: Arc<Partition>,
+        key: RankKey,
+    },
+}
+
+/// The writer's end of the queue, and a handle to send to it.
+pub fn queue() -> (mpsc::Sender<IndexInput>, mpsc::Receiver<IndexInput>) {
+    mpsc::channel(QUEUE_DEPTH)
+}
+
+/// Applies everything the queue brings until every sender is gone.
+pub async fn run(mut inputs: mpsc::Receiver<IndexInput>) {
+    while let Some(input) = inputs.recv().await {
+        apply(input);
+        // A long queue is applied without starving the runtime's other tasks.
+        tokio::task::consume_budget().await;
+    }
+}
+
+/// Applies one input.
+pub fn apply(input: IndexInput) {
+    match input {
+        IndexInput::Events {
+            partition,
+            key,
+            events,
+        } => {
+            for event in &events {
+                apply_event(&partition, key, event);
+            }
+        }
+        IndexInput::ClearRank { partition, key } => clear_in_steps(&partition, key),
+        IndexInput::RemoveRank { partition, key } => {
+            clear_in_steps(&partition, key);
+            partition.write().remove_rank(key);
+        }
+    }
+}
+
+/// Media as Dynamo's indexer spells them (exact case); the converter also
+/// takes other cases, which Dynamo drops.
+const DYNAMO_MEDIA: [&str; 13] = [
+    "GPU",
+    "DEVICE",
+    "CPU",
+    "CPU_PINNED",
+    "CPU_TIER1",
+    "CPU_TIER2",
+    "DISK",
+    "NVME",
+    "STORAGE",
+    "EXTERNAL",
+    "NETWORK",
+    "REMOTE",
+    "SHARED",
+];
+
+/// The prefix Dynamo's vLLM integration tags a cache salt with in a block's
+/// extra keys.
+const SALT_TAG: &str = "dynamo-cache-salt:";
+
+fn dynamo_medium(medium: Option<&str>) -> bool {
+    medium.is_none_or(|medium| DYNAMO_MEDIA.contains(&medium))
+}
+
+/// The salt Dynamo hashes a store with: the event's own `cache_salt`, else a
+/// tagged string in the first block's extra keys (one string equal to the
+/// LoRA name skipped). The converter also takes an untagged string from the
+/// extra keys as the salt; Dynamo does not, so such a salt is not used.
+fn dynamo_salt(stored: &KvBlocksStored) -> Option<&str> {
+    let texts = || {
+        stored
+            .blocks
+            .first()
+            .into_iter()
+            .flat_map(|block| &block.extra_keys)
+            .filter_map(|key| match &key.key {
+                Some(Key::Text(text)) => Some(text.as_str()),
+                _ => None,
+            })
+    };
+    let salt = stored.cache_salt.as_deref().filter(|salt| !salt.is_empty());
+    if let Some(salt) = salt
+        && !texts().any(|text| text == salt)
+    {
+        return Some(salt);
+    }
+    let mut lora_skipped = false;
+    texts().find_map(|text| {
+        if !lora_skipped && stored.lora_name.as_deref() == Some(text) {
+            lora_skipped = true;
+            return None;
+        }
+        text.strip_prefix(SALT_TAG)
+    })
+}
+
+fn apply_event(partition: &Partition, key: RankKey, event: &KvCacheEvent) {
+    partition.count_event();
+    match &event.data {
+        Some(Data::Stored(stored)) if !dynamo_medium(stored.medium.as_deref()) => {
+            partition.count_dropped(Dropped::UnknownMedium);
+        }
+        Some(Data::Removed(removed)) if !dynamo_medium(removed.medium.as_deref()) => {
+            partition.count_dropped(Dropped::UnknownMedium);
+        }
+        Some(Data::Stored(stored)) => {
+            if let Err(reason) = apply_store(partition, key, stored) {
+                partition.count_dropped(reason);
+            }
+        }
+        Some(Data::Removed(removed)) => {
+            let tier = Tier::from_proto(removed.tier);
+            for step in removed.block_hashes.chunks(MAX_BLOCKS_PER_STEP) {
+                partition.write().remove(key, tier, step);
+            }
+        }
+        Some(Data::Cleared(_)) => clear_in_steps(partition, key),
+        None => {}
+    }
+}
+
+/// Forgets `key`'s blocks: taken out of its map in one step, their nodes
+/// released [`MAX_BLOCKS_PER_STEP`] at a time.
+fn clear_in_steps(partition: &Partition, key: RankKey) {
+    let detached = partition.write().detach(key);
+    let mut nodes = detached.into_nodes();
+    while !nodes.is_empty() {
+        let step = nodes.split_step(MAX_BLOCKS_PER_STEP);
+        partition.write().release_detached(&step);
+    }
+}
+
+fn apply_store(
+    partition: &Partition,
+    key: RankKey,
+    stored: &KvBlocksStored,
+) -> Result<(), Dropped> {
+    let block_size = partition.block_size();
+    if stored.blocks.iter().any(|block| {
+        u32::try_from(block.block_size).ok() != Some(block_size)
+            || block.token_ids.len() != block_size as usize
+    }) {
+        return Err(Dropped::BlockSizeMismatch);
+    }
+    let seed = HashSeed::new(stored.lora_name.as_deref(), dynamo_salt(stored));
+    let tier = Tier::from_proto(stored.tier);
+    let mut parent = stored.parent_block_hash;
+    let mut step = Vec::with_capacity(stored.blocks.len().min(MAX_BLOCKS_PER_STEP));
+    for blocks in stored.blocks.chunks(MAX_BLOCKS_PER_STEP) {
+        step.clear();
+        step.extend(
+            blocks
+                .iter()
+                .map(|block| (block.block_hash, seed.block(&block.token_ids))),
+        );
+        if partition.write().store(key, parent, tier, &step) == StoreOutcome::UnknownParent {
+            return Err(Dropped::UnknownParent);
+        }
+        parent = step.last().map(|&(engine_hash, _)| engine_hash);
+    }
+    Ok(())
+}

@@ -1,0 +1,585 @@
+//! `kvgate index`'s HTTP port: Dynamo's standalone indexer API, drop-in
+//! (`/health`, `/metrics`, `/register`, `/unregister`, `/workers`, `/query`,
+//! `/query_by_hash`, `/dump`), held to the admin port's connection bounds.
+//!
+//! Invariants: request and answer bodies carry Dynamo's field names, types
+//! and status codes (201 on register, 409 for a conflicting registration,
+//! 404 for an unknown partition or instance, axum's 400/415/422 for a body
+//! that is not the expected JSON, 413 above the body limit); kvgate's own
+//! additions are only ever new keys (`kvgate` in a listener) or new status
+//! codes for what Dynamo has no limit for (503 naming the limit). A query
+//! reads its partition's tree for the walk only; its answer is built and
+//! written after the lock is let go.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+use super::admin_connection::{self, AdminLimits};
+use crate::index::block_hash::HashSeed;
+use crate::index::feed::FeedPhase;
+use crate::index::overlap::{Overlap, WorkerOverlap};
+use crate::index::partition::{Dropped, PartitionKey};
+use crate::index::registry::{
+    DEFAULT_ROUTING_GROUP, RegisterError, Registration, Registry, Unregistration, WorkerReport,
+};
+use crate::index::tier::Tier;
+use crate::index::tree::WorkerId;
+use crate::metrics::Metrics;
+
+/// Dynamo's limit on a `/query` body: a million tokens as JSON text.
+pub const QUERY_BODY_LIMIT_BYTES: usize = 8 * 1024 * 1024;
+
+/// Serves the index's API on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    limits: AdminLimits,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    admin_connection::serve(
+        listener,
+        router(registry),
+        limits,
+        Metrics::default(),
+        shutdown,
+    )
+    .await;
+}
+
+/// The routes.
+pub fn router(registry: Arc<Registry>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/register", post(register))
+        .route("/unregister", post(unregister))
+        .route("/workers", get(workers))
+        .route(
+            "/query",
+            post(query).layer(DefaultBodyLimit::max(QUERY_BODY_LIMIT_BYTES)),
+        )
+        .route("/query_by_hash", post(query_by_hash))
+        .route("/dump", get(dump))
+        .with_state(registry)
+}
+
+fn default_routing_group() -> String {
+    DEFAULT_ROUTING_GROUP.to_owned()
+}
+
+#[derive(Deserialize)]
+struct RegisterRequest {
+    instance_id: WorkerId,
+    endpoint: String,
+    model_name: String,
+    #[serde(default = "default_routing_group")]
+    routing_group: String,
+    /// Dynamo's old name, read (a `null` is refused) and ignored.
+    #[serde(default = "default_routing_group", rename = "tenant_id")]
+    _tenant_id: String,
+    block_size: u32,
+    #[serde(default)]
+    dp_rank: Option<u32>,
+    #[serde(default)]
+    replay_endpoint: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct UnregisterRequest {
+    instance_id: WorkerId,
+    model_name: String,
+    #[serde(default)]
+    routing_group: Option<String>,
+    #[serde(default)]
+    dp_rank: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct WorkersFilter {
+    model_name: Option<String>,
+    routing_group: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct QueryRequest {
+    token_ids: Vec<u32>,
+    model_name: String,
+    #[serde(default = "default_routing_group")]
+    routing_group: String,
+    #[serde(default = "default_routing_group", rename = "tenant_id")]
+    _tenant_id: String,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct QueryByHashRequest {
+    block_hashes: Vec<i64>,
+    model_name: String,
+    #[serde(default = "default_routing_group")]
+    routing_group: String,
+    #[serde(default = "default_routing_group", rename = "tenant_id")]
+    _tenant_id: String,
+    #[serde(default)]
+    cache_salt: Option<String>,
+}
+
+fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
+    (status, Json(json!({"error": message.to_string()}))).into_response()
+}
+
+fn ok(status: StatusCode) -> Response {
+    (status, Json(json!({"status": "ok"}))).into_response()
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn register(
+    State(registry): State<Arc<Registry>>,
+    Json(request): Json<RegisterRequest>,
+) -> Response {
+    let registration = Registration {
+        instance_id: request.instance_id,
+        dp_rank: request.dp_rank.unwrap_or(0),
+        partition: PartitionKey {
+            model_name: request.model_name,
+            routing_group: request.routing_group,
+        },
+        block_size: request.block_size,
+        endpoint: request.endpoint,
+        replay_endpoint: request.replay_endpoint,
+    };
+    match registry.register(registration) {
+        Ok(()) => ok(StatusCode::CREATED),
+        Err(refused) => {
+            let status = match refused {
+                RegisterError::OtherPartition { .. }
+                | RegisterError::DuplicateRank { .. }
+                | RegisterError::BlockSizeMismatch { .. } => StatusCode::CONFLICT,
+                RegisterError::BadEndpoint(_) => StatusCode::BAD_REQUEST,
+                RegisterError::TooManyWorkerRanks(_) | RegisterError::TooManyPartitions(_) => {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            };
+            error(status, refused)
+        }
+    }
+}
+
+async fn unregister(
+    State(registry): State<Arc<Registry>>,
+    Json(request): Json<UnregisterRequest>,
+) -> Response {
+    let which = match (request.routing_group, request.dp_rank) {
+        (Some(routing_group), Some(dp_rank)) => Unregistration::Rank {
+            partition: PartitionKey {
+                model_name: request.model_name,
+                routing_group,
+            },
+            dp_rank,
+        },
+        (Some(routing_group), None) => Unregistration::Worker {
+            partition: PartitionKey {
+                model_name: request.model_name,
+                routing_group,
+            },
+        },
+        (None, _) => Unregistration::Model {
+            model_name: request.model_name,
+        },
+    };
+    match registry.unregister(request.instance_id, which).await {
+        Ok(()) => ok(StatusCode::OK),
+        Err(not_found) => error(StatusCode::NOT_FOUND, not_found),
+    }
+}
+
+#[derive(Serialize)]
+struct WorkerInfo {
+    instance_id: WorkerId,
+    source: &'static str,
+    status: &'static str,
+    model_name: String,
+    routing_group: String,
+    block_size: u32,
+    endpoints: BTreeMap<String, String>,
+    listeners: BTreeMap<String, ListenerInfo>,
+}
+
+#[derive(Serialize)]
+struct ListenerInfo {
+    endpoint: String,
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_error: Option<String>,
+    /// kvgate's own account of the source.
+    kvgate: ListenerDetail,
+}
+
+#[derive(Serialize)]
+struct ListenerDetail {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay_endpoint: Option<String>,
+    /// `connecting`, `connected`, `disconnected` or `failed`.
+    state: &'static str,
+    /// When the listener entered its state (Unix seconds).
+    since: f64,
+    /// Why it failed or disconnected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    payloads: u64,
+    bad_payloads: u64,
+    publisher_restarts: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_payload: Option<f64>,
+}
+
+fn unix_seconds(time: SystemTime) -> f64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |since| since.as_secs_f64())
+}
+
+fn worker_info(worker: WorkerReport) -> WorkerInfo {
+    let phases: Vec<&'static str> = worker
+        .ranks
+        .values()
+        .map(|rank| rank.feed.phase.dynamo_status())
+        .collect();
+    // Dynamo's aggregate: failed over pending over active.
+    let status = ["failed", "pending", "active"]
+        .into_iter()
+        .find(|status| phases.contains(status))
+        .unwrap_or("paused");
+    WorkerInfo {
+        instance_id: worker.instance_id,
+        source: "zmq",
+        status,
+        model_name: worker.partition.model_name,
+        routing_group: worker.partition.routing_group,
+        block_size: worker.block_size,
+        endpoints: worker
+            .ranks
+            .iter()
+            .map(|(rank, report)| (rank.to_string(), report.endpoint.clone()))
+            .collect(),
+        listeners: worker
+            .ranks
+            .into_iter()
+            .map(|(rank, report)| {
+                let feed = report.feed;
+                (
+                    rank.to_string(),
+                    ListenerInfo {
+                        endpoint: report.endpoint,
+                        status: feed.phase.dynamo_status(),
+                        last_error: feed
+                            .error
+                            .clone()
+                            .filter(|_| feed.phase == FeedPhase::Failed),
+                        kvgate: ListenerDetail {
+                            replay_endpoint: report.replay_endpoint,
+                            state: feed.phase.as_str(),
+                            since: unix_seconds(feed.since),
+                            reason: feed.error,
+                            payloads: feed.payloads,
+                            bad_payloads: feed.bad_payloads,
+                            publisher_restarts: feed.publisher_restarts,
+                            last_payload: feed.last_payload.map(unix_seconds),
+                        },
+                    },
+                )
+            })
+            .collect(),
+    }
+}
+
+async fn workers(
+    State(registry): State<Arc<Registry>>,
+    Query(filter): Query<WorkersFilter>,
+) -> Json<Vec<WorkerInfo>> {
+    Json(
+        registry
+            .workers(
+                filter.model_name.as_deref(),
+                filter.routing_group.as_deref(),
+            )
+            .into_iter()
+            .map(worker_info)
+            .collect(),
+    )
+}
+
+#[derive(Serialize)]
+struct ScoreResponse {
+    scores: BTreeMap<String, BTreeMap<String, u32>>,
+    frequencies: Vec<usize>,
+    instances: BTreeMap<String, InstanceSummary>,
+}
+
+#[derive(Serialize)]
+struct InstanceSummary {
+    longest_matched: u32,
+    gpu: u32,
+    dp: BTreeMap<String, u32>,
+    cpu: u32,
+    disk: u32,
+}
+
+fn score_response(overlap: Overlap) -> ScoreResponse {
+    let strings = |ranks: BTreeMap<u32, u32>| -> BTreeMap<String, u32> {
+        ranks
+            .into_iter()
+            .map(|(rank, tokens)| (rank.to_string(), tokens))
+            .collect()
+    };
+    ScoreResponse {
+        scores: overlap
+            .scores
+            .into_iter()
+            .map(|(worker, ranks)| (worker.to_string(), strings(ranks)))
+            .collect(),
+        frequencies: Vec::new(),
+        instances: overlap
+            .instances
+            .into_iter()
+            .map(|(worker, summary): (WorkerId, WorkerOverlap)| {
+                (
+                    worker.to_string(),
+                    InstanceSummary {
+                        longest_matched: summary.longest_matched,
+                        gpu: summary.gpu,
+                        dp: strings(summary.dp),
+                        cpu: summary.cpu,
+                        disk: summary.disk,
+                    },
+                )
+            })
+            .collect(),
+    }
+}
+
+fn no_partition(key: &PartitionKey) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        format_args!(
+            "no indexer for model={} routing_group={}",
+            key.model_name, key.routing_group
+        ),
+    )
+}
+
+/// Answers for `locals` in the partition `key` names.
+fn answer(
+    registry: &Registry,
+    key: &PartitionKey,
+    locals: impl FnOnce(u32) -> Vec<u64>,
+) -> Response {
+    let Some(partition) = registry.partition(key) else {
+        return no_partition(key);
+    };
+    let locals = locals(partition.block_size());
+    let matches = partition.overlap(&locals);
+    Json(score_response(Overlap::new(
+        &matches,
+        partition.block_size(),
+    )))
+    .into_response()
+}
+
+async fn query(
+    State(registry): State<Arc<Registry>>,
+    Json(request): Json<QueryRequest>,
+) -> Response {
+    let key = PartitionKey {
+        model_name: request.model_name,
+        routing_group: request.routing_group,
+    };
+    let seed = HashSeed::new(request.lora_name.as_deref(), request.cache_salt.as_deref());
+    answer(&registry, &key, |block_size| {
+        seed.blocks(&request.token_ids, block_size)
+    })
+}
+
+async fn query_by_hash(
+    State(registry): State<Arc<Registry>>,
+    Json(request): Json<QueryByHashRequest>,
+) -> Response {
+    if request.cache_salt.is_some() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended cache salt",
+        );
+    }
+    let key = PartitionKey {
+        model_name: request.model_name,
+        routing_group: request.routing_group,
+    };
+    answer(&registry, &key, |_| {
+        request
+            .block_hashes
+            .iter()
+            .map(|&hash| hash as u64)
+            .collect()
+    })
+}
+
+/// Every partition's live blocks as Dynamo's dump lists them: one stored
+/// event per block and rank, parents first.
+async fn dump(State(registry): State<Arc<Registry>>) -> Json<serde_json::Value> {
+    let mut partitions = serde_json::Map::new();
+    for partition in registry.partitions() {
+        let blocks = partition.read().dump();
+        let events: Vec<serde_json::Value> = blocks
+            .into_iter()
+            .flat_map(|block| {
+                block
+                    .tiers
+                    .clone()
+                    .into_iter()
+                    .map(move |tier| (tier, block.clone()))
+            })
+            .enumerate()
+            .map(|(event_id, (tier, block))| {
+                json!({
+                    "worker_id": block.key.worker,
+                    "storage_tier": storage_tier(tier),
+                    "residency_domain": "worker",
+                    "event": {
+                        "event_id": event_id,
+                        "dp_rank": block.key.rank,
+                        "data": {"stored": {
+                            "parent_hash": block.parent.map(|hash| hash as u64),
+                            "start_position": null,
+                            "blocks": [{
+                                "block_hash": block.engine_hash as u64,
+                                "tokens_hash": block.local_hash,
+                                "mm_extra_info": null,
+                            }],
+                        }},
+                    },
+                })
+            })
+            .collect();
+        partitions.insert(
+            partition.key().to_string(),
+            json!({"block_size": partition.block_size(), "events": events}),
+        );
+    }
+    Json(serde_json::Value::Object(partitions))
+}
+
+fn storage_tier(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Device => "device",
+        Tier::Host => "host_pinned",
+        Tier::Disk => "disk",
+        Tier::External => "external",
+    }
+}
+
+/// The index's own series, in the Prometheus text format.
+async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
+    let partitions = registry.partitions();
+    let workers = registry.workers(None, None);
+    let mut text = String::new();
+    let mut family = |name: &str, kind: &str, help: &str| {
+        let _ = writeln!(
+            text,
+            "# HELP kvgate_index_{name} {help}\n# TYPE kvgate_index_{name} {kind}"
+        );
+    };
+    family("partitions", "gauge", "(model, routing group) partitions");
+    family(
+        "worker_ranks",
+        "gauge",
+        "Registered worker ranks, by listener status",
+    );
+    family(
+        "blocks",
+        "gauge",
+        "Live blocks held, over every rank, per partition",
+    );
+    family(
+        "nodes",
+        "gauge",
+        "Distinct prefix blocks in the tree, per partition",
+    );
+    family(
+        "events_total",
+        "counter",
+        "Converted events applied, per partition",
+    );
+    family(
+        "events_dropped_total",
+        "counter",
+        "Stores set aside, per partition and reason",
+    );
+    let _ = writeln!(text, "kvgate_index_partitions {}", partitions.len());
+    for status in ["pending", "active", "failed"] {
+        let count = workers
+            .iter()
+            .flat_map(|worker| worker.ranks.values())
+            .filter(|rank| rank.feed.phase.dynamo_status() == status)
+            .count();
+        let _ = writeln!(
+            text,
+            "kvgate_index_worker_ranks{{status=\"{status}\"}} {count}"
+        );
+    }
+    for partition in &partitions {
+        let labels = format!(
+            "model_name=\"{}\",routing_group=\"{}\"",
+            escape(&partition.key().model_name),
+            escape(&partition.key().routing_group)
+        );
+        let (blocks, nodes) = {
+            let tree = partition.read();
+            (tree.held_blocks(), tree.nodes())
+        };
+        let _ = writeln!(text, "kvgate_index_blocks{{{labels}}} {blocks}");
+        let _ = writeln!(text, "kvgate_index_nodes{{{labels}}} {nodes}");
+        let _ = writeln!(
+            text,
+            "kvgate_index_events_total{{{labels}}} {}",
+            partition.events()
+        );
+        for reason in Dropped::ALL {
+            let _ = writeln!(
+                text,
+                "kvgate_index_events_dropped_total{{{labels},reason=\"{}\"}} {}",
+                reason.as_str(),
+                partition.dropped(reason)
+            );
+        }
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+}
+
+/// A label value as the text format writes it.
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}

@@ -1,0 +1,519 @@
+//! `kvgate index` end to end: the real binary, real ZMQ publishers on
+//! loopback, and Dynamo's HTTP API spoken over raw sockets.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use bytes::Bytes;
+use common::{DEADLINE, IndexProcess};
+use kvgate_sim::{EnginePublisher, PublisherOptions};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// One HTTP/1.0 request: (status, body).
+async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {address}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    // A refused body may be answered before it is all sent.
+    let _ = stream.write_all(body).await;
+    let mut response = Vec::new();
+    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut response))
+        .await
+        .expect("an answer before the deadline")
+        .unwrap();
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = response.split_once("\r\n\r\n").expect("headers end");
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, body.to_owned())
+}
+
+async fn post(address: SocketAddr, path: &str, body: Value) -> (u16, Value) {
+    let (status, body) = request(address, "POST", path, body.to_string().as_bytes()).await;
+    (
+        status,
+        serde_json::from_str(&body).unwrap_or(Value::String(body)),
+    )
+}
+
+async fn get(address: SocketAddr, path: &str) -> (u16, Value) {
+    let (status, body) = request(address, "GET", path, b"").await;
+    (
+        status,
+        serde_json::from_str(&body).unwrap_or(Value::String(body)),
+    )
+}
+
+/// A vLLM `BlockStored` payload (map form) in `medium`, on `rank`.
+fn stored_payload(
+    hashes: &[i64],
+    parent: Option<i64>,
+    tokens: &[u32],
+    block_size: u32,
+    medium: &str,
+    rank: u32,
+) -> Bytes {
+    use rmp::encode::*;
+    let mut out = Vec::new();
+    write_array_len(&mut out, 3).unwrap();
+    write_f64(&mut out, 1.0).unwrap();
+    write_array_len(&mut out, 1).unwrap();
+    write_map_len(&mut out, 7).unwrap();
+    write_str(&mut out, "type").unwrap();
+    write_str(&mut out, "BlockStored").unwrap();
+    write_str(&mut out, "block_hashes").unwrap();
+    write_array_len(&mut out, hashes.len() as u32).unwrap();
+    for &hash in hashes {
+        write_sint(&mut out, hash).unwrap();
+    }
+    write_str(&mut out, "parent_block_hash").unwrap();
+    match parent {
+        Some(parent) => write_sint(&mut out, parent).map(|_| ()).unwrap(),
+        None => write_nil(&mut out).unwrap(),
+    }
+    write_str(&mut out, "token_ids").unwrap();
+    write_array_len(&mut out, tokens.len() as u32).unwrap();
+    for &token in tokens {
+        write_uint(&mut out, token.into()).unwrap();
+    }
+    write_str(&mut out, "block_size").unwrap();
+    write_uint(&mut out, block_size.into()).unwrap();
+    write_str(&mut out, "lora_id").unwrap();
+    write_nil(&mut out).unwrap();
+    write_str(&mut out, "medium").unwrap();
+    write_str(&mut out, medium).unwrap();
+    write_uint(&mut out, rank.into()).unwrap();
+    out.into()
+}
+
+async fn publisher() -> EnginePublisher {
+    let options = PublisherOptions {
+        replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
+        ..PublisherOptions::default()
+    };
+    EnginePublisher::bind("tcp://127.0.0.1:0", &options)
+        .await
+        .unwrap()
+}
+
+/// Publishes a harmless removal until `path` answers `expected` (ZMQ's late
+/// joiner may miss the first messages; the replay endpoint fills the hole
+/// once a later message shows it).
+async fn publish_until(
+    publisher: &mut EnginePublisher,
+    address: SocketAddr,
+    query: Value,
+    expected: &Value,
+) {
+    let started = Instant::now();
+    loop {
+        let (status, answer) = post(address, "/query", query.clone()).await;
+        if status == 200 && &answer == expected {
+            return;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the index answered {status} {answer}, not {expected}"
+        );
+        publisher
+            .publish(common::removed_payload(&[-12345], 0))
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+fn register(instance_id: u64, publisher: &EnginePublisher, block_size: u32) -> Value {
+    json!({
+        "instance_id": instance_id,
+        "endpoint": publisher.endpoint(),
+        "replay_endpoint": publisher.replay_endpoint(),
+        "model_name": "m",
+        "block_size": block_size,
+    })
+}
+
+#[tokio::test]
+async fn a_registered_worker_is_answered_for_with_dynamos_scores_and_tiers() {
+    let index = IndexProcess::start(&[]);
+    let mut publisher = publisher().await;
+    let (status, answer) = post(index.address, "/register", register(1, &publisher, 2)).await;
+    assert_eq!((status, answer), (201, json!({"status": "ok"})));
+
+    let tokens: Vec<u32> = (0..10).collect();
+    publisher
+        .publish(stored_payload(
+            &[11, 12, 13],
+            None,
+            &tokens[..6],
+            2,
+            "GPU",
+            0,
+        ))
+        .await
+        .unwrap();
+    publisher
+        .publish(stored_payload(&[14], Some(13), &tokens[6..8], 2, "CPU", 0))
+        .await
+        .unwrap();
+    let query = json!({"token_ids": tokens, "model_name": "m"});
+    let expected = json!({
+        "scores": {"1": {"0": 6}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 8, "gpu": 6, "dp": {"0": 6}, "cpu": 8, "disk": 8}},
+    });
+    publish_until(&mut publisher, index.address, query, &expected).await;
+
+    let (status, workers) = get(index.address, "/workers").await;
+    assert_eq!(status, 200);
+    assert_eq!(workers[0]["instance_id"], 1);
+    assert_eq!(workers[0]["status"], "active");
+    assert_eq!(workers[0]["endpoints"]["0"], publisher.endpoint());
+    assert_eq!(workers[0]["listeners"]["0"]["status"], "active");
+
+    // Removed from the device: the host copy no longer continues anything.
+    publisher
+        .publish(common::removed_payload(&[12], 0))
+        .await
+        .unwrap();
+    let expected = json!({
+        "scores": {"1": {"0": 2}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 2, "gpu": 2, "dp": {"0": 2}, "cpu": 2, "disk": 2}},
+    });
+    publish_until(
+        &mut publisher,
+        index.address,
+        json!({"token_ids": tokens, "model_name": "m"}),
+        &expected,
+    )
+    .await;
+
+    let (status, _) = post(
+        index.address,
+        "/unregister",
+        json!({"instance_id": 1, "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, answer) = post(
+        index.address,
+        "/query",
+        json!({"token_ids": tokens, "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(
+        status, 404,
+        "the partition goes with its last worker: {answer}"
+    );
+}
+
+#[tokio::test]
+async fn registrations_and_queries_get_dynamos_status_codes() {
+    let index = IndexProcess::start(&["--index-max-worker-ranks", "2"]);
+    let publisher = publisher().await;
+    let address = index.address;
+    assert_eq!(
+        post(address, "/register", register(1, &publisher, 16))
+            .await
+            .0,
+        201
+    );
+    let (status, answer) = post(address, "/register", register(1, &publisher, 16)).await;
+    assert_eq!(
+        (status, &answer["error"]),
+        (409, &json!("instance 1 dp_rank 0 already registered"))
+    );
+    let (status, answer) = post(address, "/register", register(2, &publisher, 32)).await;
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("block_size mismatch")
+    );
+    let mut rank_one = register(1, &publisher, 16);
+    rank_one["dp_rank"] = json!(1);
+    assert_eq!(post(address, "/register", rank_one).await.0, 201);
+    let (status, answer) = post(address, "/register", register(3, &publisher, 16)).await;
+    assert_eq!(status, 503);
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .contains("--index-max-worker-ranks"),
+        "{answer}"
+    );
+
+    let (status, _) = request(address, "POST", "/register", b"{not json").await;
+    assert_eq!(status, 400);
+    let (status, _) = post(
+        address,
+        "/register",
+        json!({"instance_id": 4, "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(status, 422);
+    let (status, _) = post(address, "/register", json!({"instance_id": "four", "endpoint": "tcp://127.0.0.1:1", "model_name": "m", "block_size": 16})).await;
+    assert_eq!(status, 422);
+    let (status, answer) = post(
+        address,
+        "/register",
+        json!({"instance_id": 4, "endpoint": "http://127.0.0.1:1", "model_name": "m", "block_size": 16}),
+    )
+    .await;
+    assert_eq!(
+        (status, &answer["error"]),
+        (
+            400,
+            &json!("invalid ZMQ endpoint `http://127.0.0.1:1`: unsupported scheme `http`")
+        )
+    );
+
+    let (status, answer) = post(
+        address,
+        "/query",
+        json!({"token_ids": [1, 2], "model_name": "other"}),
+    )
+    .await;
+    assert_eq!(
+        (status, &answer["error"]),
+        (
+            404,
+            &json!("no indexer for model=other routing_group=default")
+        )
+    );
+    let (status, answer) = post(
+        address,
+        "/query_by_hash",
+        json!({"block_hashes": [1], "model_name": "m", "cache_salt": "s"}),
+    )
+    .await;
+    assert_eq!(status, 400, "{answer}");
+    let (status, answer) = post(
+        address,
+        "/query_by_hash",
+        json!({"block_hashes": [1], "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(
+        (status, answer),
+        (
+            200,
+            json!({"scores": {}, "frequencies": [], "instances": {}})
+        )
+    );
+    let (status, _) = post(
+        address,
+        "/unregister",
+        json!({"instance_id": 9, "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (status, _) = post(
+        address,
+        "/unregister",
+        json!({"instance_id": 1, "model_name": "m", "routing_group": "default", "dp_rank": 5}),
+    )
+    .await;
+    assert_eq!(status, 404);
+
+    let oversized = format!(
+        "{{\"token_ids\":[{}0],\"model_name\":\"m\"}}",
+        "0,".repeat(4 * 1024 * 1024 + 1)
+    );
+    let (status, _) = request(address, "POST", "/query", oversized.as_bytes()).await;
+    assert_eq!(status, 413);
+    // A million tokens fit: answered, not refused.
+    let million = format!(
+        "{{\"token_ids\":[{}1],\"model_name\":\"m\"}}",
+        "1,".repeat(999_999)
+    );
+    let (status, body) = request(address, "POST", "/query", million.as_bytes()).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, r#"{"scores":{},"frequencies":[],"instances":{}}"#)
+    );
+    assert_eq!(get(address, "/health").await.0, 200);
+    let (status, metrics) = request(address, "GET", "/metrics", b"").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("kvgate_index_worker_ranks{status="),
+        "{metrics}"
+    );
+}
+
+/// Polls `/workers` until worker 1's rank 0 listener is in `state`.
+async fn await_listener_state(address: SocketAddr, state: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let (_, workers) = get(address, "/workers").await;
+        let listener = workers[0]["listeners"]["0"].clone();
+        if listener["kvgate"]["state"] == state {
+            return listener;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the listener stayed {listener}, never {state}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_empty() {
+    let index = IndexProcess::start(&[]);
+    let mut publisher = publisher().await;
+    let endpoint = publisher.endpoint().to_owned();
+    let replay = publisher.replay_endpoint().unwrap().to_owned();
+    assert_eq!(
+        post(index.address, "/register", register(1, &publisher, 2))
+            .await
+            .0,
+        201
+    );
+    let before = await_listener_state(index.address, "connected").await;
+    assert_eq!(before["status"], "active");
+
+    let tokens: Vec<u32> = (0..4).collect();
+    publisher
+        .publish(stored_payload(&[21, 22], None, &tokens, 2, "GPU", 0))
+        .await
+        .unwrap();
+    let query = json!({"token_ids": tokens, "model_name": "m"});
+    let held = json!({
+        "scores": {"1": {"0": 4}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(&mut publisher, index.address, query.clone(), &held).await;
+
+    // The engine goes away: the listener says so, and since when.
+    drop(publisher);
+    let gone = await_listener_state(index.address, "disconnected").await;
+    assert_eq!(gone["status"], "pending");
+    assert!(
+        gone["kvgate"]["since"].as_f64().unwrap() >= before["kvgate"]["since"].as_f64().unwrap()
+    );
+    assert!(gone["kvgate"]["reason"].as_str().is_some(), "{gone}");
+
+    // It comes back restarted (its counter from 0, its cache empty) and
+    // stores other blocks: the old ones are gone, the new ones answered.
+    let options = PublisherOptions {
+        replay_endpoint: Some(replay),
+        ..PublisherOptions::default()
+    };
+    let mut restarted = EnginePublisher::bind(&endpoint, &options).await.unwrap();
+    await_listener_state(index.address, "connected").await;
+    let other: Vec<u32> = (100..104).collect();
+    restarted
+        .publish(stored_payload(&[31, 32], None, &other, 2, "GPU", 0))
+        .await
+        .unwrap();
+    let other_held = json!({
+        "scores": {"1": {"0": 4}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(
+        &mut restarted,
+        index.address,
+        json!({"token_ids": other, "model_name": "m"}),
+        &other_held,
+    )
+    .await;
+    let (_, answer) = post(index.address, "/query", query).await;
+    assert_eq!(
+        answer["scores"],
+        json!({}),
+        "the restarted engine's old blocks are gone"
+    );
+}
+
+#[tokio::test]
+async fn workers_named_by_flags_are_followed_and_garbage_from_them_is_counted_not_fatal() {
+    let mut publisher = publisher().await;
+    let workers = format!("7:1={}", publisher.endpoint());
+    let index = IndexProcess::start(&[
+        "--workers",
+        &workers,
+        "--model-name",
+        "m",
+        "--routing-group",
+        "g",
+        "--block-size",
+        "2",
+    ]);
+    let (status, workers) = get(index.address, "/workers?routing_group=g").await;
+    assert_eq!(status, 200);
+    assert_eq!(workers[0]["instance_id"], 7);
+    assert_eq!(workers[0]["block_size"], 2);
+    assert_eq!(workers[0]["endpoints"]["1"], publisher.endpoint());
+    await_rank_one_connected(index.address).await;
+
+    let tokens: Vec<u32> = (0..2).collect();
+    // The payload names no rank: the registered rank 1 holds it.
+    let mut stored = stored_payload(&[5], None, &tokens, 2, "GPU", 1).to_vec();
+    *stored.last_mut().unwrap() = 0xc0;
+    let query = json!({"token_ids": tokens, "model_name": "m", "routing_group": "g"});
+    let expected = json!({
+        "scores": {"7": {"1": 2}},
+        "frequencies": [],
+        "instances": {"7": {"longest_matched": 2, "gpu": 2, "dp": {"1": 2}, "cpu": 2, "disk": 2}},
+    });
+    // Published until it arrives (no replay endpoint here: the first
+    // messages may go before the subscription does).
+    let started = Instant::now();
+    loop {
+        publisher
+            .publish(Bytes::from(stored.clone()))
+            .await
+            .unwrap();
+        let (_, answer) = post(index.address, "/query", query.clone()).await;
+        if answer == expected {
+            break;
+        }
+        assert!(started.elapsed() < DEADLINE, "answered {answer}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // Not msgpack, then a batch that is not [ts, events, rank]: counted, and
+    // the rank goes on.
+    publisher
+        .publish(Bytes::from_static(b"\xc1garbage"))
+        .await
+        .unwrap();
+    publisher
+        .publish(Bytes::from_static(b"\x93\xa1x\x90\x00"))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        let (_, workers) = get(index.address, "/workers").await;
+        let listener = &workers[0]["listeners"]["1"];
+        if listener["kvgate"]["bad_payloads"] == 2 {
+            assert_eq!(listener["status"], "active");
+            break;
+        }
+        assert!(started.elapsed() < DEADLINE, "not counted: {listener}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (_, answer) = post(index.address, "/query", query).await;
+    assert_eq!(answer, expected);
+}
+
+async fn await_rank_one_connected(address: SocketAddr) {
+    let started = Instant::now();
+    loop {
+        let (_, workers) = get(address, "/workers").await;
+        if workers[0]["listeners"]["1"]["kvgate"]["state"] == "connected" {
+            return;
+        }
+        assert!(started.elapsed() < DEADLINE, "never connected: {workers}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
