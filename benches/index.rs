@@ -4,41 +4,19 @@
 //! table; `cargo bench --bench index`. The side-by-side with Dynamo's
 //! indexer over HTTP is `benchmarks/dynamo-index/peer.py`.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvgate::index::block_hash::HashSeed;
 use kvgate::index::tier::Tier;
 use kvgate::index::tree::{RankKey, Tree};
 
-struct Counting;
+#[path = "common/counting_allocator.rs"]
+mod counting_allocator;
+use counting_allocator::live_bytes;
 
-static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_add(new_size, Ordering::Relaxed);
-        LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// The fleet of the measurement: 33 ranks holding 264k live blocks.
+/// The fleet Dynamo's indexer was measured on (BENCHMARKS.md): 33 ranks
+/// holding 264k live blocks.
 const RANKS: u32 = 33;
 const BLOCKS_PER_RANK: usize = 8_000;
 const BLOCK_SIZE: usize = 16;
@@ -63,7 +41,7 @@ fn request_tokens(request: u64) -> Vec<u32> {
 
 fn main() {
     let seed = HashSeed::new(None, None);
-    let before = LIVE_BYTES.load(Ordering::Relaxed);
+    let before = live_bytes();
     let mut tree = Tree::new();
     let started = Instant::now();
     let mut ingested = 0u64;
@@ -96,7 +74,7 @@ fn main() {
         }
     }
     let ingest = started.elapsed();
-    let bytes = LIVE_BYTES.load(Ordering::Relaxed) - before;
+    let bytes = live_bytes() - before;
     let live = tree.held_blocks();
 
     // Prompts of stored requests, made after the heap was counted.

@@ -4,8 +4,6 @@
 //! back, and how long a restart takes to serve again. Prints a table;
 //! `make bench` runs it after the criterion benchmarks.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -20,30 +18,9 @@ use kvgate::state::snapshot::SnapshotEncoder;
 use kvgate::store::{StoreConfig, StoreLimits};
 use kvgate_sim::{SteadyState, WorkloadShape};
 
-struct Counting;
-
-static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_add(new_size, Ordering::Relaxed);
-        LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
+#[path = "common/counting_allocator.rs"]
+mod counting_allocator;
+use counting_allocator::live_bytes;
 
 const BLOCK_SIZE: usize = 16;
 const BLOCKS: usize = 1 << 20;
@@ -84,13 +61,13 @@ fn state_bytes_per_block() -> (f64, f64) {
         );
     }
     drop(payloads);
-    let before = LIVE_BYTES.load(Ordering::Relaxed);
+    let before = live_bytes();
     let malloc_before = malloc_in_use();
     let mut state = LiveState::default();
     for event in &mut events {
         state.apply(0, event);
     }
-    let after = LIVE_BYTES.load(Ordering::Relaxed);
+    let after = live_bytes();
     let malloc_after = malloc_in_use();
     let blocks = state.rank(0).map_or(0, |rank| rank.counts().total()) as usize;
     assert_eq!(blocks, BLOCKS);
@@ -105,7 +82,7 @@ fn state_bytes_per_block() -> (f64, f64) {
 fn history_bytes_per_entry() -> f64 {
     let entries = 10_000;
     let encoded = vec![0u8; 1024];
-    let before = LIVE_BYTES.load(Ordering::Relaxed);
+    let before = live_bytes();
     let (mut writer, reader) = hub(
         16,
         HistoryLimits {
@@ -117,7 +94,7 @@ fn history_bytes_per_entry() -> f64 {
         // Each entry holds its own bytes, as framed batches do.
         writer.publish(0, sequence, FramedBatch::new(&encoded));
     }
-    let after = LIVE_BYTES.load(Ordering::Relaxed);
+    let after = live_bytes();
     drop(reader);
     (after - before - entries * encoded.len()) as f64 / entries as f64
 }

@@ -648,7 +648,7 @@ fn tracked_files() -> Vec<std::path::PathBuf> {
 
 /// Whether `line` dates the work by the sitting it was done in: the word
 /// for a sitting, singular or plural, a space and a digit, in any case
-/// (what `git grep -inE` finds with the pattern).
+/// (what `git grep -inE 'sessions? [0-9]'` would find).
 fn dates_the_work(line: &str, word: &str) -> bool {
     let line = line.to_lowercase();
     line.match_indices(word).any(|(at, _)| {

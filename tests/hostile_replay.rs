@@ -24,7 +24,7 @@ const RSS_BOUND_KIB: u64 = 384 << 10;
 
 const RECOVERED: &str = "kvgate_engine_messages_recovered_total";
 
-/// Messages the endless ROUTER sends per request, as the attacker.
+/// Messages the endless ROUTER sends per request, as an attacker would.
 const PER_REQUEST: u64 = 1000;
 
 /// A payload no engine sends (0xc1 is never used in msgpack): each is
