@@ -10,16 +10,14 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
-use common::{DEADLINE, IndexProcess};
+use common::{DEADLINE, IndexProcess, http_exchange};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
 
 /// A step where kvgate's answer differs from Dynamo's on purpose:
@@ -206,39 +204,6 @@ struct Replayer {
     sockets: Vec<(String, String, Bound)>,
 }
 
-/// One HTTP/1.0 exchange: (status, body text).
-async fn exchange(
-    address: SocketAddr,
-    method: &str,
-    path: &str,
-    body: Option<&[u8]>,
-    content_type: Option<&str>,
-) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-    let mut head = format!("{method} {path} HTTP/1.0\r\nHost: {address}\r\n");
-    if let Some(content_type) = content_type {
-        head.push_str(&format!("content-type: {content_type}\r\n"));
-    }
-    let body = body.unwrap_or_default();
-    if method == "POST" {
-        head.push_str(&format!("content-length: {}\r\n", body.len()));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let _ = stream.write_all(body).await;
-    let mut response = Vec::new();
-    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut response))
-        .await
-        .expect("an answer before the deadline")
-        .unwrap();
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = response.split_once("\r\n\r\n").expect("headers end");
-    (
-        head.split(' ').nth(1).unwrap().parse().unwrap(),
-        body.to_owned(),
-    )
-}
-
 impl Replayer {
     async fn new(path: &Path) -> Self {
         let text = std::fs::read_to_string(path).unwrap();
@@ -313,7 +278,7 @@ impl Replayer {
             None if body.is_some() => Some("application/json".to_owned()),
             None => None,
         };
-        exchange(
+        http_exchange(
             self.index.address,
             method,
             &path,

@@ -7,30 +7,13 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::Bytes;
-use common::{DEADLINE, IndexProcess};
+use common::{DEADLINE, IndexProcess, http_exchange};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// One HTTP/1.0 request: (status, body).
+/// One HTTP/1.0 request of a JSON body: (status, body).
 async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-    let head = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {address}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await.unwrap();
-    // A refused body may be answered before it is all sent.
-    let _ = stream.write_all(body).await;
-    let mut response = Vec::new();
-    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut response))
-        .await
-        .expect("an answer before the deadline")
-        .unwrap();
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = response.split_once("\r\n\r\n").expect("headers end");
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, body.to_owned())
+    http_exchange(address, method, path, Some(body), Some("application/json")).await
 }
 
 async fn post(address: SocketAddr, path: &str, body: Value) -> (u16, Value) {

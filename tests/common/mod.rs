@@ -499,19 +499,38 @@ pub fn is_load_only(batch: &KvEventBatch) -> bool {
 
 /// A plain HTTP/1.0 GET on loopback: (status code, body).
 pub async fn http_get(address: SocketAddr, path: &str) -> (u16, String) {
+    http_exchange(address, "GET", path, None, None).await
+}
+
+/// One HTTP/1.0 exchange over a raw socket: (status, body text). A body (and
+/// any POST) is sent with its length (a refused body may be answered before
+/// it is all sent), typed `content_type` when given.
+pub async fn http_exchange(
+    address: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    content_type: Option<&str>,
+) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(address)
-        .await
-        .expect("admin port");
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut response = String::new();
-    tokio::time::timeout(DEADLINE, stream.read_to_string(&mut response))
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let mut head = format!("{method} {path} HTTP/1.0\r\nHost: {address}\r\n");
+    if let Some(content_type) = content_type {
+        head.push_str(&format!("content-type: {content_type}\r\n"));
+    }
+    if body.is_some() || method == "POST" {
+        let length = body.map_or(0, <[u8]>::len);
+        head.push_str(&format!("content-length: {length}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let _ = stream.write_all(body.unwrap_or_default()).await;
+    let mut response = Vec::new();
+    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut response))
         .await
         .expect("a response before the deadline")
         .unwrap();
+    let response = String::from_utf8_lossy(&response).into_owned();
     let (head, body) = response.split_once("\r\n\r\n").expect("headers end");
     let status = head
         .split(' ')
