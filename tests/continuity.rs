@@ -923,6 +923,38 @@ async fn another_kvgates_checkpoint_copied_in_is_set_aside_never_served() {
     assert_eq!(fresh.blocks(0), true_blocks(&engine.cache));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_kvgates_segment_copied_in_is_set_aside_never_served() {
+    let ours = ScratchDir::new("own-segment");
+    let theirs = ScratchDir::new("their-segment");
+    let mut engine = Engine::new(1000, 43).await;
+    let mut other = Engine::new(1000, 47).await;
+    fill_state_dir(&mut engine, &ours.state()).await;
+    // Theirs ran longer: its newest segment is named after ours.
+    fill_state_dir(&mut other, &theirs.state()).await;
+    fill_state_dir(&mut other, &theirs.state()).await;
+    let own_newest = state_files(&ours.state(), "segment-").pop().unwrap();
+    let copied = state_files(&theirs.state(), "segment-").pop().unwrap();
+    let name = copied.file_name().unwrap();
+    assert!(
+        name > own_newest.file_name().unwrap(),
+        "{copied:?} after {own_newest:?}"
+    );
+    std::fs::copy(&copied, ours.state().join(name)).unwrap();
+
+    let gateway = engine.gateway(&ours.state());
+    assert_eq!(restore_outcome(&gateway).await, "continued");
+    let (_, status) = http_get(gateway.admin.unwrap(), "/status").await;
+    assert!(status.contains(": foreign"), "{status}");
+    assert_eq!(
+        metric(&gateway, "kvgate_state_damaged_total{reason=\"foreign\"}").await,
+        1.0
+    );
+    assert!(!ours.state().join(name).exists(), "renamed aside");
+    let fresh = snapshot(&gateway).await;
+    assert_eq!(fresh.blocks(0), true_blocks(&engine.cache));
+}
+
 // The state directory on a real file system that fails under kvgate: an
 // ext4 image on a loop device, frozen (`fsfreeze`, as a snapshot tool or a
 // hung storage path does) or shut down (`FS_IOC_SHUTDOWN`, as

@@ -239,16 +239,31 @@ pub fn restore(
     }
     let found_anything = !segments.is_empty() || !checkpoints.is_empty();
 
+    // A segment of a numbering this directory's history cannot hold
+    // (another kvgate's, copied in) is set aside before anything is read.
+    let numbered: Vec<(u64, Option<u64>)> = segments
+        .iter()
+        .map(|(first_position, _, path)| (*first_position, segment_seed(path)))
+        .collect();
+    let foreign = foreign_segments(&numbered, synced.as_ref().map(|synced| synced.seed));
+    let mut own_segments = Vec::with_capacity(segments.len());
+    for ((segment, (_, seed)), foreign) in segments.into_iter().zip(numbered).zip(foreign) {
+        if foreign {
+            put_aside(&segment.2, Damage::Foreign);
+        } else {
+            own_segments.push((segment, seed));
+        }
+    }
     // The numberings this directory's history used: every process records
     // its own in `synced` before anything else, and in each segment.
     let known_seeds: BTreeSet<u64> = synced
         .iter()
         .map(|synced| synced.seed)
-        .chain(
-            segments
-                .iter()
-                .filter_map(|(_, _, path)| segment_seed(path)),
-        )
+        .chain(own_segments.iter().filter_map(|(_, seed)| *seed))
+        .collect();
+    let segments: Vec<(u64, bool, PathBuf)> = own_segments
+        .into_iter()
+        .map(|(segment, _)| segment)
         .collect();
     let mut base = None;
     for (position, path) in checkpoints.iter().rev() {
@@ -423,6 +438,42 @@ fn open_records(
 ) -> io::Result<Result<Option<RecordReader<BufReader<File>>>, Damage>> {
     let file = File::open(path)?;
     RecordReader::open(BufReader::with_capacity(1 << 20, file), kind)
+}
+
+/// Which segments (`(first position, the seed its header names)`, in log
+/// order) are not this directory's history, given the newest numbering
+/// (`synced`'s: every process writes it before it creates any file).
+/// A new numbering starts above every number and past every position the
+/// directory names, so along the log the seeds only go up, and the newest
+/// numbering's segments come after every older one's: a segment of a seed
+/// above the newest, of another seed after the newest's first segment, or
+/// of a seed above a later segment's is another history's. Without a
+/// `synced` record that reads nothing is judged (so that none of the
+/// directory's own segments is set aside); a header that does not read is
+/// left to the reading, which sets it aside as damage.
+fn foreign_segments(numbered: &[(u64, Option<u64>)], newest: Option<u64>) -> Vec<bool> {
+    let mut foreign = vec![false; numbered.len()];
+    let Some(newest) = newest else {
+        return foreign;
+    };
+    let newest_starts = numbered
+        .iter()
+        .filter(|(_, seed)| *seed == Some(newest))
+        .map(|(first_position, _)| *first_position)
+        .min();
+    let mut later_seed = newest;
+    for (index, (first_position, seed)) in numbered.iter().enumerate().rev() {
+        let Some(seed) = *seed else { continue };
+        if seed == newest || seed == later_seed {
+            continue;
+        }
+        if seed < later_seed && newest_starts.is_none_or(|starts| *first_position < starts) {
+            later_seed = seed;
+        } else {
+            foreign[index] = true;
+        }
+    }
+    foreign
 }
 
 /// The numbering a segment's header names, if it reads.
@@ -900,6 +951,71 @@ pub(super) mod tests {
         let restored = dir.restore(mark(1000, 3));
         assert_eq!(restored.report.checkpoint_position, Some(2));
         assert_eq!(restored.report.outcome, Outcome::Continued);
+    }
+
+    #[test]
+    fn a_segment_of_another_history_is_set_aside_and_never_served() {
+        let dir = Dir::new("foreign-segment");
+        dir.segment(b"boot", 1000, 1, 3);
+        dir.synced(1000, 3, true);
+        // Another kvgate's, named later than this log: a later numbering
+        // than the newest this directory used, and an earlier one.
+        dir.segment(b"boot", 7777, 50, 2);
+        dir.segment(b"boot", 500, 60, 2);
+        let restored = dir.restore(None);
+        assert_eq!(restored.report.set_aside.len(), 2, "{:?}", restored.report);
+        assert!(
+            restored
+                .report
+                .set_aside
+                .iter()
+                .all(|set_aside| set_aside.ends_with("foreign"))
+        );
+        assert_eq!(restored.report.outcome, Outcome::Continued);
+        assert_eq!(restored.next_position, 4);
+        assert_eq!(
+            restored.numbering,
+            Some((1000, BTreeMap::from([(0, 1002)])))
+        );
+        // With its checkpoint, the checkpoint is no longer vouched for.
+        dir.segment(b"boot", 7777, 50, 2);
+        dir.checkpoint(7777, 51);
+        let restored = dir.restore(None);
+        assert_eq!(restored.report.set_aside.len(), 2, "{:?}", restored.report);
+        assert_eq!(restored.report.checkpoint_position, None);
+        assert_eq!(restored.report.outcome, Outcome::Continued);
+    }
+
+    #[test]
+    fn every_numbering_of_the_directorys_own_history_is_read() {
+        let dir = Dir::new("renumbered-history");
+        // Renumbered twice: each numbering above every earlier number,
+        // from past every earlier position.
+        dir.segment(b"boot", 1000, 1, 3);
+        dir.segment(b"boot", 1000, 4, 2);
+        dir.segment(b"other-boot", 2000, 6, 2);
+        dir.segment(b"boot", 3000, 8, 2);
+        dir.synced(3000, 9, true);
+        let restored = dir.restore(None);
+        assert!(
+            restored.report.set_aside.is_empty(),
+            "{:?}",
+            restored.report
+        );
+        assert_eq!(restored.report.outcome, Outcome::Continued);
+        assert_eq!(restored.report.batches_replayed, 9);
+        assert_eq!(restored.next_position, 10);
+        // The newest process numbered anew and wrote nothing before it
+        // stopped: its older numberings are still the history.
+        dir.synced(4000, 9, false);
+        let restored = dir.restore(None);
+        assert!(
+            restored.report.set_aside.is_empty(),
+            "{:?}",
+            restored.report
+        );
+        assert_eq!(restored.report.batches_replayed, 9);
+        assert_eq!(restored.report.outcome, Outcome::Renumbered);
     }
 
     #[test]
