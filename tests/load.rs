@@ -1164,5 +1164,5 @@ async fn with_a_state_dir_no_load_only_batch_names_a_sequence_still_being_writte
     assert_eq!(view.blocks(0), common::true_blocks(&sim));
     drop(gateway);
     assert!(reader.join().unwrap().starts_with(b"KVGLOG\0\0"));
-    let _ = std::fs::remove_dir_all(&dir);
+    common::remove_state_dir(&dir);
 }

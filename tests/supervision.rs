@@ -53,7 +53,7 @@ fn a_log_writer_thread_that_panics_ends_kvgate_with_a_non_zero_code_rather_than_
         &["--demo", "--state-dir", dir.to_str().expect("a UTF-8 path")],
         &[("KVGATE_DEBUG_PANIC_TASK", "log-writer")],
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    common::remove_state_dir(&dir);
     assert_eq!(status.code(), Some(1), "exit status {status}; {stderr}");
     assert!(stderr.contains("the drain panicked"), "{stderr}");
     assert!(stderr.contains("log writer thread ended"), "{stderr}");
