@@ -43,16 +43,10 @@ impl ScratchDir {
 /// Removes the announcement marks kvgate kept, beside its state
 /// directories, for the directories in `dir`.
 fn remove_marks_of_dirs_in(dir: &Path) {
-    use std::os::unix::fs::MetadataExt;
     for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if let Ok(metadata) = entry.metadata()
-            && metadata.is_dir()
+        if entry.metadata().is_ok_and(|metadata| metadata.is_dir())
+            && let Ok(mark) = kvgate::store::mark_of(&entry.path())
         {
-            let mark = format!(
-                "/dev/shm/kvgate-announced-{}-{}",
-                metadata.dev(),
-                metadata.ino()
-            );
             let _ = std::fs::remove_file(mark);
         }
     }

@@ -263,7 +263,9 @@ async fn a_state_directory_in_use_or_beyond_reach_fails_the_start_saying_why_onc
         assert_eq!(message.matches(why).count(), 1, "{message}");
     }
     // Stopped first: a running holder may write into its directory while
-    // it is being removed.
+    // it is being removed. Its announcement mark in /dev/shm, which
+    // outlives a process by design, goes with the directory.
     holder.shutdown().await.unwrap();
+    let _ = std::fs::remove_file(crate::store::mark_of(&held).unwrap());
     std::fs::remove_dir_all(&scratch).unwrap();
 }

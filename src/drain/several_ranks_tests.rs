@@ -398,13 +398,7 @@ impl Drop for ScratchDir {
     /// The directory goes, and the announcement mark the store kept for it
     /// in `/dev/shm`, which outlives the process by design.
     fn drop(&mut self) {
-        use std::os::unix::fs::MetadataExt;
-        if let Ok(metadata) = std::fs::metadata(&self.0) {
-            let mark = format!(
-                "/dev/shm/kvgate-announced-{}-{}",
-                metadata.dev(),
-                metadata.ino()
-            );
+        if let Ok(mark) = crate::store::mark_of(&self.0) {
             let _ = std::fs::remove_file(mark);
         }
         let _ = std::fs::remove_dir_all(&self.0);

@@ -88,6 +88,18 @@ fn started(pid: u32) -> Option<u64> {
     fields.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Where the announcement mark of the state directory `dir` lives: what
+/// to remove beside a state directory that is deleted for good (the mark
+/// outlives every process by design).
+pub fn mark_of(dir: &std::path::Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(dir)?;
+    Ok(path(DirIdentity {
+        dev: metadata.dev(),
+        ino: metadata.ino(),
+    }))
+}
+
 fn path(identity: DirIdentity) -> PathBuf {
     PathBuf::from(MARK_DIR).join(format!(
         "kvgate-announced-{}-{}",

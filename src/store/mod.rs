@@ -41,6 +41,7 @@ use tracing::{info, warn};
 
 use std::collections::BTreeMap;
 
+pub use announced::mark_of;
 use announced::{AnnouncedMark, MarkRecord};
 use background::PersistStatus;
 pub(crate) use format::Damage;

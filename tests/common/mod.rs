@@ -769,13 +769,7 @@ impl Drop for IndexProcess {
 /// Removes a state directory a kvgate kept, and the announcement mark it
 /// kept for it in `/dev/shm` (which outlives every process by design).
 pub fn remove_state_dir(dir: &std::path::Path) {
-    use std::os::unix::fs::MetadataExt;
-    if let Ok(metadata) = std::fs::metadata(dir) {
-        let mark = format!(
-            "/dev/shm/kvgate-announced-{}-{}",
-            metadata.dev(),
-            metadata.ino()
-        );
+    if let Ok(mark) = kvgate::store::mark_of(dir) {
         let _ = std::fs::remove_file(mark);
     }
     let _ = std::fs::remove_dir_all(dir);
