@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::router::{Admission, RouterView};
 use common::{
     DEADLINE, Gateway, await_metric_where, http_get, metric_sample, next_batch,
-    output_within_deadline, subscribe, sync_streams_observing, true_blocks,
+    output_within_deadline, poll_until, subscribe, sync_streams_observing, true_blocks,
 };
 use kvgate::proto::common::KvEventBatch;
 use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine, encode_batch};
@@ -1225,20 +1225,17 @@ async fn sigterm_stops_a_kvgate_whose_state_dir_hangs_while_it_is_read_back() {
     let pid = child.id();
     // Taking the directory writes its lock: the start sleeps in the frozen
     // file system, before any port is bound.
-    let deadline = Instant::now() + DEADLINE;
-    while !thread_states(pid).contains(&'D') {
-        assert!(Instant::now() < deadline, "never reached the frozen disk");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let asked = Instant::now();
+    poll_until("never reached the frozen disk", DEADLINE, || {
+        thread_states(pid).contains(&'D')
+    })
+    .await;
     assert!(run("kill", &["-TERM", &pid.to_string()]));
-    while main_thread_state(pid).is_some_and(|state| state != 'Z') {
-        assert!(
-            asked.elapsed() < SIGTERM_WITHIN,
-            "SIGTERM while reading the directory back was not taken"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    poll_until(
+        "SIGTERM while reading the directory back was not taken",
+        SIGTERM_WITHIN,
+        || main_thread_state(pid).is_none_or(|state| state == 'Z'),
+    )
+    .await;
     // The thread asleep in the file system goes once it thaws.
     fs.thaw();
     let status = child.wait().unwrap();

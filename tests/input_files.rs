@@ -258,6 +258,9 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
+/// How long a stopped loop's gateway is watched for CPU it should not use.
+const IDLE_WINDOW: Duration = Duration::from_secs(1);
+
 /// Plays `args` at max speed with `--replay-loop`, its stderr in a file,
 /// and checks that the loop stops (it says so), that the gateway then idles
 /// (under 0.2 s of CPU in the second after), that it logged a few lines, not
@@ -278,8 +281,10 @@ fn loop_stops_quietly(scratch: &Scratch, args: &[&str]) -> String {
         assert!(Instant::now() < deadline, "the loop never stopped");
         std::thread::park_timeout(Duration::from_millis(20));
     }
+    // Not a wait for an event: the window the idle CPU is measured over
+    // (a loop that goes on would burn most of a core in it).
     let before = cpu_seconds(gateway.pid());
-    std::thread::sleep(Duration::from_secs(1));
+    std::thread::sleep(IDLE_WINDOW);
     let cpu = cpu_seconds(gateway.pid()) - before;
     let exit = gateway.terminate();
     let log = std::fs::read_to_string(log).unwrap();

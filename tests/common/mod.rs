@@ -774,3 +774,14 @@ pub fn remove_state_dir(dir: &std::path::Path) {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Polls `reached` until it holds, failing the test with `what` once
+/// `within` has passed: for what only `/proc` shows (a thread's state, a
+/// zombie), which nothing announces.
+pub async fn poll_until(what: &str, within: Duration, mut reached: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !reached() {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
