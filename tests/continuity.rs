@@ -895,14 +895,28 @@ async fn a_segment_with_a_sparse_tail_of_64_gib_is_read_past_and_the_cursor_resu
     assert!(router.gaps.is_empty(), "{:?}", router.gaps);
 }
 
+/// Our state directory, filled by our engine (seeded `seeds.0`), and
+/// another kvgate's, filled `their_runs` times by another engine: the
+/// directories and our engine.
+async fn ours_and_anothers(
+    name: &str,
+    seeds: (u64, u64),
+    their_runs: usize,
+) -> (ScratchDir, ScratchDir, Engine) {
+    let ours = ScratchDir::new(&format!("own-{name}"));
+    let theirs = ScratchDir::new(&format!("their-{name}"));
+    let mut engine = Engine::new(1000, seeds.0).await;
+    let mut other = Engine::new(1000, seeds.1).await;
+    fill_state_dir(&mut engine, &ours.state()).await;
+    for _ in 0..their_runs {
+        fill_state_dir(&mut other, &theirs.state()).await;
+    }
+    (ours, theirs, engine)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_kvgates_checkpoint_copied_in_is_set_aside_never_served() {
-    let ours = ScratchDir::new("own-checkpoint");
-    let theirs = ScratchDir::new("their-checkpoint");
-    let mut engine = Engine::new(1000, 37).await;
-    let mut other = Engine::new(1000, 41).await;
-    fill_state_dir(&mut engine, &ours.state()).await;
-    fill_state_dir(&mut other, &theirs.state()).await;
+    let (ours, theirs, engine) = ours_and_anothers("checkpoint", (37, 41), 1).await;
     // Theirs in place of ours: the only checkpoint, named as written.
     for own in state_files(&ours.state(), "checkpoint-") {
         std::fs::remove_file(own).unwrap();
@@ -919,14 +933,8 @@ async fn another_kvgates_checkpoint_copied_in_is_set_aside_never_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_kvgates_segment_copied_in_is_set_aside_never_served() {
-    let ours = ScratchDir::new("own-segment");
-    let theirs = ScratchDir::new("their-segment");
-    let mut engine = Engine::new(1000, 43).await;
-    let mut other = Engine::new(1000, 47).await;
-    fill_state_dir(&mut engine, &ours.state()).await;
     // Theirs ran longer: its newest segment is named after ours.
-    fill_state_dir(&mut other, &theirs.state()).await;
-    fill_state_dir(&mut other, &theirs.state()).await;
+    let (ours, theirs, engine) = ours_and_anothers("segment", (43, 47), 2).await;
     let own_newest = state_files(&ours.state(), "segment-").pop().unwrap();
     let copied = state_files(&theirs.state(), "segment-").pop().unwrap();
     let name = copied.file_name().unwrap();

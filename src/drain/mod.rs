@@ -583,7 +583,7 @@ impl Drain {
         let timestamp = payload.timestamp;
         // An engine's own clear stands for the one owed only where it goes
         // out as a clear: in an engine of one rank.
-        let starts_with_clear = !self.several_ranks() && payload.starts_with_ownerless_clear();
+        let starts_with_clear = payload.starts_with_ownerless_clear() && !self.several_ranks();
         if self.pay_owed_clear(rank, starts_with_clear, timestamp) && self.several_ranks() {
             // The whole worker's clear: nothing any rank sends next may
             // reach a router before it.
@@ -617,7 +617,15 @@ impl Drain {
                 }
             }
         });
-        if let Some(events) = after_clear.filter(|events| !events.is_empty()) {
+        if let Some(rest) = after_clear {
+            self.defer_rest(rank, rest, timestamp);
+        }
+    }
+
+    /// Puts the rest of `rank`'s payload after a clear first in line behind
+    /// the clear's removals.
+    fn defer_rest(&mut self, rank: u32, events: Vec<KvCacheEvent>, timestamp: f64) {
+        if !events.is_empty() {
             self.deferred.push_front(Deferred::EngineEvents {
                 rank,
                 timestamp,
@@ -636,14 +644,7 @@ impl Drain {
                 if !self.retract(rank) {
                     continue;
                 }
-                let rest: Vec<KvCacheEvent> = events.collect();
-                if !rest.is_empty() {
-                    self.deferred.push_front(Deferred::EngineEvents {
-                        rank,
-                        timestamp,
-                        events: rest,
-                    });
-                }
+                self.defer_rest(rank, events.collect(), timestamp);
                 return;
             }
             self.push_event(rank, event, timestamp);
