@@ -57,7 +57,16 @@ struct Node {
     previous: u32,
     /// This block's local hash (its key under `parent`).
     local: u64,
+    /// Sorted by member, so a query's walk merges them with the ranks still
+    /// matching in one pass.
     holders: SmallVec<[Held; 1]>,
+}
+
+impl Node {
+    fn holder(&self, member: u32) -> Result<usize, usize> {
+        self.holders
+            .binary_search_by_key(&member, |held| held.member)
+    }
 }
 
 /// A rank that holds a node, and in which tiers.
@@ -72,6 +81,15 @@ struct Held {
 struct Member {
     key: RankKey,
     blocks: FxHashMap<i64, u32>,
+}
+
+/// One rank's progress down a query's path.
+#[derive(Clone, Copy)]
+struct Walk {
+    member: u32,
+    /// The tier of [`Tier::WALK`] it is matching in.
+    phase: usize,
+    blocks: [u32; 4],
 }
 
 /// What a store did.
@@ -308,15 +326,14 @@ impl Tree {
             let Some(&node) = self.member(member).blocks.get(engine_hash) else {
                 continue;
             };
-            let holders = &mut self.nodes[node as usize].holders;
-            let Some(at) = holders.iter().position(|held| held.member == member) else {
+            let Ok(at) = self.nodes[node as usize].holder(member) else {
                 // Another engine hash of this rank named the same node and
                 // took the holder with it when it left (as Dynamo's tree does).
                 self.member_mut(member).blocks.remove(engine_hash);
                 self.held -= 1;
                 continue;
             };
-            if holders[at].tiers & tier.bit() == 0 {
+            if self.nodes[node as usize].holders[at].tiers & tier.bit() == 0 {
                 continue;
             }
             removed += 1;
@@ -332,13 +349,13 @@ impl Tree {
     /// Takes `tier` from `member`'s hold of `node` (named `engine_hash`),
     /// forgetting the hold and freeing the node when nothing is left.
     fn drop_tier(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
-        let holders = &mut self.nodes[node as usize].holders;
-        let Some(at) = holders.iter().position(|held| held.member == member) else {
+        let Ok(at) = self.nodes[node as usize].holder(member) else {
             return;
         };
+        let holders = &mut self.nodes[node as usize].holders;
         holders[at].tiers &= !tier.bit();
         if holders[at].tiers == 0 {
-            holders.swap_remove(at);
+            holders.remove(at);
             self.member_mut(member).blocks.remove(&engine_hash);
             self.held -= 1;
             self.free_if_empty(node);
@@ -428,10 +445,16 @@ impl Tree {
 
     /// How far each rank's blocks match `locals` (a query's local hashes,
     /// in order), for every rank that matches at least one block in some tier.
+    ///
+    /// One pass down the path: the ranks still matching and each node's
+    /// holders are both sorted by member, so each step merges the two in
+    /// time linear in their lengths, and a rank that holds a node in no tier
+    /// it can still continue in leaves the walk for good.
     pub fn overlap(&self, locals: &[u64]) -> Vec<RankMatch> {
         /// Past the last tier: the rank's match has ended.
         const ENDED: usize = Tier::WALK.len();
-        let mut walking: SmallVec<[(u32, usize, [u32; 4]); 16]> = SmallVec::new();
+        let mut walking: Vec<Walk> = Vec::new();
+        let mut ended: Vec<Walk> = Vec::new();
         let mut current = ROOT;
         for (depth, local) in locals.iter().enumerate() {
             let Some(node) = self.find_child(current, *local) else {
@@ -439,34 +462,47 @@ impl Tree {
             };
             let holders = &self.nodes[node as usize].holders;
             if depth == 0 {
-                walking.extend(holders.iter().map(|held| (held.member, 0, [0; 4])));
+                walking.extend(holders.iter().map(|held| Walk {
+                    member: held.member,
+                    phase: 0,
+                    blocks: [0; 4],
+                }));
             }
-            let mut any = false;
-            for (member, phase, blocks) in walking.iter_mut().filter(|(_, phase, _)| *phase < ENDED)
-            {
-                let tiers = holders
-                    .iter()
-                    .find(|held| held.member == *member)
-                    .map_or(0, |held| held.tiers);
-                while *phase < ENDED && tiers & (1 << *phase) == 0 {
-                    *phase += 1;
+            let mut kept = 0;
+            let mut at = 0;
+            for index in 0..walking.len() {
+                let mut walk = walking[index];
+                while at < holders.len() && holders[at].member < walk.member {
+                    at += 1;
                 }
-                if *phase < ENDED {
-                    blocks[*phase] += 1;
-                    any = true;
+                let tiers = match holders.get(at) {
+                    Some(held) if held.member == walk.member => held.tiers,
+                    _ => 0,
+                };
+                while walk.phase < ENDED && tiers & (1 << walk.phase) == 0 {
+                    walk.phase += 1;
+                }
+                if walk.phase < ENDED {
+                    walk.blocks[walk.phase] += 1;
+                    walking[kept] = walk;
+                    kept += 1;
+                } else {
+                    ended.push(walk);
                 }
             }
-            if !any {
+            walking.truncate(kept);
+            if walking.is_empty() {
                 break;
             }
             current = node;
         }
-        walking
+        ended.append(&mut walking);
+        ended
             .into_iter()
-            .filter(|(_, _, blocks)| blocks.iter().any(|&count| count > 0))
-            .map(|(member, _, blocks)| RankMatch {
-                key: self.member(member).key,
-                blocks,
+            .filter(|walk| walk.blocks.iter().any(|&count| count > 0))
+            .map(|walk| RankMatch {
+                key: self.member(walk.member).key,
+                blocks: walk.blocks,
             })
             .collect()
     }
@@ -519,11 +555,8 @@ impl Tree {
     }
 
     fn tiers_of(&self, node: u32, member: u32) -> u8 {
-        self.nodes[node as usize]
-            .holders
-            .iter()
-            .find(|held| held.member == member)
-            .map_or(0, |held| held.tiers)
+        let node = &self.nodes[node as usize];
+        node.holder(member).map_or(0, |at| node.holders[at].tiers)
     }
 
     /// The child of `parent` with `local`, if the tree has it.
@@ -578,13 +611,17 @@ impl Tree {
     /// named another node leaves it (after the new one is held, so the
     /// freeing of the old one cannot reach the new one).
     fn hold(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
+        let found = self.nodes[node as usize].holder(member);
         let holders = &mut self.nodes[node as usize].holders;
-        match holders.iter_mut().find(|held| held.member == member) {
-            Some(held) => held.tiers |= tier.bit(),
-            None => holders.push(Held {
-                member,
-                tiers: tier.bit(),
-            }),
+        match found {
+            Ok(at) => holders[at].tiers |= tier.bit(),
+            Err(at) => holders.insert(
+                at,
+                Held {
+                    member,
+                    tiers: tier.bit(),
+                },
+            ),
         }
         match self.member_mut(member).blocks.insert(engine_hash, node) {
             None => self.held += 1,
@@ -595,9 +632,8 @@ impl Tree {
 
     /// Drops `member` from `node`'s holders (every tier), freeing what is left empty.
     fn release(&mut self, node: u32, member: u32) {
-        let holders = &mut self.nodes[node as usize].holders;
-        if let Some(at) = holders.iter().position(|held| held.member == member) {
-            holders.swap_remove(at);
+        if let Ok(at) = self.nodes[node as usize].holder(member) {
+            self.nodes[node as usize].holders.remove(at);
         }
         self.free_if_empty(node);
     }

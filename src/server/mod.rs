@@ -11,6 +11,7 @@ pub(crate) mod connection;
 pub(crate) mod fd_limit;
 mod health;
 pub(crate) mod index_http;
+mod index_query_body;
 mod methods;
 pub(crate) mod passthrough;
 mod preface;
