@@ -19,15 +19,20 @@
 //!   counted, as is a store under a parent its rank does not hold.
 //!
 //! Files: `tier.rs` (tiers from the event's medium), `block_hash.rs` (the
-//! local hash), `tree.rs` (one partition), `partition.rs` (a tree, its block
+//! local hash), `nodes.rs` (where a tree's nodes live and who holds each),
+//! `children.rs` (a child found under its parent), `rank_blocks.rs` (a
+//! rank's engine hashes and their nodes), `tree.rs` (one partition), `partition.rs` (a tree, its block
 //! size and its counters), `writer.rs` (the one writer), `registry.rs`
 //! (workers and partitions), `feed.rs` (one worker rank's ZMQ source and
 //! converter), `overlap.rs` (a query's answer per worker and rank).
 
 pub mod block_hash;
+mod children;
 pub(crate) mod feed;
+mod nodes;
 pub mod overlap;
 pub mod partition;
+mod rank_blocks;
 pub(crate) mod registry;
 #[cfg(test)]
 mod tests;

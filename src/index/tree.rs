@@ -21,11 +21,11 @@
 //!   holds on the device; each lower tier continues where the tier before it
 //!   stopped ([`Tier::WALK`]).
 
-use std::hash::BuildHasher;
-
 use rustc_hash::{FxBuildHasher, FxHashMap};
-use smallvec::SmallVec;
 
+use super::children::Children;
+use super::nodes::{Held, MAX_MEMBERS, NONE, Node, Nodes};
+use super::rank_blocks::RankBlocks;
 use super::tier::Tier;
 
 /// A worker instance id, as Dynamo's registry names it.
@@ -43,44 +43,11 @@ pub struct RankKey {
 /// The root: the empty prefix, never freed.
 const ROOT: u32 = 0;
 
-/// No node (the end of a sibling list).
-const NONE: u32 = u32::MAX;
-
-/// One block in the tree.
-#[derive(Debug)]
-struct Node {
-    parent: u32,
-    /// The first of its children ([`NONE`] for a leaf), linked through
-    /// `next` and `previous`, so a removal can reach a rank's blocks under it.
-    first_child: u32,
-    next: u32,
-    previous: u32,
-    /// This block's local hash (its key under `parent`).
-    local: u64,
-    /// Sorted by member, so a query's walk merges them with the ranks still
-    /// matching in one pass.
-    holders: SmallVec<[Held; 1]>,
-}
-
-impl Node {
-    fn holder(&self, member: u32) -> Result<usize, usize> {
-        self.holders
-            .binary_search_by_key(&member, |held| held.member)
-    }
-}
-
-/// A rank that holds a node, and in which tiers.
-#[derive(Clone, Copy, Debug)]
-struct Held {
-    member: u32,
-    tiers: u8,
-}
-
 /// A rank's engine hashes and the nodes they name.
 #[derive(Debug)]
 struct Member {
     key: RankKey,
-    blocks: FxHashMap<i64, u32>,
+    blocks: RankBlocks,
 }
 
 /// One rank's progress down a query's path.
@@ -134,7 +101,7 @@ pub struct DumpedBlock {
 #[derive(Debug)]
 pub struct Detached {
     member: Option<u32>,
-    blocks: FxHashMap<i64, u32>,
+    blocks: RankBlocks,
 }
 
 impl Detached {
@@ -152,7 +119,7 @@ impl Detached {
     pub fn into_nodes(self) -> DetachedNodes {
         DetachedNodes {
             member: self.member,
-            nodes: self.blocks.into_values().collect(),
+            nodes: self.blocks.into_nodes().collect(),
         }
     }
 }
@@ -183,18 +150,13 @@ impl DetachedNodes {
 /// The tree (see the module's invariants).
 #[derive(Debug)]
 pub struct Tree {
-    nodes: Vec<Node>,
-    free_nodes: Vec<u32>,
-    /// Every node but the root, found by (parent, local hash): only the
-    /// node's id is kept here, its key is read from `nodes` (4 bytes an
-    /// entry instead of 24).
-    children: hashbrown::HashTable<u32>,
-    /// Hashes (parent, local hash) with a per-process random seed, so
-    /// blocks crafted to collide cannot be chosen in advance.
-    child_hasher: foldhash::fast::RandomState,
+    nodes: Nodes,
+    children: Children,
     members: Vec<Option<Member>>,
     free_members: Vec<u32>,
     member_ids: FxHashMap<RankKey, u32>,
+    /// Seeds every rank's map of engine hashes alike, at random per process.
+    engine_hasher: foldhash::fast::RandomState,
     /// Engine hashes held, over every rank.
     held: u64,
 }
@@ -209,27 +171,19 @@ impl Tree {
     /// An empty tree.
     pub fn new() -> Self {
         Tree {
-            nodes: vec![Node {
-                parent: ROOT,
-                first_child: NONE,
-                next: NONE,
-                previous: NONE,
-                local: 0,
-                holders: SmallVec::new(),
-            }],
-            free_nodes: Vec::new(),
-            children: hashbrown::HashTable::new(),
-            child_hasher: foldhash::fast::RandomState::default(),
+            nodes: Nodes::new(Node::new(NONE, 0, NONE)),
+            children: Children::default(),
             members: Vec::new(),
             free_members: Vec::new(),
             member_ids: FxHashMap::with_hasher(FxBuildHasher),
+            engine_hasher: foldhash::fast::RandomState::default(),
             held: 0,
         }
     }
 
     /// Blocks in the tree (not counting the root).
     pub fn nodes(&self) -> usize {
-        self.nodes.len() - 1 - self.free_nodes.len()
+        self.nodes.len() - 1
     }
 
     /// Engine hashes held, over every rank: the live blocks.
@@ -267,7 +221,7 @@ impl Tree {
         }
         let member = Member {
             key,
-            blocks: FxHashMap::with_hasher(FxBuildHasher),
+            blocks: RankBlocks::with_hasher(self.engine_hasher.clone()),
         };
         let id = match self.free_members.pop() {
             Some(id) => {
@@ -275,8 +229,12 @@ impl Tree {
                 id
             }
             None => {
+                let id = u32::try_from(self.members.len())
+                    .ok()
+                    .filter(|&id| id < MAX_MEMBERS)
+                    .expect("the registry's limit keeps ranks far below 2^28");
                 self.members.push(Some(member));
-                (self.members.len() - 1) as u32
+                id
             }
         };
         self.member_ids.insert(key, id);
@@ -295,10 +253,10 @@ impl Tree {
         let member = self.member_id(key);
         let mut current = match parent {
             None => ROOT,
-            Some(parent) => match self.member(member).blocks.get(&parent) {
-                Some(&node)
+            Some(parent) => match self.member(member).blocks.get(parent) {
+                Some(node)
                     if tier != Tier::Device
-                        || self.tiers_of(node, member) & Tier::Device.bit() != 0 =>
+                        || self.nodes.tiers_of(node, member) & Tier::Device.bit() != 0 =>
                 {
                     node
                 }
@@ -323,17 +281,17 @@ impl Tree {
         };
         let mut removed = 0;
         for engine_hash in engine_hashes {
-            let Some(&node) = self.member(member).blocks.get(engine_hash) else {
+            let Some(node) = self.member(member).blocks.get(*engine_hash) else {
                 continue;
             };
-            let Ok(at) = self.nodes[node as usize].holder(member) else {
+            let Ok(at) = self.nodes.find_holder(node, member) else {
                 // Another engine hash of this rank named the same node and
                 // took the holder with it when it left (as Dynamo's tree does).
-                self.member_mut(member).blocks.remove(engine_hash);
+                self.member_mut(member).blocks.remove(*engine_hash);
                 self.held -= 1;
                 continue;
             };
-            if self.nodes[node as usize].holders[at].tiers & tier.bit() == 0 {
+            if self.nodes.holders(node)[at].tiers() & tier.bit() == 0 {
                 continue;
             }
             removed += 1;
@@ -349,14 +307,15 @@ impl Tree {
     /// Takes `tier` from `member`'s hold of `node` (named `engine_hash`),
     /// forgetting the hold and freeing the node when nothing is left.
     fn drop_tier(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
-        let Ok(at) = self.nodes[node as usize].holder(member) else {
+        let Ok(at) = self.nodes.find_holder(node, member) else {
             return;
         };
-        let holders = &mut self.nodes[node as usize].holders;
-        holders[at].tiers &= !tier.bit();
-        if holders[at].tiers == 0 {
-            holders.remove(at);
-            self.member_mut(member).blocks.remove(&engine_hash);
+        let tiers = self.nodes.holders(node)[at].tiers() & !tier.bit();
+        if tiers != 0 {
+            self.nodes.set_holder(node, at, Held::new(member, tiers));
+        } else {
+            self.nodes.remove_holder(node, at);
+            self.member_mut(member).blocks.remove(engine_hash);
             self.held -= 1;
             self.free_if_empty(node);
         }
@@ -368,13 +327,13 @@ impl Tree {
         let mut held_under = Vec::new();
         let mut stack = vec![node];
         while let Some(parent) = stack.pop() {
-            let mut child = self.nodes[parent as usize].first_child;
+            let mut child = self.nodes[parent].first_child;
             while child != NONE {
-                if self.tiers_of(child, member) & Tier::Device.bit() != 0 {
+                if self.nodes.tiers_of(child, member) & Tier::Device.bit() != 0 {
                     held_under.push(child);
                     stack.push(child);
                 }
-                child = self.nodes[child as usize].next;
+                child = self.nodes[child].next;
             }
         }
         if held_under.is_empty() {
@@ -386,7 +345,7 @@ impl Tree {
             .blocks
             .iter()
             .filter(|(_, node)| under.contains(node))
-            .map(|(&engine_hash, &node)| (node, engine_hash))
+            .map(|(engine_hash, node)| (node, engine_hash))
             .collect();
         // Leaves first, so no node is freed while a descendant is still held.
         for &under in held_under.iter().rev() {
@@ -419,7 +378,7 @@ impl Tree {
             },
             None => Detached {
                 member: None,
-                blocks: FxHashMap::default(),
+                blocks: RankBlocks::default(),
             },
         }
     }
@@ -460,10 +419,10 @@ impl Tree {
             let Some(node) = self.find_child(current, *local) else {
                 break;
             };
-            let holders = &self.nodes[node as usize].holders;
+            let holders = self.nodes.holders(node);
             if depth == 0 {
                 walking.extend(holders.iter().map(|held| Walk {
-                    member: held.member,
+                    member: held.member(),
                     phase: 0,
                     blocks: [0; 4],
                 }));
@@ -472,11 +431,11 @@ impl Tree {
             let mut at = 0;
             for index in 0..walking.len() {
                 let mut walk = walking[index];
-                while at < holders.len() && holders[at].member < walk.member {
+                while at < holders.len() && holders[at].member() < walk.member {
                     at += 1;
                 }
                 let tiers = match holders.get(at) {
-                    Some(held) if held.member == walk.member => held.tiers,
+                    Some(held) if held.member() == walk.member => held.tiers(),
                     _ => 0,
                 };
                 while walk.phase < ENDED && tiers & (1 << walk.phase) == 0 {
@@ -518,23 +477,21 @@ impl Tree {
         ranks.sort_unstable();
         for (key, member) in ranks {
             let blocks = &self.member(member).blocks;
-            let engine_hash_of: FxHashMap<u32, i64> = blocks
-                .iter()
-                .map(|(&engine, &node)| (node, engine))
-                .collect();
+            let engine_hash_of: FxHashMap<u32, i64> =
+                blocks.iter().map(|(engine, node)| (node, engine)).collect();
             let mut rows: Vec<(u32, i64, u32)> = blocks
                 .iter()
-                .map(|(&engine, &node)| (self.depth(node), engine, node))
+                .map(|(engine, node)| (self.depth(node), engine, node))
                 .collect();
             rows.sort_unstable();
             for (_, engine_hash, node) in rows {
-                let parent_node = self.nodes[node as usize].parent;
-                let tiers = self.tiers_of(node, member);
+                let parent_node = self.nodes[node].parent;
+                let tiers = self.nodes.tiers_of(node, member);
                 dumped.push(DumpedBlock {
                     key,
                     engine_hash,
                     parent: engine_hash_of.get(&parent_node).copied(),
-                    local_hash: self.nodes[node as usize].local,
+                    local_hash: self.nodes[node].local,
                     tiers: Tier::WALK
                         .into_iter()
                         .filter(|tier| tiers & tier.bit() != 0)
@@ -548,26 +505,15 @@ impl Tree {
     fn depth(&self, mut node: u32) -> u32 {
         let mut depth = 0;
         while node != ROOT {
-            node = self.nodes[node as usize].parent;
+            node = self.nodes[node].parent;
             depth += 1;
         }
         depth
     }
 
-    fn tiers_of(&self, node: u32, member: u32) -> u8 {
-        let node = &self.nodes[node as usize];
-        node.holder(member).map_or(0, |at| node.holders[at].tiers)
-    }
-
     /// The child of `parent` with `local`, if the tree has it.
     fn find_child(&self, parent: u32, local: u64) -> Option<u32> {
-        let hash = self.child_hasher.hash_one((parent, local));
-        self.children
-            .find(hash, |&id| {
-                let node = &self.nodes[id as usize];
-                node.parent == parent && node.local == local
-            })
-            .copied()
+        self.children.find(&self.nodes, parent, local)
     }
 
     /// The child of `parent` with `local`, made if missing.
@@ -575,35 +521,13 @@ impl Tree {
         if let Some(node) = self.find_child(parent, local) {
             return node;
         }
-        let next = self.nodes[parent as usize].first_child;
-        let node = Node {
-            parent,
-            first_child: NONE,
-            next,
-            previous: NONE,
-            local,
-            holders: SmallVec::new(),
-        };
-        let id = match self.free_nodes.pop() {
-            Some(id) => {
-                self.nodes[id as usize] = node;
-                id
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
-            }
-        };
+        let next = self.nodes[parent].first_child;
+        let id = self.nodes.add(Node::new(parent, local, next));
         if next != NONE {
-            self.nodes[next as usize].previous = id;
+            self.nodes[next].previous = id;
         }
-        self.nodes[parent as usize].first_child = id;
-        let hash = self.child_hasher.hash_one((parent, local));
-        let (nodes, hasher) = (&self.nodes, &self.child_hasher);
-        self.children.insert_unique(hash, id, |&id| {
-            let node = &nodes[id as usize];
-            hasher.hash_one((node.parent, node.local))
-        });
+        self.nodes[parent].first_child = id;
+        self.children.insert(&self.nodes, id);
         id
     }
 
@@ -611,17 +535,14 @@ impl Tree {
     /// named another node leaves it (after the new one is held, so the
     /// freeing of the old one cannot reach the new one).
     fn hold(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
-        let found = self.nodes[node as usize].holder(member);
-        let holders = &mut self.nodes[node as usize].holders;
-        match found {
-            Ok(at) => holders[at].tiers |= tier.bit(),
-            Err(at) => holders.insert(
-                at,
-                Held {
-                    member,
-                    tiers: tier.bit(),
-                },
-            ),
+        match self.nodes.find_holder(node, member) {
+            Ok(at) => {
+                let tiers = self.nodes.holders(node)[at].tiers() | tier.bit();
+                self.nodes.set_holder(node, at, Held::new(member, tiers));
+            }
+            Err(at) => self
+                .nodes
+                .insert_holder(node, at, Held::new(member, tier.bit())),
         }
         match self.member_mut(member).blocks.insert(engine_hash, node) {
             None => self.held += 1,
@@ -632,8 +553,8 @@ impl Tree {
 
     /// Drops `member` from `node`'s holders (every tier), freeing what is left empty.
     fn release(&mut self, node: u32, member: u32) {
-        if let Ok(at) = self.nodes[node as usize].holder(member) {
-            self.nodes[node as usize].holders.remove(at);
+        if let Ok(at) = self.nodes.find_holder(node, member) {
+            self.nodes.remove_holder(node, at);
         }
         self.free_if_empty(node);
     }
@@ -641,26 +562,21 @@ impl Tree {
     /// Frees `node` and then each ancestor while it has no holder and no child.
     fn free_if_empty(&mut self, mut node: u32) {
         while node != ROOT {
-            let empty = &self.nodes[node as usize];
-            if !empty.holders.is_empty() || empty.first_child != NONE {
+            if !self.nodes.holders(node).is_empty() || self.nodes[node].first_child != NONE {
                 return;
             }
-            let (parent, local, next, previous) =
-                (empty.parent, empty.local, empty.next, empty.previous);
-            let hash = self.child_hasher.hash_one((parent, local));
-            if let Ok(entry) = self.children.find_entry(hash, |&id| id == node) {
-                entry.remove();
-            }
+            let empty = &self.nodes[node];
+            let (parent, next, previous) = (empty.parent, empty.next, empty.previous);
+            self.children.remove(&self.nodes, node);
             if previous == NONE {
-                self.nodes[parent as usize].first_child = next;
+                self.nodes[parent].first_child = next;
             } else {
-                self.nodes[previous as usize].next = next;
+                self.nodes[previous].next = next;
             }
             if next != NONE {
-                self.nodes[next as usize].previous = previous;
+                self.nodes[next].previous = previous;
             }
-            self.nodes[node as usize].holders = SmallVec::new();
-            self.free_nodes.push(node);
+            self.nodes.free(node);
             node = parent;
         }
     }

@@ -1,0 +1,277 @@
+//! The tree's nodes: where they live and which ranks hold each.
+//!
+//! Invariants:
+//! - A node takes 32 bytes: its local hash, its parent, its sibling links
+//!   and its holders, the one holder most blocks have kept inline and
+//!   several moved to a list of their own.
+//! - Nodes live in chunks of [`CHUNK`] that never move, so growing the tree
+//!   copies nothing under the writer's lock and leaves no slack past the
+//!   last chunk (a vector that doubles would copy every node and, right
+//!   after, hold twice what it uses).
+//! - A node's holders are sorted by member, a member at most once, each
+//!   with at least one tier.
+
+use super::tier::Tier;
+
+/// No node (the end of a sibling list, or no parent).
+pub const NONE: u32 = u32::MAX;
+
+/// Nodes per chunk (1 MiB of nodes).
+const CHUNK_BITS: u32 = 15;
+const CHUNK: usize = 1 << CHUNK_BITS;
+
+/// Member ids are below this (28 bits, the rest of a [`Held`] is its tiers).
+pub const MAX_MEMBERS: u32 = (1 << 28) - 1;
+
+/// A member and the tiers it holds a node in, in one word: the member in the
+/// high 28 bits (so words sort by member), the tiers in the low 4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Held(u32);
+
+/// No holder, in a node's inline slot.
+const EMPTY: Held = Held(u32::MAX);
+
+impl Held {
+    /// `member` holding in `tiers` (bits of [`Tier::bit`]).
+    pub fn new(member: u32, tiers: u8) -> Self {
+        debug_assert!(member < MAX_MEMBERS && tiers <= 0xF);
+        Held(member << 4 | u32::from(tiers))
+    }
+
+    /// Who holds.
+    pub fn member(self) -> u32 {
+        self.0 >> 4
+    }
+
+    /// In which tiers.
+    pub fn tiers(self) -> u8 {
+        (self.0 & 0xF) as u8
+    }
+}
+
+const _: () = assert!(Tier::WALK.len() <= 4);
+
+/// One block in the tree.
+#[derive(Debug)]
+pub struct Node {
+    /// This block's local hash (its key under `parent`).
+    pub local: u64,
+    pub parent: u32,
+    /// The first of its children ([`NONE`] for a leaf), linked through
+    /// `next` and `previous`, so a removal can reach a rank's blocks under it.
+    pub first_child: u32,
+    pub next: u32,
+    pub previous: u32,
+    /// The one holder, or [`EMPTY`] when there are none or several.
+    holder: Held,
+    /// Where several holders are listed, or [`NONE`].
+    several: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<Node>() == 32);
+
+impl Node {
+    /// A node with no holder and no child.
+    pub fn new(parent: u32, local: u64, next: u32) -> Self {
+        Node {
+            local,
+            parent,
+            first_child: NONE,
+            next,
+            previous: NONE,
+            holder: EMPTY,
+            several: NONE,
+        }
+    }
+}
+
+/// Every node, and the holder lists of those held by several ranks.
+#[derive(Debug)]
+pub struct Nodes {
+    chunks: Vec<Vec<Node>>,
+    free: Vec<u32>,
+    lists: Vec<Vec<Held>>,
+    free_lists: Vec<u32>,
+}
+
+impl Nodes {
+    /// Storage holding `root` as node 0.
+    pub fn new(root: Node) -> Self {
+        let mut first = Vec::with_capacity(CHUNK);
+        first.push(root);
+        Nodes {
+            chunks: vec![first],
+            free: Vec::new(),
+            lists: Vec::new(),
+            free_lists: Vec::new(),
+        }
+    }
+
+    /// Nodes in use, the root included.
+    pub fn len(&self) -> usize {
+        (self.chunks.len() - 1) * CHUNK + self.chunks.last().map_or(0, Vec::len) - self.free.len()
+    }
+
+    /// Stores `node`; returns its id.
+    pub fn add(&mut self, node: Node) -> u32 {
+        if let Some(id) = self.free.pop() {
+            self[id] = node;
+            return id;
+        }
+        if self.chunks.last().is_none_or(|chunk| chunk.len() == CHUNK) {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        let chunk_count = self.chunks.len();
+        let chunk = self.chunks.last_mut().expect("a chunk was just ensured");
+        chunk.push(node);
+        u32::try_from((chunk_count - 1) * CHUNK + chunk.len() - 1)
+            .ok()
+            .filter(|&id| id != NONE)
+            .expect("fewer than 2^32 - 1 nodes")
+    }
+
+    /// Frees `id` (which has no holder left) for reuse.
+    pub fn free(&mut self, id: u32) {
+        debug_assert!(self.holders(id).is_empty());
+        self.free.push(id);
+    }
+
+    /// `id`'s holders, sorted by member.
+    pub fn holders(&self, id: u32) -> &[Held] {
+        let node = &self[id];
+        if node.several != NONE {
+            &self.lists[node.several as usize]
+        } else if node.holder != EMPTY {
+            std::slice::from_ref(&node.holder)
+        } else {
+            &[]
+        }
+    }
+
+    /// Where `member` is (or would go) in `id`'s holders.
+    pub fn find_holder(&self, id: u32, member: u32) -> Result<usize, usize> {
+        self.holders(id)
+            .binary_search_by_key(&member, |held| held.member())
+    }
+
+    /// The tiers `member` holds `id` in (0 for none).
+    pub fn tiers_of(&self, id: u32, member: u32) -> u8 {
+        self.find_holder(id, member)
+            .map_or(0, |at| self.holders(id)[at].tiers())
+    }
+
+    /// Replaces the holder at `at` (same member).
+    pub fn set_holder(&mut self, id: u32, at: usize, held: Held) {
+        let several = self[id].several;
+        if several == NONE {
+            self[id].holder = held;
+        } else {
+            self.lists[several as usize][at] = held;
+        }
+    }
+
+    /// Inserts `held` at `at` (from [`Nodes::find_holder`]'s `Err`).
+    pub fn insert_holder(&mut self, id: u32, at: usize, held: Held) {
+        let node = &self[id];
+        if node.several != NONE {
+            let several = node.several as usize;
+            self.lists[several].insert(at, held);
+        } else if node.holder == EMPTY {
+            self[id].holder = held;
+        } else {
+            let mut list = Vec::with_capacity(2);
+            list.push(node.holder);
+            list.insert(at, held);
+            let several = match self.free_lists.pop() {
+                Some(slot) => {
+                    self.lists[slot as usize] = list;
+                    slot
+                }
+                None => {
+                    self.lists.push(list);
+                    u32::try_from(self.lists.len() - 1).expect("fewer than 2^32 holder lists")
+                }
+            };
+            let node = &mut self[id];
+            node.holder = EMPTY;
+            node.several = several;
+        }
+    }
+
+    /// Removes the holder at `at`.
+    pub fn remove_holder(&mut self, id: u32, at: usize) {
+        let several = self[id].several;
+        if several == NONE {
+            self[id].holder = EMPTY;
+            return;
+        }
+        let list = &mut self.lists[several as usize];
+        list.remove(at);
+        if list.len() == 1 {
+            let last = list[0];
+            self.lists[several as usize] = Vec::new();
+            self.free_lists.push(several);
+            let node = &mut self[id];
+            node.holder = last;
+            node.several = NONE;
+        }
+    }
+}
+
+impl std::ops::Index<u32> for Nodes {
+    type Output = Node;
+
+    fn index(&self, id: u32) -> &Node {
+        &self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Nodes {
+    fn index_mut(&mut self, id: u32) -> &mut Node {
+        &mut self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holders_stay_sorted_by_member_from_one_to_several_and_back() {
+        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE));
+        let id = nodes.add(Node::new(0, 9, NONE));
+        for member in [5, 1, 9, 3] {
+            let at = nodes.find_holder(id, member).unwrap_err();
+            nodes.insert_holder(id, at, Held::new(member, 1));
+        }
+        let members = |nodes: &Nodes| -> Vec<u32> {
+            nodes.holders(id).iter().map(|held| held.member()).collect()
+        };
+        assert_eq!(members(&nodes), [1, 3, 5, 9]);
+        let at = nodes.find_holder(id, 5).unwrap();
+        nodes.set_holder(id, at, Held::new(5, 0b1010));
+        assert_eq!(nodes.tiers_of(id, 5), 0b1010);
+        for member in [1, 9, 3] {
+            let at = nodes.find_holder(id, member).unwrap();
+            nodes.remove_holder(id, at);
+        }
+        assert_eq!(members(&nodes), [5]);
+        assert_eq!(nodes.tiers_of(id, 5), 0b1010);
+        nodes.remove_holder(id, 0);
+        assert!(nodes.holders(id).is_empty());
+    }
+
+    #[test]
+    fn ids_cross_chunks_and_freed_ids_are_reused() {
+        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE));
+        let ids: Vec<u32> = (0..CHUNK as u64 + 10)
+            .map(|local| nodes.add(Node::new(0, local, NONE)))
+            .collect();
+        assert_eq!(nodes.len(), CHUNK + 11);
+        assert_eq!(nodes[ids[CHUNK + 5]].local, CHUNK as u64 + 5);
+        nodes.free(ids[3]);
+        assert_eq!(nodes.len(), CHUNK + 10);
+        assert_eq!(nodes.add(Node::new(0, 77, NONE)), ids[3]);
+        assert_eq!(nodes[ids[3]].local, 77);
+    }
+}
