@@ -430,7 +430,9 @@ impl Tree {
             let mut kept = 0;
             let mut at = 0;
             for index in 0..walking.len() {
-                let mut walk = walking[index];
+                // Updated in place: a copy updated and stored back stalled
+                // on each store's forwarding to the next load.
+                let walk = &mut walking[index];
                 while at < holders.len() && holders[at].member() < walk.member {
                     at += 1;
                 }
@@ -443,10 +445,12 @@ impl Tree {
                 }
                 if walk.phase < ENDED {
                     walk.blocks[walk.phase] += 1;
-                    walking[kept] = walk;
+                    if kept != index {
+                        walking[kept] = walking[index];
+                    }
                     kept += 1;
                 } else {
-                    ended.push(walk);
+                    ended.push(*walk);
                 }
             }
             walking.truncate(kept);

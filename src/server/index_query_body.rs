@@ -220,22 +220,29 @@ impl<'a> Reader<'a> {
         if negative {
             self.at += 1;
         }
-        let start = self.at;
-        let mut magnitude: u64 = 0;
-        while let Some(digit @ b'0'..=b'9') = self.peek() {
-            magnitude = magnitude
-                .checked_mul(10)?
-                .checked_add(u64::from(digit - b'0'))?;
-            self.at += 1;
-        }
-        let digits = self.at - start;
-        let leading_zero = digits > 1 && self.body[start] == b'0';
-        if digits == 0 || leading_zero || matches!(self.peek(), Some(b'.' | b'e' | b'E')) {
+        let digits = &self.body[self.at..];
+        let count = digits
+            .iter()
+            .position(|byte| !byte.is_ascii_digit())
+            .unwrap_or(digits.len());
+        // Up to 19 digits fit a u64 without a check per digit; longer
+        // numbers (none in range past 20) are left to serde.
+        if count == 0 || count > MAX_DIGITS || (count > 1 && digits[0] == b'0') {
             return None;
         }
+        if matches!(digits.get(count), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        let magnitude = digits[..count].iter().fold(0u64, |magnitude, digit| {
+            magnitude * 10 + u64::from(digit - b'0')
+        });
+        self.at += count;
         T::from_decimal(negative, magnitude)
     }
 }
+
+/// The most digits read by hand: every 19-digit number fits a u64.
+const MAX_DIGITS: usize = 19;
 
 #[cfg(test)]
 mod tests {
