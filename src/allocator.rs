@@ -69,6 +69,25 @@ pub fn tune() -> Vec<&'static str> {
     Vec::new()
 }
 
+/// Hands every free page of every heap back to the kernel (`malloc_trim`),
+/// however large [`TRIM_THRESHOLD`] lets a heap's free memory grow. For a
+/// process whose memory is one structure that a burst builds (the fleet
+/// index: tables that doubled, a burst's messages in flight), so what it
+/// holds afterwards is that structure, not the burst's garbage. Takes
+/// each heap's lock in turn: call it off the serving path.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn return_free_pages() {
+    // SAFETY: malloc_trim only walks malloc's own free lists, under
+    // malloc's locks, and any pad is valid.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Another C library keeps its own ways.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn return_free_pages() {}
+
 /// Where the kernel says which memory gets transparent huge pages: all,
 /// only what asks (`madvise`, most distributions' default), or none.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -9,9 +9,14 @@
 //! step and their nodes released in steps). A device removal also takes the
 //! rank's device blocks under the removed one in the same step.
 //! Its input queue is bounded, so a worker's feed waits for it rather than
-//! growing memory.
+//! growing memory. Once the queue has stayed dry for
+//! [`QUIET_BEFORE_TRIM`] after a burst, the heap's free pages go back to the
+//! kernel, on a blocking thread (a steady flow never trims, so it never
+//! faults the same pages in again): the index's memory is then its trees, not the burst's
+//! garbage.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 
@@ -55,10 +60,28 @@ pub fn queue() -> (mpsc::Sender<IndexInput>, mpsc::Receiver<IndexInput>) {
     mpsc::channel(QUEUE_DEPTH)
 }
 
+/// How long the queue stays dry before the heap's free pages go back.
+pub const QUIET_BEFORE_TRIM: Duration = Duration::from_millis(100);
+
 /// Applies everything the queue brings until every sender is gone.
 pub async fn run(mut inputs: mpsc::Receiver<IndexInput>) {
-    while let Some(input) = inputs.recv().await {
+    let mut applied_since_trim = false;
+    loop {
+        let input = if applied_since_trim {
+            match tokio::time::timeout(QUIET_BEFORE_TRIM, inputs.recv()).await {
+                Ok(input) => input,
+                Err(_quiet) => {
+                    applied_since_trim = false;
+                    tokio::task::spawn_blocking(crate::allocator::return_free_pages);
+                    continue;
+                }
+            }
+        } else {
+            inputs.recv().await
+        };
+        let Some(input) = input else { break };
         apply(input);
+        applied_since_trim = true;
         // A long queue is applied without starving the runtime's other tasks.
         tokio::task::consume_budget().await;
     }
