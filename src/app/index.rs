@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::cli::IndexArgs;
+use crate::index::feed::sidecar::{self, SidecarSettings, SidecarTrust};
 use crate::index::partition::PartitionKey;
 use crate::index::registry::{FeedSettings, Registration, Registry, RegistryLimits};
 use crate::index::writer;
@@ -24,6 +25,11 @@ pub struct Index {
 impl Index {
     /// Binds the port and registers the workers `args` names.
     pub async fn start(args: IndexArgs) -> anyhow::Result<Self> {
+        let trust = SidecarTrust {
+            ca_file: args.worker_ca_file.clone(),
+            token_file: args.worker_token_file.clone(),
+        };
+        check_trust(&trust)?;
         let (queue, inputs) = writer::queue();
         let writer = tokio::spawn(writer::run(inputs));
         let registry = Arc::new(Registry::new(
@@ -32,6 +38,11 @@ impl Index {
                 replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
                 max_message_bytes: usize::try_from(args.zmq_max_message_bytes)
                     .unwrap_or(usize::MAX),
+                sidecar: SidecarSettings {
+                    trust,
+                    service: args.worker_service.clone(),
+                    max_ranks: args.index_max_sidecar_ranks,
+                },
             },
             RegistryLimits {
                 max_worker_ranks: usize::try_from(args.index_max_worker_ranks)
@@ -52,7 +63,7 @@ impl Index {
                             routing_group: args.routing_group.clone(),
                         },
                         block_size,
-                        endpoint: worker.endpoint.to_string(),
+                        endpoint: worker.endpoint.clone(),
                         replay_endpoint: None,
                     })
                     .map_err(|refused| {
@@ -89,6 +100,21 @@ impl Index {
         self.writer.abort();
         Ok(())
     }
+}
+
+/// Fails at start, naming the flag, when a sidecar credential cannot be
+/// read: every registration would be refused for it.
+fn check_trust(trust: &SidecarTrust) -> anyhow::Result<()> {
+    let scheme = if trust.ca_file.is_some() {
+        "grpcs"
+    } else if trust.token_file.is_some() {
+        "grpc"
+    } else {
+        return Ok(());
+    };
+    sidecar::target(&format!("{scheme}://localhost:1"), trust)
+        .map(drop)
+        .map_err(|error| crate::usage_error::UsageError(error).into())
 }
 
 /// Runs `kvgate index` until `shutdown`.

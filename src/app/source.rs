@@ -413,7 +413,8 @@ pub(super) async fn start_source(
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {
-                upstream::run(config, events, metrics, ready, stop).await;
+                let mut watcher = upstream::DrainWatcher::new(&config, metrics, ready);
+                upstream::run(config, events, &mut watcher, stop).await;
                 Ok(())
             });
             Ok(None)

@@ -9,16 +9,17 @@
 //! refuses is counted and changes nothing. What the feed knows of its
 //! source is in its [`FeedStatus`], updated as it happens.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::partition::Partition;
-use super::tree::RankKey;
-use super::writer::IndexInput;
+use super::{FeedPhase, FeedStatus};
+use crate::index::partition::Partition;
+use crate::index::tree::RankKey;
+use crate::index::writer::IndexInput;
 use crate::convert::{Alignment, Converter, Tally, UnnamedGroups};
 use crate::metrics::Metrics;
 use crate::source::SourceEvent;
@@ -37,98 +38,6 @@ pub struct ZmqFeedConfig {
     pub replay_timeout: Duration,
     /// Largest message accepted from the publisher.
     pub max_message_bytes: usize,
-}
-
-/// Where a feed is with its source.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FeedPhase {
-    /// Connecting to the publisher, never connected yet (Dynamo's `pending`).
-    Connecting,
-    /// Connected; messages flow (Dynamo's `active`).
-    Connected,
-    /// Was connected; the publisher went away, the socket redials (Dynamo's
-    /// `pending`).
-    Disconnected,
-    /// The source stopped and will not come back (Dynamo's `failed`).
-    Failed,
-}
-
-impl FeedPhase {
-    /// Dynamo's name for it.
-    pub const fn dynamo_status(self) -> &'static str {
-        match self {
-            FeedPhase::Connecting | FeedPhase::Disconnected => "pending",
-            FeedPhase::Connected => "active",
-            FeedPhase::Failed => "failed",
-        }
-    }
-
-    /// kvgate's own name for it.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            FeedPhase::Connecting => "connecting",
-            FeedPhase::Connected => "connected",
-            FeedPhase::Disconnected => "disconnected",
-            FeedPhase::Failed => "failed",
-        }
-    }
-}
-
-/// What a feed reports.
-#[derive(Clone, Debug)]
-pub struct FeedState {
-    /// Where it is.
-    pub phase: FeedPhase,
-    /// When it entered its phase.
-    pub since: SystemTime,
-    /// Why it failed or disconnected.
-    pub error: Option<String>,
-    /// Engine payloads converted and applied.
-    pub payloads: u64,
-    /// Payloads the converter refused.
-    pub bad_payloads: u64,
-    /// Publisher restarts seen (each cleared the rank).
-    pub publisher_restarts: u64,
-    /// When the last payload arrived.
-    pub last_payload: Option<SystemTime>,
-}
-
-/// A feed's state, shared with whoever reports it.
-#[derive(Debug)]
-pub struct FeedStatus(Mutex<FeedState>);
-
-impl Default for FeedStatus {
-    fn default() -> Self {
-        FeedStatus(Mutex::new(FeedState {
-            phase: FeedPhase::Connecting,
-            since: SystemTime::now(),
-            error: None,
-            payloads: 0,
-            bad_payloads: 0,
-            publisher_restarts: 0,
-            last_payload: None,
-        }))
-    }
-}
-
-impl FeedStatus {
-    /// A copy of the state now.
-    pub fn now(&self) -> FeedState {
-        self.lock().clone()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, FeedState> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn enter(&self, phase: FeedPhase, error: Option<String>) {
-        let mut state = self.lock();
-        state.phase = phase;
-        state.since = SystemTime::now();
-        state.error = error;
-    }
 }
 
 /// Events a source may queue before its socket task waits for the feed.
