@@ -121,8 +121,12 @@ pub struct IndexArgs {
     pub worker_token_file: Option<PathBuf>,
 
     /// The service name grpc:// workers are called on (SubscribeKvEvents).
-    #[arg(long, env = "KVGATE_WORKER_SERVICE", default_value = "kvgate.v1.KvGate",
-          value_name = "NAME")]
+    #[arg(
+        long,
+        env = "KVGATE_WORKER_SERVICE",
+        default_value = "kvgate.v1.KvGate",
+        value_name = "NAME"
+    )]
     pub worker_service: String,
 
     /// Most milliseconds one replay request to a worker's replay endpoint

@@ -179,6 +179,7 @@ pub(super) async fn choose_source(
             target: Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
             service: args.upstream_service.clone(),
             dp_size: args.dp_size,
+            answer_timeout: None,
         };
         return Ok((SourceConfig::Upstream(config), None));
     }

@@ -79,9 +79,13 @@ pub enum RegisterError {
     },
     #[error("{0}")]
     BadEndpoint(String),
-    #[error("instance {instance_id} is already registered: a grpc:// worker is registered once, for every rank, and no ZMQ rank is added to it")]
+    #[error(
+        "instance {instance_id} is already registered: a grpc:// worker is registered once, for every rank, and no ZMQ rank is added to it"
+    )]
     SidecarConflict { instance_id: WorkerId },
-    #[error("dp_rank is not taken with a grpc:// endpoint: one registration covers every rank of the engine")]
+    #[error(
+        "dp_rank is not taken with a grpc:// endpoint: one registration covers every rank of the engine"
+    )]
     RankOfSidecar,
     #[error("limit reached: --index-max-worker-ranks is {0}")]
     TooManyWorkerRanks(usize),
@@ -101,7 +105,9 @@ pub enum UnregisterError {
     },
     #[error("instance {instance_id} dp_rank {dp_rank} not found")]
     UnknownRank { instance_id: WorkerId, dp_rank: u32 },
-    #[error("instance {instance_id} is a grpc:// worker: it is unregistered whole, without dp_rank")]
+    #[error(
+        "instance {instance_id} is a grpc:// worker: it is unregistered whole, without dp_rank"
+    )]
     RankOfSidecar { instance_id: WorkerId },
 }
 
@@ -477,7 +483,9 @@ impl WorkerEntry {
         let ranks = std::mem::take(&mut self.ranks)
             .into_iter()
             .map(|(rank, entry)| (Some(rank), entry));
-        ranks.chain(self.sidecar.take().map(|entry| (None, entry))).collect()
+        ranks
+            .chain(self.sidecar.take().map(|entry| (None, entry)))
+            .collect()
     }
 }
 

@@ -364,8 +364,10 @@ fn worker_info(worker: WorkerReport) -> WorkerInfo {
         for (&rank, &cursor) in &progress.cursors {
             info.endpoints
                 .insert(rank.to_string(), report.endpoint.clone());
-            info.listeners
-                .insert(rank.to_string(), listener_info(report.clone(), Some(cursor)));
+            info.listeners.insert(
+                rank.to_string(),
+                listener_info(report.clone(), Some(cursor)),
+            );
         }
         return info;
     }

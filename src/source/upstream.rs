@@ -46,6 +46,11 @@ pub struct UpstreamConfig {
     pub service: String,
     /// The ranks served are `0..dp_size`.
     pub dp_size: u32,
+    /// How long a call may wait for the upstream's answer (its headers)
+    /// before it is abandoned and retried; `None` waits as long as the
+    /// connection lives (an engine's own server may hold its headers until
+    /// its first batch).
+    pub answer_timeout: Option<std::time::Duration>,
 }
 
 /// What the drain gets of a batch admitted with `verdict`: the reset the
@@ -96,7 +101,11 @@ pub(crate) struct DrainWatcher {
 }
 
 impl DrainWatcher {
-    pub(crate) fn new(config: &UpstreamConfig, metrics: Metrics, ready: watch::Sender<bool>) -> Self {
+    pub(crate) fn new(
+        config: &UpstreamConfig,
+        metrics: Metrics,
+        ready: watch::Sender<bool>,
+    ) -> Self {
         DrainWatcher {
             metrics,
             ready,
@@ -142,11 +151,6 @@ impl Watcher for DrainWatcher {
         }
     }
 }
-
-/// How long an upstream may take to answer a call with its headers (the
-/// contract asks for 2 s): past it the call is abandoned and retried, so a
-/// peer that accepts connections and never answers holds nothing.
-pub(crate) const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Subscribes to the upstream until `stop` is cancelled (or the drain is
 /// gone), forwarding admitted events to the drain.
@@ -207,7 +211,7 @@ pub(crate) enum Interruption {
     Ended,
     #[error("a gap in the upstream's numbers")]
     Gap,
-    #[error("the upstream did not answer the call within {} s", ANSWER_TIMEOUT.as_secs())]
+    #[error("the upstream did not answer the call in time")]
     Unanswered,
 }
 
@@ -219,12 +223,20 @@ async fn follow(
 ) -> Outcome {
     let from = cursors.resume_from();
     let call = async {
-        let channel = config.target.connect().await.map_err(Interruption::Connect)?;
+        let channel = config
+            .target
+            .connect()
+            .await
+            .map_err(Interruption::Connect)?;
         crate::client::subscribe(channel, &config.service, from)
             .await
             .map_err(Interruption::Refused)
     };
-    let mut stream = match tokio::time::timeout(ANSWER_TIMEOUT, call).await {
+    let answered = match config.answer_timeout {
+        Some(timeout) => tokio::time::timeout(timeout, call).await,
+        None => Ok(call.await),
+    };
+    let mut stream = match answered {
         Ok(Ok(stream)) => stream,
         Ok(Err(Interruption::Refused(status)))
             if matches!(status.code(), Code::OutOfRange | Code::DataLoss) =>

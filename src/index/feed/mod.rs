@@ -136,4 +136,3 @@ impl FeedStatus {
         state.error = error;
     }
 }
-

@@ -102,6 +102,11 @@ pub fn target(endpoint: &str, trust: &SidecarTrust) -> Result<Target, String> {
     Target::new(&uri, &paths, WORKER_FLAGS, token).map_err(|error| format!("{error:#}"))
 }
 
+/// How long a sidecar may take to answer a call with its headers (the
+/// contract asks for 2 s): past it the call is abandoned and retried, so a
+/// peer that accepts connections and never answers shows as such.
+pub const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Events a subscription may queue before it waits for the writer.
 const SOURCE_QUEUE_DEPTH: usize = 256;
 
@@ -122,6 +127,7 @@ pub async fn run(
         target,
         service: settings.service,
         dp_size: settings.max_ranks,
+        answer_timeout: Some(ANSWER_TIMEOUT),
     };
     let mut watcher = StatusWatcher {
         status: Arc::clone(&status),

@@ -17,10 +17,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{FeedPhase, FeedStatus};
+use crate::convert::{Alignment, Converter, Tally, UnnamedGroups};
 use crate::index::partition::Partition;
 use crate::index::tree::RankKey;
 use crate::index::writer::IndexInput;
-use crate::convert::{Alignment, Converter, Tally, UnnamedGroups};
 use crate::metrics::Metrics;
 use crate::source::SourceEvent;
 use crate::source::replay::FetchBounds;
