@@ -126,6 +126,14 @@ impl Engine {
         sidecar.await_serving("").await;
         sidecar
     }
+
+    /// A sidecar on this engine with `extra` flags, once it listens.
+    fn sidecar_with(&self, extra: &[&str]) -> Gateway {
+        let mut args = self.sidecar_args(None);
+        args.extend(extra.iter().map(|arg| (*arg).to_owned()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Gateway::start(&args)
+    }
 }
 
 /// A TCP proxy between the index and a sidecar: its target can change (a
@@ -649,4 +657,88 @@ async fn a_hostile_grpc_worker_is_counted_and_said_why_while_other_workers_stay_
     );
     engine.steps(10).await;
     await_exact(address, 7, &mut engine, "the good worker beside them").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grpcs_worker_is_followed_over_tls_with_the_token_and_each_missing_credential_is_named()
+ {
+    use common::pki::{Authority, Files};
+    let authority = Authority::new("sidecar CA");
+    let server = authority.server();
+    let files = Files::new();
+    let cert = files.write("cert.pem", &server.cert);
+    let key = files.write("key.pem", &server.key);
+    let ca = files.write("ca.pem", &authority.pem());
+    let tokens = files.write("tokens", "index-secret\n");
+    let mut engine = Engine::new(1, 3).await;
+    let sidecar = engine.sidecar_with(&[
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+        "--auth-token-file",
+        tokens.to_str().unwrap(),
+    ]);
+    engine.steps(10).await;
+    let workers = format!("9=grpcs://localhost:{}", sidecar.address.port());
+    let trusted = [
+        "--workers",
+        &workers,
+        "--model-name",
+        "m",
+        "--block-size",
+        "4",
+        "--worker-ca-file",
+        ca.to_str().unwrap(),
+    ];
+    let token_flags = ["--worker-token-file", tokens.to_str().unwrap()];
+    let index = IndexProcess::start(&[&trusted[..], &token_flags[..]].concat());
+    await_exact(index.address, 9, &mut engine, "over TLS with the token").await;
+
+    // Without the token the sidecar refuses every call, and /workers says so.
+    let tokenless = IndexProcess::start(&trusted);
+    poll_until("the refusal is reported", DEADLINE, || {
+        let report = tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(worker_report(tokenless.address, 9))
+        });
+        report["kvgate"]["reason"]
+            .as_str()
+            .is_some_and(|why| why.contains("UNAUTHENTICATED"))
+    })
+    .await;
+    assert!(indexed(tokenless.address, 9).await.is_empty());
+
+    // Without a CA a grpcs:// registration is refused naming the flag.
+    let untrusting = IndexProcess::start(&[]);
+    let (status, answer) = post(
+        untrusting.address,
+        "/register",
+        json!({
+            "instance_id": 9,
+            "endpoint": format!("grpcs://localhost:{}", sidecar.address.port()),
+            "model_name": "m",
+            "block_size": BLOCK_SIZE,
+        }),
+    )
+    .await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["error"].as_str().unwrap().contains("--worker-ca-file"),
+        "{answer}"
+    );
+
+    // A credential that cannot be read fails the start, naming its flag.
+    let missing = files.path("missing.pem");
+    let output = common::output_within_deadline(
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+            .args(["index", "--listen", "127.0.0.1:0", "--worker-ca-file"])
+            .arg(&missing)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--worker-ca-file"), "{stderr}");
 }
