@@ -660,8 +660,7 @@ async fn a_hostile_grpc_worker_is_counted_and_said_why_while_other_workers_stay_
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_grpcs_worker_is_followed_over_tls_with_the_token_and_each_missing_credential_is_named()
- {
+async fn a_grpcs_worker_is_followed_over_tls_with_the_token_and_each_missing_credential_is_named() {
     use common::pki::{Authority, Files};
     let authority = Authority::new("sidecar CA");
     let server = authority.server();
@@ -723,7 +722,10 @@ async fn a_grpcs_worker_is_followed_over_tls_with_the_token_and_each_missing_cre
     .await;
     assert_eq!(status, 400, "{answer}");
     assert!(
-        answer["error"].as_str().unwrap().contains("--worker-ca-file"),
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .contains("--worker-ca-file"),
         "{answer}"
     );
 

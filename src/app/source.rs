@@ -127,6 +127,7 @@ pub(super) async fn choose_source(
         moves: Vec::new(),
         any_topic: false,
         link: None,
+        replaying: None,
     };
     if args.demo {
         // With a replay endpoint, like a well-configured engine: kvgate

@@ -40,6 +40,16 @@ pub struct ZmqFeedConfig {
     pub max_message_bytes: usize,
 }
 
+/// A connected feed's phase: catching up while it fetches from the replay
+/// endpoint (priming, or filling a hole).
+fn connected(replaying: bool) -> FeedPhase {
+    if replaying {
+        FeedPhase::CatchingUp
+    } else {
+        FeedPhase::Connected
+    }
+}
+
 /// Events a source may queue before its socket task waits for the feed.
 const SOURCE_QUEUE_DEPTH: usize = 256;
 
@@ -64,6 +74,7 @@ pub async fn run(
     let (events_tx, mut events) = mpsc::channel(SOURCE_QUEUE_DEPTH);
     let (ready_tx, _) = watch::channel(false);
     let (link_tx, mut link) = watch::channel(false);
+    let (replaying_tx, mut replaying) = watch::channel(false);
     let source = ZmqSourceConfig {
         endpoint: RankEndpoints::Offset(config.endpoint),
         replay_endpoint: config.replay_endpoint.map(RankEndpoints::Offset),
@@ -79,6 +90,7 @@ pub async fn run(
         // Dynamo's indexer takes every topic a worker publishes under.
         any_topic: true,
         link: Some(link_tx),
+        replaying: Some(replaying_tx),
     };
     if let Err(error) = source
         .start(events_tx, Metrics::default(), ready_tx, &supervisor)
@@ -103,12 +115,18 @@ pub async fn run(
             }
             Ok(()) = link.changed() => {
                 if *link.borrow_and_update() {
-                    status.enter(FeedPhase::Connected, None);
+                    status.enter(connected(*replaying.borrow()), None);
                 } else {
                     status.enter(
                         FeedPhase::Disconnected,
                         Some("the publisher closed the connection; redialling".to_owned()),
                     );
+                }
+            }
+            Ok(()) = replaying.changed() => {
+                let fetching = *replaying.borrow_and_update();
+                if *link.borrow() {
+                    status.enter(connected(fetching), None);
                 }
             }
             event = events.recv() => {
