@@ -379,6 +379,39 @@ async fn a_sidecar_killed_and_restarted_without_a_state_dir_is_taken_again_by_sn
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_refused_cursor_clears_the_worker_even_when_the_new_sidecar_has_no_snapshot_to_send() {
+    let (mut engine, sidecar, proxy, index) = fleet(None).await;
+    let snapshots = counter(index.address, 7, "snapshots").await;
+    // The sidecar and its engine restart together: the engine's cache and
+    // replay rings are empty, so the new sidecar has nothing to snapshot.
+    drop(sidecar);
+    for (rank, seed) in engine.ranks.iter_mut().zip(50..) {
+        rank.publisher.restart();
+        rank.cache = cache(seed);
+    }
+    let sidecar = engine.sidecar(None).await;
+    proxy.retarget(sidecar.address);
+    let address = index.address;
+    let started = tokio::time::Instant::now();
+    while !indexed(address, 7).await.is_empty() {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the refused cursor left blocks behind: {}",
+            worker_report(address, 7).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(counter(address, 7, "refused_cursors").await >= 1);
+    assert_eq!(
+        counter(address, 7, "snapshots").await,
+        snapshots,
+        "no snapshot came: the clear was the refusal's"
+    );
+    engine.steps(10).await;
+    await_exact(address, 7, &mut engine, "after the restart").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_sidecar_killed_and_restarted_on_its_state_dir_is_resumed_by_cursor_without_a_snapshot() {
     let scratch = common::recording::Scratch::new("index-sidecar-state");
     let dir = scratch.path("state");

@@ -7,12 +7,22 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::cli::IndexArgs;
+use crate::client::TlsFlags;
 use crate::index::feed::sidecar::{self, SidecarSettings, SidecarTrust};
 use crate::index::partition::PartitionKey;
 use crate::index::registry::{FeedSettings, Registration, Registry, RegistryLimits};
 use crate::index::writer;
 use crate::server::admin_connection::AdminLimits;
 use crate::server::index_http;
+
+/// The flags a sidecar's credentials come from (no client certificate is
+/// presented to a sidecar).
+const WORKER_FLAGS: TlsFlags = TlsFlags {
+    uri: "endpoint",
+    ca: "--worker-ca-file",
+    cert: "--worker-tls-cert",
+    key: "--worker-tls-key",
+};
 
 /// A running index: its address, until [`Index::run`] ends it.
 pub struct Index {
@@ -28,6 +38,8 @@ impl Index {
         let trust = SidecarTrust {
             ca_file: args.worker_ca_file.clone(),
             token_file: args.worker_token_file.clone(),
+            flags: WORKER_FLAGS,
+            token_flag: "--worker-token-file",
         };
         check_trust(&trust)?;
         let (queue, inputs) = writer::queue();

@@ -32,25 +32,18 @@ use crate::router_rules::Verdict;
 use crate::source::SourceEvent;
 use crate::source::upstream::{self, Interruption, UNKNOWN_RANK, UpstreamConfig, Watcher};
 
-/// The flags a sidecar's credentials come from, for error messages.
-pub const WORKER_FLAGS: TlsFlags = TlsFlags {
-    uri: "endpoint",
-    ca: "--worker-ca-file",
-    cert: "--worker-tls-cert",
-    key: "--worker-tls-key",
-};
-
-/// The flag of the file of the bearer token sent to every sidecar.
-pub const TOKEN_FLAG: &str = "--worker-token-file";
-
 /// How the index reaches every `grpc://` worker.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SidecarTrust {
     /// The CA that signed `grpcs://` workers' certificates.
     pub ca_file: Option<PathBuf>,
     /// A file whose first token is sent to every `grpc://` worker as a
     /// bearer token.
     pub token_file: Option<PathBuf>,
+    /// The flags the files come from, for errors.
+    pub flags: TlsFlags,
+    /// The flag of `token_file`.
+    pub token_flag: &'static str,
 }
 
 /// What every sidecar feed is configured with.
@@ -98,8 +91,8 @@ pub fn target(endpoint: &str, trust: &SidecarTrust) -> Result<Target, String> {
     let token = trust
         .token_file
         .as_ref()
-        .map(|path| FlagFile::new(TOKEN_FLAG, path));
-    Target::new(&uri, &paths, WORKER_FLAGS, token).map_err(|error| format!("{error:#}"))
+        .map(|path| FlagFile::new(trust.token_flag, path));
+    Target::new(&uri, &paths, trust.flags, token).map_err(|error| format!("{error:#}"))
 }
 
 /// How long a sidecar may take to answer a call with its headers (the
