@@ -594,7 +594,7 @@ async fn start_hostile_worker() -> SocketAddr {
                 dp_rank: Some(5000),
                 ..Default::default()
             };
-            let bad = if call % 2 == 0 {
+            let bad = if call.is_multiple_of(2) {
                 bytes::Bytes::from(vec![0x0a; 5 << 20])
             } else {
                 bytes::Bytes::from_static(&[0xff, 0xff, 0xff])
