@@ -65,13 +65,14 @@ pub struct FeedState {
     pub since: SystemTime,
     /// Why it failed or disconnected.
     pub error: Option<String>,
-    /// Engine payloads converted and applied.
+    /// Engine payloads converted and applied (a sidecar's batches applied).
     pub payloads: u64,
-    /// Payloads the converter refused.
+    /// Payloads the converter refused (a sidecar's batches set aside).
     pub bad_payloads: u64,
-    /// Publisher restarts seen (each cleared the rank).
+    /// Publisher restarts seen, each clearing the rank (a sidecar's ranks
+    /// whose numbering started over).
     pub publisher_restarts: u64,
-    /// When the last payload arrived.
+    /// When the last payload (or batch) arrived.
     pub last_payload: Option<SystemTime>,
     /// A sidecar's subscription, for a `grpc://` worker.
     pub sidecar: Option<SidecarProgress>,
