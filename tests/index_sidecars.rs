@@ -563,6 +563,13 @@ async fn one_registration_of_an_engine_of_several_ranks_indexes_every_rank() {
     let (status, answer) = post(
         index.address,
         "/unregister",
+        json!({"instance_id": 21, "model_name": "m", "routing_group": "default", "dp_rank": 1}),
+    )
+    .await;
+    assert_eq!(status, 422, "a grpc:// worker leaves whole: {answer}");
+    let (status, answer) = post(
+        index.address,
+        "/unregister",
         json!({"instance_id": 21, "model_name": "m"}),
     )
     .await;

@@ -174,8 +174,9 @@ pub(crate) async fn run(
                 info!(upstream = %config.target.uri(), %reason, "resubscribing from 0 for a snapshot");
                 cursors.forget();
                 backoff = FIRST_BACKOFF;
-                if send(&events, SourceEvent::Resync).await.is_err() {
-                    return;
+                tokio::select! {
+                    sent = send(&events, SourceEvent::Resync) => if sent.is_err() { return },
+                    () = stop.cancelled() => return,
                 }
             }
             Outcome::Retry(reason) => {

@@ -126,7 +126,9 @@ pub async fn run(
         status: Arc::clone(&status),
     };
     let follow = upstream::run(config, events_tx, &mut watcher, stop);
-    let apply = async {
+    // The receiver is the apply loop's own: once the writer is gone it is
+    // dropped, and the subscription ends as a source does when its drain is.
+    let apply = async move {
         while let Some(event) = events.recv().await {
             if matches!(event, SourceEvent::Events { .. }) {
                 let mut state = status.lock();
