@@ -23,6 +23,10 @@ use tokio::sync::watch;
 
 const BLOCK_SIZE: u32 = 4;
 
+/// Steps an engine publishes while the index is paused, to leave a sidecar
+/// that keeps 64 batches behind it.
+const PAST_THE_HISTORY: usize = 12000;
+
 /// One rank of an engine: its cache (the truth) and its publisher.
 struct Rank {
     rank: u32,
@@ -475,6 +479,31 @@ async fn the_index_paused_and_then_restarted_answers_exactly_once_events_flow_ag
     engine.steps(20).await;
     let index = index_following(7, &proxy.endpoint());
     await_exact(index.address, 7, &mut engine, "after the index's restart").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_index_paused_past_the_sidecars_history_is_cleared_and_takes_a_snapshot_again() {
+    let mut engine = Engine::new(2, 4).await;
+    let sidecar = engine.sidecar_with(&["--history-batches", "64", "--max-batch-bytes", "4096"]);
+    sidecar.await_serving("").await;
+    engine.steps(20).await;
+    let index = index_following(7, &format!("grpc://{}", sidecar.address));
+    await_exact(index.address, 7, &mut engine, "first contact").await;
+    let refused = counter(index.address, 7, "refused_cursors").await;
+    let snapshots = counter(index.address, 7, "snapshots").await;
+    // More than the connection's buffers and flow-control windows hold,
+    // and far more than the sidecar's history.
+    signal(index.pid(), "-STOP");
+    engine.steps(PAST_THE_HISTORY).await;
+    signal(index.pid(), "-CONT");
+    engine.steps(2).await;
+    await_exact(index.address, 7, &mut engine, "after the pause").await;
+    assert!(
+        counter(index.address, 7, "refused_cursors").await > refused,
+        "the sidecar ended the stream with DATA_LOSS: {}",
+        worker_report(index.address, 7).await
+    );
+    assert!(counter(index.address, 7, "snapshots").await > snapshots);
 }
 
 #[tokio::test(flavor = "multi_thread")]
