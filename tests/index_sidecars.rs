@@ -645,6 +645,14 @@ async fn start_hostile_worker() -> SocketAddr {
     address
 }
 
+/// An HTTP/2 server that serves no gRPC method at all.
+async fn start_methodless_worker() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, axum::Router::new()).await });
+    address
+}
+
 /// A server that accepts connections and never answers.
 async fn start_silent_worker() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -662,8 +670,9 @@ async fn start_silent_worker() -> SocketAddr {
 async fn a_hostile_grpc_worker_is_counted_and_said_why_while_other_workers_stay_exact() {
     let hostile = start_hostile_worker().await;
     let silent = start_silent_worker().await;
+    let methodless = start_methodless_worker().await;
     let (mut engine, _sidecar, _proxy, index) = fleet(None).await;
-    for (worker, address) in [(66, hostile), (67, silent)] {
+    for (worker, address) in [(66, hostile), (67, silent), (68, methodless)] {
         let (status, answer) = post(
             index.address,
             "/register",
@@ -713,6 +722,20 @@ async fn a_hostile_grpc_worker_is_counted_and_said_why_while_other_workers_stay_
             report["kvgate"]["reason"]
                 .as_str()
                 .is_some_and(|why| why.contains("did not answer"))
+        },
+    )
+    .await;
+    poll_until(
+        "a server without SubscribeKvEvents is reported failed",
+        DEADLINE,
+        || {
+            let report = tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(worker_report(address, 68))
+            });
+            report["status"] == "failed"
+                && report["kvgate"]["reason"]
+                    .as_str()
+                    .is_some_and(|why| why.contains("UNIMPLEMENTED"))
         },
     )
     .await;

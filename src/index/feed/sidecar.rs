@@ -11,7 +11,9 @@
 //! `KvCacheCleared` from the sidecar clears the whole worker, as the router
 //! takes every clear. A rank at or past the worker's rank limit, an
 //! undecodable or oversized batch, or a call that is never answered is
-//! counted and changes nothing in the index.
+//! counted and changes nothing in the index. A server that does not serve
+//! `SubscribeKvEvents` (`UNIMPLEMENTED`, which makes the router give the
+//! worker up) is reported failed and asked again with the backoff.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -213,8 +215,13 @@ impl Watcher for StatusWatcher {
     }
 
     fn interrupted(&mut self, why: &Interruption, refused: bool) {
-        let phase = match self.status.now().phase {
-            FeedPhase::Connecting => FeedPhase::Connecting,
+        let phase = match (why, self.status.now().phase) {
+            // The router gives such a worker up; the index says so, and
+            // keeps asking in case the server is fixed.
+            (Interruption::Refused(status), _) if status.code() == tonic::Code::Unimplemented => {
+                FeedPhase::Failed
+            }
+            (_, FeedPhase::Connecting) => FeedPhase::Connecting,
             _ => FeedPhase::Disconnected,
         };
         self.status.enter(phase, Some(why.to_string()));
