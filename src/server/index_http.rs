@@ -585,7 +585,7 @@ async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
     family(
         "worker_ranks",
         "gauge",
-        "Registered worker ranks, by listener status",
+        "Registered worker ranks and grpc:// workers, by listener status",
     );
     family(
         "blocks",
