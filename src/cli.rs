@@ -71,7 +71,9 @@ pub struct IndexArgs {
     pub listen: SocketAddr,
 
     /// Workers to follow from the start, as Dynamo's indexer takes them:
-    /// `id[:dp_rank]=tcp://HOST:PORT,...` (more can register over HTTP).
+    /// `id[:dp_rank]=tcp://HOST:PORT,...`, or a kvgate sidecar for every
+    /// rank of an engine, `id=grpc://HOST:PORT` (`grpcs://` for TLS); more
+    /// can register over HTTP.
     #[arg(long, env = "KVGATE_INDEX_WORKERS", value_name = "LIST",
           value_parser = parse_index_workers, requires_all = ["model_name", "block_size"])]
     pub workers: Option<IndexWorkers>,
@@ -90,8 +92,9 @@ pub struct IndexArgs {
           value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub block_size: Option<u32>,
 
-    /// Most worker ranks registered at once (each one socket); one more is
-    /// answered 503 naming this flag.
+    /// Most registrations at once: worker ranks (each one socket) and
+    /// sidecars (each one connection); one more is answered 503 naming this
+    /// flag.
     #[arg(long, env = "KVGATE_INDEX_MAX_WORKER_RANKS", default_value_t = 4096,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub index_max_worker_ranks: u64,
@@ -101,6 +104,30 @@ pub struct IndexArgs {
     #[arg(long, env = "KVGATE_INDEX_MAX_PARTITIONS", default_value_t = 256,
           value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub index_max_partitions: u64,
+
+    /// Ranks a grpc:// worker may have: its batches for rank
+    /// 0..this are indexed, any other is dropped and counted.
+    #[arg(long, env = "KVGATE_INDEX_MAX_SIDECAR_RANKS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub index_max_sidecar_ranks: u32,
+
+    /// The CA that signed grpcs:// workers' certificates (PEM).
+    #[arg(long, env = "KVGATE_WORKER_CA_FILE", value_name = "FILE")]
+    pub worker_ca_file: Option<PathBuf>,
+
+    /// A file whose first token is sent to every grpc:// and grpcs://
+    /// worker as a bearer token (their --auth-token-file).
+    #[arg(long, env = "KVGATE_WORKER_TOKEN_FILE", value_name = "FILE")]
+    pub worker_token_file: Option<PathBuf>,
+
+    /// The service name grpc:// workers are called on (SubscribeKvEvents).
+    #[arg(
+        long,
+        env = "KVGATE_WORKER_SERVICE",
+        default_value = "kvgate.v1.KvGate",
+        value_name = "NAME"
+    )]
+    pub worker_service: String,
 
     /// Most milliseconds one replay request to a worker's replay endpoint
     /// may take.
@@ -142,13 +169,14 @@ pub struct IndexWorkers(pub Vec<IndexWorker>);
 pub struct IndexWorker {
     /// The worker instance.
     pub instance_id: u64,
-    /// Its rank (0 when not given).
-    pub dp_rank: u32,
-    /// The rank's publisher.
-    pub endpoint: TcpEndpoint,
+    /// Its rank, if given.
+    pub dp_rank: Option<u32>,
+    /// The rank's publisher (`tcp://`), or the engine's sidecar (`grpc://`,
+    /// `grpcs://`), checked when it is registered.
+    pub endpoint: String,
 }
 
-/// Parses `id[:dp_rank]=tcp://HOST:PORT,...`.
+/// Parses `id[:dp_rank]=tcp://HOST:PORT,...` (or `id=grpc://HOST:PORT`).
 pub fn parse_index_workers(text: &str) -> Result<IndexWorkers, String> {
     text.split(',')
         .map(str::trim)
@@ -170,11 +198,8 @@ pub fn parse_index_workers(text: &str) -> Result<IndexWorkers, String> {
                         rank.parse()
                             .map_err(|_| format!("bad dp_rank {rank:?} in {entry:?}"))
                     })
-                    .transpose()?
-                    .unwrap_or(0),
-                endpoint: endpoint
-                    .parse()
-                    .map_err(|error| format!("{error} in {entry:?}"))?,
+                    .transpose()?,
+                endpoint: endpoint.to_owned(),
             })
         })
         .collect::<Result<Vec<_>, String>>()

@@ -500,3 +500,31 @@ async fn await_rank_one_connected(address: SocketAddr) {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn a_worker_priming_from_a_slow_replay_endpoint_is_reported_catching_up_then_connected() {
+    use zeromq::Socket as _;
+    // A replay ROUTER that takes requests and never answers: priming waits
+    // out the replay timeout.
+    let mut silent_replay = zeromq::RouterSocket::new();
+    let replay = silent_replay
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .unwrap()
+        .to_string();
+    let index = IndexProcess::start(&["--zmq-replay-timeout-ms", "3000"]);
+    let publisher = EnginePublisher::bind("tcp://127.0.0.1:0", &PublisherOptions::default())
+        .await
+        .unwrap();
+    let mut registration = register(1, &publisher, 2);
+    registration["replay_endpoint"] = json!(replay);
+    assert_eq!(post(index.address, "/register", registration).await.0, 201);
+    let catching_up = await_listener_state(index.address, "catching_up").await;
+    assert_eq!(catching_up["status"], "active", "Dynamo's status of it");
+    let connected = await_listener_state(index.address, "connected").await;
+    assert!(
+        connected["kvgate"]["since"].as_f64() > catching_up["kvgate"]["since"].as_f64(),
+        "{catching_up} then {connected}"
+    );
+    drop(silent_replay);
+}

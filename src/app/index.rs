@@ -7,11 +7,22 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::cli::IndexArgs;
+use crate::client::TlsFlags;
+use crate::index::feed::sidecar::{self, SidecarSettings, SidecarTrust};
 use crate::index::partition::PartitionKey;
 use crate::index::registry::{FeedSettings, Registration, Registry, RegistryLimits};
 use crate::index::writer;
 use crate::server::admin_connection::AdminLimits;
 use crate::server::index_http;
+
+/// The flags a sidecar's credentials come from (no client certificate is
+/// presented to a sidecar).
+const WORKER_FLAGS: TlsFlags = TlsFlags {
+    uri: "endpoint",
+    ca: "--worker-ca-file",
+    cert: "--worker-tls-cert",
+    key: "--worker-tls-key",
+};
 
 /// A running index: its address, until [`Index::run`] ends it.
 pub struct Index {
@@ -24,6 +35,13 @@ pub struct Index {
 impl Index {
     /// Binds the port and registers the workers `args` names.
     pub async fn start(args: IndexArgs) -> anyhow::Result<Self> {
+        let trust = SidecarTrust {
+            ca_file: args.worker_ca_file.clone(),
+            token_file: args.worker_token_file.clone(),
+            flags: WORKER_FLAGS,
+            token_flag: "--worker-token-file",
+        };
+        check_trust(&trust)?;
         let (queue, inputs) = writer::queue();
         let writer = tokio::spawn(writer::run(inputs));
         let registry = Arc::new(Registry::new(
@@ -32,6 +50,11 @@ impl Index {
                 replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
                 max_message_bytes: usize::try_from(args.zmq_max_message_bytes)
                     .unwrap_or(usize::MAX),
+                sidecar: SidecarSettings {
+                    trust,
+                    service: args.worker_service.clone(),
+                    max_ranks: args.index_max_sidecar_ranks,
+                },
             },
             RegistryLimits {
                 max_worker_ranks: usize::try_from(args.index_max_worker_ranks)
@@ -52,7 +75,7 @@ impl Index {
                             routing_group: args.routing_group.clone(),
                         },
                         block_size,
-                        endpoint: worker.endpoint.to_string(),
+                        endpoint: worker.endpoint.clone(),
                         replay_endpoint: None,
                     })
                     .map_err(|refused| {
@@ -89,6 +112,21 @@ impl Index {
         self.writer.abort();
         Ok(())
     }
+}
+
+/// Fails at start, naming the flag, when a sidecar credential cannot be
+/// read: every registration would be refused for it.
+fn check_trust(trust: &SidecarTrust) -> anyhow::Result<()> {
+    let scheme = if trust.ca_file.is_some() {
+        "grpcs"
+    } else if trust.token_file.is_some() {
+        "grpc"
+    } else {
+        return Ok(());
+    };
+    sidecar::target(&format!("{scheme}://localhost:1"), trust)
+        .map(drop)
+        .map_err(|error| crate::usage_error::UsageError(error).into())
 }
 
 /// Runs `kvgate index` until `shutdown`.

@@ -127,6 +127,7 @@ pub(super) async fn choose_source(
         moves: Vec::new(),
         any_topic: false,
         link: None,
+        replaying: None,
     };
     if args.demo {
         // With a replay endpoint, like a well-configured engine: kvgate
@@ -179,6 +180,7 @@ pub(super) async fn choose_source(
             target: Target::new(uri, &tls, UPSTREAM_FLAGS, token)?,
             service: args.upstream_service.clone(),
             dp_size: args.dp_size,
+            answer_timeout: None,
         };
         return Ok((SourceConfig::Upstream(config), None));
     }
@@ -413,7 +415,8 @@ pub(super) async fn start_source(
         SourceConfig::Upstream(config) => {
             let stop = supervisor.stopping();
             supervisor.spawn(TaskName::Upstream, async move {
-                upstream::run(config, events, metrics, ready, stop).await;
+                let mut watcher = upstream::DrainWatcher::new(&config, metrics, ready);
+                upstream::run(config, events, &mut watcher, stop).await;
                 Ok(())
             });
             Ok(None)

@@ -7,8 +7,10 @@
 //! registered rank has one feed; unregistering a rank stops its feed, waits
 //! for it to end and only then removes the rank's blocks (through the
 //! writer's queue, after the feed's last events), so nothing it sent
-//! before outlives it. The numbers of registered ranks and of partitions
-//! are bounded by [`RegistryLimits`].
+//! before outlives it. A `grpc://` worker (a sidecar) is registered once,
+//! with no rank: one feed covers every rank of its engine, and it is
+//! unregistered whole. The numbers of registrations (a ZMQ rank or a
+//! sidecar each) and of partitions are bounded by [`RegistryLimits`].
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -18,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::feed::sidecar::{self, SidecarSettings};
 use super::feed::{self, FeedState, FeedStatus, ZmqFeedConfig};
 use super::partition::{Partition, PartitionKey};
 use super::tree::{RankKey, WorkerId};
@@ -29,27 +32,31 @@ pub const DEFAULT_ROUTING_GROUP: &str = "default";
 /// How many of each the registry accepts.
 #[derive(Clone, Copy, Debug)]
 pub struct RegistryLimits {
-    /// Registered worker ranks (one feed, one socket each).
+    /// Registrations: worker ranks (one feed, one socket each) and
+    /// sidecars (one feed, one connection each).
     pub max_worker_ranks: usize,
     /// (model, routing group) partitions.
     pub max_partitions: usize,
 }
 
 /// What every feed is configured with.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct FeedSettings {
     pub replay_timeout: Duration,
     pub max_message_bytes: usize,
+    pub sidecar: SidecarSettings,
 }
 
 /// One rank to follow.
 #[derive(Clone, Debug)]
 pub struct Registration {
     pub instance_id: WorkerId,
-    pub dp_rank: u32,
+    /// The rank of a ZMQ publisher (0 when not given); a sidecar takes none.
+    pub dp_rank: Option<u32>,
     pub partition: PartitionKey,
     pub block_size: u32,
-    /// The rank's publisher, `tcp://HOST:PORT`.
+    /// The rank's publisher, `tcp://HOST:PORT`, or the sidecar of every
+    /// rank of the engine, `grpc://HOST:PORT` or `grpcs://HOST:PORT`.
     pub endpoint: String,
     pub replay_endpoint: Option<String>,
 }
@@ -72,6 +79,14 @@ pub enum RegisterError {
     },
     #[error("{0}")]
     BadEndpoint(String),
+    #[error(
+        "instance {instance_id} is already registered: a grpc:// worker is registered once, for every rank, and no ZMQ rank is added to it"
+    )]
+    SidecarConflict { instance_id: WorkerId },
+    #[error(
+        "dp_rank is not taken with a grpc:// endpoint: one registration covers every rank of the engine"
+    )]
+    RankOfSidecar,
     #[error("limit reached: --index-max-worker-ranks is {0}")]
     TooManyWorkerRanks(usize),
     #[error("limit reached: --index-max-partitions is {0}")]
@@ -90,6 +105,10 @@ pub enum UnregisterError {
     },
     #[error("instance {instance_id} dp_rank {dp_rank} not found")]
     UnknownRank { instance_id: WorkerId, dp_rank: u32 },
+    #[error(
+        "instance {instance_id} is a grpc:// worker: it is unregistered whole, without dp_rank"
+    )]
+    RankOfSidecar { instance_id: WorkerId },
 }
 
 /// Which of a worker's registrations to remove.
@@ -121,6 +140,8 @@ pub struct WorkerReport {
     pub partition: PartitionKey,
     pub block_size: u32,
     pub ranks: BTreeMap<u32, RankReport>,
+    /// A `grpc://` worker's one feed (its ranks are in its cursors).
+    pub sidecar: Option<RankReport>,
 }
 
 struct RankEntry {
@@ -131,9 +152,21 @@ struct RankEntry {
     task: JoinHandle<()>,
 }
 
+impl RankEntry {
+    fn report(&self) -> RankReport {
+        RankReport {
+            endpoint: self.endpoint.clone(),
+            replay_endpoint: self.replay_endpoint.clone(),
+            feed: self.status.now(),
+        }
+    }
+}
+
 struct WorkerEntry {
     partition: Arc<Partition>,
     ranks: BTreeMap<u32, RankEntry>,
+    /// A `grpc://` worker's feed (then `ranks` is empty).
+    sidecar: Option<RankEntry>,
 }
 
 #[derive(Default)]
@@ -174,14 +207,38 @@ impl Registry {
 
     /// Starts following `registration`'s rank (its feed connects in the background).
     pub fn register(&self, registration: Registration) -> Result<(), RegisterError> {
-        let endpoint =
-            validate_endpoint(&registration.endpoint).map_err(RegisterError::BadEndpoint)?;
-        let replay_endpoint = match registration.replay_endpoint.as_deref() {
-            Some(replay) => validate_endpoint(replay).map_err(|reason| {
-                RegisterError::BadEndpoint(format!("invalid replay endpoint `{replay}`: {reason}"))
-            })?,
-            None => None,
+        let source = if sidecar::is_sidecar(&registration.endpoint) {
+            if registration.dp_rank.is_some() {
+                return Err(RegisterError::RankOfSidecar);
+            }
+            if registration.replay_endpoint.is_some() {
+                return Err(RegisterError::BadEndpoint(
+                    "replay_endpoint is not taken with a grpc:// endpoint: the sidecar replays itself"
+                        .to_owned(),
+                ));
+            }
+            let target = sidecar::target(&registration.endpoint, &self.settings.sidecar.trust)
+                .map_err(RegisterError::BadEndpoint)?;
+            Source::Sidecar(target)
+        } else {
+            let endpoint =
+                validate_endpoint(&registration.endpoint).map_err(RegisterError::BadEndpoint)?;
+            let replay_endpoint = match registration.replay_endpoint.as_deref() {
+                Some(replay) => validate_endpoint(replay).map_err(|reason| {
+                    RegisterError::BadEndpoint(format!(
+                        "invalid replay endpoint `{replay}`: {reason}"
+                    ))
+                })?,
+                None => None,
+            };
+            Source::Zmq(endpoint.map(|endpoint| ZmqFeedConfig {
+                endpoint,
+                replay_endpoint,
+                replay_timeout: self.settings.replay_timeout,
+                max_message_bytes: self.settings.max_message_bytes,
+            }))
         };
+        let dp_rank = registration.dp_rank.unwrap_or(0);
         let mut state = self.lock();
         let state = &mut *state;
         if let Some(worker) = state.workers.get(&registration.instance_id) {
@@ -191,10 +248,15 @@ impl Registry {
                     partition: worker.partition.key().clone(),
                 });
             }
-            if worker.ranks.contains_key(&registration.dp_rank) {
+            if worker.sidecar.is_some() || matches!(source, Source::Sidecar(_)) {
+                return Err(RegisterError::SidecarConflict {
+                    instance_id: registration.instance_id,
+                });
+            }
+            if worker.ranks.contains_key(&dp_rank) {
                 return Err(RegisterError::DuplicateRank {
                     instance_id: registration.instance_id,
-                    dp_rank: registration.dp_rank,
+                    dp_rank,
                 });
             }
         }
@@ -228,42 +290,48 @@ impl Registry {
         };
         let status = Arc::new(FeedStatus::default());
         let stop = CancellationToken::new();
-        let key = RankKey {
-            worker: registration.instance_id,
-            rank: registration.dp_rank,
+        let task = match source {
+            Source::Zmq(config) => tokio::spawn(feed::zmq::run(
+                config,
+                Arc::clone(&partition),
+                RankKey {
+                    worker: registration.instance_id,
+                    rank: dp_rank,
+                },
+                self.writer.clone(),
+                Arc::clone(&status),
+                stop.clone(),
+            )),
+            Source::Sidecar(target) => tokio::spawn(sidecar::run(
+                target,
+                self.settings.sidecar.clone(),
+                Arc::clone(&partition),
+                registration.instance_id,
+                self.writer.clone(),
+                Arc::clone(&status),
+                stop.clone(),
+            )),
         };
-        let config = endpoint.map(|endpoint| ZmqFeedConfig {
-            endpoint,
-            replay_endpoint,
-            replay_timeout: self.settings.replay_timeout,
-            max_message_bytes: self.settings.max_message_bytes,
-        });
-        let task = tokio::spawn(feed::run(
-            config,
-            Arc::clone(&partition),
-            key,
-            self.writer.clone(),
-            Arc::clone(&status),
-            stop.clone(),
-        ));
-        state
+        let entry = RankEntry {
+            endpoint: registration.endpoint.clone(),
+            replay_endpoint: registration.replay_endpoint,
+            status,
+            stop,
+            task,
+        };
+        let worker = state
             .workers
             .entry(registration.instance_id)
             .or_insert_with(|| WorkerEntry {
                 partition,
                 ranks: BTreeMap::new(),
-            })
-            .ranks
-            .insert(
-                registration.dp_rank,
-                RankEntry {
-                    endpoint: registration.endpoint,
-                    replay_endpoint: registration.replay_endpoint,
-                    status,
-                    stop,
-                    task,
-                },
-            );
+                sidecar: None,
+            });
+        if sidecar::is_sidecar(&registration.endpoint) {
+            worker.sidecar = Some(entry);
+        } else {
+            worker.ranks.insert(dp_rank, entry);
+        }
         state.ranks += 1;
         Ok(())
     }
@@ -284,10 +352,13 @@ impl Registry {
                 instance_id,
                 partition: named.clone(),
             };
-            let removed: Vec<(u32, RankEntry)> = match which {
+            let removed: Vec<(Option<u32>, RankEntry)> = match which {
                 Unregistration::Rank { partition, dp_rank } => {
                     if worker.partition.key() != &partition {
                         return Err(other_partition(worker.partition.key()));
+                    }
+                    if worker.sidecar.is_some() {
+                        return Err(UnregisterError::RankOfSidecar { instance_id });
                     }
                     let entry =
                         worker
@@ -297,23 +368,23 @@ impl Registry {
                                 instance_id,
                                 dp_rank,
                             })?;
-                    vec![(dp_rank, entry)]
+                    vec![(Some(dp_rank), entry)]
                 }
                 Unregistration::Worker { partition } => {
                     if worker.partition.key() != &partition {
                         return Err(other_partition(worker.partition.key()));
                     }
-                    std::mem::take(&mut worker.ranks).into_iter().collect()
+                    worker.take_all()
                 }
                 Unregistration::Model { model_name } => {
                     if worker.partition.key().model_name != model_name {
                         return Err(other_partition(worker.partition.key()));
                     }
-                    std::mem::take(&mut worker.ranks).into_iter().collect()
+                    worker.take_all()
                 }
             };
             let partition = Arc::clone(&worker.partition);
-            if worker.ranks.is_empty() {
+            if worker.ranks.is_empty() && worker.sidecar.is_none() {
                 state.workers.remove(&instance_id);
             }
             state.ranks -= removed.len();
@@ -330,17 +401,21 @@ impl Registry {
             entry.stop.cancel();
             // The feed's last events are queued before the removal.
             let _ = entry.task.await;
-            let key = RankKey {
-                worker: instance_id,
-                rank: dp_rank,
+            let partition = Arc::clone(&partition);
+            let removal = match dp_rank {
+                Some(rank) => IndexInput::RemoveRank {
+                    partition,
+                    key: RankKey {
+                        worker: instance_id,
+                        rank,
+                    },
+                },
+                None => IndexInput::RemoveWorker {
+                    partition,
+                    worker: instance_id,
+                },
             };
-            let _ = self
-                .writer
-                .send(IndexInput::RemoveRank {
-                    partition: Arc::clone(&partition),
-                    key,
-                })
-                .await;
+            let _ = self.writer.send(removal).await;
         }
         Ok(())
     }
@@ -377,17 +452,9 @@ impl Registry {
                 ranks: worker
                     .ranks
                     .iter()
-                    .map(|(&rank, entry)| {
-                        (
-                            rank,
-                            RankReport {
-                                endpoint: entry.endpoint.clone(),
-                                replay_endpoint: entry.replay_endpoint.clone(),
-                                feed: entry.status.now(),
-                            },
-                        )
-                    })
+                    .map(|(&rank, entry)| (rank, entry.report()))
                     .collect(),
+                sidecar: worker.sidecar.as_ref().map(RankEntry::report),
             })
             .collect()
     }
@@ -395,10 +462,30 @@ impl Registry {
     /// Stops every feed (shutdown).
     pub fn stop_all(&self) {
         for worker in self.lock().workers.values() {
-            for entry in worker.ranks.values() {
+            for entry in worker.ranks.values().chain(&worker.sidecar) {
                 entry.stop.cancel();
             }
         }
+    }
+}
+
+/// What a registration follows.
+enum Source {
+    /// A rank's publisher (`None`: an endpoint kvgate cannot follow).
+    Zmq(Option<ZmqFeedConfig>),
+    /// A sidecar, every rank.
+    Sidecar(crate::client::Target),
+}
+
+impl WorkerEntry {
+    /// Every feed of the worker, each with its rank (`None`: the sidecar's).
+    fn take_all(&mut self) -> Vec<(Option<u32>, RankEntry)> {
+        let ranks = std::mem::take(&mut self.ranks)
+            .into_iter()
+            .map(|(rank, entry)| (Some(rank), entry));
+        ranks
+            .chain(self.sidecar.take().map(|entry| (None, entry)))
+            .collect()
     }
 }
 

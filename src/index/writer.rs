@@ -6,7 +6,8 @@
 //! [`MAX_BLOCKS_PER_STEP`] blocks of a store (a longer store is applied as a
 //! chain of steps, each under the last block of the one before), of a
 //! removal, or of a clear (a rank's blocks are taken out of its map in one
-//! step and their nodes released in steps). A device removal also takes the
+//! step and their nodes released in steps; a worker's clear is each of its
+//! ranks' clear in turn). A device removal also takes the
 //! rank's device blocks under the removed one in the same step.
 //! Its input queue is bounded, so a worker's feed waits for it rather than
 //! growing memory. Once the queue has stayed dry for
@@ -23,7 +24,7 @@ use tokio::sync::mpsc;
 use super::block_hash::HashSeed;
 use super::partition::{Dropped, Partition};
 use super::tier::Tier;
-use super::tree::{RankKey, StoreOutcome};
+use super::tree::{RankKey, StoreOutcome, WorkerId};
 use crate::proto::common::kv_block_extra_key::Key;
 use crate::proto::common::{KvBlocksStored, KvCacheEvent, kv_cache_event::Data};
 
@@ -52,6 +53,17 @@ pub enum IndexInput {
     RemoveRank {
         partition: Arc<Partition>,
         key: RankKey,
+    },
+    /// Every rank of the worker starts over (a sidecar's snapshot, a clear
+    /// from a sidecar, a refused cursor): its ranks stay known.
+    ClearWorker {
+        partition: Arc<Partition>,
+        worker: WorkerId,
+    },
+    /// The worker was unregistered: every rank of it is forgotten.
+    RemoveWorker {
+        partition: Arc<Partition>,
+        worker: WorkerId,
     },
 }
 
@@ -104,7 +116,27 @@ pub fn apply(input: IndexInput) {
             clear_in_steps(&partition, key);
             partition.write().remove_rank(key);
         }
+        IndexInput::ClearWorker { partition, worker } => {
+            for key in ranks_of(&partition, worker) {
+                clear_in_steps(&partition, key);
+            }
+        }
+        IndexInput::RemoveWorker { partition, worker } => {
+            for key in ranks_of(&partition, worker) {
+                clear_in_steps(&partition, key);
+                partition.write().remove_rank(key);
+            }
+        }
     }
+}
+
+/// The ranks of `worker` the partition's tree knows.
+fn ranks_of(partition: &Partition, worker: WorkerId) -> Vec<RankKey> {
+    partition
+        .read()
+        .ranks()
+        .filter(|key| key.worker == worker)
+        .collect()
 }
 
 /// Media as Dynamo's indexer spells them (exact case); the converter also

@@ -32,7 +32,8 @@ use crate::index::feed::FeedPhase;
 use crate::index::overlap::{Overlap, WorkerOverlap};
 use crate::index::partition::{Dropped, PartitionKey};
 use crate::index::registry::{
-    DEFAULT_ROUTING_GROUP, RegisterError, Registration, Registry, Unregistration, WorkerReport,
+    DEFAULT_ROUTING_GROUP, RankReport, RegisterError, Registration, Registry, UnregisterError,
+    Unregistration, WorkerReport,
 };
 use crate::index::tier::Tier;
 use crate::index::tree::WorkerId;
@@ -209,7 +210,7 @@ async fn register(
 ) -> Response {
     let registration = Registration {
         instance_id: request.instance_id,
-        dp_rank: request.dp_rank.unwrap_or(0),
+        dp_rank: request.dp_rank,
         partition: PartitionKey {
             model_name: request.model_name,
             routing_group: request.routing_group,
@@ -224,7 +225,9 @@ async fn register(
             let status = match refused {
                 RegisterError::OtherPartition { .. }
                 | RegisterError::DuplicateRank { .. }
-                | RegisterError::BlockSizeMismatch { .. } => StatusCode::CONFLICT,
+                | RegisterError::BlockSizeMismatch { .. }
+                | RegisterError::SidecarConflict { .. } => StatusCode::CONFLICT,
+                RegisterError::RankOfSidecar => StatusCode::UNPROCESSABLE_ENTITY,
                 RegisterError::BadEndpoint(_) => StatusCode::BAD_REQUEST,
                 RegisterError::TooManyWorkerRanks(_) | RegisterError::TooManyPartitions(_) => {
                     StatusCode::SERVICE_UNAVAILABLE
@@ -259,6 +262,9 @@ async fn unregister(
     };
     match registry.unregister(request.instance_id, which).await {
         Ok(()) => ok(StatusCode::OK),
+        Err(refused @ UnregisterError::RankOfSidecar { .. }) => {
+            error(StatusCode::UNPROCESSABLE_ENTITY, refused)
+        }
         Err(not_found) => error(StatusCode::NOT_FOUND, not_found),
     }
 }
@@ -273,6 +279,35 @@ struct WorkerInfo {
     block_size: u32,
     endpoints: BTreeMap<String, String>,
     listeners: BTreeMap<String, ListenerInfo>,
+    /// kvgate's own account of a `grpc://` worker's one subscription.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kvgate: Option<SidecarDetail>,
+}
+
+#[derive(Serialize)]
+struct SidecarDetail {
+    endpoint: String,
+    /// `connecting`, `catching_up`, `connected` or `disconnected`.
+    state: &'static str,
+    /// When the subscription entered its state (Unix seconds).
+    since: f64,
+    /// Why it disconnected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    /// Each rank's cursor: the last sequence number admitted.
+    cursors: BTreeMap<String, u64>,
+    snapshots: u64,
+    resumes: u64,
+    refused_cursors: u64,
+    reconnects: u64,
+    /// Batches admitted and applied.
+    batches: u64,
+    /// Batches set aside (undecodable, oversized, a rank past the limit).
+    bad_batches: u64,
+    unknown_ranks: u64,
+    rank_restarts: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_batch: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -289,8 +324,11 @@ struct ListenerInfo {
 struct ListenerDetail {
     #[serde(skip_serializing_if = "Option::is_none")]
     replay_endpoint: Option<String>,
-    /// `connecting`, `connected`, `disconnected` or `failed`.
+    /// `connecting`, `catching_up`, `connected`, `disconnected` or `failed`.
     state: &'static str,
+    /// A `grpc://` worker's cursor of this rank.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cursor: Option<u64>,
     /// When the listener entered its state (Unix seconds).
     since: f64,
     /// Why it failed or disconnected.
@@ -308,58 +346,98 @@ fn unix_seconds(time: SystemTime) -> f64 {
         .map_or(0.0, |since| since.as_secs_f64())
 }
 
+/// Dynamo's aggregate of listener statuses: failed over pending over active.
+fn aggregate_status(statuses: &[&'static str]) -> &'static str {
+    ["failed", "pending", "active"]
+        .into_iter()
+        .find(|status| statuses.contains(status))
+        .unwrap_or("paused")
+}
+
+fn listener_info(report: RankReport, cursor: Option<u64>) -> ListenerInfo {
+    let feed = report.feed;
+    ListenerInfo {
+        endpoint: report.endpoint,
+        status: feed.phase.dynamo_status(),
+        last_error: feed
+            .error
+            .clone()
+            .filter(|_| feed.phase == FeedPhase::Failed),
+        kvgate: ListenerDetail {
+            replay_endpoint: report.replay_endpoint,
+            state: feed.phase.as_str(),
+            cursor,
+            since: unix_seconds(feed.since),
+            reason: feed.error,
+            payloads: feed.payloads,
+            bad_payloads: feed.bad_payloads,
+            publisher_restarts: feed.publisher_restarts,
+            last_payload: feed.last_payload.map(unix_seconds),
+        },
+    }
+}
+
 fn worker_info(worker: WorkerReport) -> WorkerInfo {
-    let phases: Vec<&'static str> = worker
+    let mut info = WorkerInfo {
+        instance_id: worker.instance_id,
+        source: "zmq",
+        status: "paused",
+        model_name: worker.partition.model_name,
+        routing_group: worker.partition.routing_group,
+        block_size: worker.block_size,
+        endpoints: BTreeMap::new(),
+        listeners: BTreeMap::new(),
+        kvgate: None,
+    };
+    if let Some(report) = worker.sidecar {
+        // One subscription; each rank it has brought is listed with it.
+        let feed = &report.feed;
+        let progress = feed.sidecar.clone().unwrap_or_default();
+        info.source = "grpc";
+        info.status = feed.phase.dynamo_status();
+        info.kvgate = Some(SidecarDetail {
+            endpoint: report.endpoint.clone(),
+            state: feed.phase.as_str(),
+            since: unix_seconds(feed.since),
+            reason: feed.error.clone(),
+            cursors: progress
+                .cursors
+                .iter()
+                .map(|(rank, cursor)| (rank.to_string(), *cursor))
+                .collect(),
+            snapshots: progress.snapshots,
+            resumes: progress.resumes,
+            refused_cursors: progress.refused_cursors,
+            reconnects: progress.reconnects,
+            batches: feed.payloads,
+            bad_batches: feed.bad_payloads,
+            unknown_ranks: progress.unknown_ranks,
+            rank_restarts: feed.publisher_restarts,
+            last_batch: feed.last_payload.map(unix_seconds),
+        });
+        for (&rank, &cursor) in &progress.cursors {
+            info.endpoints
+                .insert(rank.to_string(), report.endpoint.clone());
+            info.listeners.insert(
+                rank.to_string(),
+                listener_info(report.clone(), Some(cursor)),
+            );
+        }
+        return info;
+    }
+    let statuses: Vec<&'static str> = worker
         .ranks
         .values()
         .map(|rank| rank.feed.phase.dynamo_status())
         .collect();
-    // Dynamo's aggregate: failed over pending over active.
-    let status = ["failed", "pending", "active"]
-        .into_iter()
-        .find(|status| phases.contains(status))
-        .unwrap_or("paused");
-    WorkerInfo {
-        instance_id: worker.instance_id,
-        source: "zmq",
-        status,
-        model_name: worker.partition.model_name,
-        routing_group: worker.partition.routing_group,
-        block_size: worker.block_size,
-        endpoints: worker
-            .ranks
-            .iter()
-            .map(|(rank, report)| (rank.to_string(), report.endpoint.clone()))
-            .collect(),
-        listeners: worker
-            .ranks
-            .into_iter()
-            .map(|(rank, report)| {
-                let feed = report.feed;
-                (
-                    rank.to_string(),
-                    ListenerInfo {
-                        endpoint: report.endpoint,
-                        status: feed.phase.dynamo_status(),
-                        last_error: feed
-                            .error
-                            .clone()
-                            .filter(|_| feed.phase == FeedPhase::Failed),
-                        kvgate: ListenerDetail {
-                            replay_endpoint: report.replay_endpoint,
-                            state: feed.phase.as_str(),
-                            since: unix_seconds(feed.since),
-                            reason: feed.error,
-                            payloads: feed.payloads,
-                            bad_payloads: feed.bad_payloads,
-                            publisher_restarts: feed.publisher_restarts,
-                            last_payload: feed.last_payload.map(unix_seconds),
-                        },
-                    },
-                )
-            })
-            .collect(),
+    info.status = aggregate_status(&statuses);
+    for (rank, report) in worker.ranks {
+        info.endpoints
+            .insert(rank.to_string(), report.endpoint.clone());
+        info.listeners
+            .insert(rank.to_string(), listener_info(report, None));
     }
+    info
 }
 
 async fn workers(
@@ -575,7 +653,7 @@ async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
     family(
         "worker_ranks",
         "gauge",
-        "Registered worker ranks, by listener status",
+        "Registered worker ranks and grpc:// workers, by listener status",
     );
     family(
         "blocks",
@@ -597,17 +675,57 @@ async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
         "counter",
         "Stores set aside, per partition and reason",
     );
+    family(
+        "bad_payloads_total",
+        "counter",
+        "Payloads or batches a worker sent that were set aside (undecodable, oversized, a rank past the limit), per worker",
+    );
+    family(
+        "sidecar_calls_total",
+        "counter",
+        "A grpc:// worker's subscriptions, per worker and outcome: snapshot, resume, refused_cursor, reconnect",
+    );
     let _ = writeln!(text, "kvgate_index_partitions {}", partitions.len());
     for status in ["pending", "active", "failed"] {
         let count = workers
             .iter()
-            .flat_map(|worker| worker.ranks.values())
+            .flat_map(|worker| worker.ranks.values().chain(&worker.sidecar))
             .filter(|rank| rank.feed.phase.dynamo_status() == status)
             .count();
         let _ = writeln!(
             text,
             "kvgate_index_worker_ranks{{status=\"{status}\"}} {count}"
         );
+    }
+    for worker in &workers {
+        let id = worker.instance_id;
+        let bad: u64 = worker
+            .ranks
+            .values()
+            .chain(&worker.sidecar)
+            .map(|rank| rank.feed.bad_payloads)
+            .sum();
+        let _ = writeln!(
+            text,
+            "kvgate_index_bad_payloads_total{{instance_id=\"{id}\"}} {bad}"
+        );
+        if let Some(progress) = worker
+            .sidecar
+            .as_ref()
+            .and_then(|sidecar| sidecar.feed.sidecar.as_ref())
+        {
+            for (outcome, count) in [
+                ("snapshot", progress.snapshots),
+                ("resume", progress.resumes),
+                ("refused_cursor", progress.refused_cursors),
+                ("reconnect", progress.reconnects),
+            ] {
+                let _ = writeln!(
+                    text,
+                    "kvgate_index_sidecar_calls_total{{instance_id=\"{id}\",outcome=\"{outcome}\"}} {count}"
+                );
+            }
+        }
     }
     for partition in &partitions {
         let labels = format!(

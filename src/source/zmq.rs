@@ -87,6 +87,30 @@ pub struct ZmqSourceConfig {
     /// (true on each connection, false on each disconnection), for whoever
     /// reports the source's state.
     pub link: Option<watch::Sender<bool>>,
+    /// Told whether a rank is fetching from its replay endpoint right now
+    /// (priming, or filling a hole), for whoever reports the source's state.
+    pub replaying: Option<watch::Sender<bool>>,
+}
+
+/// Says `true` on a `replaying` channel while it lives, `false` once dropped
+/// (whichever way the fetch ended).
+struct Replaying(Option<watch::Sender<bool>>);
+
+impl Replaying {
+    fn start(replaying: Option<&watch::Sender<bool>>) -> Self {
+        if let Some(replaying) = replaying {
+            replaying.send_replace(true);
+        }
+        Replaying(replaying.cloned())
+    }
+}
+
+impl Drop for Replaying {
+    fn drop(&mut self) {
+        if let Some(replaying) = &self.0 {
+            replaying.send_replace(false);
+        }
+    }
 }
 
 /// Splits `[topic, sequence (8 bytes BE), payload]`, holding the topic to
@@ -175,6 +199,7 @@ impl ZmqSourceConfig {
                     metrics.clone(),
                 );
                 task.resume = config.resume.get(&rank).copied();
+                task.replaying = config.replaying.clone();
                 task.moves = config.moves.get(rank as usize).map(|targets| Moves {
                     targets: targets.clone(),
                     topic: config.topic.clone(),
@@ -435,6 +460,8 @@ struct RankTask {
     resume: Option<ResumePoint>,
     /// Where the publisher moves, when the engine reports it.
     moves: Option<Moves>,
+    /// Told while this rank fetches from its replay endpoint.
+    replaying: Option<watch::Sender<bool>>,
 }
 
 /// What a rank needs to follow its publisher to another endpoint.
@@ -521,6 +548,7 @@ impl RankTask {
             cursor: PublisherCursor::default(),
             resume: None,
             moves: None,
+            replaying: None,
         }
     }
 
@@ -623,6 +651,7 @@ impl RankTask {
         let Some(replay) = &self.replay else {
             return Ok(None);
         };
+        let _replaying = Replaying::start(self.replaying.as_ref());
         let mut fetch = replay.fetch(0..=u64::MAX);
         let mut run = Vec::new();
         let first_live = self.fetch_beside_live(&mut fetch, &mut run, socket).await?;
@@ -797,6 +826,7 @@ impl RankTask {
         let Some(missing) = hole.missing() else {
             return Ok(());
         };
+        let _replaying = Replaying::start(self.replaying.as_ref());
         let recovered = match &self.replay {
             Some(replay) => {
                 let mut fetch = replay.fetch(missing.clone());

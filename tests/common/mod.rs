@@ -757,6 +757,10 @@ impl IndexProcess {
             .expect("kvgate index reports its address");
         IndexProcess { child, address }
     }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Drop for IndexProcess {

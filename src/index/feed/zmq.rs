@@ -9,17 +9,18 @@
 //! refuses is counted and changes nothing. What the feed knows of its
 //! source is in its [`FeedStatus`], updated as it happens.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::partition::Partition;
-use super::tree::RankKey;
-use super::writer::IndexInput;
+use super::{FeedPhase, FeedStatus};
 use crate::convert::{Alignment, Converter, Tally, UnnamedGroups};
+use crate::index::partition::Partition;
+use crate::index::tree::RankKey;
+use crate::index::writer::IndexInput;
 use crate::metrics::Metrics;
 use crate::source::SourceEvent;
 use crate::source::replay::FetchBounds;
@@ -39,95 +40,13 @@ pub struct ZmqFeedConfig {
     pub max_message_bytes: usize,
 }
 
-/// Where a feed is with its source.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FeedPhase {
-    /// Connecting to the publisher, never connected yet (Dynamo's `pending`).
-    Connecting,
-    /// Connected; messages flow (Dynamo's `active`).
-    Connected,
-    /// Was connected; the publisher went away, the socket redials (Dynamo's
-    /// `pending`).
-    Disconnected,
-    /// The source stopped and will not come back (Dynamo's `failed`).
-    Failed,
-}
-
-impl FeedPhase {
-    /// Dynamo's name for it.
-    pub const fn dynamo_status(self) -> &'static str {
-        match self {
-            FeedPhase::Connecting | FeedPhase::Disconnected => "pending",
-            FeedPhase::Connected => "active",
-            FeedPhase::Failed => "failed",
-        }
-    }
-
-    /// kvgate's own name for it.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            FeedPhase::Connecting => "connecting",
-            FeedPhase::Connected => "connected",
-            FeedPhase::Disconnected => "disconnected",
-            FeedPhase::Failed => "failed",
-        }
-    }
-}
-
-/// What a feed reports.
-#[derive(Clone, Debug)]
-pub struct FeedState {
-    /// Where it is.
-    pub phase: FeedPhase,
-    /// When it entered its phase.
-    pub since: SystemTime,
-    /// Why it failed or disconnected.
-    pub error: Option<String>,
-    /// Engine payloads converted and applied.
-    pub payloads: u64,
-    /// Payloads the converter refused.
-    pub bad_payloads: u64,
-    /// Publisher restarts seen (each cleared the rank).
-    pub publisher_restarts: u64,
-    /// When the last payload arrived.
-    pub last_payload: Option<SystemTime>,
-}
-
-/// A feed's state, shared with whoever reports it.
-#[derive(Debug)]
-pub struct FeedStatus(Mutex<FeedState>);
-
-impl Default for FeedStatus {
-    fn default() -> Self {
-        FeedStatus(Mutex::new(FeedState {
-            phase: FeedPhase::Connecting,
-            since: SystemTime::now(),
-            error: None,
-            payloads: 0,
-            bad_payloads: 0,
-            publisher_restarts: 0,
-            last_payload: None,
-        }))
-    }
-}
-
-impl FeedStatus {
-    /// A copy of the state now.
-    pub fn now(&self) -> FeedState {
-        self.lock().clone()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, FeedState> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn enter(&self, phase: FeedPhase, error: Option<String>) {
-        let mut state = self.lock();
-        state.phase = phase;
-        state.since = SystemTime::now();
-        state.error = error;
+/// A connected feed's phase: catching up while it fetches from the replay
+/// endpoint (priming, or filling a hole).
+fn connected(replaying: bool) -> FeedPhase {
+    if replaying {
+        FeedPhase::CatchingUp
+    } else {
+        FeedPhase::Connected
     }
 }
 
@@ -155,6 +74,7 @@ pub async fn run(
     let (events_tx, mut events) = mpsc::channel(SOURCE_QUEUE_DEPTH);
     let (ready_tx, _) = watch::channel(false);
     let (link_tx, mut link) = watch::channel(false);
+    let (replaying_tx, mut replaying) = watch::channel(false);
     let source = ZmqSourceConfig {
         endpoint: RankEndpoints::Offset(config.endpoint),
         replay_endpoint: config.replay_endpoint.map(RankEndpoints::Offset),
@@ -170,6 +90,7 @@ pub async fn run(
         // Dynamo's indexer takes every topic a worker publishes under.
         any_topic: true,
         link: Some(link_tx),
+        replaying: Some(replaying_tx),
     };
     if let Err(error) = source
         .start(events_tx, Metrics::default(), ready_tx, &supervisor)
@@ -194,12 +115,18 @@ pub async fn run(
             }
             Ok(()) = link.changed() => {
                 if *link.borrow_and_update() {
-                    status.enter(FeedPhase::Connected, None);
+                    status.enter(connected(*replaying.borrow()), None);
                 } else {
                     status.enter(
                         FeedPhase::Disconnected,
                         Some("the publisher closed the connection; redialling".to_owned()),
                     );
+                }
+            }
+            Ok(()) = replaying.changed() => {
+                let fetching = *replaying.borrow_and_update();
+                if *link.borrow() {
+                    status.enter(connected(fetching), None);
                 }
             }
             event = events.recv() => {
