@@ -16,7 +16,7 @@ const TARGET_RATE: u64 = 20_000;
 const SATURATED_PERCENT: f64 = 90.0;
 /// Other processes or the hypervisor taking more than this of the CPUs
 /// make a run's figures noisy.
-const DISTURBED_PERCENT: f64 = 10.0;
+pub const DISTURBED_PERCENT: f64 = 10.0;
 /// A subject whose RSS grew by this share or more over the measured
 /// window (and by at least [`GROWING_MIN_MB`]) was still filling its
 /// buffers: its figures include the growth's page faults and reallocations.
@@ -238,30 +238,43 @@ impl Report {
                 run.missing_events,
             );
         }
-        if !self.targets.is_empty() {
-            out.push_str("\ntargets (reported, not asserted):\n");
-            for target in &self.targets {
-                let verdict = match (target.measured, target.met) {
-                    (Some(measured), Some(met)) => {
-                        format!("{measured:.2}, {}", if met { "met" } else { "NOT met" })
-                    }
-                    _ => "not measured".to_owned(),
-                };
-                let _ = write!(out, "  {}: {verdict}", target.target);
-                if let Some(note) = &target.note {
-                    let _ = write!(out, " ({note})");
-                }
-                out.push('\n');
-            }
-        }
-        if !self.notes.is_empty() {
-            out.push('\n');
-            for note in &self.notes {
-                let _ = writeln!(out, "note: {note}");
-            }
-        }
+        write_targets_and_notes(&mut out, &self.targets, &self.notes);
         out
     }
+}
+
+/// The targets' verdicts and the notes, as both reports end their tables.
+pub fn write_targets_and_notes(out: &mut String, targets: &[TargetCheck], notes: &[String]) {
+    if !targets.is_empty() {
+        out.push_str("\ntargets (reported, not asserted):\n");
+        for target in targets {
+            let verdict = match (target.measured, target.met) {
+                (Some(measured), Some(met)) => {
+                    format!("{measured:.2}, {}", if met { "met" } else { "NOT met" })
+                }
+                _ => "not measured".to_owned(),
+            };
+            let _ = write!(out, "  {}: {verdict}", target.target);
+            if let Some(note) = &target.note {
+                let _ = write!(out, " ({note})");
+            }
+            out.push('\n');
+        }
+    }
+    if !notes.is_empty() {
+        out.push('\n');
+        for note in notes {
+            let _ = writeln!(out, "note: {note}");
+        }
+    }
+}
+
+/// The mean of `values`; `None` without any.
+pub fn mean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let (sum, count) = values
+        .into_iter()
+        .fold((0.0, 0usize), |(sum, count), value| (sum + value, count + 1));
+    (count > 0).then(|| sum / count as f64)
 }
 
 fn rate_label(rate: u64) -> String {
@@ -325,12 +338,11 @@ fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
 /// over kvgate's, each the mean of its rounds.
 fn against_peer(peer: &str, runs: &[RunReport]) -> Vec<TargetCheck> {
     let mean = |subject: &str, subscribers: usize, pick: fn(&RunReport) -> f64| {
-        let picked: Vec<f64> = runs
-            .iter()
-            .filter(|run| run.subject == subject && run.subscribers == subscribers)
-            .map(pick)
-            .collect();
-        (!picked.is_empty()).then(|| picked.iter().sum::<f64>() / picked.len() as f64)
+        mean(
+            runs.iter()
+                .filter(|run| run.subject == subject && run.subscribers == subscribers)
+                .map(pick),
+        )
     };
     let ratio = |subscribers, pick: fn(&RunReport) -> f64| {
         mean(peer, subscribers, pick)
