@@ -131,9 +131,7 @@ impl FleetShape {
         self.chain_hashes(&self.chain_tokens(rank, chain))
             .into_iter()
             .rev()
-            .map(|hash| SimEvent::Removed {
-                hashes: vec![hash],
-            })
+            .map(|hash| SimEvent::Removed { hashes: vec![hash] })
     }
 
     fn payload(&self, rank: usize, events: &[SimEvent]) -> Bytes {
@@ -209,7 +207,9 @@ impl Fleet {
             tokio::time::timeout(SUBSCRIBE_TIMEOUT, socket.recv())
                 .await
                 .map_err(|_| {
-                    anyhow::anyhow!("the index did not subscribe to rank {rank} within {SUBSCRIBE_TIMEOUT:?}")
+                    anyhow::anyhow!(
+                        "the index did not subscribe to rank {rank} within {SUBSCRIBE_TIMEOUT:?}"
+                    )
                 })??;
         }
         Ok(())
@@ -237,7 +237,11 @@ impl Fleet {
     /// Until `stop`, every rank stores `blocks_per_s` blocks a second, a
     /// whole chain at a time, each evicting the rank's oldest chain; the
     /// ranks' schedules are staggered so they do not all send at once.
-    pub async fn churn(&mut self, blocks_per_s: f64, stop: Arc<AtomicBool>) -> anyhow::Result<Sent> {
+    pub async fn churn(
+        &mut self,
+        blocks_per_s: f64,
+        stop: Arc<AtomicBool>,
+    ) -> anyhow::Result<Sent> {
         let shape = self.shape;
         let chains_per_s = blocks_per_s / shape.chain_blocks as f64;
         let start = Instant::now();
@@ -306,7 +310,11 @@ mod tests {
         let (hashes, others) = (shape.chain_hashes(&one), shape.chain_hashes(&other));
         assert_eq!(hashes[..4], others[..4]);
         assert!(hashes[4..].iter().all(|hash| !others.contains(hash)));
-        assert_ne!(shape.chain_tokens(0, 4)[..16], one[..16], "each chain its own prefix");
+        assert_ne!(
+            shape.chain_tokens(0, 4)[..16],
+            one[..16],
+            "each chain its own prefix"
+        );
     }
 
     #[test]

@@ -93,7 +93,10 @@ impl Gateway {
         Self::launch(command, &format!("the peer {program}"), |line| {
             let announced: serde_json::Value = serde_json::from_str(line).ok()?;
             Some(Announced {
-                address: announced["url"].as_str()?.strip_prefix("http://")?.to_owned(),
+                address: announced["url"]
+                    .as_str()?
+                    .strip_prefix("http://")?
+                    .to_owned(),
                 pid: Some(u32::try_from(announced["pid"].as_u64()?).ok()?),
             })
         })

@@ -63,10 +63,9 @@ impl Connection {
             request = request.header(hyper::header::CONTENT_TYPE, "application/json");
         }
         let request = request.body(Full::new(body))?;
-        self.sender
-            .ready()
-            .await
-            .map_err(|error| anyhow::anyhow!("{path}: connection to {} lost: {error}", self.host))?;
+        self.sender.ready().await.map_err(|error| {
+            anyhow::anyhow!("{path}: connection to {} lost: {error}", self.host)
+        })?;
         let response = self
             .sender
             .send_request(request)
@@ -77,7 +76,9 @@ impl Connection {
             .into_body()
             .collect()
             .await
-            .map_err(|error| anyhow::anyhow!("{path} at {}: reading the answer: {error}", self.host))?
+            .map_err(|error| {
+                anyhow::anyhow!("{path} at {}: reading the answer: {error}", self.host)
+            })?
             .to_bytes();
         Ok(Answer { status, body })
     }

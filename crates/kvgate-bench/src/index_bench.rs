@@ -31,8 +31,7 @@ use super::gateway::{Gateway, Stopped};
 use super::histogram::Histogram;
 use super::http_client::Connection;
 use super::index_report::{
-    IndexConfig, IndexMemory, IndexPeerConfig, IndexReport, IndexRunReport, Ingest, Queries,
-    Steady,
+    IndexConfig, IndexMemory, IndexPeerConfig, IndexReport, IndexRunReport, Ingest, Queries, Steady,
 };
 use super::procfs;
 use super::report::Latency;
@@ -41,8 +40,9 @@ use super::worker::Worker;
 
 /// The subject's resident memory is read this long after it starts.
 const IDLE_SETTLE: Duration = Duration::from_millis(500);
-/// How long every rank's stores may take to be applied.
-const INGEST_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long the index may go without completing one more rank once the
+/// fleet has published everything.
+const INGEST_STALL: Duration = Duration::from_secs(60);
 /// Between two asks whether a rank's last chain is in.
 const APPLIED_POLL: Duration = Duration::from_millis(50);
 /// Distinct query bodies, built before any query is timed.
@@ -221,10 +221,12 @@ pub async fn run(args: IndexArgs) -> anyhow::Result<()> {
                  block{}",
                 run.ingest.cpu_us_per_block,
                 run.memory.bytes_per_live_block,
-                run.queries.as_ref().map_or(String::new(), |queries| format!(
-                    ", {:.1} µs CPU per query, p99 {:.3} ms",
-                    queries.cpu_us_per_query, queries.latency_ms.p99
-                ))
+                run.queries
+                    .as_ref()
+                    .map_or(String::new(), |queries| format!(
+                        ", {:.1} µs CPU per query, p99 {:.3} ms",
+                        queries.cpu_us_per_query, queries.latency_ms.p99
+                    ))
             );
             runs.push(run);
         }
@@ -383,7 +385,10 @@ async fn measure(
     match index.stop().await? {
         Stopped::Exited(status) if status.success() => {}
         Stopped::Exited(status) => {
-            eprintln!("kvgate-bench: {} exited with {status} when stopped", subject.name());
+            eprintln!(
+                "kvgate-bench: {} exited with {status} when stopped",
+                subject.name()
+            );
         }
         Stopped::Killed => eprintln!(
             "kvgate-bench: {} did not exit within its grace period and was killed",
@@ -402,9 +407,9 @@ async fn measure(
 /// Waits until every rank's last chain matches in full on that rank: a
 /// rank's stores are applied in its order, so all of them are.
 async fn wait_applied(connection: &mut Connection, shape: &FleetShape) -> anyhow::Result<()> {
-    let deadline = Instant::now() + INGEST_TIMEOUT;
     let last = shape.chains() - 1;
     for rank in 0..shape.ranks {
+        let deadline = Instant::now() + INGEST_STALL;
         let body = shape.query_body(rank, last);
         loop {
             let answer = connection.post("/query", body.clone()).await?;
@@ -419,7 +424,7 @@ async fn wait_applied(connection: &mut Connection, shape: &FleetShape) -> anyhow
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "rank {rank}'s stores were not all applied within {INGEST_TIMEOUT:?}"
+                "rank {rank}'s stores were not all applied {INGEST_STALL:?} after the previous rank's"
             );
             tokio::time::sleep(APPLIED_POLL).await;
         }
@@ -559,7 +564,14 @@ async fn closed_loop(
     let per_connection = (args.queries / args.connections) as usize;
     let client_before = client.cpu_seconds()?;
     let start = Clocks::take(index)?;
-    let asked = ask(client, connections, bodies, per_connection, Schedule::ClosedLoop).await?;
+    let asked = ask(
+        client,
+        connections,
+        bodies,
+        per_connection,
+        Schedule::ClosedLoop,
+    )
+    .await?;
     let end = Clocks::take(index)?;
     let client_cpu_s = client.cpu_seconds()? - client_before;
     let queries = asked.answered + asked.failed;

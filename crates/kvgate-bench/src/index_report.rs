@@ -347,11 +347,7 @@ fn fleet_targets(config: &IndexConfig, runs: &[IndexRunReport]) -> Vec<TargetChe
         ),
     )
     .or_else(|| scale_note.clone());
-    let rss = worst(
-        kvgate()
-            .map(|run| run.memory.rss_after_ingest_mb)
-            .collect(),
-    );
+    let rss = worst(kvgate().map(|run| run.memory.rss_after_ingest_mb).collect());
     let p99 = worst(steady.iter().map(|run| run.latency_ms.p99).collect());
     let kept_up = worst(
         steady
@@ -441,7 +437,13 @@ mod tests {
     use super::*;
     use crate::report::tests::machine;
 
-    fn run(subject: &str, query_cpu_us: f64, p99: f64, bytes: f64, ingest_us: f64) -> IndexRunReport {
+    fn run(
+        subject: &str,
+        query_cpu_us: f64,
+        p99: f64,
+        bytes: f64,
+        ingest_us: f64,
+    ) -> IndexRunReport {
         IndexRunReport {
             subject: subject.to_owned(),
             ingest: Ingest {
@@ -534,12 +536,23 @@ mod tests {
 
     #[test]
     fn without_a_peer_or_a_fleet_phase_those_targets_are_not_measured() {
-        let report = IndexReport::new(machine(), config(false), vec![run(KVGATE, 20.0, 0.4, 50.0, 1.0)]);
-        assert!(report.targets[..4].iter().all(|target| target.measured.is_none()
-            && target.note.as_deref() == Some("no peer ran")));
+        let report = IndexReport::new(
+            machine(),
+            config(false),
+            vec![run(KVGATE, 20.0, 0.4, 50.0, 1.0)],
+        );
+        assert!(report.targets[..4].iter().all(
+            |target| target.measured.is_none() && target.note.as_deref() == Some("no peer ran")
+        ));
         // RSS is measured in every run; the rate targets need the fleet phase.
         assert_eq!(report.targets[4].measured, Some(10.05));
-        assert!(report.targets[4].note.as_deref().unwrap().contains("264000"));
+        assert!(
+            report.targets[4]
+                .note
+                .as_deref()
+                .unwrap()
+                .contains("264000")
+        );
         assert_eq!(report.targets[5].measured, None);
         assert_eq!(report.targets[6].measured, None);
     }

@@ -273,7 +273,9 @@ pub fn write_targets_and_notes(out: &mut String, targets: &[TargetCheck], notes:
 pub fn mean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
     let (sum, count) = values
         .into_iter()
-        .fold((0.0, 0usize), |(sum, count), value| (sum + value, count + 1));
+        .fold((0.0, 0usize), |(sum, count), value| {
+            (sum + value, count + 1)
+        });
     (count > 0).then(|| sum / count as f64)
 }
 
