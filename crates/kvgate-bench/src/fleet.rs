@@ -252,17 +252,17 @@ impl Fleet {
         while !stop.load(Ordering::Relaxed) {
             ticks.tick().await;
             let elapsed = start.elapsed().as_secs_f64();
-            for rank in 0..shape.ranks {
+            for (rank, stored) in due_sent.iter_mut().enumerate() {
                 let phase = rank as f64 / shape.ranks as f64;
                 let due = (elapsed * chains_per_s + phase).floor() as u64;
-                while due_sent[rank] < due {
+                while *stored < due {
                     let (oldest, newest) = (self.oldest[rank], self.newest[rank]);
                     let mut events = vec![shape.stored(rank, newest)];
                     events.extend(shape.evicted(rank, oldest));
                     self.send(rank, shape.payload(rank, &events)).await?;
                     self.oldest[rank] += 1;
                     self.newest[rank] += 1;
-                    due_sent[rank] += 1;
+                    *stored += 1;
                     sent.stored_blocks += shape.chain_blocks as u64;
                     sent.removed_blocks += shape.chain_blocks as u64;
                     sent.batches += 1;

@@ -204,6 +204,20 @@ impl Gateway {
         self.stop_within(STOP_GRACE).await
     }
 
+    /// [`Self::stop`], saying on stderr when `name` did not exit cleanly.
+    pub async fn stop_noting(self, name: &str) -> anyhow::Result<()> {
+        match self.stop().await? {
+            Stopped::Exited(status) if status.success() => {}
+            Stopped::Exited(status) => {
+                eprintln!("kvgate-bench: {name} exited with {status} when stopped");
+            }
+            Stopped::Killed => eprintln!(
+                "kvgate-bench: {name} did not exit within its grace period and was killed"
+            ),
+        }
+        Ok(())
+    }
+
     async fn stop_within(mut self, grace: Duration) -> anyhow::Result<Stopped> {
         let pid = libc::pid_t::try_from(self.child.id())?;
         // SAFETY: `kill` only sends a signal. The pid is our child's, and

@@ -27,7 +27,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::fleet::{Fleet, FleetShape, Sent};
-use super::gateway::{Gateway, Stopped};
+use super::gateway::Gateway;
 use super::histogram::Histogram;
 use super::http_client::Connection;
 use super::index_report::{
@@ -382,19 +382,7 @@ async fn measure(
     } else {
         Some(fleet_scale(&client, &publisher, fleet, &index, args, &shape, bodies).await?)
     };
-    match index.stop().await? {
-        Stopped::Exited(status) if status.success() => {}
-        Stopped::Exited(status) => {
-            eprintln!(
-                "kvgate-bench: {} exited with {status} when stopped",
-                subject.name()
-            );
-        }
-        Stopped::Killed => eprintln!(
-            "kvgate-bench: {} did not exit within its grace period and was killed",
-            subject.name()
-        ),
-    }
+    index.stop_noting(subject.name()).await?;
     Ok(IndexRunReport {
         subject: subject.name().to_owned(),
         ingest,

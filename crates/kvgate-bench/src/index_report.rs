@@ -9,7 +9,10 @@ use std::fmt::Write;
 use serde::Serialize;
 
 use super::procfs::Machine;
-use super::report::{DISTURBED_PERCENT, Latency, TargetCheck, mean, write_targets_and_notes};
+use super::report::{
+    DISTURBED_PERCENT, Judged, Latency, Report, TargetCheck, mean, write_machine,
+    write_targets_and_notes,
+};
 use super::subject::KVGATE;
 
 /// How many times less CPU per query than the peer kvgate aims at.
@@ -28,14 +31,7 @@ const FLEET_LIVE_BLOCKS: u64 = 256 * 32_768;
 /// keeping up.
 const KEPT_UP_SHARE: f64 = 0.99;
 
-#[derive(Debug, Serialize)]
-pub struct IndexReport {
-    pub machine: Machine,
-    pub config: IndexConfig,
-    pub runs: Vec<IndexRunReport>,
-    pub targets: Vec<TargetCheck>,
-    pub notes: Vec<String>,
-}
+pub type IndexReport = Report<IndexConfig>;
 
 #[derive(Debug, Serialize)]
 pub struct IndexConfig {
@@ -150,19 +146,19 @@ pub struct Steady {
     pub others_busy_percent: f64,
 }
 
-impl IndexReport {
-    pub fn new(machine: Machine, config: IndexConfig, runs: Vec<IndexRunReport>) -> Self {
-        let targets = targets(&config, &runs);
-        let notes = notes(&runs);
-        Self {
-            machine,
-            config,
-            runs,
-            targets,
-            notes,
-        }
+impl Judged for IndexConfig {
+    type Run = IndexRunReport;
+
+    fn targets(&self, runs: &[IndexRunReport]) -> Vec<TargetCheck> {
+        targets(self, runs)
     }
 
+    fn notes(&self, _: &Machine, runs: &[IndexRunReport]) -> Vec<String> {
+        notes(runs)
+    }
+}
+
+impl IndexReport {
     pub fn table(&self) -> String {
         let config = &self.config;
         let machine = &self.machine;
@@ -180,11 +176,7 @@ impl IndexReport {
             config.chains_per_batch,
             config.block_size,
         );
-        let _ = writeln!(
-            out,
-            "machine: {} CPUs ({}), {:.1} GiB, Linux {}\n",
-            machine.cpus, machine.cpu_model, machine.memory_gib, machine.kernel
-        );
+        write_machine(&mut out, machine);
         let _ = writeln!(
             out,
             "{:<8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>10}",

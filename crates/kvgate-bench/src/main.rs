@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use gateway::{Gateway, Stopped};
+use gateway::Gateway;
 use histogram::Histogram;
 use publisher::{Mode, Publisher};
 use report::{Config, KvgateCost, Latency, PeerConfig, Report, RunReport, ToolCost};
@@ -379,19 +379,7 @@ async fn measure(
     // loses nothing; stopping kvgate then ends every stream and so every
     // subscriber.
     drop(publisher);
-    match gateway.stop().await? {
-        Stopped::Exited(status) if status.success() => {}
-        Stopped::Exited(status) => {
-            eprintln!(
-                "kvgate-bench: {} exited with {status} when stopped",
-                subject.name()
-            );
-        }
-        Stopped::Killed => eprintln!(
-            "kvgate-bench: {} did not exit within its grace period and was killed",
-            subject.name()
-        ),
-    }
+    gateway.stop_noting(subject.name()).await?;
     let windows = subscribers.finish().await?;
     Ok(Measured {
         subject: subject.name().to_owned(),

@@ -27,14 +27,37 @@ const PEER_COUNTS: [usize; 3] = [1, 8, 32];
 /// How many times less CPU per delivered event than the peer kvgate aims at.
 const PEER_CPU_RATIO: f64 = 3.0;
 
+/// A run's figures as written out: the machine, what was asked, each run,
+/// the targets judged from them and notes on what the figures do not show.
+/// A load sweep's by default; `kvgate-bench index` has a config of its own.
 #[derive(Debug, Serialize)]
-pub struct Report {
+#[serde(bound(serialize = "C: Serialize, C::Run: Serialize"))]
+pub struct Report<C: Judged = Config> {
     pub machine: Machine,
-    pub config: Config,
-    pub runs: Vec<RunReport>,
+    pub config: C,
+    pub runs: Vec<C::Run>,
     pub targets: Vec<TargetCheck>,
-    /// Where the figures measure the tool rather than kvgate.
+    /// Where the figures measure the tool rather than the subject.
     pub notes: Vec<String>,
+}
+
+/// What asked for a report's runs, and so how they are judged.
+pub trait Judged {
+    type Run;
+    fn targets(&self, runs: &[Self::Run]) -> Vec<TargetCheck>;
+    fn notes(&self, machine: &Machine, runs: &[Self::Run]) -> Vec<String>;
+}
+
+impl Judged for Config {
+    type Run = RunReport;
+
+    fn targets(&self, runs: &[RunReport]) -> Vec<TargetCheck> {
+        targets(self, runs)
+    }
+
+    fn notes(&self, machine: &Machine, runs: &[RunReport]) -> Vec<String> {
+        notes(machine, runs)
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -137,10 +160,10 @@ pub struct TargetCheck {
     pub note: Option<String>,
 }
 
-impl Report {
-    pub fn new(machine: Machine, config: Config, runs: Vec<RunReport>) -> Self {
-        let targets = targets(&config, &runs);
-        let notes = notes(&machine, &runs);
+impl<C: Judged> Report<C> {
+    pub fn new(machine: Machine, config: C, runs: Vec<C::Run>) -> Self {
+        let targets = config.targets(&runs);
+        let notes = config.notes(&machine, &runs);
         Self {
             machine,
             config,
@@ -149,7 +172,9 @@ impl Report {
             notes,
         }
     }
+}
 
+impl Report {
     /// The rate asked for, in words.
     pub fn rate_label(&self) -> String {
         rate_label(self.config.rate_events_per_s)
@@ -173,11 +198,7 @@ impl Report {
             config.duration_s,
             config.warmup_s,
         );
-        let _ = writeln!(
-            out,
-            "machine: {} CPUs ({}), {:.1} GiB, Linux {}\n",
-            machine.cpus, machine.cpu_model, machine.memory_gib, machine.kernel
-        );
+        write_machine(&mut out, machine);
         let _ = writeln!(
             out,
             "{:<8} {:>5} {:>12} {:>22} {:>24} {:>41} {:>18} {:>22} {:>13} {:>8}",
@@ -241,6 +262,15 @@ impl Report {
         write_targets_and_notes(&mut out, &self.targets, &self.notes);
         out
     }
+}
+
+/// What the figures were measured on, as both reports' tables say it.
+pub fn write_machine(out: &mut String, machine: &Machine) {
+    let _ = writeln!(
+        out,
+        "machine: {} CPUs ({}), {:.1} GiB, Linux {}\n",
+        machine.cpus, machine.cpu_model, machine.memory_gib, machine.kernel
+    );
 }
 
 /// The targets' verdicts and the notes, as both reports end their tables.
