@@ -604,6 +604,17 @@ async fn fleet_scale(
         let stop = Arc::clone(&stop);
         publisher.spawn(async move { fleet.churn(store_rate, stop).await })
     };
+    // The ranks store for the phase's length, not for as long as a subject
+    // that fell behind takes to answer: its late queries are still timed,
+    // and no query asks for a chain evicted meanwhile.
+    let phase_over = {
+        let stop = Arc::clone(&stop);
+        let steady = args.steady;
+        tokio::spawn(async move {
+            tokio::time::sleep(steady).await;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    };
     let schedule = Schedule::Rate {
         start: start.at,
         rate: args.query_rate,
@@ -611,6 +622,7 @@ async fn fleet_scale(
     let asked = ask(client, connections, bodies, per_connection, schedule).await;
     let end = Clocks::take(index)?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    phase_over.abort();
     let churned: Sent = churning.await??;
     let asked = asked?;
     let memory = procfs::memory(index.pid())?;
@@ -633,7 +645,9 @@ async fn fleet_scale(
         latency_ms: latency_ms(&asked.latency),
         stored_blocks: churned.stored_blocks,
         removed_blocks: churned.removed_blocks,
-        stored_blocks_per_s_per_rank: churned.stored_blocks as f64 / seconds / shape.ranks as f64,
+        stored_blocks_per_s_per_rank: churned.stored_blocks as f64
+            / seconds.min(args.steady.as_secs_f64())
+            / shape.ranks as f64,
         cpu_s,
         cpu_percent_of_one_core: 100.0 * cpu_s / seconds,
         rss_end_mb: memory.rss_mb,
