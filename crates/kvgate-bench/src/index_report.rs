@@ -134,6 +134,8 @@ pub struct Steady {
     /// with an earlier query then (a stall counts against every query it
     /// delayed), else from the send.
     pub latency_ms: Latency,
+    /// What the ranks stored and evicted, over the phase's scheduled
+    /// seconds (not the backlog a slow subject answers after them).
     pub stored_blocks: u64,
     pub removed_blocks: u64,
     pub stored_blocks_per_s_per_rank: f64,
