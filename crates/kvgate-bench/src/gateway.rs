@@ -250,6 +250,16 @@ pub enum Stopped {
 
 impl Drop for Gateway {
     fn drop(&mut self) {
+        // Killed outright, a wrapper cannot stop the process it announced:
+        // kill that one first, by its pid, and only while the wrapper that
+        // started it still runs (a run stopped in order has none left).
+        if let Some(pid) = self.measured_pid
+            && matches!(self.child.try_wait(), Ok(None))
+            && let Ok(pid) = libc::pid_t::try_from(pid)
+        {
+            // SAFETY: `kill` only sends a signal, to the peer's own process.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -307,5 +317,32 @@ mod tests {
             !Path::new(&format!("/proc/{pid}")).exists(),
             "killed and reaped"
         );
+    }
+
+    #[tokio::test]
+    async fn a_peers_announced_process_is_the_one_measured_and_dies_with_its_wrapper() {
+        // A wrapper that starts the real peer (here a sleep), says so once
+        // it serves, and would leave it running if killed outright.
+        let script = r#"sleep 600 & echo "starting"; echo "{\"pid\": $!, \"url\": \"http://127.0.0.1:9\"}"; wait"#;
+        let argv = ["sh", "-c", script].map(str::to_owned);
+        let gateway = Gateway::start_announcing_peer(&argv).await.unwrap();
+        let (wrapper, peer) = (gateway.child.id(), gateway.pid());
+        assert_ne!(peer, wrapper, "the announced pid is measured");
+        assert_eq!(gateway.address(), "127.0.0.1:9");
+        let comm = std::fs::read_to_string(format!("/proc/{peer}/comm")).unwrap();
+        assert_eq!(comm.trim(), "sleep");
+        drop(gateway);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Reaped by whoever adopted it once its wrapper died.
+        while Path::new(&format!("/proc/{peer}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{peer}/stat"))
+                .is_ok_and(|stat| stat.contains(") Z"))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the announced process still runs"
+            );
+            tokio::time::sleep(STOP_POLL).await;
+        }
     }
 }
