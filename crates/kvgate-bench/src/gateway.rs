@@ -329,8 +329,10 @@ mod tests {
         let (wrapper, peer) = (gateway.child.id(), gateway.pid());
         assert_ne!(peer, wrapper, "the announced pid is measured");
         assert_eq!(gateway.address(), "127.0.0.1:9");
-        let comm = std::fs::read_to_string(format!("/proc/{peer}/comm")).unwrap();
-        assert_eq!(comm.trim(), "sleep");
+        // The wrapper's child (it may not have become `sleep` yet).
+        let stat = std::fs::read_to_string(format!("/proc/{peer}/stat")).unwrap();
+        let parent = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1);
+        assert_eq!(parent, Some(wrapper.to_string().as_str()));
         drop(gateway);
         let deadline = Instant::now() + Duration::from_secs(10);
         // Reaped by whoever adopted it once its wrapper died.
