@@ -1,6 +1,6 @@
 # The two set-up commands of the README, plus the checks run before a commit.
 
-.PHONY: run test lint fuzz bench load fan-out peer flamegraphs benchmarks image release
+.PHONY: run test lint fuzz bench load fan-out peer index-peer flamegraphs benchmarks image release
 
 # A gateway fed by the built-in simulated engine (no GPU, no engine needed),
 # on loopback only: a demo faces no network.
@@ -75,6 +75,18 @@ peer: release
 		--rounds 2 --rust-receivers target/release/kvgate-bench
 	$(PEER_PYTHON) benchmarks/floor.py --kvgate $(SHIPPED) --relay --counts 32 \
 		--rate 312.5 --rounds 2 --rust-receivers target/release/kvgate-bench
+
+# `kvgate index` against Dynamo's standalone indexer 1.6.1, alternating run
+# by run on one simulated fleet: the 33-rank fleet and the fleet scale
+# (benchmarks/dynamo-index/README.md). DYNAMO_PYTHON is the Python of a venv
+# holding ai-dynamo-runtime 1.6.1 (the install is in that README).
+DYNAMO_PYTHON ?= /work/dynamo-venv/bin/python
+DYNAMO = --peer '$(DYNAMO_PYTHON) benchmarks/dynamo-index/peer.py serve --port {port}'
+index-peer:
+	cargo build --release --locked -p kvgate -p kvgate-bench
+	target/release/kvgate-bench index --rounds 3 $(DYNAMO) --json benchmarks/index-vs-dynamo.json
+	target/release/kvgate-bench index --ranks 256 --ranks-per-worker 1 --blocks-per-rank 32768 \
+		--queries 4000 --steady 20 $(DYNAMO) --json benchmarks/index-fleet-vs-dynamo.json
 
 # The fan-out flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:

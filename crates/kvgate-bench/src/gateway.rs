@@ -1,5 +1,5 @@
-//! The relay under test (kvgate, or a peer in its place), as a child
-//! process: started like an operator would, measured through `/proc`,
+//! The relay or index under test (kvgate, or a peer in its place), as a
+//! child process: started like an operator would, measured through `/proc`,
 //! stopped by pid like an orchestrator would (SIGTERM, then SIGKILL once
 //! `STOP_GRACE` is up), and killed by pid however else the run ends.
 //!
@@ -23,10 +23,20 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 const STOP_POLL: Duration = Duration::from_millis(10);
 /// The line kvgate prints on stdout once it serves.
 const SERVING: &str = "kvgate: serving gRPC on ";
+/// The line `kvgate index` prints on stdout once it answers.
+const INDEX_SERVING: &str = "kvgate: index answering Dynamo's API on http://";
 
 pub struct Gateway {
     child: Child,
     address: String,
+    /// The process whose costs are measured, when it is not `child` itself.
+    measured_pid: Option<u32>,
+}
+
+/// What a starting child says once it serves.
+struct Announced {
+    address: String,
+    pid: Option<u32>,
 }
 
 impl Gateway {
@@ -39,7 +49,67 @@ impl Gateway {
             // Its banner is on stdout in text format, whatever the environment says.
             .args(["--log-format", "text"])
             .args(["--listen", "127.0.0.1:0", "--zmq-endpoint", endpoint])
-            .args(extra)
+            .args(extra);
+        let what = format!("{} serve", binary.display());
+        Self::launch(command, &what, |line| {
+            let rest = line.strip_prefix(SERVING)?;
+            Some(Announced {
+                address: rest.split(',').next().unwrap_or_default().to_owned(),
+                pid: None,
+            })
+        })
+        .await
+    }
+
+    /// Runs `BINARY index --listen 127.0.0.1:0` and waits until it answers.
+    pub async fn start_index(binary: &Path) -> anyhow::Result<Self> {
+        let mut command = Command::new(binary);
+        command.args(["index", "--log-format", "text", "--listen", "127.0.0.1:0"]);
+        let what = format!("{} index", binary.display());
+        Self::launch(command, &what, |line| {
+            Some(Announced {
+                address: line.strip_prefix(INDEX_SERVING)?.to_owned(),
+                pid: None,
+            })
+        })
+        .await
+    }
+
+    /// Runs `argv`, a peer that prints one JSON line `{"pid": PID, "url":
+    /// "http://HOST:PORT"}` once it serves (`benchmarks/dynamo-index/peer.py
+    /// serve`): PID is the process measured, which may be a child of the
+    /// one started; stopping the one started stops it.
+    pub async fn start_announcing_peer(argv: &[String]) -> anyhow::Result<Self> {
+        let (program, args) = argv
+            .split_first()
+            .ok_or_else(|| anyhow::anyhow!("--peer is an empty command"))?;
+        let mut command = Command::new(program);
+        command.args(args);
+        // Dynamo's info lines (one per listener) would interleave with the
+        // report.
+        if std::env::var_os("DYN_LOG").is_none() {
+            command.env("DYN_LOG", "warn");
+        }
+        Self::launch(command, &format!("the peer {program}"), |line| {
+            let announced: serde_json::Value = serde_json::from_str(line).ok()?;
+            Some(Announced {
+                address: announced["url"]
+                    .as_str()?
+                    .strip_prefix("http://")?
+                    .to_owned(),
+                pid: Some(u32::try_from(announced["pid"].as_u64()?).ok()?),
+            })
+        })
+        .await
+    }
+
+    /// Spawns `command` and waits until a line of its stdout is `announced`.
+    async fn launch(
+        mut command: Command,
+        what: &str,
+        announced: fn(&str) -> Option<Announced>,
+    ) -> anyhow::Result<Self> {
+        command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -51,19 +121,18 @@ impl Gateway {
         }
         let mut child = command
             .spawn()
-            .map_err(|error| anyhow::anyhow!("cannot start {}: {error}", binary.display()))?;
+            .map_err(|error| anyhow::anyhow!("cannot start {what}: {error}"))?;
         let stdout = child.stdout.take().expect("stdout is piped");
         let (tx, rx) = tokio::sync::oneshot::channel();
-        // Reads on to the end, so kvgate never blocks on a full pipe.
+        // Reads on to the end, so the child never blocks on a full pipe.
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix(SERVING) {
-                    let address = rest.split(',').next().unwrap_or_default().to_owned();
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(address);
-                    }
+                if let Some(found) = announced(&line)
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(found);
                 }
             }
         });
@@ -71,15 +140,18 @@ impl Gateway {
         let mut gateway = Self {
             child,
             address: String::new(),
+            measured_pid: None,
         };
-        gateway.address = match tokio::time::timeout(START_TIMEOUT, rx).await {
-            Ok(Ok(address)) => address,
+        let found = match tokio::time::timeout(START_TIMEOUT, rx).await {
+            Ok(Ok(found)) => found,
             Ok(Err(_)) => {
                 let status = gateway.child.wait()?;
-                anyhow::bail!("{} serve exited before serving: {status}", binary.display())
+                anyhow::bail!("{what} exited before serving: {status}")
             }
-            Err(_) => anyhow::bail!("{} did not report its address in time", binary.display()),
+            Err(_) => anyhow::bail!("{what} did not report its address in time"),
         };
+        gateway.address = found.address;
+        gateway.measured_pid = found.pid;
         Ok(gateway)
     }
 
@@ -100,6 +172,7 @@ impl Gateway {
         let mut gateway = Self {
             child,
             address: format!("127.0.0.1:{port}"),
+            measured_pid: None,
         };
         let deadline = Instant::now() + START_TIMEOUT;
         while TcpStream::connect(&gateway.address).is_err() {
@@ -120,14 +193,29 @@ impl Gateway {
         &self.address
     }
 
+    /// The process to measure: the one started, or the one it announced.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.measured_pid.unwrap_or_else(|| self.child.id())
     }
 
     /// Asks the relay to exit (SIGTERM) and waits for it; kills it if it
     /// is still running after `STOP_GRACE`.
     pub async fn stop(self) -> anyhow::Result<Stopped> {
         self.stop_within(STOP_GRACE).await
+    }
+
+    /// [`Self::stop`], saying on stderr when `name` did not exit cleanly.
+    pub async fn stop_noting(self, name: &str) -> anyhow::Result<()> {
+        match self.stop().await? {
+            Stopped::Exited(status) if status.success() => {}
+            Stopped::Exited(status) => {
+                eprintln!("kvgate-bench: {name} exited with {status} when stopped");
+            }
+            Stopped::Killed => eprintln!(
+                "kvgate-bench: {name} did not exit within its grace period and was killed"
+            ),
+        }
+        Ok(())
     }
 
     async fn stop_within(mut self, grace: Duration) -> anyhow::Result<Stopped> {
@@ -162,6 +250,16 @@ pub enum Stopped {
 
 impl Drop for Gateway {
     fn drop(&mut self) {
+        // Killed outright, a wrapper cannot stop the process it announced:
+        // kill that one first, by its pid, and only while the wrapper that
+        // started it still runs (a run stopped in order has none left).
+        if let Some(pid) = self.measured_pid
+            && matches!(self.child.try_wait(), Ok(None))
+            && let Ok(pid) = libc::pid_t::try_from(pid)
+        {
+            // SAFETY: `kill` only sends a signal, to the peer's own process.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -197,6 +295,7 @@ mod tests {
         Gateway {
             child,
             address: String::new(),
+            measured_pid: None,
         }
     }
 
@@ -218,5 +317,34 @@ mod tests {
             !Path::new(&format!("/proc/{pid}")).exists(),
             "killed and reaped"
         );
+    }
+
+    #[tokio::test]
+    async fn a_peers_announced_process_is_the_one_measured_and_dies_with_its_wrapper() {
+        // A wrapper that starts the real peer (here a sleep), says so once
+        // it serves, and would leave it running if killed outright.
+        let script = r#"sleep 600 & echo "starting"; echo "{\"pid\": $!, \"url\": \"http://127.0.0.1:9\"}"; wait"#;
+        let argv = ["sh", "-c", script].map(str::to_owned);
+        let gateway = Gateway::start_announcing_peer(&argv).await.unwrap();
+        let (wrapper, peer) = (gateway.child.id(), gateway.pid());
+        assert_ne!(peer, wrapper, "the announced pid is measured");
+        assert_eq!(gateway.address(), "127.0.0.1:9");
+        // The wrapper's child (it may not have become `sleep` yet).
+        let stat = std::fs::read_to_string(format!("/proc/{peer}/stat")).unwrap();
+        let parent = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1);
+        assert_eq!(parent, Some(wrapper.to_string().as_str()));
+        drop(gateway);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Reaped by whoever adopted it once its wrapper died.
+        while Path::new(&format!("/proc/{peer}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{peer}/stat"))
+                .is_ok_and(|stat| stat.contains(") Z"))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the announced process still runs"
+            );
+            tokio::time::sleep(STOP_POLL).await;
+        }
     }
 }

@@ -13,12 +13,19 @@
 //!
 //! With `--peer`, a peer relay is measured the same way, alternating with
 //! kvgate run by run, so both see the same machine at the same time.
+//!
+//! `kvgate-bench index` measures `kvgate index` instead, and with `--peer`
+//! Dynamo's standalone indexer in turns ([`index_bench`]).
 
 mod chart;
+mod fleet;
 mod floor;
 mod floor_relay;
 mod gateway;
 mod histogram;
+mod http_client;
+mod index_bench;
+mod index_report;
 mod procfs;
 mod publisher;
 mod report;
@@ -33,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use gateway::{Gateway, Stopped};
+use gateway::Gateway;
 use histogram::Histogram;
 use publisher::{Mode, Publisher};
 use report::{Config, KvgateCost, Latency, PeerConfig, Report, RunReport, ToolCost};
@@ -58,8 +65,11 @@ const POLL: Duration = Duration::from_millis(10);
 /// Measures a kvgate binary under N subscribers: throughput, latency, CPU
 /// and memory, as tables, JSON and an SVG chart.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "kvgate-bench", version)]
+#[command(name = "kvgate-bench", version, args_conflicts_with_subcommands = true)]
 struct LoadArgs {
+    #[command(subcommand)]
+    command: Option<Command>,
+
     /// Subscriber counts, one run each (a list is a sweep).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64",
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
@@ -156,6 +166,15 @@ struct LoadArgs {
     serve_args: Vec<String>,
 }
 
+#[derive(Debug, Clone, clap::Subcommand)]
+enum Command {
+    /// Measure `kvgate index` on a simulated fleet of engine ranks (and a
+    /// peer index, e.g. Dynamo's, in turns): CPU per ingested block, memory
+    /// per live block, CPU and latency per query, and queries at a fixed
+    /// rate while every rank keeps storing.
+    Index(index_bench::IndexArgs),
+}
+
 fn seconds(text: &str) -> Result<Duration, String> {
     text.parse::<f64>()
         .ok()
@@ -166,6 +185,11 @@ fn seconds(text: &str) -> Result<Duration, String> {
 
 fn main() -> anyhow::Result<()> {
     let args = LoadArgs::parse();
+    if let Some(Command::Index(index)) = args.command {
+        return tokio::runtime::Runtime::new()
+            .context("cannot start the async runtime")?
+            .block_on(index_bench::run(index));
+    }
     if let (Some(target), Some(count)) = (args.floor_receivers.clone(), args.floor_count) {
         return tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -355,19 +379,7 @@ async fn measure(
     // loses nothing; stopping kvgate then ends every stream and so every
     // subscriber.
     drop(publisher);
-    match gateway.stop().await? {
-        Stopped::Exited(status) if status.success() => {}
-        Stopped::Exited(status) => {
-            eprintln!(
-                "kvgate-bench: {} exited with {status} when stopped",
-                subject.name()
-            );
-        }
-        Stopped::Killed => eprintln!(
-            "kvgate-bench: {} did not exit within its grace period and was killed",
-            subject.name()
-        ),
-    }
+    gateway.stop_noting(subject.name()).await?;
     let windows = subscribers.finish().await?;
     Ok(Measured {
         subject: subject.name().to_owned(),

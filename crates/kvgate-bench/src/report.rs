@@ -16,7 +16,7 @@ const TARGET_RATE: u64 = 20_000;
 const SATURATED_PERCENT: f64 = 90.0;
 /// Other processes or the hypervisor taking more than this of the CPUs
 /// make a run's figures noisy.
-const DISTURBED_PERCENT: f64 = 10.0;
+pub const DISTURBED_PERCENT: f64 = 10.0;
 /// A subject whose RSS grew by this share or more over the measured
 /// window (and by at least [`GROWING_MIN_MB`]) was still filling its
 /// buffers: its figures include the growth's page faults and reallocations.
@@ -27,14 +27,37 @@ const PEER_COUNTS: [usize; 3] = [1, 8, 32];
 /// How many times less CPU per delivered event than the peer kvgate aims at.
 const PEER_CPU_RATIO: f64 = 3.0;
 
+/// A run's figures as written out: the machine, what was asked, each run,
+/// the targets judged from them and notes on what the figures do not show.
+/// A load sweep's by default; `kvgate-bench index` has a config of its own.
 #[derive(Debug, Serialize)]
-pub struct Report {
+#[serde(bound(serialize = "C: Serialize, C::Run: Serialize"))]
+pub struct Report<C: Judged = Config> {
     pub machine: Machine,
-    pub config: Config,
-    pub runs: Vec<RunReport>,
+    pub config: C,
+    pub runs: Vec<C::Run>,
     pub targets: Vec<TargetCheck>,
-    /// Where the figures measure the tool rather than kvgate.
+    /// Where the figures measure the tool rather than the subject.
     pub notes: Vec<String>,
+}
+
+/// What asked for a report's runs, and so how they are judged.
+pub trait Judged {
+    type Run;
+    fn targets(&self, runs: &[Self::Run]) -> Vec<TargetCheck>;
+    fn notes(&self, machine: &Machine, runs: &[Self::Run]) -> Vec<String>;
+}
+
+impl Judged for Config {
+    type Run = RunReport;
+
+    fn targets(&self, runs: &[RunReport]) -> Vec<TargetCheck> {
+        targets(self, runs)
+    }
+
+    fn notes(&self, machine: &Machine, runs: &[RunReport]) -> Vec<String> {
+        notes(machine, runs)
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -137,10 +160,10 @@ pub struct TargetCheck {
     pub note: Option<String>,
 }
 
-impl Report {
-    pub fn new(machine: Machine, config: Config, runs: Vec<RunReport>) -> Self {
-        let targets = targets(&config, &runs);
-        let notes = notes(&machine, &runs);
+impl<C: Judged> Report<C> {
+    pub fn new(machine: Machine, config: C, runs: Vec<C::Run>) -> Self {
+        let targets = config.targets(&runs);
+        let notes = config.notes(&machine, &runs);
         Self {
             machine,
             config,
@@ -149,7 +172,9 @@ impl Report {
             notes,
         }
     }
+}
 
+impl Report {
     /// The rate asked for, in words.
     pub fn rate_label(&self) -> String {
         rate_label(self.config.rate_events_per_s)
@@ -173,11 +198,7 @@ impl Report {
             config.duration_s,
             config.warmup_s,
         );
-        let _ = writeln!(
-            out,
-            "machine: {} CPUs ({}), {:.1} GiB, Linux {}\n",
-            machine.cpus, machine.cpu_model, machine.memory_gib, machine.kernel
-        );
+        write_machine(&mut out, machine);
         let _ = writeln!(
             out,
             "{:<8} {:>5} {:>12} {:>22} {:>24} {:>41} {:>18} {:>22} {:>13} {:>8}",
@@ -238,30 +259,54 @@ impl Report {
                 run.missing_events,
             );
         }
-        if !self.targets.is_empty() {
-            out.push_str("\ntargets (reported, not asserted):\n");
-            for target in &self.targets {
-                let verdict = match (target.measured, target.met) {
-                    (Some(measured), Some(met)) => {
-                        format!("{measured:.2}, {}", if met { "met" } else { "NOT met" })
-                    }
-                    _ => "not measured".to_owned(),
-                };
-                let _ = write!(out, "  {}: {verdict}", target.target);
-                if let Some(note) = &target.note {
-                    let _ = write!(out, " ({note})");
-                }
-                out.push('\n');
-            }
-        }
-        if !self.notes.is_empty() {
-            out.push('\n');
-            for note in &self.notes {
-                let _ = writeln!(out, "note: {note}");
-            }
-        }
+        write_targets_and_notes(&mut out, &self.targets, &self.notes);
         out
     }
+}
+
+/// What the figures were measured on, as both reports' tables say it.
+pub fn write_machine(out: &mut String, machine: &Machine) {
+    let _ = writeln!(
+        out,
+        "machine: {} CPUs ({}), {:.1} GiB, Linux {}\n",
+        machine.cpus, machine.cpu_model, machine.memory_gib, machine.kernel
+    );
+}
+
+/// The targets' verdicts and the notes, as both reports end their tables.
+pub fn write_targets_and_notes(out: &mut String, targets: &[TargetCheck], notes: &[String]) {
+    if !targets.is_empty() {
+        out.push_str("\ntargets (reported, not asserted):\n");
+        for target in targets {
+            let verdict = match (target.measured, target.met) {
+                (Some(measured), Some(met)) => {
+                    format!("{measured:.2}, {}", if met { "met" } else { "NOT met" })
+                }
+                _ => "not measured".to_owned(),
+            };
+            let _ = write!(out, "  {}: {verdict}", target.target);
+            if let Some(note) = &target.note {
+                let _ = write!(out, " ({note})");
+            }
+            out.push('\n');
+        }
+    }
+    if !notes.is_empty() {
+        out.push('\n');
+        for note in notes {
+            let _ = writeln!(out, "note: {note}");
+        }
+    }
+}
+
+/// The mean of `values`; `None` without any.
+pub fn mean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let (sum, count) = values
+        .into_iter()
+        .fold((0.0, 0usize), |(sum, count), value| {
+            (sum + value, count + 1)
+        });
+    (count > 0).then(|| sum / count as f64)
 }
 
 fn rate_label(rate: u64) -> String {
@@ -325,12 +370,11 @@ fn targets(config: &Config, runs: &[RunReport]) -> Vec<TargetCheck> {
 /// over kvgate's, each the mean of its rounds.
 fn against_peer(peer: &str, runs: &[RunReport]) -> Vec<TargetCheck> {
     let mean = |subject: &str, subscribers: usize, pick: fn(&RunReport) -> f64| {
-        let picked: Vec<f64> = runs
-            .iter()
-            .filter(|run| run.subject == subject && run.subscribers == subscribers)
-            .map(pick)
-            .collect();
-        (!picked.is_empty()).then(|| picked.iter().sum::<f64>() / picked.len() as f64)
+        mean(
+            runs.iter()
+                .filter(|run| run.subject == subject && run.subscribers == subscribers)
+                .map(pick),
+        )
     };
     let ratio = |subscribers, pick: fn(&RunReport) -> f64| {
         mean(peer, subscribers, pick)

@@ -2,6 +2,9 @@
 //! command template, so that kvgate and a peer are compared by one command
 //! under the same engine, subscribers and clocks.
 //!
+//! An index run measures `kvgate index` or a peer index the same way
+//! ([`IndexSubject`]).
+//!
 //! A peer is any process that relays the engine's ZMQ PUB to
 //! `SubscribeKvEvents` streams of `KvEventBatch`es (the same wire format as
 //! kvgate's): its command names where to listen and where the publisher is
@@ -40,10 +43,7 @@ pub struct Peer {
 impl Peer {
     /// Checks the template and the method path, naming the flag at fault.
     pub fn new(name: String, command: String, method: &str) -> anyhow::Result<Self> {
-        anyhow::ensure!(
-            command.contains("{port}") || command.contains("{address}"),
-            "--peer {command:?} says nowhere to serve: give it {{port}} or {{address}}"
-        );
+        check_serves_somewhere(&command)?;
         anyhow::ensure!(
             command.contains("{zmq}"),
             "--peer {command:?} names no publisher: give it {{zmq}}"
@@ -64,14 +64,75 @@ impl Peer {
 
     /// The command's words for a peer serving on `port`, fed from `zmq`.
     fn argv(&self, port: u16, zmq: &str) -> Vec<String> {
-        self.command
-            .split_whitespace()
-            .map(|word| {
-                word.replace("{port}", &port.to_string())
-                    .replace("{address}", &format!("127.0.0.1:{port}"))
-                    .replace("{zmq}", zmq)
-            })
+        fill(&self.command, port)
+            .into_iter()
+            .map(|word| word.replace("{zmq}", zmq))
             .collect()
+    }
+}
+
+/// A command template's words (split on whitespace, no shell) with `{port}`
+/// and `{address}` (`127.0.0.1:PORT`) filled in.
+fn fill(command: &str, port: u16) -> Vec<String> {
+    command
+        .split_whitespace()
+        .map(|word| {
+            word.replace("{port}", &port.to_string())
+                .replace("{address}", &format!("127.0.0.1:{port}"))
+        })
+        .collect()
+}
+
+fn check_serves_somewhere(command: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        command.contains("{port}") || command.contains("{address}"),
+        "--peer {command:?} says nowhere to serve: give it {{port}} or {{address}}"
+    );
+    Ok(())
+}
+
+/// What an index run measures: `kvgate index`, or a peer index speaking
+/// Dynamo's HTTP API (Dynamo's own through
+/// `benchmarks/dynamo-index/peer.py serve --port {port}`), fed by the same
+/// fleet's registrations.
+pub enum IndexSubject {
+    Kvgate { binary: PathBuf },
+    Peer(IndexPeer),
+}
+
+/// A peer index: its name in the report and its command, whose `{port}` (or
+/// `{address}`) is where it must answer; it prints `{"pid": PID, "url":
+/// URL}` once it does, PID being the process to measure.
+#[derive(Clone, Debug)]
+pub struct IndexPeer {
+    pub name: String,
+    pub command: String,
+}
+
+impl IndexPeer {
+    /// Checks the template, naming the flag at fault.
+    pub fn new(name: String, command: String) -> anyhow::Result<Self> {
+        check_serves_somewhere(&command)?;
+        Ok(Self { name, command })
+    }
+}
+
+impl IndexSubject {
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Kvgate { .. } => KVGATE,
+            Self::Peer(peer) => &peer.name,
+        }
+    }
+
+    /// Starts the index with no worker; it answers once this returns.
+    pub async fn start(&self) -> anyhow::Result<Gateway> {
+        match self {
+            Self::Kvgate { binary } => Gateway::start_index(binary).await,
+            Self::Peer(peer) => {
+                Gateway::start_announcing_peer(&fill(&peer.command, free_port()?)).await
+            }
+        }
     }
 }
 
