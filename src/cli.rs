@@ -115,6 +115,25 @@ pub struct IndexArgs {
     #[arg(long, env = "KVGATE_WORKER_CA_FILE", value_name = "FILE")]
     pub worker_ca_file: Option<PathBuf>,
 
+    /// A client certificate (PEM) presented to grpcs:// workers that
+    /// require one (their --tls-client-ca).
+    #[arg(
+        long,
+        env = "KVGATE_WORKER_TLS_CERT",
+        value_name = "FILE",
+        requires = "worker_tls_key"
+    )]
+    pub worker_tls_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --worker-tls-cert.
+    #[arg(
+        long,
+        env = "KVGATE_WORKER_TLS_KEY",
+        value_name = "FILE",
+        requires = "worker_tls_cert"
+    )]
+    pub worker_tls_key: Option<PathBuf>,
+
     /// A file whose first token is sent to every grpc:// and grpcs://
     /// worker as a bearer token (their --auth-token-file).
     #[arg(long, env = "KVGATE_WORKER_TOKEN_FILE", value_name = "FILE")]

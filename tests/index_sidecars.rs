@@ -752,14 +752,18 @@ async fn a_hostile_grpc_worker_is_counted_and_said_why_while_other_workers_stay_
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_grpcs_worker_is_followed_over_tls_with_the_token_and_each_missing_credential_is_named() {
+async fn a_grpcs_worker_is_followed_over_mutual_tls_with_the_token_and_each_missing_credential_is_named()
+ {
     use common::pki::{Authority, Files};
     let authority = Authority::new("sidecar CA");
     let server = authority.server();
+    let client = authority.client("index");
     let files = Files::new();
     let cert = files.write("cert.pem", &server.cert);
     let key = files.write("key.pem", &server.key);
     let ca = files.write("ca.pem", &authority.pem());
+    let client_cert = files.write("client.pem", &client.cert);
+    let client_key = files.write("client-key.pem", &client.key);
     let tokens = files.write("tokens", "index-secret\n");
     let mut engine = Engine::new(1, 3).await;
     let sidecar = engine.sidecar_with(&[
@@ -767,6 +771,8 @@ async fn a_grpcs_worker_is_followed_over_tls_with_the_token_and_each_missing_cre
         cert.to_str().unwrap(),
         "--tls-key",
         key.to_str().unwrap(),
+        "--tls-client-ca",
+        ca.to_str().unwrap(),
         "--auth-token-file",
         tokens.to_str().unwrap(),
     ]);
@@ -781,6 +787,10 @@ async fn a_grpcs_worker_is_followed_over_tls_with_the_token_and_each_missing_cre
         "4",
         "--worker-ca-file",
         ca.to_str().unwrap(),
+        "--worker-tls-cert",
+        client_cert.to_str().unwrap(),
+        "--worker-tls-key",
+        client_key.to_str().unwrap(),
     ];
     let token_flags = ["--worker-token-file", tokens.to_str().unwrap()];
     let index = IndexProcess::start(&[&trusted[..], &token_flags[..]].concat());

@@ -15,8 +15,7 @@ use crate::index::writer;
 use crate::server::admin_connection::AdminLimits;
 use crate::server::index_http;
 
-/// The flags a sidecar's credentials come from (no client certificate is
-/// presented to a sidecar).
+/// The flags a sidecar's credentials come from.
 const WORKER_FLAGS: TlsFlags = TlsFlags {
     uri: "endpoint",
     ca: "--worker-ca-file",
@@ -37,6 +36,8 @@ impl Index {
     pub async fn start(args: IndexArgs) -> anyhow::Result<Self> {
         let trust = SidecarTrust {
             ca_file: args.worker_ca_file.clone(),
+            cert_file: args.worker_tls_cert.clone(),
+            key_file: args.worker_tls_key.clone(),
             token_file: args.worker_token_file.clone(),
             flags: WORKER_FLAGS,
             token_flag: "--worker-token-file",
@@ -117,7 +118,7 @@ impl Index {
 /// Fails at start, naming the flag, when a sidecar credential cannot be
 /// read: every registration would be refused for it.
 fn check_trust(trust: &SidecarTrust) -> anyhow::Result<()> {
-    let scheme = if trust.ca_file.is_some() {
+    let scheme = if trust.ca_file.is_some() || trust.cert_file.is_some() {
         "grpcs"
     } else if trust.token_file.is_some() {
         "grpc"

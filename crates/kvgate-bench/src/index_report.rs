@@ -98,8 +98,9 @@ pub struct Ingest {
 pub struct IndexMemory {
     /// RSS once started, before the first registration.
     pub rss_before_mb: f64,
+    /// RSS at rest: a second after the last block was applied.
     pub rss_after_ingest_mb: f64,
-    /// (RSS after ingest - RSS before) / live blocks.
+    /// (RSS at rest after ingest - RSS before) / live blocks.
     pub bytes_per_live_block: f64,
 }
 

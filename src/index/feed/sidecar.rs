@@ -39,6 +39,10 @@ use crate::source::upstream::{self, Interruption, UNKNOWN_RANK, UpstreamConfig, 
 pub struct SidecarTrust {
     /// The CA that signed `grpcs://` workers' certificates.
     pub ca_file: Option<PathBuf>,
+    /// A client certificate and its key, for `grpcs://` workers that
+    /// require one.
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
     /// A file whose first token is sent to every `grpc://` worker as a
     /// bearer token.
     pub token_file: Option<PathBuf>,
@@ -74,7 +78,8 @@ pub fn target(endpoint: &str, trust: &SidecarTrust) -> Result<Target, String> {
     } else if let Some(rest) = endpoint.strip_prefix("grpcs://") {
         let paths = TlsPaths {
             ca: trust.ca_file.clone(),
-            ..TlsPaths::default()
+            cert: trust.cert_file.clone(),
+            key: trust.key_file.clone(),
         };
         (format!("https://{rest}"), paths)
     } else {
