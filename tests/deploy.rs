@@ -30,11 +30,13 @@ fn document(kind: &str) -> String {
         .to_owned()
 }
 
-#[test]
-fn the_sidecar_manifest_passes_a_strict_schema_check() {
+const INDEX_MANIFEST: &str = "deploy/kubernetes-index.yaml";
+
+/// `manifest` passes kubernetes-validate --strict, each of `kinds` checked.
+fn passes_a_strict_schema_check(manifest: &str, kinds: &[&str]) {
     let Some(output) = common::external_tool(
         "kubernetes-validate",
-        &["--strict", MANIFEST],
+        &["--strict", manifest],
         Path::new(env!("CARGO_MANIFEST_DIR")),
         "pip install kubernetes-validate",
     ) else {
@@ -46,12 +48,71 @@ fn the_sidecar_manifest_passes_a_strict_schema_check() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(output.status.success(), "{report}");
-    for kind in ["deployment", "service"] {
+    for kind in kinds {
         assert!(
             report.contains(&format!("passed for resource {kind}/")),
             "{report}"
         );
     }
+}
+
+#[test]
+fn the_sidecar_manifest_passes_a_strict_schema_check() {
+    passes_a_strict_schema_check(MANIFEST, &["deployment", "service"]);
+}
+
+#[test]
+fn the_index_manifest_passes_a_strict_schema_check() {
+    passes_a_strict_schema_check(
+        INDEX_MANIFEST,
+        &["deployment", "service", "poddisruptionbudget"],
+    );
+}
+
+#[test]
+fn every_setting_of_the_index_manifest_is_one_kvgate_index_reads() {
+    let manifest = read(INDEX_MANIFEST);
+    // The subcommand's settings and kvgate's own (logging).
+    let help: String = [&["index", "--help"][..], &["--help"][..]]
+        .into_iter()
+        .map(|args| {
+            let output = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+                .args(args)
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&output.stdout).into_owned()
+        })
+        .collect();
+    let settings: Vec<&str> = manifest
+        .split("name: ")
+        .skip(1)
+        .filter_map(|rest| rest.split([',', '\n', '}']).next())
+        .filter(|name| name.starts_with("KVGATE_"))
+        .collect();
+    assert!(settings.len() >= 6, "{settings:?}");
+    for setting in settings {
+        assert!(
+            help.contains(&format!("[env: {setting}=")),
+            "{setting} is not a setting of kvgate index"
+        );
+    }
+    // The workers it names parse as `--workers` does: one grpcs:// sidecar
+    // per engine.
+    let workers = manifest
+        .split("name: KVGATE_INDEX_WORKERS")
+        .nth(1)
+        .and_then(|rest| rest.split("value: >-").nth(1))
+        .and_then(|rest| rest.split("# ").next())
+        .unwrap();
+    let workers: String = workers.split_whitespace().collect();
+    let parsed = kvgate::cli::parse_index_workers(&workers).unwrap();
+    assert_eq!(parsed.0.len(), 4, "{workers}");
+    assert!(
+        parsed
+            .0
+            .iter()
+            .all(|worker| worker.endpoint.starts_with("grpcs://"))
+    );
 }
 
 #[test]
