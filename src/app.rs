@@ -368,6 +368,7 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
         limits: connection_limits(&args),
         tls: credentials.tls.clone(),
         tokens: credentials.tokens.clone(),
+        index: None,
         subscribe_limits: server::subscribe::SubscribeLimits {
             subscribers: args.max_subscribers as usize,
             snapshot_encodes: args.max_snapshot_encodes as usize,

@@ -7,108 +7,19 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::Bytes;
-use common::{DEADLINE, IndexProcess, http_exchange};
+use common::index::{self, get, post, publisher, request, stored_payload};
+use common::{DEADLINE, IndexProcess};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
 
-/// One HTTP/1.0 request of a JSON body: (status, body).
-async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    http_exchange(address, method, path, Some(body), Some("application/json")).await
-}
-
-async fn post(address: SocketAddr, path: &str, body: Value) -> (u16, Value) {
-    let (status, body) = request(address, "POST", path, body.to_string().as_bytes()).await;
-    (
-        status,
-        serde_json::from_str(&body).unwrap_or(Value::String(body)),
-    )
-}
-
-async fn get(address: SocketAddr, path: &str) -> (u16, Value) {
-    let (status, body) = request(address, "GET", path, b"").await;
-    (
-        status,
-        serde_json::from_str(&body).unwrap_or(Value::String(body)),
-    )
-}
-
-/// A vLLM `BlockStored` payload (map form) in `medium`, on `rank`.
-fn stored_payload(
-    hashes: &[i64],
-    parent: Option<i64>,
-    tokens: &[u32],
-    block_size: u32,
-    medium: &str,
-    rank: u32,
-) -> Bytes {
-    use rmp::encode::*;
-    let mut out = Vec::new();
-    write_array_len(&mut out, 3).unwrap();
-    write_f64(&mut out, 1.0).unwrap();
-    write_array_len(&mut out, 1).unwrap();
-    write_map_len(&mut out, 7).unwrap();
-    write_str(&mut out, "type").unwrap();
-    write_str(&mut out, "BlockStored").unwrap();
-    write_str(&mut out, "block_hashes").unwrap();
-    write_array_len(&mut out, hashes.len() as u32).unwrap();
-    for &hash in hashes {
-        write_sint(&mut out, hash).unwrap();
-    }
-    write_str(&mut out, "parent_block_hash").unwrap();
-    match parent {
-        Some(parent) => write_sint(&mut out, parent).map(|_| ()).unwrap(),
-        None => write_nil(&mut out).unwrap(),
-    }
-    write_str(&mut out, "token_ids").unwrap();
-    write_array_len(&mut out, tokens.len() as u32).unwrap();
-    for &token in tokens {
-        write_uint(&mut out, token.into()).unwrap();
-    }
-    write_str(&mut out, "block_size").unwrap();
-    write_uint(&mut out, block_size.into()).unwrap();
-    write_str(&mut out, "lora_id").unwrap();
-    write_nil(&mut out).unwrap();
-    write_str(&mut out, "medium").unwrap();
-    write_str(&mut out, medium).unwrap();
-    write_uint(&mut out, rank.into()).unwrap();
-    out.into()
-}
-
-async fn publisher() -> EnginePublisher {
-    let options = PublisherOptions {
-        replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
-        ..PublisherOptions::default()
-    };
-    EnginePublisher::bind("tcp://127.0.0.1:0", &options)
-        .await
-        .unwrap()
-}
-
-/// Publishes a harmless removal until `path` answers `expected` (ZMQ's late
-/// joiner may miss the first messages; the replay endpoint fills the hole
-/// once a later message shows it).
+/// Publishes until `/query` answers `expected` (see `common::index`).
 async fn publish_until(
     publisher: &mut EnginePublisher,
     address: SocketAddr,
     query: Value,
     expected: &Value,
 ) {
-    let started = Instant::now();
-    loop {
-        let (status, answer) = post(address, "/query", query.clone()).await;
-        if status == 200 && &answer == expected {
-            return;
-        }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the index answered {status} {answer}, not {expected}"
-        );
-        publisher
-            .publish(common::removed_payload(&[-12345], 0))
-            .await
-            .unwrap();
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    index::publish_until(&mut [publisher], address, "/query", query, expected).await;
 }
 
 fn register(instance_id: u64, publisher: &EnginePublisher, block_size: u32) -> Value {

@@ -24,6 +24,11 @@ impl std::fmt::Display for PartitionKey {
     }
 }
 
+/// A query naming a partition the index does not hold (Dynamo's words).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no indexer for model={} routing_group={}", .0.model_name, .0.routing_group)]
+pub struct UnknownPartition(pub PartitionKey);
+
 /// Why the writer set an event aside.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dropped {

@@ -19,7 +19,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::feed::{self, FeedState, FeedStatus, ZmqFeedConfig};
-use super::partition::{Partition, PartitionKey};
+use super::overlap::{Answer, QueryBlocks};
+use super::partition::{Partition, PartitionKey, UnknownPartition};
 use super::tree::{RankKey, WorkerId};
 use super::writer::IndexInput;
 
@@ -348,6 +349,18 @@ impl Registry {
     /// The partition `key` names, while some worker is registered in it.
     pub fn partition(&self, key: &PartitionKey) -> Option<Arc<Partition>> {
         self.lock().partitions.get(key).cloned()
+    }
+
+    /// The answer to a query of `blocks` in the partition `key` names.
+    pub fn answer(
+        &self,
+        key: &PartitionKey,
+        blocks: QueryBlocks<'_>,
+    ) -> Result<Answer, UnknownPartition> {
+        let partition = self
+            .partition(key)
+            .ok_or_else(|| UnknownPartition(key.clone()))?;
+        Ok(Answer::of(&partition, blocks))
     }
 
     /// Every partition.

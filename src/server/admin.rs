@@ -13,7 +13,7 @@ use axum::routing::get;
 use serde::Serialize;
 use tokio::net::TcpListener;
 
-use super::admin_connection::{self, AdminLimits};
+use super::admin_connection::{self, AdminLimits, Protocols};
 use crate::health::HealthWatch;
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
@@ -97,7 +97,16 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let metrics = state.metrics.clone();
-    admin_connection::serve(listener, router(state), limits, metrics, shutdown).await;
+    let routes = router(state);
+    admin_connection::serve(
+        listener,
+        routes,
+        Protocols::Http1,
+        limits,
+        metrics,
+        shutdown,
+    )
+    .await;
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {

@@ -1,5 +1,7 @@
-//! The accept loop of the admin port (`/metrics`, `/healthz`, `/status`):
-//! HTTP/1.1, every connection bounded, as the gRPC port's are.
+//! The accept loop of the admin port (`/metrics`, `/healthz`, `/status`)
+//! and of `kvgate index`'s port: HTTP/1.1 (and on the index's port also
+//! gRPC, HTTP/2 with prior knowledge, told apart by the connection's first
+//! bytes), every connection bounded, as the gRPC port's are.
 //!
 //! Invariants:
 //! - At most `--metrics-max-connections` connections are open; one more is
@@ -23,8 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tower::ServiceExt;
@@ -52,6 +54,16 @@ pub struct AdminLimits {
     pub idle_timeout: Duration,
 }
 
+/// What a port's connections may speak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocols {
+    /// HTTP/1.1 only (the admin port).
+    Http1,
+    /// HTTP/1.1, or gRPC over HTTP/2 with prior knowledge (h2c), chosen by
+    /// the connection's first bytes (`kvgate index`'s port).
+    Http1AndGrpc,
+}
+
 /// Why kvgate closed an admin connection before its client did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AdminClosure {
@@ -77,17 +89,23 @@ impl AdminClosure {
 pub(crate) async fn serve(
     listener: TcpListener,
     routes: axum::Router,
+    protocols: Protocols,
     limits: AdminLimits,
     metrics: Metrics,
     shutdown: impl Future<Output = ()>,
 ) {
-    let mut http1 = http1::Builder::new();
-    http1
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .max_buf_size(MAX_REQUEST_HEAD_BYTES);
+    builder.http2().timer(TokioTimer::new());
+    if protocols == Protocols::Http1 {
+        builder = builder.http1_only();
+    }
     let shared = Arc::new(Shared {
-        http1,
+        builder,
         routes,
         idle_timeout: limits.idle_timeout,
         metrics,
@@ -108,7 +126,7 @@ pub(crate) async fn serve(
 
 /// What every connection task shares.
 struct Shared {
-    http1: http1::Builder,
+    builder: auto::Builder<TokioExecutor>,
     routes: axum::Router,
     idle_timeout: Duration,
     metrics: Metrics,
@@ -136,7 +154,7 @@ async fn connection(stream: TcpStream, shared: &Shared, mut stopped: watch::Rece
         let call = routes.clone().oneshot(request);
         async move { Ok::<_, Infallible>(call.await.unwrap_or_else(|never| match never {})) }
     });
-    let mut served = pin!(shared.http1.serve_connection(TokioIo::new(io), service));
+    let mut served = pin!(shared.builder.serve_connection(TokioIo::new(io), service));
     let ended = tokio::select! {
         ended = served.as_mut() => Some(ended),
         _ = stopped.wait_for(|stopped| *stopped) => None,
@@ -155,7 +173,10 @@ async fn connection(stream: TcpStream, shared: &Shared, mut stopped: watch::Rece
         }
     };
     if let Err(error) = ended {
-        if error.is_timeout() {
+        let timed_out = error
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout);
+        if timed_out {
             close(metrics, AdminClosure::HeaderTimeout);
         }
         debug!(%error, "metrics port: connection ended with an error");

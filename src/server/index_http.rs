@@ -1,6 +1,7 @@
 //! `kvgate index`'s HTTP port: Dynamo's standalone indexer API, drop-in
 //! (`/health`, `/metrics`, `/register`, `/unregister`, `/workers`, `/query`,
-//! `/query_by_hash`, `/dump`), held to the admin port's connection bounds.
+//! `/query_by_hash`, `/dump`), held to the admin port's connection bounds;
+//! the same port answers gRPC's `kvgate.v1.KvIndex/Match` (`index_grpc`).
 //!
 //! Invariants: request and answer bodies carry Dynamo's field names, types
 //! and status codes (201 on register, 409 for a conflicting registration,
@@ -25,10 +26,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use super::admin_connection::{self, AdminLimits};
+use super::admin_connection::{self, AdminLimits, Protocols};
+use super::index_grpc;
 use crate::index::block_hash::HashSeed;
 use crate::index::feed::FeedPhase;
-use crate::index::overlap::{Overlap, WorkerOverlap};
+use crate::index::overlap::{Overlap, QueryBlocks, WorkerOverlap};
 use crate::index::partition::{Dropped, PartitionKey};
 use crate::index::registry::{
     DEFAULT_ROUTING_GROUP, RegisterError, Registration, Registry, Unregistration, WorkerReport,
@@ -40,6 +42,9 @@ use crate::metrics::Metrics;
 /// Dynamo's limit on a `/query` body: a million tokens as JSON text.
 pub const QUERY_BODY_LIMIT_BYTES: usize = 8 * 1024 * 1024;
 
+/// Why a query by hashes cannot take a salt (Dynamo's words).
+pub(crate) const HASHES_TAKE_NO_SALT: &str = "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended cache salt";
+
 /// Serves the index's API on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
@@ -47,9 +52,16 @@ pub async fn serve(
     limits: AdminLimits,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
+    let routes = router(Arc::clone(&registry))
+        .merge(index_grpc::routes(registry))
+        .merge(
+            super::reflection_routes(&[index_grpc::SERVICE])
+                .expect("kvgate's own descriptor sets are well-formed"),
+        );
     admin_connection::serve(
         listener,
-        router(registry),
+        routes,
+        Protocols::Http1AndGrpc,
         limits,
         Metrics::default(),
         shutdown,
@@ -59,18 +71,26 @@ pub async fn serve(
 
 /// The routes.
 pub fn router(registry: Arc<Registry>) -> Router {
+    query_router(Arc::clone(&registry)).merge(
+        Router::new()
+            .route("/health", get(health))
+            .route("/metrics", get(metrics))
+            .route("/register", post(register))
+            .route("/unregister", post(unregister))
+            .route("/workers", get(workers))
+            .route("/dump", get(dump))
+            .with_state(registry),
+    )
+}
+
+/// `/query` and `/query_by_hash` alone (`kvgate serve --index`'s admin port).
+pub fn query_router(registry: Arc<Registry>) -> Router {
     Router::new()
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/register", post(register))
-        .route("/unregister", post(unregister))
-        .route("/workers", get(workers))
         .route(
             "/query",
             post(query).layer(DefaultBodyLimit::max(QUERY_BODY_LIMIT_BYTES)),
         )
         .route("/query_by_hash", post(query_by_hash))
-        .route("/dump", get(dump))
         .with_state(registry)
 }
 
@@ -373,32 +393,12 @@ fn score_response(overlap: Overlap) -> ScoreResponse {
     }
 }
 
-fn no_partition(key: &PartitionKey) -> Response {
-    error(
-        StatusCode::NOT_FOUND,
-        format_args!(
-            "no indexer for model={} routing_group={}",
-            key.model_name, key.routing_group
-        ),
-    )
-}
-
-/// Answers for `locals` in the partition `key` names.
-fn answer(
-    registry: &Registry,
-    key: &PartitionKey,
-    locals: impl FnOnce(u32) -> Vec<u64>,
-) -> Response {
-    let Some(partition) = registry.partition(key) else {
-        return no_partition(key);
-    };
-    let locals = locals(partition.block_size());
-    let matches = partition.overlap(&locals);
-    Json(score_response(Overlap::new(
-        &matches,
-        partition.block_size(),
-    )))
-    .into_response()
+/// Answers for `blocks` in the partition `key` names.
+fn answer(registry: &Registry, key: &PartitionKey, blocks: QueryBlocks<'_>) -> Response {
+    match registry.answer(key, blocks) {
+        Ok(answer) => Json(score_response(answer.overlap)).into_response(),
+        Err(unknown) => error(StatusCode::NOT_FOUND, unknown),
+    }
 }
 
 async fn query(
@@ -410,9 +410,11 @@ async fn query(
         routing_group: request.routing_group,
     };
     let seed = HashSeed::new(request.lora_name.as_deref(), request.cache_salt.as_deref());
-    answer(&registry, &key, |block_size| {
-        seed.blocks(&request.token_ids, block_size)
-    })
+    let blocks = QueryBlocks::Tokens {
+        token_ids: &request.token_ids,
+        seed,
+    };
+    answer(&registry, &key, blocks)
 }
 
 async fn query_by_hash(
@@ -420,22 +422,13 @@ async fn query_by_hash(
     Json(request): Json<QueryByHashRequest>,
 ) -> Response {
     if request.cache_salt.is_some() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended cache salt",
-        );
+        return error(StatusCode::BAD_REQUEST, HASHES_TAKE_NO_SALT);
     }
     let key = PartitionKey {
         model_name: request.model_name,
         routing_group: request.routing_group,
     };
-    answer(&registry, &key, |_| {
-        request
-            .block_hashes
-            .iter()
-            .map(|&hash| hash as u64)
-            .collect()
-    })
+    answer(&registry, &key, QueryBlocks::Hashes(&request.block_hashes))
 }
 
 /// Every partition's live blocks as Dynamo's dump lists them: one stored
