@@ -411,3 +411,113 @@ async fn await_rank_one_connected(address: SocketAddr) {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// `kvgate status --index URL [--json]`, run to its end: (exit code, stdout, stderr).
+fn status_of(address: SocketAddr, json: bool) -> (i32, String, String) {
+    let url = format!("http://{address}");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    command.args(["status", "--index", &url]);
+    if json {
+        command.arg("--json");
+    }
+    let child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = common::output_within_deadline(child);
+    (
+        output.status.code().unwrap(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn status_shows_partitions_and_each_ranks_source_and_fails_while_one_is_not_connected() {
+    let index = IndexProcess::start(&[]);
+    let address = index.address;
+    let mut publisher = publisher().await;
+    assert_eq!(
+        post(address, "/register", register(1, &publisher, 2))
+            .await
+            .0,
+        201
+    );
+    // Rank 1's publisher is not there: the rank stays connecting.
+    let nobody = format!("tcp://127.0.0.1:{}", common::free_ports(1));
+    let mut absent = register(1, &publisher, 2);
+    absent["dp_rank"] = json!(1);
+    absent["endpoint"] = json!(nobody);
+    absent.as_object_mut().unwrap().remove("replay_endpoint");
+    assert_eq!(post(address, "/register", absent).await.0, 201);
+
+    let tokens: Vec<u32> = (0..4).collect();
+    publisher
+        .publish(stored_payload(&[41, 42], None, &tokens, 2, "GPU", 0))
+        .await
+        .unwrap();
+    // A store of blocks of 3 tokens: set aside, and counted.
+    publisher
+        .publish(stored_payload(&[43], Some(42), &[7, 8, 9], 3, "GPU", 0))
+        .await
+        .unwrap();
+    let held = json!({
+        "scores": {"1": {"0": 4}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(
+        &mut publisher,
+        address,
+        json!({"token_ids": tokens, "model_name": "m"}),
+        &held,
+    )
+    .await;
+    await_listener_state(address, "connected").await;
+
+    let (code, text, stderr) = status_of(address, false);
+    assert_eq!(code, 1, "a rank is not connected: {text}{stderr}");
+    assert!(stderr.contains("worker 1 rank 1 is connecting"), "{stderr}");
+    assert!(
+        text.contains(
+            "partition model=m routing_group=default: block size 2, 2 blocks held (2 distinct)"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("block_size_mismatch 1"), "{text}");
+    assert!(
+        text.contains("worker 1 (model=m routing_group=default, block size 2)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  rank 0: connected for ") && text.contains(publisher.endpoint()),
+        "{text}"
+    );
+    assert!(text.contains("  rank 1: connecting for "), "{text}");
+    assert!(text.contains(&nobody), "{text}");
+
+    let (_, json_text, _) = status_of(address, true);
+    let status: Value = serde_json::from_str(&json_text).unwrap();
+    assert_eq!(status["partitions"][0]["blocks"], 2);
+    assert_eq!(status["partitions"][0]["dropped"]["block_size_mismatch"], 1);
+    assert_eq!(
+        status["workers"][0]["listeners"]["0"]["kvgate"]["state"],
+        "connected"
+    );
+    assert_eq!(
+        status["workers"][0]["listeners"]["1"]["kvgate"]["state"],
+        "connecting"
+    );
+
+    // Without the absent rank, every source is connected: exit code 0.
+    let (code, _) = post(
+        address,
+        "/unregister",
+        json!({"instance_id": 1, "model_name": "m", "routing_group": "default", "dp_rank": 1}),
+    )
+    .await;
+    assert_eq!(code, 200);
+    let (code, text, stderr) = status_of(address, false);
+    assert_eq!(code, 0, "{text}{stderr}");
+}

@@ -7,8 +7,9 @@
 //! and status codes (201 on register, 409 for a conflicting registration,
 //! 404 for an unknown partition or instance, axum's 400/415/422 for a body
 //! that is not the expected JSON, 413 above the body limit); kvgate's own
-//! additions are only ever new keys (`kvgate` in a listener) or new status
-//! codes for what Dynamo has no limit for (503 naming the limit). A query
+//! additions are only ever new keys (`kvgate` in a listener), new status
+//! codes for what Dynamo has no limit for (503 naming the limit), or a path
+//! Dynamo does not have (`/status`, kvgate's own summary). A query
 //! reads its partition's tree for the walk only; its answer is built and
 //! written after the lock is let go.
 
@@ -31,7 +32,7 @@ use super::index_grpc;
 use crate::index::block_hash::HashSeed;
 use crate::index::feed::FeedPhase;
 use crate::index::overlap::{Overlap, QueryBlocks, WorkerOverlap};
-use crate::index::partition::{Dropped, PartitionKey};
+use crate::index::partition::{PartitionKey, PartitionStatus};
 use crate::index::registry::{
     DEFAULT_ROUTING_GROUP, RegisterError, Registration, Registry, Unregistration, WorkerReport,
 };
@@ -78,6 +79,7 @@ pub fn router(registry: Arc<Registry>) -> Router {
             .route("/register", post(register))
             .route("/unregister", post(unregister))
             .route("/workers", get(workers))
+            .route("/status", get(status))
             .route("/dump", get(dump))
             .with_state(registry),
     )
@@ -344,6 +346,22 @@ async fn workers(
     )
 }
 
+/// kvgate's own summary, not Dynamo's: every partition's figures and
+/// `/workers`' answer (what `kvgate status --index` prints).
+async fn status(State(registry): State<Arc<Registry>>) -> Json<serde_json::Value> {
+    let partitions: Vec<PartitionStatus> = registry
+        .partitions()
+        .iter()
+        .map(|partition| PartitionStatus::of(partition))
+        .collect();
+    let workers: Vec<WorkerInfo> = registry
+        .workers(None, None)
+        .into_iter()
+        .map(worker_info)
+        .collect();
+    Json(json!({"partitions": partitions, "workers": workers}))
+}
+
 #[derive(Serialize)]
 struct ScoreResponse {
     scores: BTreeMap<String, BTreeMap<String, u32>>,
@@ -535,28 +553,23 @@ async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
         );
     }
     for partition in &partitions {
+        let figures = PartitionStatus::of(partition);
         let labels = format!(
             "model_name=\"{}\",routing_group=\"{}\"",
-            escape(&partition.key().model_name),
-            escape(&partition.key().routing_group)
+            escape(&figures.model_name),
+            escape(&figures.routing_group)
         );
-        let (blocks, nodes) = {
-            let tree = partition.read();
-            (tree.held_blocks(), tree.nodes())
-        };
-        let _ = writeln!(text, "kvgate_index_blocks{{{labels}}} {blocks}");
-        let _ = writeln!(text, "kvgate_index_nodes{{{labels}}} {nodes}");
+        let _ = writeln!(text, "kvgate_index_blocks{{{labels}}} {}", figures.blocks);
+        let _ = writeln!(text, "kvgate_index_nodes{{{labels}}} {}", figures.nodes);
         let _ = writeln!(
             text,
             "kvgate_index_events_total{{{labels}}} {}",
-            partition.events()
+            figures.events
         );
-        for reason in Dropped::ALL {
+        for (reason, count) in &figures.dropped {
             let _ = writeln!(
                 text,
-                "kvgate_index_events_dropped_total{{{labels},reason=\"{}\"}} {}",
-                reason.as_str(),
-                partition.dropped(reason)
+                "kvgate_index_events_dropped_total{{{labels},reason=\"{reason}\"}} {count}"
             );
         }
     }
