@@ -354,3 +354,134 @@ async fn reflection_on_the_index_port_lists_and_describes_kv_index() {
         .any(|file| String::from_utf8_lossy(file).contains("MatchRequest"));
     assert!(described, "KvIndex's file describes MatchRequest");
 }
+
+#[tokio::test]
+async fn a_sidecar_with_index_answers_query_and_match_for_its_engine_through_a_restart() {
+    let mut engine = publisher().await;
+    let endpoint = engine.endpoint().to_owned();
+    let replay = engine.replay_endpoint().unwrap().to_owned();
+    let gateway = common::Gateway::start(&[
+        "--zmq-endpoint",
+        &endpoint,
+        "--zmq-replay-endpoint",
+        &replay,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--index",
+        "--index-model-name",
+        "m",
+        "--index-block-size",
+        "2",
+        "--index-worker-id",
+        "5",
+    ]);
+    let admin = gateway.admin.unwrap();
+    let tokens: Vec<u32> = (0..6).collect();
+    let store = |hashes, parent, range: std::ops::Range<usize>, medium| Stored {
+        hashes,
+        parent,
+        tokens: &tokens[range],
+        block_size: 2,
+        medium,
+        rank: 0,
+        lora_name: None,
+        cache_salt: None,
+    };
+    engine
+        .publish(store(&[11, 12], None, 0..4, "GPU").payload())
+        .await
+        .unwrap();
+    engine
+        .publish(store(&[13], Some(12), 4..6, "CPU").payload())
+        .await
+        .unwrap();
+    let query = json!({"token_ids": tokens, "model_name": "m"});
+    let held = json!({
+        "scores": {"5": {"0": 4}},
+        "frequencies": [],
+        "instances": {"5": {"longest_matched": 6, "gpu": 4, "dp": {"0": 4}, "cpu": 6, "disk": 6}},
+    });
+    publish_until(&mut [&mut engine], admin, "/query", query.clone(), &held).await;
+    let mut client = KvIndexClient::new(gateway.channel().await);
+    let answer = client
+        .r#match(by_tokens(&tokens, "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(as_query_answer(&answer), held);
+    let hashes = local_hashes(&tokens, None, None);
+    let (_, by_hash) = post(
+        admin,
+        "/query_by_hash",
+        json!({"block_hashes": hashes, "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(by_hash, held);
+
+    // The engine restarts (its counter from 0, its cache empty) and stores
+    // other blocks: the sidecar's index forgets the old ones.
+    engine.restart();
+    let other: Vec<u32> = (100..104).collect();
+    engine
+        .publish(
+            Stored {
+                tokens: &other,
+                ..store(&[31, 32], None, 0..4, "GPU")
+            }
+            .payload(),
+        )
+        .await
+        .unwrap();
+    let other_held = json!({
+        "scores": {"5": {"0": 4}},
+        "frequencies": [],
+        "instances": {"5": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    let other_query = json!({"token_ids": other, "model_name": "m"});
+    publish_until(
+        &mut [&mut engine],
+        admin,
+        "/query",
+        other_query,
+        &other_held,
+    )
+    .await;
+    let empty = json!({"scores": {}, "frequencies": [], "instances": {}});
+    assert_eq!(post(admin, "/query", query).await, (200, empty.clone()));
+    let answer = client
+        .r#match(by_tokens(&tokens, "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(as_query_answer(&answer), empty);
+    let answer = client
+        .r#match(by_tokens(&other, "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(as_query_answer(&answer), other_held);
+
+    // Another model is not this engine's.
+    let mut unknown = by_tokens(&tokens, "", "");
+    unknown.model_name = "other".into();
+    let status = client.r#match(unknown).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn a_sidecar_without_index_neither_serves_nor_lists_match() {
+    let (gateway, _engine) = common::gateway_on_a_publisher(&[]).await;
+    let mut client = KvIndexClient::new(gateway.channel().await);
+    let status = client
+        .r#match(by_tokens(&[1, 2], "", ""))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+    let (code, _) = post(
+        gateway.admin.unwrap(),
+        "/query",
+        json!({"token_ids": [1, 2], "model_name": "m"}),
+    )
+    .await;
+    assert_eq!(code, 404);
+}

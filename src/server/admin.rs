@@ -1,5 +1,6 @@
 //! The operator's HTTP port: Prometheus `/metrics`, `/healthz` for probes
-//! and a human-readable `/status` (its connections' bounds are in
+//! and a human-readable `/status`, and with `--index` the engine's own
+//! `/query` and `/query_by_hash` (its connections' bounds are in
 //! `admin_connection`).
 
 use std::sync::Arc;
@@ -31,6 +32,9 @@ pub struct AdminState {
     pub store: Option<crate::store::StoreStatus>,
     /// What the engine said of its publishers, when kvgate asked it.
     pub engine_sources: Option<tokio::sync::watch::Receiver<crate::source::discovery::Discovered>>,
+    /// The engine's own prefix index, with `--index`: `/query` and
+    /// `/query_by_hash`.
+    pub index: Option<Arc<crate::index::registry::Registry>>,
 }
 
 #[derive(Serialize)]
@@ -82,11 +86,16 @@ struct HistoryStatus {
 }
 
 pub fn router(state: AdminState) -> Router {
-    Router::new()
+    let index = state.index.clone();
+    let router = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/status", get(status))
-        .with_state(state)
+        .with_state(state);
+    match index {
+        Some(registry) => router.merge(super::index_http::query_router(registry)),
+        None => router,
+    }
 }
 
 /// Serves the admin port until `shutdown` resolves.

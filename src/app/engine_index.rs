@@ -1,0 +1,236 @@
+//! `kvgate serve --index`: the sidecar keeps the prefix index's tree for its
+//! own engine, fed from its own hub as a router is fed, and answers `/query`,
+//! `/query_by_hash` (admin port) and `KvIndex/Match` (gRPC port) from it.
+//!
+//! Invariant: the tree holds exactly what a router following this sidecar
+//! holds. The feed subscribes in process as a router subscribes over gRPC:
+//! a snapshot first, then every batch after the snapshot's cut, each
+//! admitted by the router's rules (`router_rules`); a restart, a snapshot's
+//! first chunk and any `KvCacheCleared` empty the whole worker, as the
+//! router empties it; a subscription that falls behind the history (or a
+//! gap, which in process only a bug could make) starts over from a new
+//! snapshot. The engine is one worker (`--index-worker-id`), its ranks the
+//! worker's ranks. The tree's memory is bounded by what the engine holds,
+//! and the writer's queue is bounded, so a slow writer holds the feed back,
+//! never the drain.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use prost::Message;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::cli::ServeArgs;
+use crate::clock::unix_now;
+use crate::hub::HubReader;
+use crate::hub::published::PREFIX_BYTES;
+use crate::hub::subscription::{Step, Subscription};
+use crate::index::partition::{Partition, PartitionKey};
+use crate::index::registry::{FeedSettings, Registry, RegistryLimits};
+use crate::index::tree::{RankKey, WorkerId};
+use crate::index::writer::{self, IndexInput};
+use crate::proto::common::KvEventBatch;
+use crate::proto::common::kv_cache_event::Data;
+use crate::router_rules::{Cursors, Verdict};
+use crate::server::subscribe::lazily_encoded;
+use crate::state::snapshot::SnapshotEncoder;
+use crate::supervisor::{Supervisor, TaskName};
+
+/// Starts the engine's index (writer and feed) under `supervisor`; the
+/// registry that answers its queries, with `--index`.
+pub(super) fn start(
+    args: &ServeArgs,
+    hub: &HubReader,
+    supervisor: &Supervisor,
+) -> Option<Arc<Registry>> {
+    if !args.index {
+        return None;
+    }
+    let (queue, inputs) = writer::queue();
+    let registry = Arc::new(Registry::new(
+        queue.clone(),
+        // No worker registers with a sidecar: only its own engine is held.
+        FeedSettings {
+            replay_timeout: Duration::ZERO,
+            max_message_bytes: 0,
+        },
+        RegistryLimits {
+            max_worker_ranks: 0,
+            max_partitions: 1,
+        },
+    ));
+    // clap makes both flags required with --index.
+    let key = PartitionKey {
+        model_name: args.index_model_name.clone().unwrap_or_default(),
+        routing_group: args.index_routing_group.clone(),
+    };
+    let partition = registry.hold(key, args.index_block_size.unwrap_or_default());
+    supervisor.spawn(TaskName::IndexWriter, async move {
+        writer::run(inputs).await;
+        Ok(())
+    });
+    let feed = EngineFeed {
+        hub: hub.clone(),
+        partition,
+        worker: args.index_worker_id,
+        writer: queue,
+        fed_ranks: BTreeSet::new(),
+    };
+    let stop = supervisor.stopping();
+    supervisor.spawn(TaskName::IndexFeed, async move {
+        feed.run(stop).await;
+        Ok(())
+    });
+    Some(registry)
+}
+
+/// The feed from the sidecar's own hub into its tree.
+struct EngineFeed {
+    hub: HubReader,
+    partition: Arc<Partition>,
+    worker: WorkerId,
+    writer: mpsc::Sender<IndexInput>,
+    /// Ranks given events since the worker was last emptied.
+    fed_ranks: BTreeSet<u32>,
+}
+
+/// Why one subscription ended.
+enum Ended {
+    /// Start over from a new snapshot.
+    Resync(&'static str),
+    /// The hub closed or the writer is gone: kvgate is stopping.
+    Stopped,
+}
+
+impl EngineFeed {
+    async fn run(mut self, stop: CancellationToken) {
+        let mut cursors = Cursors::default();
+        loop {
+            let ended = tokio::select! {
+                ended = self.follow(&mut cursors) => ended,
+                () = stop.cancelled() => return,
+            };
+            match ended {
+                Ended::Resync(why) => {
+                    info!(why, "engine index: starting over from a snapshot");
+                    cursors.forget();
+                }
+                Ended::Stopped => return,
+            }
+        }
+    }
+
+    /// One subscription: the snapshot, then live batches, until it ends.
+    async fn follow(&mut self, cursors: &mut Cursors) -> Ended {
+        // Subscribe before the cut so every batch after it reaches us.
+        let live = self.hub.subscribe_live();
+        let Some(cut) = self.hub.cut().await else {
+            return Ended::Stopped;
+        };
+        cursors.connected();
+        let mut subscription = Subscription::after_cut(&self.hub, live, cut.position);
+        if cut.last_sequences.is_empty() {
+            // Nothing was ever seen: no snapshot, and nothing to hold.
+            if !self.empty_the_worker().await {
+                return Ended::Stopped;
+            }
+        } else {
+            let cut = Arc::new(cut);
+            let timestamp = unix_now();
+            let mut chunks = lazily_encoded(
+                move || SnapshotEncoder::plan(cut, timestamp),
+                Arc::new(Semaphore::new(1)),
+            );
+            while let Some(chunk) = chunks.next().await {
+                let Ok(chunk) = chunk else {
+                    return Ended::Resync("the snapshot failed to encode");
+                };
+                if let Some(ended) = self.admit(cursors, &chunk[PREFIX_BYTES..]).await {
+                    return ended;
+                }
+            }
+        }
+        loop {
+            match subscription.next().await {
+                Step::Batch(published) => {
+                    if let Some(ended) = self.admit(cursors, &published.encoded).await {
+                        return ended;
+                    }
+                }
+                Step::LoadOnly(_) => {}
+                Step::Lost { .. } => return Ended::Resync("fell behind the history"),
+                Step::Closed => return Ended::Stopped,
+            }
+        }
+    }
+
+    /// Applies one batch as the router would; `Some` when the subscription
+    /// must end.
+    async fn admit(&mut self, cursors: &mut Cursors, message: &[u8]) -> Option<Ended> {
+        let Ok(mut batch) = KvEventBatch::decode(message) else {
+            // The drain encoded it: undecodable means a bug, not input.
+            warn!("engine index: a batch of the hub does not decode; starting over");
+            return Some(Ended::Resync("a batch did not decode"));
+        };
+        let empties_worker = match cursors.admit(&batch) {
+            Verdict::Stale | Verdict::LoadOnly => return None,
+            Verdict::Gap => return Some(Ended::Resync("a gap in a rank's numbers")),
+            Verdict::Restart | Verdict::Snapshot { first: true } => true,
+            Verdict::Next | Verdict::Snapshot { first: false } => false,
+        };
+        // The router empties the whole worker on any clear, and everything
+        // before the last clear is gone with it.
+        let last_clear = batch
+            .events
+            .iter()
+            .rposition(|event| matches!(event.data, Some(Data::Cleared(_))));
+        if empties_worker || last_clear.is_some() {
+            if !self.empty_the_worker().await {
+                return Some(Ended::Stopped);
+            }
+        }
+        if let Some(last_clear) = last_clear {
+            batch.events.drain(..=last_clear);
+        }
+        let rank = u32::try_from(batch.dp_rank.unwrap_or(0)).unwrap_or(0);
+        if batch.events.is_empty() {
+            return None;
+        }
+        self.fed_ranks.insert(rank);
+        let input = IndexInput::Events {
+            partition: Arc::clone(&self.partition),
+            key: self.key(rank),
+            events: batch.events,
+        };
+        match self.writer.send(input).await {
+            Ok(()) => None,
+            Err(_) => Some(Ended::Stopped),
+        }
+    }
+
+    /// Clears every rank the worker was given events for; false once the
+    /// writer is gone.
+    async fn empty_the_worker(&mut self) -> bool {
+        for rank in std::mem::take(&mut self.fed_ranks) {
+            let input = IndexInput::ClearRank {
+                partition: Arc::clone(&self.partition),
+                key: self.key(rank),
+            };
+            if self.writer.send(input).await.is_err() {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn key(&self, rank: u32) -> RankKey {
+        RankKey {
+            worker: self.worker,
+            rank,
+        }
+    }
+}
