@@ -188,10 +188,8 @@ impl EngineFeed {
             .events
             .iter()
             .rposition(|event| matches!(event.data, Some(Data::Cleared(_))));
-        if empties_worker || last_clear.is_some() {
-            if !self.empty_the_worker().await {
-                return Some(Ended::Stopped);
-            }
+        if (empties_worker || last_clear.is_some()) && !self.empty_the_worker().await {
+            return Some(Ended::Stopped);
         }
         if let Some(last_clear) = last_clear {
             batch.events.drain(..=last_clear);
