@@ -485,3 +485,84 @@ async fn a_sidecar_without_index_neither_serves_nor_lists_match() {
     .await;
     assert_eq!(code, 404);
 }
+
+#[tokio::test]
+async fn a_sidecar_with_index_restarted_on_its_state_dir_answers_from_the_restored_state() {
+    /// The state directory, removed with its announcement mark when dropped.
+    struct StateDir(std::path::PathBuf);
+    impl Drop for StateDir {
+        fn drop(&mut self) {
+            common::remove_state_dir(&self.0);
+        }
+    }
+    let dir = StateDir(std::env::temp_dir().join(format!(
+        "engine-index-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    )));
+    let mut engine = publisher().await;
+    let endpoint = engine.endpoint().to_owned();
+    let replay = engine.replay_endpoint().unwrap().to_owned();
+    let state_dir = dir.0.to_str().unwrap().to_owned();
+    let args = [
+        "--zmq-endpoint",
+        &endpoint,
+        "--zmq-replay-endpoint",
+        &replay,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        &state_dir,
+        "--index",
+        "--index-model-name",
+        "m",
+        "--index-block-size",
+        "2",
+    ];
+    let mut gateway = common::Gateway::start(&args);
+    let tokens: Vec<u32> = (0..4).collect();
+    let stored = Stored {
+        hashes: &[61, 62],
+        parent: None,
+        tokens: &tokens,
+        block_size: 2,
+        medium: "GPU",
+        rank: 0,
+        lora_name: None,
+        cache_salt: None,
+    };
+    engine.publish(stored.payload()).await.unwrap();
+    let query = json!({"token_ids": tokens, "model_name": "m"});
+    let held = json!({
+        "scores": {"0": {"0": 4}},
+        "frequencies": [],
+        "instances": {"0": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(
+        &mut [&mut engine],
+        gateway.admin.unwrap(),
+        "/query",
+        query.clone(),
+        &held,
+    )
+    .await;
+    gateway.terminate();
+
+    // The engine is gone: only the state directory can tell the blocks,
+    // through the snapshot the index's feed takes first.
+    drop(engine);
+    let gateway = common::Gateway::start(&args);
+    let admin = gateway.admin.unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let (status, answer) = post(admin, "/query", query.clone()).await;
+        if status == 200 && answer == held {
+            break;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the restored state never reached the index: {status} {answer}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

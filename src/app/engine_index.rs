@@ -27,7 +27,6 @@ use tracing::{info, warn};
 use crate::cli::ServeArgs;
 use crate::clock::unix_now;
 use crate::hub::HubReader;
-use crate::hub::published::PREFIX_BYTES;
 use crate::hub::subscription::{Step, Subscription};
 use crate::index::partition::{Partition, PartitionKey};
 use crate::index::registry::{FeedSettings, Registry, RegistryLimits};
@@ -149,7 +148,8 @@ impl EngineFeed {
                 let Ok(chunk) = chunk else {
                     return Ended::Resync("the snapshot failed to encode");
                 };
-                if let Some(ended) = self.admit(cursors, &chunk[PREFIX_BYTES..]).await {
+                // A chunk is one encoded batch, not framed yet.
+                if let Some(ended) = self.admit(cursors, &chunk).await {
                     return ended;
                 }
             }

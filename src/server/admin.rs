@@ -56,6 +56,9 @@ struct Status {
     state_dir: Option<crate::store::StoreStatusView>,
     /// Where each rank's events come from and how kvgate learned it.
     sources: Vec<RankSourceStatus>,
+    /// With `--index`: the engine's own tree.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    index: Option<Vec<crate::index::partition::PartitionStatus>>,
 }
 
 #[derive(Serialize)]
@@ -181,5 +184,12 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
                     })
                     .collect()
             }),
+        index: state.index.as_ref().map(|registry| {
+            registry
+                .partitions()
+                .iter()
+                .map(|partition| crate::index::partition::PartitionStatus::of(partition))
+                .collect()
+        }),
     })
 }
