@@ -232,3 +232,135 @@ impl EngineFeed {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::{HistoryLimits, hub};
+    use crate::proto::common::{
+        KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvSnapshotChunk,
+    };
+
+    fn stored(hash: i64, token: u32) -> KvCacheEvent {
+        KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks: vec![KvBlock {
+                    block_hash: hash,
+                    token_ids: vec![token, token],
+                    block_size: 2,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn batch(rank: i32, sequence: u64, events: Vec<KvCacheEvent>) -> Vec<u8> {
+        KvEventBatch {
+            sequence_number: sequence,
+            dp_rank: Some(rank),
+            events,
+            ..Default::default()
+        }
+        .encode_to_vec()
+    }
+
+    /// A feed on a hub nothing publishes to (`admit` is fed by hand), and
+    /// the writer's queue.
+    fn feed() -> (EngineFeed, mpsc::Receiver<IndexInput>) {
+        let (_, reader) = hub(
+            1,
+            HistoryLimits {
+                batches: 1,
+                bytes: 1,
+            },
+        );
+        let (writer, inputs) = writer::queue();
+        let key = PartitionKey {
+            model_name: "m".into(),
+            routing_group: "default".into(),
+        };
+        let feed = EngineFeed {
+            hub: reader,
+            partition: Arc::new(Partition::new(key, 2)),
+            worker: 9,
+            writer,
+            fed_ranks: BTreeSet::new(),
+        };
+        (feed, inputs)
+    }
+
+    /// Admits `message`, applies what it queued, and answers each rank's
+    /// blocks.
+    async fn admit(
+        feed: &mut EngineFeed,
+        cursors: &mut Cursors,
+        inputs: &mut mpsc::Receiver<IndexInput>,
+        message: Vec<u8>,
+    ) -> [usize; 2] {
+        assert!(feed.admit(cursors, &message).await.is_none());
+        while let Ok(input) = inputs.try_recv() {
+            writer::apply(input);
+        }
+        let tree = feed.partition.read();
+        [0, 1].map(|rank| tree.rank_blocks(feed.key(rank)))
+    }
+
+    #[tokio::test]
+    async fn any_clear_a_restart_or_a_snapshot_empties_every_rank_as_the_router_does() {
+        let (mut feed, mut inputs) = feed();
+        let mut cursors = Cursors::default();
+        cursors.connected();
+        let rank0 = batch(0, 10, vec![stored(1, 1)]);
+        assert_eq!(
+            admit(&mut feed, &mut cursors, &mut inputs, rank0).await,
+            [1, 0]
+        );
+        let rank1 = batch(1, 20, vec![stored(2, 2), stored(3, 3)]);
+        assert_eq!(
+            admit(&mut feed, &mut cursors, &mut inputs, rank1).await,
+            [1, 2]
+        );
+        // A clear in rank 1's batch: the router empties the whole worker,
+        // and keeps what follows the clear.
+        let clear = KvCacheEvent {
+            event_id: 0,
+            data: Some(Data::Cleared(KvCacheCleared { ownership: None })),
+        };
+        let cleared = batch(1, 21, vec![stored(4, 4), clear, stored(5, 5)]);
+        assert_eq!(
+            admit(&mut feed, &mut cursors, &mut inputs, cleared).await,
+            [0, 1]
+        );
+        let rank0 = batch(0, 11, vec![stored(6, 6)]);
+        assert_eq!(
+            admit(&mut feed, &mut cursors, &mut inputs, rank0).await,
+            [1, 1]
+        );
+        // Stale: nothing changes.
+        let stale = batch(0, 11, vec![stored(7, 7)]);
+        assert_eq!(
+            admit(&mut feed, &mut cursors, &mut inputs, stale).await,
+            [1, 1]
+        );
+        // A snapshot's first chunk starts every rank over.
+        let mut chunk = KvEventBatch::decode(&batch(1, 40, vec![stored(8, 8)])[..]).unwrap();
+        chunk.snapshot = Some(KvSnapshotChunk {
+            index: 0,
+            count: 1,
+            ..Default::default()
+        });
+        let chunk = chunk.encode_to_vec();
+        assert_eq!(
+            admit(&mut feed, &mut cursors, &mut inputs, chunk).await,
+            [0, 1]
+        );
+        // A gap ends the subscription (a new snapshot follows).
+        let gap = batch(1, 45, vec![stored(9, 9)]);
+        assert!(matches!(
+            feed.admit(&mut cursors, &gap).await,
+            Some(Ended::Resync(_))
+        ));
+    }
+}
