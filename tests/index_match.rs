@@ -48,6 +48,11 @@ fn by_hashes(hashes: &[i64]) -> MatchRequest {
     }
 }
 
+/// `request`'s answer (the call must succeed).
+async fn matched(client: &mut KvIndexClient<Channel>, request: MatchRequest) -> MatchResponse {
+    client.r#match(request).await.unwrap().into_inner()
+}
+
 /// Dynamo's local hashes of `tokens` in blocks of 2, as `/query_by_hash` takes them.
 fn local_hashes(tokens: &[u32], lora_name: Option<&str>, cache_salt: Option<&str>) -> Vec<i64> {
     HashSeed::new(lora_name, cache_salt)
@@ -168,11 +173,7 @@ async fn match_answers_what_query_and_query_by_hash_answer_for_every_rank_tier_l
     publish_until(publishers, address, "/query", adapted_query, &adapted).await;
 
     let mut client = KvIndexClient::new(channel(address).await);
-    let answer = client
-        .r#match(by_tokens(&tokens, "", ""))
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = matched(&mut client, by_tokens(&tokens, "", "")).await;
     assert_eq!(as_query_answer(&answer), plain);
     // What `/query` cannot say: each rank's depth per tier.
     assert_eq!(answer.block_size, 2);
@@ -200,11 +201,7 @@ async fn match_answers_what_query_and_query_by_hash_answer_for_every_rank_tier_l
         ]
     );
 
-    let answer = client
-        .r#match(by_tokens(&tokens, "a", "s"))
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = matched(&mut client, by_tokens(&tokens, "a", "s")).await;
     assert_eq!(as_query_answer(&answer), adapted);
 
     for (lora_name, cache_salt, expected) in
@@ -214,18 +211,14 @@ async fn match_answers_what_query_and_query_by_hash_answer_for_every_rank_tier_l
         let by_hash = json!({"block_hashes": hashes, "model_name": "m"});
         let (status, http_answer) = post(address, "/query_by_hash", by_hash).await;
         assert_eq!((status, &http_answer), (200, expected));
-        let answer = client
-            .r#match(by_hashes(&hashes))
-            .await
-            .unwrap()
-            .into_inner();
+        let answer = matched(&mut client, by_hashes(&hashes)).await;
         assert_eq!(&as_query_answer(&answer), expected);
     }
 
     // Another routing group's question is not this partition's.
     let mut elsewhere = by_tokens(&tokens, "", "");
     elsewhere.routing_group = "default".into();
-    let answer = client.r#match(elsewhere).await.unwrap().into_inner();
+    let answer = matched(&mut client, elsewhere).await;
     assert_eq!(
         as_query_answer(&answer),
         plain,
@@ -292,11 +285,7 @@ async fn match_refusals_carry_the_code_a_router_can_act_on_and_name_the_limit() 
     assert!(status.message().contains("8388608"), "{status:?}");
     // A million fit.
     let million: Vec<u32> = vec![1; 1_048_576];
-    let answer = client
-        .r#match(by_tokens(&million, "", ""))
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = matched(&mut client, by_tokens(&million, "", "")).await;
     assert_eq!(answer.workers, []);
 }
 
@@ -403,11 +392,7 @@ async fn a_sidecar_with_index_answers_query_and_match_for_its_engine_through_a_r
     });
     publish_until(&mut [&mut engine], admin, "/query", query.clone(), &held).await;
     let mut client = KvIndexClient::new(gateway.channel().await);
-    let answer = client
-        .r#match(by_tokens(&tokens, "", ""))
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = matched(&mut client, by_tokens(&tokens, "", "")).await;
     assert_eq!(as_query_answer(&answer), held);
     let hashes = local_hashes(&tokens, None, None);
     let (_, by_hash) = post(
@@ -448,17 +433,9 @@ async fn a_sidecar_with_index_answers_query_and_match_for_its_engine_through_a_r
     .await;
     let empty = json!({"scores": {}, "frequencies": [], "instances": {}});
     assert_eq!(post(admin, "/query", query).await, (200, empty.clone()));
-    let answer = client
-        .r#match(by_tokens(&tokens, "", ""))
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = matched(&mut client, by_tokens(&tokens, "", "")).await;
     assert_eq!(as_query_answer(&answer), empty);
-    let answer = client
-        .r#match(by_tokens(&other, "", ""))
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = matched(&mut client, by_tokens(&other, "", "")).await;
     assert_eq!(as_query_answer(&answer), other_held);
 
     // Another model is not this engine's.
