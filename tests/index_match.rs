@@ -543,3 +543,28 @@ async fn a_sidecar_with_index_restarted_on_its_state_dir_answers_from_the_restor
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn a_peer_stalling_in_its_first_bytes_is_closed_at_the_header_timeout_not_the_idle_one() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let index = IndexProcess::start(&[
+        "--http-header-timeout-ms",
+        "200",
+        "--http-idle-timeout-ms",
+        "600000",
+    ]);
+    // "P" could begin HTTP/2's preface or an HTTP/1.1 POST: the protocol is
+    // not known yet.
+    for first in [&b""[..], b"P"] {
+        let mut stream = tokio::net::TcpStream::connect(index.address).await.unwrap();
+        stream.write_all(first).await.unwrap();
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(DEADLINE, stream.read_to_end(&mut rest)).await;
+        assert!(
+            closed.is_ok(),
+            "a peer that sent {first:?} was held past the header timeout"
+        );
+    }
+    // A client that sends its request is answered as before.
+    assert_eq!(get(index.address, "/health").await.0, 200);
+}

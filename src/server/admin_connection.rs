@@ -12,7 +12,11 @@
 //!   `--metrics-header-timeout-ms` of the connection's turn to read them
 //!   (at its start, or after the previous response), so a half-sent request
 //!   or an idle keep-alive connection cannot hold a slot; at most
-//!   `MAX_REQUEST_HEAD_BYTES` of them are buffered.
+//!   `MAX_REQUEST_HEAD_BYTES` of them are buffered. The connection's first
+//!   bytes (at most the HTTP/2 preface's 24, which choose the protocol)
+//!   are held to the same timeout, so a peer that stalls before its
+//!   protocol is known is closed as soon. An HTTP/2 connection's streams
+//!   are bounded by hyper's defaults and the idle timeout.
 //! - A connection that moves no byte either way for
 //!   `--metrics-idle-timeout-ms` (a client that stopped reading its
 //!   response) is closed.
@@ -34,6 +38,7 @@ use tracing::debug;
 
 use super::accept::serve_bounded;
 use super::connection::Open;
+use super::preface::sniff;
 use super::progress::{Progress, Watched};
 use crate::metrics::{Metrics, ReasonLabel};
 
@@ -106,6 +111,7 @@ pub(crate) async fn serve(
     }
     let shared = Arc::new(Shared {
         builder,
+        header_timeout: limits.header_timeout,
         routes,
         idle_timeout: limits.idle_timeout,
         metrics,
@@ -127,6 +133,8 @@ pub(crate) async fn serve(
 /// What every connection task shares.
 struct Shared {
     builder: auto::Builder<TokioExecutor>,
+    /// Also the bound on the first bytes, which tell HTTP/1.1 from gRPC.
+    header_timeout: Duration,
     routes: axum::Router,
     idle_timeout: Duration,
     metrics: Metrics,
@@ -144,6 +152,20 @@ fn refuse(stream: &TcpStream, metrics: &Metrics) {
 async fn connection(stream: TcpStream, shared: &Shared, mut stopped: watch::Receiver<bool>) {
     let metrics = &shared.metrics;
     let _open = Open::count(&metrics.admin_connections);
+    // The first bytes must come within the header timeout whichever
+    // protocol they turn out to be (hyper's own timeout starts after them).
+    let sniffed = tokio::select! {
+        sniffed = tokio::time::timeout(shared.header_timeout, sniff(stream)) => sniffed,
+        _ = stopped.wait_for(|stopped| *stopped) => return,
+    };
+    let stream = match sniffed {
+        Ok(Ok((_, replayed))) => replayed,
+        Ok(Err(error)) => {
+            debug!(%error, "metrics port: peer left before its first request");
+            return;
+        }
+        Err(_) => return close(metrics, AdminClosure::HeaderTimeout),
+    };
     let progress = Progress::new();
     let io = Watched {
         io: stream,
