@@ -402,6 +402,14 @@ async fn a_sidecar_with_index_answers_query_and_match_for_its_engine_through_a_r
     )
     .await;
     assert_eq!(by_hash, held);
+    // The admin port's `/status` shows the tree.
+    let (_, status) = get(admin, "/status").await;
+    let tree = &status["index"][0];
+    assert_eq!(
+        (&tree["model_name"], &tree["block_size"], &tree["blocks"]),
+        (&json!("m"), &json!(2), &json!(3)),
+        "{status}"
+    );
 
     // The engine restarts (its counter from 0, its cache empty) and stores
     // other blocks: the sidecar's index forgets the old ones.
