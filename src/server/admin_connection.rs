@@ -123,6 +123,9 @@ pub(crate) async fn serve(
         shutdown,
         |stream| refuse(&stream, &shared.metrics),
         |stream, stopped| {
+            // An answer written in several parts (HTTP/2's headers, data
+            // and trailers) must not wait for Nagle's algorithm.
+            let _ = stream.set_nodelay(true);
             let shared = Arc::clone(&shared);
             async move { connection(stream, &shared, stopped).await }
         },
