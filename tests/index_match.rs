@@ -344,16 +344,14 @@ async fn reflection_on_the_index_port_lists_and_describes_kv_index() {
     assert!(described, "KvIndex's file describes MatchRequest");
 }
 
-#[tokio::test]
-async fn a_sidecar_with_index_answers_query_and_match_for_its_engine_through_a_restart() {
-    let mut engine = publisher().await;
-    let endpoint = engine.endpoint().to_owned();
-    let replay = engine.replay_endpoint().unwrap().to_owned();
-    let gateway = common::Gateway::start(&[
+/// `kvgate serve` on the publisher at `endpoint` (its replay endpoint
+/// `replay`) with the index on (model `m`, blocks of 2 tokens), then `extra`.
+fn sidecar_with_index(endpoint: &str, replay: &str, extra: &[&str]) -> common::Gateway {
+    let mut args = vec![
         "--zmq-endpoint",
-        &endpoint,
+        endpoint,
         "--zmq-replay-endpoint",
-        &replay,
+        replay,
         "--metrics-listen",
         "127.0.0.1:0",
         "--index",
@@ -361,9 +359,17 @@ async fn a_sidecar_with_index_answers_query_and_match_for_its_engine_through_a_r
         "m",
         "--index-block-size",
         "2",
-        "--index-worker-id",
-        "5",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    common::Gateway::start(&args)
+}
+
+#[tokio::test]
+async fn a_sidecar_with_index_answers_query_and_match_for_its_engine_through_a_restart() {
+    let mut engine = publisher().await;
+    let endpoint = engine.endpoint().to_owned();
+    let replay = engine.replay_endpoint().unwrap().to_owned();
+    let gateway = sidecar_with_index(&endpoint, &replay, &["--index-worker-id", "5"]);
     let admin = gateway.admin.unwrap();
     let tokens: Vec<u32> = (0..6).collect();
     let store = |hashes, parent, range: std::ops::Range<usize>, medium| Stored {
@@ -489,22 +495,8 @@ async fn a_sidecar_with_index_restarted_on_its_state_dir_answers_from_the_restor
     let endpoint = engine.endpoint().to_owned();
     let replay = engine.replay_endpoint().unwrap().to_owned();
     let state_dir = dir.0.to_str().unwrap().to_owned();
-    let args = [
-        "--zmq-endpoint",
-        &endpoint,
-        "--zmq-replay-endpoint",
-        &replay,
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--state-dir",
-        &state_dir,
-        "--index",
-        "--index-model-name",
-        "m",
-        "--index-block-size",
-        "2",
-    ];
-    let mut gateway = common::Gateway::start(&args);
+    let args = ["--state-dir", &state_dir];
+    let mut gateway = sidecar_with_index(&endpoint, &replay, &args);
     let tokens: Vec<u32> = (0..4).collect();
     let stored = Stored {
         hashes: &[61, 62],
@@ -536,7 +528,7 @@ async fn a_sidecar_with_index_restarted_on_its_state_dir_answers_from_the_restor
     // The engine is gone: only the state directory can tell the blocks,
     // through the snapshot the index's feed takes first.
     drop(engine);
-    let gateway = common::Gateway::start(&args);
+    let gateway = sidecar_with_index(&endpoint, &replay, &args);
     let admin = gateway.admin.unwrap();
     let started = std::time::Instant::now();
     loop {
