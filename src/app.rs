@@ -230,6 +230,7 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
     // Every flag and every file a flag names is checked before anything
     // binds or starts (the demo engine included): a bad one fails alone.
     let pass_through_limits = pass_through_limits(&args)?;
+    let index_flags = engine_index::flags(&args)?;
     let engine_tls = TlsPaths {
         ca: args.engine_tls_ca.clone(),
         cert: args.engine_tls_cert.clone(),
@@ -347,7 +348,7 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
         metrics.clone(),
     );
     spawn_drain(supervisor, drain, events_rx);
-    let engine_index = engine_index::start(&args, &hub_reader, supervisor);
+    let engine_index = index_flags.map(|flags| engine_index::start(flags, &hub_reader, supervisor));
     let admin_address = admin_listener
         .map(|listener| {
             let state = AdminState {

@@ -596,11 +596,11 @@ pub struct ServeArgs {
     /// Keep the prefix index's tree for this engine, fed from kvgate's own
     /// stream as a router is fed, and answer `/query`, `/query_by_hash` (on
     /// --metrics-listen) and `kvgate.v1.KvIndex/Match` (on --listen).
-    #[arg(long, env = "KVGATE_INDEX", value_parser = BoolishValueParser::new(),
-          requires_all = ["index_model_name", "index_block_size"])]
+    #[arg(long, env = "KVGATE_INDEX", value_parser = BoolishValueParser::new())]
     pub index: bool,
 
-    /// The model the engine serves, as --index's queries name it.
+    /// The model the engine serves, as --index's queries name it (required
+    /// with --index).
     #[arg(
         long,
         env = "KVGATE_INDEX_MODEL_NAME",
@@ -609,8 +609,8 @@ pub struct ServeArgs {
     )]
     pub index_model_name: Option<String>,
 
-    /// Tokens per KV block of the engine (--index); a store of other
-    /// blocks is counted and set aside.
+    /// Tokens per KV block of the engine (required with --index); a store
+    /// of other blocks is counted and set aside.
     #[arg(long, env = "KVGATE_INDEX_BLOCK_SIZE", value_name = "TOKENS", requires = "index",
           value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub index_block_size: Option<u32>,

@@ -568,3 +568,39 @@ async fn a_peer_stalling_in_its_first_bytes_is_closed_at_the_header_timeout_not_
     // A client that sends its request is answered as before.
     assert_eq!(get(index.address, "/health").await.0, 200);
 }
+
+#[test]
+fn a_bad_combination_of_index_flags_fails_at_start_naming_the_flag() {
+    for (args, named) in [
+        (
+            &["--index", "--index-block-size", "16"][..],
+            "--index-model-name",
+        ),
+        (
+            &["--index", "--index-model-name", "m"][..],
+            "--index-block-size",
+        ),
+        (&["--index-model-name", "m"][..], "--index"),
+    ] {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--zmq-endpoint",
+                "tcp://127.0.0.1:1",
+            ])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let output = common::output_within_deadline(child);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(named),
+            "{args:?} does not name {named}: {stderr}"
+        );
+    }
+}

@@ -38,17 +38,42 @@ use crate::router_rules::{Cursors, Verdict};
 use crate::server::subscribe::lazily_encoded;
 use crate::state::snapshot::SnapshotEncoder;
 use crate::supervisor::{Supervisor, TaskName};
+use crate::usage::UsageError;
+
+/// What `--index` and its flags ask for.
+pub(super) struct IndexFlags {
+    partition: PartitionKey,
+    block_size: u32,
+    worker: WorkerId,
+}
+
+/// `--index`'s flags, checked: `None` without `--index`; with it, the model
+/// name and block size are required (a usage error names the one missing).
+pub(super) fn flags(args: &ServeArgs) -> Result<Option<IndexFlags>, UsageError> {
+    if !args.index {
+        return Ok(None);
+    }
+    let missing = |flag: &str, what: &str| UsageError(format!("--index needs {flag} ({what})"));
+    let model_name = args
+        .index_model_name
+        .clone()
+        .ok_or_else(|| missing("--index-model-name", "the model its queries name"))?;
+    let block_size = args
+        .index_block_size
+        .ok_or_else(|| missing("--index-block-size", "the engine's tokens per block"))?;
+    Ok(Some(IndexFlags {
+        partition: PartitionKey {
+            model_name,
+            routing_group: args.index_routing_group.clone(),
+        },
+        block_size,
+        worker: args.index_worker_id,
+    }))
+}
 
 /// Starts the engine's index (writer and feed) under `supervisor`; the
-/// registry that answers its queries, with `--index`.
-pub(super) fn start(
-    args: &ServeArgs,
-    hub: &HubReader,
-    supervisor: &Supervisor,
-) -> Option<Arc<Registry>> {
-    if !args.index {
-        return None;
-    }
+/// registry that answers its queries.
+pub(super) fn start(flags: IndexFlags, hub: &HubReader, supervisor: &Supervisor) -> Arc<Registry> {
     let (queue, inputs) = writer::queue();
     let registry = Arc::new(Registry::new(
         queue.clone(),
@@ -62,12 +87,7 @@ pub(super) fn start(
             max_partitions: 1,
         },
     ));
-    // clap makes both flags required with --index.
-    let key = PartitionKey {
-        model_name: args.index_model_name.clone().unwrap_or_default(),
-        routing_group: args.index_routing_group.clone(),
-    };
-    let partition = registry.hold(key, args.index_block_size.unwrap_or_default());
+    let partition = registry.hold(flags.partition, flags.block_size);
     supervisor.spawn(TaskName::IndexWriter, async move {
         writer::run(inputs).await;
         Ok(())
@@ -75,7 +95,7 @@ pub(super) fn start(
     let feed = EngineFeed {
         hub: hub.clone(),
         partition,
-        worker: args.index_worker_id,
+        worker: flags.worker,
         writer: queue,
         fed_ranks: BTreeSet::new(),
     };
@@ -84,7 +104,7 @@ pub(super) fn start(
         feed.run(stop).await;
         Ok(())
     });
-    Some(registry)
+    registry
 }
 
 /// The feed from the sidecar's own hub into its tree.
