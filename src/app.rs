@@ -46,6 +46,7 @@ use crate::supervisor::{Supervisor, TaskFailure, TaskName};
 use crate::usage::UsageError;
 use source::{choose_load_push, choose_source, start_source};
 
+mod engine_index;
 mod engine_sources;
 pub mod index;
 pub mod metric_labels;
@@ -229,6 +230,7 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
     // Every flag and every file a flag names is checked before anything
     // binds or starts (the demo engine included): a bad one fails alone.
     let pass_through_limits = pass_through_limits(&args)?;
+    let index_flags = engine_index::flags(&args)?;
     let engine_tls = TlsPaths {
         ca: args.engine_tls_ca.clone(),
         cert: args.engine_tls_cert.clone(),
@@ -346,6 +348,7 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
         metrics.clone(),
     );
     spawn_drain(supervisor, drain, events_rx);
+    let engine_index = index_flags.map(|flags| engine_index::start(flags, &hub_reader, supervisor));
     let admin_address = admin_listener
         .map(|listener| {
             let state = AdminState {
@@ -356,6 +359,7 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
                 started: Instant::now(),
                 store: store_status,
                 engine_sources: learned.clone(),
+                index: engine_index.clone(),
             };
             spawn_admin(supervisor, listener, state, admin_limits(&args))
         })
@@ -368,6 +372,7 @@ async fn start_tasks(supervisor: &Supervisor, mut args: ServeArgs) -> anyhow::Re
         limits: connection_limits(&args),
         tls: credentials.tls.clone(),
         tokens: credentials.tokens.clone(),
+        index: engine_index,
         subscribe_limits: server::subscribe::SubscribeLimits {
             subscribers: args.max_subscribers as usize,
             snapshot_encodes: args.max_snapshot_encodes as usize,

@@ -637,6 +637,43 @@ pub struct ServeArgs {
           value_parser = byte_size(4096..=(64 << 20)))]
     pub trace_max_line_bytes: u64,
 
+    /// Keep the prefix index's tree for this engine, fed from kvgate's own
+    /// stream as a router is fed, and answer `/query`, `/query_by_hash` (on
+    /// --metrics-listen) and `kvgate.v1.KvIndex/Match` (on --listen).
+    #[arg(long, env = "KVGATE_INDEX", value_parser = BoolishValueParser::new())]
+    pub index: bool,
+
+    /// The model the engine serves, as --index's queries name it (required
+    /// with --index).
+    #[arg(
+        long,
+        env = "KVGATE_INDEX_MODEL_NAME",
+        value_name = "NAME",
+        requires = "index"
+    )]
+    pub index_model_name: Option<String>,
+
+    /// Tokens per KV block of the engine (required with --index); a store
+    /// of other blocks is counted and set aside.
+    #[arg(long, env = "KVGATE_INDEX_BLOCK_SIZE", value_name = "TOKENS", requires = "index",
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub index_block_size: Option<u32>,
+
+    /// The routing group --index's queries name.
+    #[arg(long, env = "KVGATE_INDEX_ROUTING_GROUP", value_name = "NAME", requires = "index",
+          default_value = crate::index::registry::DEFAULT_ROUTING_GROUP)]
+    pub index_routing_group: String,
+
+    /// The worker id --index's answers give the engine.
+    #[arg(
+        long,
+        env = "KVGATE_INDEX_WORKER_ID",
+        value_name = "ID",
+        requires = "index",
+        default_value_t = 0
+    )]
+    pub index_worker_id: u64,
+
     /// Most connections open on the gRPC port; one more is accepted and
     /// closed at once.
     #[arg(long, env = "KVGATE_MAX_CONNECTIONS", default_value_t = 512,

@@ -45,6 +45,10 @@ pub enum TaskName {
     CredentialReloader,
     /// Asks the engine where it publishes (`--engine-http`, `--engine-grpc`).
     EngineDiscovery,
+    /// The engine's own prefix index's one writer (`--index`).
+    IndexWriter,
+    /// The engine's own prefix index's feed from the hub (`--index`).
+    IndexFeed,
 }
 
 impl fmt::Display for TaskName {
@@ -62,6 +66,8 @@ impl fmt::Display for TaskName {
             Self::LoadPush(rank) => write!(f, "load publisher socket of rank {rank}"),
             Self::CredentialReloader => f.write_str("credential reloader"),
             Self::EngineDiscovery => f.write_str("engine discovery"),
+            Self::IndexWriter => f.write_str("index writer"),
+            Self::IndexFeed => f.write_str("index feed"),
         }
     }
 }

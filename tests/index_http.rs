@@ -7,108 +7,19 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::Bytes;
-use common::{DEADLINE, IndexProcess, http_exchange};
+use common::index::{self, get, post, publisher, request, stored_payload};
+use common::{DEADLINE, IndexProcess};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
 
-/// One HTTP/1.0 request of a JSON body: (status, body).
-async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    http_exchange(address, method, path, Some(body), Some("application/json")).await
-}
-
-async fn post(address: SocketAddr, path: &str, body: Value) -> (u16, Value) {
-    let (status, body) = request(address, "POST", path, body.to_string().as_bytes()).await;
-    (
-        status,
-        serde_json::from_str(&body).unwrap_or(Value::String(body)),
-    )
-}
-
-async fn get(address: SocketAddr, path: &str) -> (u16, Value) {
-    let (status, body) = request(address, "GET", path, b"").await;
-    (
-        status,
-        serde_json::from_str(&body).unwrap_or(Value::String(body)),
-    )
-}
-
-/// A vLLM `BlockStored` payload (map form) in `medium`, on `rank`.
-fn stored_payload(
-    hashes: &[i64],
-    parent: Option<i64>,
-    tokens: &[u32],
-    block_size: u32,
-    medium: &str,
-    rank: u32,
-) -> Bytes {
-    use rmp::encode::*;
-    let mut out = Vec::new();
-    write_array_len(&mut out, 3).unwrap();
-    write_f64(&mut out, 1.0).unwrap();
-    write_array_len(&mut out, 1).unwrap();
-    write_map_len(&mut out, 7).unwrap();
-    write_str(&mut out, "type").unwrap();
-    write_str(&mut out, "BlockStored").unwrap();
-    write_str(&mut out, "block_hashes").unwrap();
-    write_array_len(&mut out, hashes.len() as u32).unwrap();
-    for &hash in hashes {
-        write_sint(&mut out, hash).unwrap();
-    }
-    write_str(&mut out, "parent_block_hash").unwrap();
-    match parent {
-        Some(parent) => write_sint(&mut out, parent).map(|_| ()).unwrap(),
-        None => write_nil(&mut out).unwrap(),
-    }
-    write_str(&mut out, "token_ids").unwrap();
-    write_array_len(&mut out, tokens.len() as u32).unwrap();
-    for &token in tokens {
-        write_uint(&mut out, token.into()).unwrap();
-    }
-    write_str(&mut out, "block_size").unwrap();
-    write_uint(&mut out, block_size.into()).unwrap();
-    write_str(&mut out, "lora_id").unwrap();
-    write_nil(&mut out).unwrap();
-    write_str(&mut out, "medium").unwrap();
-    write_str(&mut out, medium).unwrap();
-    write_uint(&mut out, rank.into()).unwrap();
-    out.into()
-}
-
-async fn publisher() -> EnginePublisher {
-    let options = PublisherOptions {
-        replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
-        ..PublisherOptions::default()
-    };
-    EnginePublisher::bind("tcp://127.0.0.1:0", &options)
-        .await
-        .unwrap()
-}
-
-/// Publishes a harmless removal until `path` answers `expected` (ZMQ's late
-/// joiner may miss the first messages; the replay endpoint fills the hole
-/// once a later message shows it).
+/// Publishes until `/query` answers `expected` (see `common::index`).
 async fn publish_until(
     publisher: &mut EnginePublisher,
     address: SocketAddr,
     query: Value,
     expected: &Value,
 ) {
-    let started = Instant::now();
-    loop {
-        let (status, answer) = post(address, "/query", query.clone()).await;
-        if status == 200 && &answer == expected {
-            return;
-        }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the index answered {status} {answer}, not {expected}"
-        );
-        publisher
-            .publish(common::removed_payload(&[-12345], 0))
-            .await
-            .unwrap();
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    index::publish_until(&mut [publisher], address, "/query", query, expected).await;
 }
 
 fn register(instance_id: u64, publisher: &EnginePublisher, block_size: u32) -> Value {
@@ -527,4 +438,114 @@ async fn a_worker_priming_from_a_slow_replay_endpoint_is_reported_catching_up_th
         "{catching_up} then {connected}"
     );
     drop(silent_replay);
+}
+
+/// `kvgate status --index URL [--json]`, run to its end: (exit code, stdout, stderr).
+fn status_of(address: SocketAddr, json: bool) -> (i32, String, String) {
+    let url = format!("http://{address}");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    command.args(["status", "--index", &url]);
+    if json {
+        command.arg("--json");
+    }
+    let child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = common::output_within_deadline(child);
+    (
+        output.status.code().unwrap(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn status_shows_partitions_and_each_ranks_source_and_fails_while_one_is_not_connected() {
+    let index = IndexProcess::start(&[]);
+    let address = index.address;
+    let mut publisher = publisher().await;
+    assert_eq!(
+        post(address, "/register", register(1, &publisher, 2))
+            .await
+            .0,
+        201
+    );
+    // Rank 1's publisher is not there: the rank stays connecting.
+    let nobody = format!("tcp://127.0.0.1:{}", common::free_ports(1));
+    let mut absent = register(1, &publisher, 2);
+    absent["dp_rank"] = json!(1);
+    absent["endpoint"] = json!(nobody);
+    absent.as_object_mut().unwrap().remove("replay_endpoint");
+    assert_eq!(post(address, "/register", absent).await.0, 201);
+
+    let tokens: Vec<u32> = (0..4).collect();
+    publisher
+        .publish(stored_payload(&[41, 42], None, &tokens, 2, "GPU", 0))
+        .await
+        .unwrap();
+    // A store of blocks of 3 tokens: set aside, and counted.
+    publisher
+        .publish(stored_payload(&[43], Some(42), &[7, 8, 9], 3, "GPU", 0))
+        .await
+        .unwrap();
+    let held = json!({
+        "scores": {"1": {"0": 4}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(
+        &mut publisher,
+        address,
+        json!({"token_ids": tokens, "model_name": "m"}),
+        &held,
+    )
+    .await;
+    await_listener_state(address, "connected").await;
+
+    let (code, text, stderr) = status_of(address, false);
+    assert_eq!(code, 1, "a rank is not connected: {text}{stderr}");
+    assert!(stderr.contains("worker 1 rank 1 is connecting"), "{stderr}");
+    assert!(
+        text.contains(
+            "partition model=m routing_group=default: block size 2, 2 blocks held (2 distinct)"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("block_size_mismatch 1"), "{text}");
+    assert!(
+        text.contains("worker 1 (model=m routing_group=default, block size 2)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  rank 0: connected for ") && text.contains(publisher.endpoint()),
+        "{text}"
+    );
+    assert!(text.contains("  rank 1: connecting for "), "{text}");
+    assert!(text.contains(&nobody), "{text}");
+
+    let (_, json_text, _) = status_of(address, true);
+    let status: Value = serde_json::from_str(&json_text).unwrap();
+    assert_eq!(status["partitions"][0]["blocks"], 2);
+    assert_eq!(status["partitions"][0]["dropped"]["block_size_mismatch"], 1);
+    assert_eq!(
+        status["workers"][0]["listeners"]["0"]["kvgate"]["state"],
+        "connected"
+    );
+    assert_eq!(
+        status["workers"][0]["listeners"]["1"]["kvgate"]["state"],
+        "connecting"
+    );
+
+    // Without the absent rank, every source is connected: exit code 0.
+    let (code, _) = post(
+        address,
+        "/unregister",
+        json!({"instance_id": 1, "model_name": "m", "routing_group": "default", "dp_rank": 1}),
+    )
+    .await;
+    assert_eq!(code, 200);
+    let (code, text, stderr) = status_of(address, false);
+    assert_eq!(code, 0, "{text}{stderr}");
 }

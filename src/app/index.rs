@@ -16,7 +16,7 @@ use crate::server::admin_connection::AdminLimits;
 use crate::server::index_http;
 
 /// The flags a sidecar's credentials come from.
-const WORKER_FLAGS: TlsFlags = TlsFlags {
+pub(super) const WORKER_FLAGS: TlsFlags = TlsFlags {
     uri: "endpoint",
     ca: "--worker-ca-file",
     cert: "--worker-tls-cert",

@@ -205,6 +205,7 @@ async fn healthz(health: HealthWatch) -> (http::StatusCode, String) {
         started: Instant::now(),
         store: None,
         engine_sources: None,
+        index: None,
     });
     let request = http::Request::get("/healthz")
         .body(axum::body::Body::empty())

@@ -5,11 +5,59 @@
 //! it is not 0; a worker's `gpu` is the most any of its ranks holds on the
 //! device, `cpu` adds the host tier's continuation, `disk` adds the disk's
 //! and the external store's after that, each the most over the worker's
-//! ranks, and `longest_matched` is the greatest of the three.
+//! ranks, and `longest_matched` is the greatest of the three. Every query
+//! (HTTP's `/query` and `/query_by_hash`, gRPC's `Match`) is answered by
+//! [`Answer::of`]; the servers only translate it.
 
 use std::collections::BTreeMap;
 
+use super::block_hash::HashSeed;
+use super::partition::Partition;
 use super::tree::{RankMatch, WorkerId};
+
+/// What a query asks to match.
+#[derive(Clone, Copy, Debug)]
+pub enum QueryBlocks<'a> {
+    /// Token ids, hashed per full block.
+    Tokens {
+        /// The request's tokens.
+        token_ids: &'a [u32],
+        /// The seed of the request's LoRA name and cache salt.
+        seed: HashSeed,
+    },
+    /// Dynamo's local block hashes, already seeded, as i64.
+    Hashes(&'a [i64]),
+}
+
+/// A query's answer: each rank's depth per tier, and the summary in tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// Tokens per block in the partition asked.
+    pub block_size: u32,
+    /// Every rank that matched a block in some tier, by worker then rank.
+    pub ranks: Vec<RankMatch>,
+    /// The same, in Dynamo's terms.
+    pub overlap: Overlap,
+}
+
+impl Answer {
+    /// `blocks` matched against `partition` (its tree read for the walk only).
+    pub fn of(partition: &Partition, blocks: QueryBlocks<'_>) -> Self {
+        let block_size = partition.block_size();
+        let locals: Vec<u64> = match blocks {
+            QueryBlocks::Tokens { token_ids, seed } => seed.blocks(token_ids, block_size),
+            QueryBlocks::Hashes(hashes) => hashes.iter().map(|&hash| hash as u64).collect(),
+        };
+        let mut ranks = partition.overlap(&locals);
+        ranks.sort_unstable_by_key(|found| found.key);
+        let overlap = Overlap::new(&ranks, block_size);
+        Answer {
+            block_size,
+            ranks,
+            overlap,
+        }
+    }
+}
 
 /// One worker's summary.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

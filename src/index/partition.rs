@@ -4,8 +4,11 @@
 //! first registration) and every store is held to it; only the writer
 //! takes the tree's write lock, readers take the read lock for one walk.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use serde::{Deserialize, Serialize};
 
 use super::tree::{RankMatch, Tree};
 
@@ -23,6 +26,11 @@ impl std::fmt::Display for PartitionKey {
         write!(f, "{}:{}", self.model_name, self.routing_group)
     }
 }
+
+/// A query naming a partition the index does not hold (Dynamo's words).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no indexer for model={} routing_group={}", .0.model_name, .0.routing_group)]
+pub struct UnknownPartition(pub PartitionKey);
 
 /// Why the writer set an event aside.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,5 +130,47 @@ impl Partition {
     /// Events applied so far.
     pub fn events(&self) -> u64 {
         self.events.load(Ordering::Relaxed)
+    }
+}
+
+/// A partition's figures at one moment, as `/status` reports them and
+/// `kvgate status --index` reads them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionStatus {
+    /// The served model.
+    pub model_name: String,
+    /// The routing group.
+    pub routing_group: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Live blocks held, over every rank.
+    pub blocks: u64,
+    /// Distinct prefix blocks in the tree.
+    pub nodes: u64,
+    /// Converted events applied.
+    pub events: u64,
+    /// Events set aside, per reason ([`Dropped::as_str`]).
+    pub dropped: BTreeMap<String, u64>,
+}
+
+impl PartitionStatus {
+    /// `partition`'s figures now (its tree read once).
+    pub fn of(partition: &Partition) -> Self {
+        let (blocks, nodes) = {
+            let tree = partition.read();
+            (tree.held_blocks(), tree.nodes() as u64)
+        };
+        PartitionStatus {
+            model_name: partition.key.model_name.clone(),
+            routing_group: partition.key.routing_group.clone(),
+            block_size: partition.block_size,
+            blocks,
+            nodes,
+            events: partition.events(),
+            dropped: Dropped::ALL
+                .into_iter()
+                .map(|reason| (reason.as_str().to_owned(), partition.dropped(reason)))
+                .collect(),
+        }
     }
 }

@@ -3,7 +3,8 @@
 //! Invariants (Dynamo's registry, plus limits): a worker instance belongs to
 //! one partition and registers each of its ranks once; a partition's block
 //! size is the first registration's and a registration that disagrees is
-//! refused; a partition lives while a worker is registered in it. Every
+//! refused; a partition lives while a worker is registered in it (or, one
+//! held for a feed of its own, as long as the registry). Every
 //! registered rank has one feed; unregistering a rank stops its feed, waits
 //! for it to end and only then removes the rank's blocks (through the
 //! writer's queue, after the feed's last events), so nothing it sent
@@ -22,7 +23,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::feed::sidecar::{self, SidecarSettings};
 use super::feed::{self, FeedState, FeedStatus, ZmqFeedConfig};
-use super::partition::{Partition, PartitionKey};
+use super::overlap::{Answer, QueryBlocks};
+use super::partition::{Partition, PartitionKey, UnknownPartition};
 use super::tree::{RankKey, WorkerId};
 use super::writer::IndexInput;
 
@@ -420,9 +422,30 @@ impl Registry {
         Ok(())
     }
 
+    /// A partition fed from outside the registry (a sidecar's own engine,
+    /// `kvgate serve --index`): no worker is registered in it, and it lives
+    /// as long as the registry.
+    pub fn hold(&self, key: PartitionKey, block_size: u32) -> Arc<Partition> {
+        let partition = Arc::new(Partition::new(key.clone(), block_size));
+        self.lock().partitions.insert(key, Arc::clone(&partition));
+        partition
+    }
+
     /// The partition `key` names, while some worker is registered in it.
     pub fn partition(&self, key: &PartitionKey) -> Option<Arc<Partition>> {
         self.lock().partitions.get(key).cloned()
+    }
+
+    /// The answer to a query of `blocks` in the partition `key` names.
+    pub fn answer(
+        &self,
+        key: &PartitionKey,
+        blocks: QueryBlocks<'_>,
+    ) -> Result<Answer, UnknownPartition> {
+        let partition = self
+            .partition(key)
+            .ok_or_else(|| UnknownPartition(key.clone()))?;
+        Ok(Answer::of(&partition, blocks))
     }
 
     /// Every partition.

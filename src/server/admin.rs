@@ -1,5 +1,6 @@
 //! The operator's HTTP port: Prometheus `/metrics`, `/healthz` for probes
-//! and a human-readable `/status` (its connections' bounds are in
+//! and a human-readable `/status`, and with `--index` the engine's own
+//! `/query` and `/query_by_hash` (its connections' bounds are in
 //! `admin_connection`).
 
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use axum::routing::get;
 use serde::Serialize;
 use tokio::net::TcpListener;
 
-use super::admin_connection::{self, AdminLimits};
+use super::admin_connection::{self, AdminLimits, Protocols};
 use crate::health::HealthWatch;
 use crate::hub::HubReader;
 use crate::metrics::Metrics;
@@ -31,6 +32,9 @@ pub struct AdminState {
     pub store: Option<crate::store::StoreStatus>,
     /// What the engine said of its publishers, when kvgate asked it.
     pub engine_sources: Option<tokio::sync::watch::Receiver<crate::source::discovery::Discovered>>,
+    /// The engine's own prefix index, with `--index`: `/query` and
+    /// `/query_by_hash`.
+    pub index: Option<Arc<crate::index::registry::Registry>>,
 }
 
 #[derive(Serialize)]
@@ -52,6 +56,9 @@ struct Status {
     state_dir: Option<crate::store::StoreStatusView>,
     /// Where each rank's events come from and how kvgate learned it.
     sources: Vec<RankSourceStatus>,
+    /// With `--index`: the engine's own tree.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    index: Option<Vec<crate::index::partition::PartitionStatus>>,
 }
 
 #[derive(Serialize)]
@@ -82,11 +89,16 @@ struct HistoryStatus {
 }
 
 pub fn router(state: AdminState) -> Router {
-    Router::new()
+    let index = state.index.clone();
+    let router = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/status", get(status))
-        .with_state(state)
+        .with_state(state);
+    match index {
+        Some(registry) => router.merge(super::index_http::query_router(registry)),
+        None => router,
+    }
 }
 
 /// Serves the admin port until `shutdown` resolves.
@@ -97,7 +109,16 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let metrics = state.metrics.clone();
-    admin_connection::serve(listener, router(state), limits, metrics, shutdown).await;
+    let routes = router(state);
+    admin_connection::serve(
+        listener,
+        routes,
+        Protocols::Http1,
+        limits,
+        metrics,
+        shutdown,
+    )
+    .await;
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
@@ -163,5 +184,12 @@ async fn status(State(state): State<AdminState>) -> Json<Status> {
                     })
                     .collect()
             }),
+        index: state.index.as_ref().map(|registry| {
+            registry
+                .partitions()
+                .iter()
+                .map(|partition| crate::index::partition::PartitionStatus::of(partition))
+                .collect()
+        }),
     })
 }

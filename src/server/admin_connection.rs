@@ -1,5 +1,7 @@
-//! The accept loop of the admin port (`/metrics`, `/healthz`, `/status`):
-//! HTTP/1.1, every connection bounded, as the gRPC port's are.
+//! The accept loop of the admin port (`/metrics`, `/healthz`, `/status`)
+//! and of `kvgate index`'s port: HTTP/1.1 (and on the index's port also
+//! gRPC, HTTP/2 with prior knowledge, told apart by the connection's first
+//! bytes), every connection bounded, as the gRPC port's are.
 //!
 //! Invariants:
 //! - At most `--metrics-max-connections` connections are open; one more is
@@ -10,7 +12,11 @@
 //!   `--metrics-header-timeout-ms` of the connection's turn to read them
 //!   (at its start, or after the previous response), so a half-sent request
 //!   or an idle keep-alive connection cannot hold a slot; at most
-//!   `MAX_REQUEST_HEAD_BYTES` of them are buffered.
+//!   `MAX_REQUEST_HEAD_BYTES` of them are buffered. The connection's first
+//!   bytes (at most the HTTP/2 preface's 24, which choose the protocol)
+//!   are held to the same timeout, so a peer that stalls before its
+//!   protocol is known is closed as soon. An HTTP/2 connection's streams
+//!   are bounded by hyper's defaults and the idle timeout.
 //! - A connection that moves no byte either way for
 //!   `--metrics-idle-timeout-ms` (a client that stopped reading its
 //!   response) is closed.
@@ -23,8 +29,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tower::ServiceExt;
@@ -32,6 +38,7 @@ use tracing::debug;
 
 use super::accept::serve_bounded;
 use super::connection::Open;
+use super::preface::sniff;
 use super::progress::{Progress, Watched};
 use crate::metrics::{Metrics, ReasonLabel};
 
@@ -50,6 +57,16 @@ pub struct AdminLimits {
     pub max_connections: u32,
     pub header_timeout: Duration,
     pub idle_timeout: Duration,
+}
+
+/// What a port's connections may speak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocols {
+    /// HTTP/1.1 only (the admin port).
+    Http1,
+    /// HTTP/1.1, or gRPC over HTTP/2 with prior knowledge (h2c), chosen by
+    /// the connection's first bytes (`kvgate index`'s port).
+    Http1AndGrpc,
 }
 
 /// Why kvgate closed an admin connection before its client did.
@@ -77,17 +94,24 @@ impl AdminClosure {
 pub(crate) async fn serve(
     listener: TcpListener,
     routes: axum::Router,
+    protocols: Protocols,
     limits: AdminLimits,
     metrics: Metrics,
     shutdown: impl Future<Output = ()>,
 ) {
-    let mut http1 = http1::Builder::new();
-    http1
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .max_buf_size(MAX_REQUEST_HEAD_BYTES);
+    builder.http2().timer(TokioTimer::new());
+    if protocols == Protocols::Http1 {
+        builder = builder.http1_only();
+    }
     let shared = Arc::new(Shared {
-        http1,
+        builder,
+        header_timeout: limits.header_timeout,
         routes,
         idle_timeout: limits.idle_timeout,
         metrics,
@@ -99,6 +123,9 @@ pub(crate) async fn serve(
         shutdown,
         |stream| refuse(&stream, &shared.metrics),
         |stream, stopped| {
+            // An answer written in several parts (HTTP/2's headers, data
+            // and trailers) must not wait for Nagle's algorithm.
+            let _ = stream.set_nodelay(true);
             let shared = Arc::clone(&shared);
             async move { connection(stream, &shared, stopped).await }
         },
@@ -108,7 +135,9 @@ pub(crate) async fn serve(
 
 /// What every connection task shares.
 struct Shared {
-    http1: http1::Builder,
+    builder: auto::Builder<TokioExecutor>,
+    /// Also the bound on the first bytes, which tell HTTP/1.1 from gRPC.
+    header_timeout: Duration,
     routes: axum::Router,
     idle_timeout: Duration,
     metrics: Metrics,
@@ -126,6 +155,20 @@ fn refuse(stream: &TcpStream, metrics: &Metrics) {
 async fn connection(stream: TcpStream, shared: &Shared, mut stopped: watch::Receiver<bool>) {
     let metrics = &shared.metrics;
     let _open = Open::count(&metrics.admin_connections);
+    // The first bytes must come within the header timeout whichever
+    // protocol they turn out to be (hyper's own timeout starts after them).
+    let sniffed = tokio::select! {
+        sniffed = tokio::time::timeout(shared.header_timeout, sniff(stream)) => sniffed,
+        _ = stopped.wait_for(|stopped| *stopped) => return,
+    };
+    let stream = match sniffed {
+        Ok(Ok((_, replayed))) => replayed,
+        Ok(Err(error)) => {
+            debug!(%error, "metrics port: peer left before its first request");
+            return;
+        }
+        Err(_) => return close(metrics, AdminClosure::HeaderTimeout),
+    };
     let progress = Progress::new();
     let io = Watched {
         io: stream,
@@ -136,7 +179,7 @@ async fn connection(stream: TcpStream, shared: &Shared, mut stopped: watch::Rece
         let call = routes.clone().oneshot(request);
         async move { Ok::<_, Infallible>(call.await.unwrap_or_else(|never| match never {})) }
     });
-    let mut served = pin!(shared.http1.serve_connection(TokioIo::new(io), service));
+    let mut served = pin!(shared.builder.serve_connection(TokioIo::new(io), service));
     let ended = tokio::select! {
         ended = served.as_mut() => Some(ended),
         _ = stopped.wait_for(|stopped| *stopped) => None,
@@ -155,7 +198,10 @@ async fn connection(stream: TcpStream, shared: &Shared, mut stopped: watch::Rece
         }
     };
     if let Err(error) = ended {
-        if error.is_timeout() {
+        let timed_out = error
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout);
+        if timed_out {
             close(metrics, AdminClosure::HeaderTimeout);
         }
         debug!(%error, "metrics port: connection ended with an error");

@@ -1,13 +1,15 @@
 //! `kvgate index`'s HTTP port: Dynamo's standalone indexer API, drop-in
 //! (`/health`, `/metrics`, `/register`, `/unregister`, `/workers`, `/query`,
-//! `/query_by_hash`, `/dump`), held to the admin port's connection bounds.
+//! `/query_by_hash`, `/dump`), held to the admin port's connection bounds;
+//! the same port answers gRPC's `kvgate.v1.KvIndex/Match` (`index_grpc`).
 //!
 //! Invariants: request and answer bodies carry Dynamo's field names, types
 //! and status codes (201 on register, 409 for a conflicting registration,
 //! 404 for an unknown partition or instance, axum's 400/415/422 for a body
 //! that is not the expected JSON, 413 above the body limit); kvgate's own
-//! additions are only ever new keys (`kvgate` in a listener) or new status
-//! codes for what Dynamo has no limit for (503 naming the limit). A query
+//! additions are only ever new keys (`kvgate` in a listener), new status
+//! codes for what Dynamo has no limit for (503 naming the limit), or a path
+//! Dynamo does not have (`/status`, kvgate's own summary). A query
 //! reads its partition's tree for the walk only; its answer is built and
 //! written after the lock is let go.
 
@@ -25,12 +27,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use super::admin_connection::{self, AdminLimits};
+use super::admin_connection::{self, AdminLimits, Protocols};
+use super::index_grpc;
 use super::index_query_body::{self, QueryBody};
 use crate::index::block_hash::HashSeed;
 use crate::index::feed::FeedPhase;
-use crate::index::overlap::{Overlap, WorkerOverlap};
-use crate::index::partition::{Dropped, PartitionKey};
+use crate::index::overlap::{Overlap, QueryBlocks, WorkerOverlap};
+use crate::index::partition::{PartitionKey, PartitionStatus};
 use crate::index::registry::{
     DEFAULT_ROUTING_GROUP, RankReport, RegisterError, Registration, Registry, UnregisterError,
     Unregistration, WorkerReport,
@@ -42,6 +45,9 @@ use crate::metrics::Metrics;
 /// Dynamo's limit on a `/query` body: a million tokens as JSON text.
 pub const QUERY_BODY_LIMIT_BYTES: usize = 8 * 1024 * 1024;
 
+/// Why a query by hashes cannot take a salt (Dynamo's words).
+pub(crate) const HASHES_TAKE_NO_SALT: &str = "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended cache salt";
+
 /// Serves the index's API on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
@@ -49,9 +55,16 @@ pub async fn serve(
     limits: AdminLimits,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
+    let routes = router(Arc::clone(&registry))
+        .merge(index_grpc::routes(registry))
+        .merge(
+            super::reflection_routes(&[index_grpc::SERVICE])
+                .expect("kvgate's own descriptor sets are well-formed"),
+        );
     admin_connection::serve(
         listener,
-        router(registry),
+        routes,
+        Protocols::Http1AndGrpc,
         limits,
         Metrics::default(),
         shutdown,
@@ -61,18 +74,27 @@ pub async fn serve(
 
 /// The routes.
 pub fn router(registry: Arc<Registry>) -> Router {
+    query_router(Arc::clone(&registry)).merge(
+        Router::new()
+            .route("/health", get(health))
+            .route("/metrics", get(metrics))
+            .route("/register", post(register))
+            .route("/unregister", post(unregister))
+            .route("/workers", get(workers))
+            .route("/status", get(status))
+            .route("/dump", get(dump))
+            .with_state(registry),
+    )
+}
+
+/// `/query` and `/query_by_hash` alone (`kvgate serve --index`'s admin port).
+pub fn query_router(registry: Arc<Registry>) -> Router {
     Router::new()
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/register", post(register))
-        .route("/unregister", post(unregister))
-        .route("/workers", get(workers))
         .route(
             "/query",
             post(query).layer(DefaultBodyLimit::max(QUERY_BODY_LIMIT_BYTES)),
         )
         .route("/query_by_hash", post(query_by_hash))
-        .route("/dump", get(dump))
         .with_state(registry)
 }
 
@@ -456,6 +478,22 @@ async fn workers(
     )
 }
 
+/// kvgate's own summary, not Dynamo's: every partition's figures and
+/// `/workers`' answer (what `kvgate status --index` prints).
+async fn status(State(registry): State<Arc<Registry>>) -> Json<serde_json::Value> {
+    let partitions: Vec<PartitionStatus> = registry
+        .partitions()
+        .iter()
+        .map(|partition| PartitionStatus::of(partition))
+        .collect();
+    let workers: Vec<WorkerInfo> = registry
+        .workers(None, None)
+        .into_iter()
+        .map(worker_info)
+        .collect();
+    Json(json!({"partitions": partitions, "workers": workers}))
+}
+
 /// The answer to a query, in Dynamo's JSON: `scores` (device tokens per
 /// worker and rank), `frequencies` (always empty, as Dynamo's) and
 /// `instances` (per worker, every tier). Written straight from the overlap:
@@ -515,33 +553,16 @@ fn score_json(overlap: &Overlap) -> Vec<u8> {
     json
 }
 
-fn no_partition(key: &PartitionKey) -> Response {
-    error(
-        StatusCode::NOT_FOUND,
-        format_args!(
-            "no indexer for model={} routing_group={}",
-            key.model_name, key.routing_group
-        ),
-    )
-}
-
-/// Answers for `locals` in the partition `key` names.
-fn answer(
-    registry: &Registry,
-    key: &PartitionKey,
-    locals: impl FnOnce(u32) -> Vec<u64>,
-) -> Response {
-    let Some(partition) = registry.partition(key) else {
-        return no_partition(key);
-    };
-    let locals = locals(partition.block_size());
-    let matches = partition.overlap(&locals);
-    let overlap = Overlap::new(&matches, partition.block_size());
-    (
-        [(header::CONTENT_TYPE, "application/json")],
-        score_json(&overlap),
-    )
-        .into_response()
+/// Answers for `blocks` in the partition `key` names.
+fn answer(registry: &Registry, key: &PartitionKey, blocks: QueryBlocks<'_>) -> Response {
+    match registry.answer(key, blocks) {
+        Ok(answer) => (
+            [(header::CONTENT_TYPE, "application/json")],
+            score_json(&answer.overlap),
+        )
+            .into_response(),
+        Err(unknown) => error(StatusCode::NOT_FOUND, unknown),
+    }
 }
 
 async fn query(State(registry): State<Arc<Registry>>, QueryBody(body): QueryBody) -> Response {
@@ -555,9 +576,11 @@ async fn query(State(registry): State<Arc<Registry>>, QueryBody(body): QueryBody
         routing_group: request.routing_group,
     };
     let seed = HashSeed::new(request.lora_name.as_deref(), request.cache_salt.as_deref());
-    answer(&registry, &key, |block_size| {
-        seed.blocks(&token_ids, block_size)
-    })
+    let blocks = QueryBlocks::Tokens {
+        token_ids: &token_ids,
+        seed,
+    };
+    answer(&registry, &key, blocks)
 }
 
 async fn query_by_hash(
@@ -570,18 +593,13 @@ async fn query_by_hash(
             Err(refused) => return refused.into_response(),
         };
     if request.cache_salt.is_some() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended cache salt",
-        );
+        return error(StatusCode::BAD_REQUEST, HASHES_TAKE_NO_SALT);
     }
     let key = PartitionKey {
         model_name: request.model_name,
         routing_group: request.routing_group,
     };
-    answer(&registry, &key, |_| {
-        block_hashes.iter().map(|&hash| hash as u64).collect()
-    })
+    answer(&registry, &key, QueryBlocks::Hashes(&block_hashes))
 }
 
 /// Every partition's live blocks as Dynamo's dump lists them: one stored
@@ -728,28 +746,23 @@ async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
         }
     }
     for partition in &partitions {
+        let figures = PartitionStatus::of(partition);
         let labels = format!(
             "model_name=\"{}\",routing_group=\"{}\"",
-            escape(&partition.key().model_name),
-            escape(&partition.key().routing_group)
+            escape(&figures.model_name),
+            escape(&figures.routing_group)
         );
-        let (blocks, nodes) = {
-            let tree = partition.read();
-            (tree.held_blocks(), tree.nodes())
-        };
-        let _ = writeln!(text, "kvgate_index_blocks{{{labels}}} {blocks}");
-        let _ = writeln!(text, "kvgate_index_nodes{{{labels}}} {nodes}");
+        let _ = writeln!(text, "kvgate_index_blocks{{{labels}}} {}", figures.blocks);
+        let _ = writeln!(text, "kvgate_index_nodes{{{labels}}} {}", figures.nodes);
         let _ = writeln!(
             text,
             "kvgate_index_events_total{{{labels}}} {}",
-            partition.events()
+            figures.events
         );
-        for reason in Dropped::ALL {
+        for (reason, count) in &figures.dropped {
             let _ = writeln!(
                 text,
-                "kvgate_index_events_dropped_total{{{labels},reason=\"{}\"}} {}",
-                reason.as_str(),
-                partition.dropped(reason)
+                "kvgate_index_events_dropped_total{{{labels},reason=\"{reason}\"}} {count}"
             );
         }
     }

@@ -10,6 +10,7 @@ pub(crate) mod auth;
 pub(crate) mod connection;
 pub(crate) mod fd_limit;
 mod health;
+pub(crate) mod index_grpc;
 pub(crate) mod index_http;
 mod index_query_body;
 mod methods;
@@ -22,13 +23,17 @@ pub(crate) mod stream_body;
 pub(crate) mod subscribe;
 pub(crate) mod tls;
 
+use std::convert::Infallible;
 use std::future::Future;
+use std::sync::Arc;
 
 use tokio::net::TcpListener;
+use tonic::server::NamedService;
 use tonic::service::Routes;
 
 use crate::health::HealthWatch;
 use crate::hub::HubReader;
+use crate::index::registry::Registry;
 use crate::metrics::Metrics;
 use subscribe::{SubscribeLimits, SubscribeService};
 
@@ -60,6 +65,52 @@ pub struct ServerParts {
     pub tls: Option<tls::TlsAcceptor>,
     /// The bearer tokens every call but health needs, when configured.
     pub tokens: Option<auth::Tokens>,
+    /// The engine's own prefix index, with `--index`: `KvIndex/Match`.
+    pub index: Option<Arc<Registry>>,
+}
+
+/// The reflection services' names, listed beside the services they describe.
+const REFLECTION_SERVICES: [&str; 2] = [
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+];
+
+/// Server reflection, v1 and v1alpha, listing `services` (and itself);
+/// every file of kvgate's protos and of health can be described.
+pub(crate) fn reflection_routes(services: &[&str]) -> anyhow::Result<axum::Router> {
+    let reflection = || {
+        services.iter().chain(&REFLECTION_SERVICES).fold(
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET),
+            |builder, service| builder.with_service_name(*service),
+        )
+    };
+    let router = grpc_route(axum::Router::new(), reflection().build_v1()?);
+    Ok(grpc_route(router, reflection().build_v1alpha()?))
+}
+
+/// `router` with `service` at its gRPC path, as tonic's `Routes` mounts one,
+/// but with no fallback of its own (so it merges beside HTTP routes).
+fn grpc_route<S>(router: axum::Router, service: S) -> axum::Router
+where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = Infallible,
+        > + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    router.route_service(
+        &format!("/{}/{{*rest}}", S::NAME),
+        tower::ServiceExt::map_request(service, |request: http::Request<axum::body::Body>| {
+            request.map(tonic::body::Body::new)
+        }),
+    )
 }
 
 /// Builds every route of the server.
@@ -67,16 +118,18 @@ pub fn routes(
     parts: &ServerParts,
 ) -> anyhow::Result<(axum::Router, tonic_health::server::HealthReporter)> {
     let (health, health_service) = tonic_health::server::health_reporter();
-    let reflection = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
+    let mut advertised: Vec<&str> = SUBSCRIBE_SERVICES.to_vec();
+    advertised.push("grpc.health.v1.Health");
+    if parts.index.is_some() {
+        advertised.push(index_grpc::SERVICE);
+    }
     let mut router = Routes::default()
         .add_service(health_service)
-        .add_service(reflection().build_v1()?)
-        .add_service(reflection().build_v1alpha()?)
-        .into_axum_router();
+        .into_axum_router()
+        .merge(reflection_routes(&advertised)?);
+    if let Some(registry) = &parts.index {
+        router = router.merge(index_grpc::routes(Arc::clone(registry)));
+    }
     let subscribe = SubscribeService::new(
         parts.hub.clone(),
         parts.metrics.clone(),

@@ -1,9 +1,13 @@
 //! The HTTP/2 connection preface, checked before hyper sees the connection.
 //!
-//! Invariant: only a connection whose first bytes are the HTTP/2 client
-//! preface reaches hyper, with those bytes replayed unchanged; anything else
-//! (HTTP/1.1 above all) gets a one-line HTTP/1.1 answer saying why and is
-//! closed, so it is refused and counted rather than left to a protocol error.
+//! Invariant: a connection's first bytes are read only until they are the
+//! HTTP/2 client preface or differ from it (never a byte past it), and
+//! whatever was read is replayed unchanged to whoever serves the
+//! connection. On the gRPC port only an HTTP/2 connection is served;
+//! anything else (HTTP/1.1 above all) gets a one-line HTTP/1.1 answer saying
+//! why and is closed, so it is refused and counted rather than left to a
+//! protocol error. On `kvgate index`'s port the first bytes choose between
+//! gRPC and HTTP/1.1.
 
 use std::io;
 use std::pin::Pin;
@@ -28,37 +32,70 @@ const HTTP1_REFUSAL: &[u8] = b"HTTP/1.1 505 HTTP Version Not Supported\r\n\
     connection: close\r\ncontent-type: text/plain\r\ncontent-length: 42\r\n\r\n\
     kvgate serves gRPC over HTTP/2 only (h2c)\n";
 
-/// Reads the preface from `io` (never a byte past it) and hands back a
-/// stream that replays it.
-pub(crate) async fn expect_preface<Io>(mut io: Io) -> Result<Replayed<Io>, NotServed>
+/// What a connection's first bytes say it speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Spoken {
+    /// The HTTP/2 preface, whole.
+    Http2,
+    /// Something else from its first bytes on (HTTP/1.1, most likely).
+    Other,
+}
+
+/// Reads from `io` until its bytes are the preface or differ from it (never
+/// a byte past it) and hands back what they are, with a stream that
+/// replays them.
+pub(crate) async fn sniff<Io>(mut io: Io) -> io::Result<(Spoken, Replayed<Io>)>
 where
-    Io: AsyncRead + AsyncWrite + Unpin,
+    Io: AsyncRead + Unpin,
 {
     let mut received = [0u8; PREFACE.len()];
     let mut filled = 0;
-    while filled < PREFACE.len() {
-        let read = io
-            .read(&mut received[filled..])
-            .await
-            .map_err(NotServed::Closed)?;
+    let spoken = loop {
+        if filled == PREFACE.len() {
+            break Spoken::Http2;
+        }
+        let read = io.read(&mut received[filled..]).await?;
         if read == 0 {
-            return Err(NotServed::Closed(io::ErrorKind::UnexpectedEof.into()));
+            return Err(io::ErrorKind::UnexpectedEof.into());
         }
         if received[filled..filled + read] != PREFACE[filled..filled + read] {
-            // Best effort: the peer may already be gone.
-            let _ = io.write_all(HTTP1_REFUSAL).await;
-            let _ = io.shutdown().await;
-            return Err(NotServed::NotHttp2);
+            filled += read;
+            break Spoken::Other;
         }
         filled += read;
-    }
-    Ok(Replayed { io, replayed: 0 })
+    };
+    let replayed = Replayed {
+        io,
+        received,
+        filled,
+        replayed: 0,
+    };
+    Ok((spoken, replayed))
 }
 
-/// A stream whose first bytes read are the preface already taken from it.
+/// Reads the preface from `io` (never a byte past it) and hands back a
+/// stream that replays it; anything else is answered 505 and closed.
+pub(crate) async fn expect_preface<Io>(io: Io) -> Result<Replayed<Io>, NotServed>
+where
+    Io: AsyncRead + AsyncWrite + Unpin,
+{
+    match sniff(io).await.map_err(NotServed::Closed)? {
+        (Spoken::Http2, replayed) => Ok(replayed),
+        (Spoken::Other, mut refused) => {
+            // Best effort: the peer may already be gone.
+            let _ = refused.io.write_all(HTTP1_REFUSAL).await;
+            let _ = refused.io.shutdown().await;
+            Err(NotServed::NotHttp2)
+        }
+    }
+}
+
+/// A stream whose first bytes read are those [`sniff`] took from it.
 #[derive(Debug)]
 pub(crate) struct Replayed<Io> {
     io: Io,
+    received: [u8; PREFACE.len()],
+    filled: usize,
     replayed: usize,
 }
 
@@ -68,8 +105,8 @@ impl<Io: AsyncRead + Unpin> AsyncRead for Replayed<Io> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if self.replayed < PREFACE.len() {
-            let rest = &PREFACE[self.replayed..];
+        if self.replayed < self.filled {
+            let rest = &self.received[self.replayed..self.filled];
             let n = rest.len().min(buf.remaining());
             buf.put_slice(&rest[..n]);
             self.replayed += n;
@@ -123,6 +160,18 @@ mod tests {
         let mut all = Vec::new();
         replayed.read_to_end(&mut all).await.unwrap();
         assert_eq!(all, [&PREFACE[..], b"frames"].concat());
+    }
+
+    #[tokio::test]
+    async fn bytes_that_are_not_the_preface_are_told_apart_and_replayed_as_they_came() {
+        let (mut client, server) = tokio::io::duplex(64);
+        client.write_all(b"PRI * HTTP/1.1\r\n").await.unwrap();
+        drop(client);
+        let (spoken, mut replayed) = sniff(server).await.unwrap();
+        assert_eq!(spoken, Spoken::Other);
+        let mut all = Vec::new();
+        replayed.read_to_end(&mut all).await.unwrap();
+        assert_eq!(all, b"PRI * HTTP/1.1\r\n");
     }
 
     #[tokio::test]

@@ -194,7 +194,7 @@ fn refuse_compressed(headers: &http::HeaderMap) -> Result<(), Status> {
 /// reader. Encoding that panics ends the stream with INTERNAL: an empty or
 /// partial snapshot followed by live batches would leave a router with a
 /// wrong index.
-fn lazily_encoded<Chunks>(
+pub(crate) fn lazily_encoded<Chunks>(
     start: impl FnOnce() -> Chunks + Send + 'static,
     slots: Arc<Semaphore>,
 ) -> SnapshotChunks

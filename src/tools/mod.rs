@@ -7,6 +7,7 @@
 //! to change; output cut short by its reader (`| head`) ends quietly with
 //! exit code 0, as Unix tools do.
 
+pub mod index_status;
 pub mod record;
 pub mod shell;
 pub mod status;

@@ -1,4 +1,5 @@
-//! `kvgate status`: what a running gateway serves and holds, over gRPC only:
+//! `kvgate status`: what a running gateway serves and holds, over gRPC only
+//! (`--index` shows a `kvgate index` instead, see `index_status`):
 //! health per service, the services reflection lists, and a summary of a
 //! fresh snapshot (live blocks and last sequence number per rank).
 //!
@@ -36,6 +37,16 @@ pub struct StatusArgs {
     /// where each rank's events come from and how kvgate learned it.
     #[arg(long, env = "KVGATE_ADMIN_ADDR", value_name = "ADDR")]
     pub admin: Option<String>,
+    /// Show a `kvgate index` instead (its --listen, http://HOST:PORT):
+    /// partitions, workers and each rank's source; exits 1 unless every
+    /// rank is connected.
+    #[arg(
+        long,
+        env = "KVGATE_INDEX_URL",
+        value_name = "URL",
+        conflicts_with = "admin"
+    )]
+    pub index: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -132,6 +143,9 @@ impl GatewayStatus {
 /// `kvgate status`: collects and prints; fails unless the gateway is
 /// `SERVING`.
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
+    if let Some(index) = &args.index {
+        return super::index_status::run(index, args.json).await;
+    }
     let mut status = collect(&args.gateway).await?;
     if let Some(admin) = &args.admin {
         status.events_from = Some(events_from(admin).await?);

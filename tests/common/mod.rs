@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod index;
 pub mod pki;
 pub mod raw_codec;
 pub mod recording;
