@@ -9,7 +9,7 @@
 //! (HTTP's `/query` and `/query_by_hash`, gRPC's `Match`) is answered by
 //! [`Answer::of`]; the servers only translate it.
 
-use std::collections::BTreeMap;
+use std::ops::Range;
 
 use super::block_hash::HashSeed;
 use super::partition::Partition;
@@ -59,60 +59,86 @@ impl Answer {
     }
 }
 
-/// One worker's summary.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct WorkerOverlap {
-    /// The most tokens matched through any tier.
-    pub longest_matched: u32,
-    /// Tokens matched on the device, the most over the ranks.
-    pub gpu: u32,
-    /// Each rank's device tokens (0 for a rank that matched only lower tiers).
-    pub dp: BTreeMap<u32, u32>,
-    /// Device plus host tokens.
-    pub cpu: u32,
-    /// Device, host, disk and external tokens.
-    pub disk: u32,
+/// One rank's depths in tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankTokens {
+    /// On the device.
+    pub device: u32,
+    /// The device's and the host's continuation.
+    pub host: u32,
+    /// Through every tier: device, host, disk, external.
+    pub all: u32,
 }
 
-/// The whole answer.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Overlap {
-    /// Device tokens per worker and rank, for the ranks that matched some.
-    pub scores: BTreeMap<WorkerId, BTreeMap<u32, u32>>,
-    /// Per worker, every tier.
-    pub instances: BTreeMap<WorkerId, WorkerOverlap>,
-}
-
-impl Overlap {
-    /// The answer for `matches` in a partition of `block_size` tokens per block.
-    pub fn new(matches: &[RankMatch], block_size: u32) -> Self {
-        let mut overlap = Overlap::default();
-        for found in matches {
-            let [device, host, disk, external] = found.blocks;
-            let tokens = |blocks: u32| blocks.saturating_mul(block_size);
-            let gpu = tokens(device);
-            let cpu = tokens(device.saturating_add(host));
-            let all = tokens(
+impl RankTokens {
+    /// `found`'s depths in a partition of `block_size` tokens per block.
+    pub fn of(found: &RankMatch, block_size: u32) -> Self {
+        let [device, host, disk, external] = found.blocks;
+        let tokens = |blocks: u32| blocks.saturating_mul(block_size);
+        RankTokens {
+            device: tokens(device),
+            host: tokens(device.saturating_add(host)),
+            all: tokens(
                 device
                     .saturating_add(host)
                     .saturating_add(disk)
                     .saturating_add(external),
-            );
-            if device > 0 {
-                overlap
-                    .scores
-                    .entry(found.key.worker)
-                    .or_default()
-                    .insert(found.key.rank, gpu);
-            }
-            let worker = overlap.instances.entry(found.key.worker).or_default();
-            worker.dp.insert(found.key.rank, gpu);
-            worker.gpu = worker.gpu.max(gpu);
-            worker.cpu = worker.cpu.max(cpu);
-            worker.disk = worker.disk.max(all);
-            worker.longest_matched = worker.gpu.max(worker.cpu).max(worker.disk);
+            ),
         }
-        overlap
+    }
+}
+
+/// One worker's summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerOverlap {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The most tokens matched through any tier.
+    pub longest_matched: u32,
+    /// Tokens matched on the device, the most over the ranks.
+    pub gpu: u32,
+    /// Device plus host tokens.
+    pub cpu: u32,
+    /// Device, host, disk and external tokens.
+    pub disk: u32,
+    /// Where its ranks are among the matches the overlap was made of (each
+    /// rank's own device tokens are Dynamo's `dp`, and its `scores` where
+    /// not 0).
+    pub ranks: Range<usize>,
+}
+
+/// The whole answer: every worker with a rank that matched, in order. Built
+/// without a map: an answer names every matching worker (all 256 of a fleet
+/// sharing a system prompt), and maps of maps took more CPU than the walk.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overlap {
+    /// Each worker's summary, by worker id.
+    pub workers: Vec<WorkerOverlap>,
+}
+
+impl Overlap {
+    /// The summary of `matches` (sorted by worker, then rank) in a partition
+    /// of `block_size` tokens per block.
+    pub fn new(matches: &[RankMatch], block_size: u32) -> Self {
+        let mut workers = Vec::new();
+        let mut start = 0;
+        for ranks in matches.chunk_by(|one, other| one.key.worker == other.key.worker) {
+            let mut summary = WorkerOverlap {
+                worker: ranks[0].key.worker,
+                ranks: start..start + ranks.len(),
+                ..WorkerOverlap::default()
+            };
+            for found in ranks {
+                let tokens = RankTokens::of(found, block_size);
+                summary.gpu = summary.gpu.max(tokens.device);
+                summary.cpu = summary.cpu.max(tokens.host);
+                summary.disk = summary.disk.max(tokens.all);
+            }
+            summary.longest_matched = summary.gpu.max(summary.cpu).max(summary.disk);
+            start += ranks.len();
+            workers.push(summary);
+        }
+        Overlap { workers }
     }
 }
 
@@ -123,24 +149,29 @@ mod tests {
 
     #[test]
     fn lower_tiers_add_to_the_device_and_each_figure_is_the_most_over_ranks() {
-        let rank = |rank, blocks| RankMatch {
-            key: RankKey { worker: 7, rank },
+        let rank = |worker, rank, blocks| RankMatch {
+            key: RankKey { worker, rank },
             blocks,
         };
-        let overlap = Overlap::new(
-            &[
-                rank(0, [2, 1, 2, 0]),
-                rank(1, [1, 0, 1, 0]),
-                rank(2, [0, 3, 0, 0]),
-            ],
-            16,
-        );
-        assert_eq!(overlap.scores[&7], BTreeMap::from([(0, 32), (1, 16)]));
-        let worker = &overlap.instances[&7];
-        assert_eq!(worker.dp, BTreeMap::from([(0, 32), (1, 16), (2, 0)]));
+        let matches = [
+            rank(3, 0, [1, 0, 0, 0]),
+            rank(7, 0, [2, 1, 2, 0]),
+            rank(7, 1, [1, 0, 1, 0]),
+            rank(7, 2, [0, 3, 0, 0]),
+        ];
+        let overlap = Overlap::new(&matches, 16);
+        assert_eq!(overlap.workers.len(), 2);
+        let worker = &overlap.workers[1];
+        assert_eq!((worker.worker, worker.ranks.clone()), (7, 1..4));
         assert_eq!(
             (worker.gpu, worker.cpu, worker.disk, worker.longest_matched),
             (32, 48, 80, 80)
         );
+        let devices: Vec<u32> = matches[worker.ranks.clone()]
+            .iter()
+            .map(|found| RankTokens::of(found, 16).device)
+            .collect();
+        assert_eq!(devices, [32, 16, 0]);
+        assert_eq!(overlap.workers[0].longest_matched, 16);
     }
 }

@@ -24,7 +24,7 @@ use tonic_prost::ProstCodec;
 use super::index_http::{HASHES_TAKE_NO_SALT, QUERY_BODY_LIMIT_BYTES};
 use super::request_limit::LimitedRequest;
 use crate::index::block_hash::HashSeed;
-use crate::index::overlap::{Answer, QueryBlocks};
+use crate::index::overlap::{Answer, QueryBlocks, RankTokens};
 use crate::index::partition::PartitionKey;
 use crate::index::registry::{DEFAULT_ROUTING_GROUP, Registry};
 use crate::proto::kvgate::v1::match_request::Query;
@@ -140,44 +140,32 @@ fn answer(registry: &Registry, request: MatchRequest) -> Result<MatchResponse, S
 /// The answer as protobuf: each worker's summary with its ranks' depths.
 fn translate(answer: Answer) -> MatchResponse {
     let block_size = answer.block_size;
-    let tokens = |blocks: u32| blocks.saturating_mul(block_size);
     let workers = answer
-        .ranks
-        .chunk_by(|one, other| one.key.worker == other.key.worker)
-        .map(|ranks| {
-            let worker_id = ranks[0].key.worker;
-            let summary = answer
-                .overlap
-                .instances
-                .get(&worker_id)
-                .cloned()
-                .unwrap_or_default();
-            WorkerMatch {
-                worker_id,
-                longest_matched_tokens: summary.longest_matched,
-                device_tokens: summary.gpu,
-                host_tokens: summary.cpu,
-                disk_tokens: summary.disk,
-                ranks: ranks
-                    .iter()
-                    .map(|found| {
-                        let [device, host, disk, external] = found.blocks;
-                        let all = device
-                            .saturating_add(host)
-                            .saturating_add(disk)
-                            .saturating_add(external);
-                        RankMatch {
-                            dp_rank: found.key.rank,
-                            device_blocks: device,
-                            host_blocks: host,
-                            disk_blocks: disk,
-                            external_blocks: external,
-                            device_tokens: tokens(device),
-                            matched_tokens: tokens(all),
-                        }
-                    })
-                    .collect(),
-            }
+        .overlap
+        .workers
+        .iter()
+        .map(|summary| WorkerMatch {
+            worker_id: summary.worker,
+            longest_matched_tokens: summary.longest_matched,
+            device_tokens: summary.gpu,
+            host_tokens: summary.cpu,
+            disk_tokens: summary.disk,
+            ranks: answer.ranks[summary.ranks.clone()]
+                .iter()
+                .map(|found| {
+                    let [device, host, disk, external] = found.blocks;
+                    let tokens = RankTokens::of(found, block_size);
+                    RankMatch {
+                        dp_rank: found.key.rank,
+                        device_blocks: device,
+                        host_blocks: host,
+                        disk_blocks: disk,
+                        external_blocks: external,
+                        device_tokens: tokens.device,
+                        matched_tokens: tokens.all,
+                    }
+                })
+                .collect(),
         })
         .collect();
     MatchResponse {

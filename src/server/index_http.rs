@@ -32,7 +32,7 @@ use super::index_grpc;
 use super::index_query_body::{self, QueryBody};
 use crate::index::block_hash::HashSeed;
 use crate::index::feed::FeedPhase;
-use crate::index::overlap::{Overlap, QueryBlocks, WorkerOverlap};
+use crate::index::overlap::{Answer, QueryBlocks, RankTokens, WorkerOverlap};
 use crate::index::partition::{PartitionKey, PartitionStatus};
 use crate::index::registry::{
     DEFAULT_ROUTING_GROUP, RankReport, RegisterError, Registration, Registry, UnregisterError,
@@ -495,62 +495,84 @@ async fn status(State(registry): State<Arc<Registry>>) -> Json<serde_json::Value
 }
 
 /// The answer to a query, in Dynamo's JSON: `scores` (device tokens per
-/// worker and rank), `frequencies` (always empty, as Dynamo's) and
-/// `instances` (per worker, every tier). Written straight from the overlap:
-/// a query's answer names every matching worker, and building a map of
-/// strings for each took a tenth of the index's CPU per query.
-fn score_json(overlap: &Overlap) -> Vec<u8> {
-    let mut json = Vec::with_capacity(64 + 96 * overlap.instances.len());
-    let mut digits = itoa::Buffer::new();
-    let mut key = |json: &mut Vec<u8>, name: &str, number: u64| {
-        json.extend_from_slice(name.as_bytes());
-        json.extend_from_slice(digits.format(number).as_bytes());
+/// worker and rank, where not 0), `frequencies` (always empty, as Dynamo's)
+/// and `instances` (per worker, every tier, and `dp`: each rank's device
+/// tokens). Written straight from the answer: it names every matching
+/// worker, and a map of strings for each took a tenth of the index's CPU
+/// per query.
+fn score_json(answer: &Answer) -> Vec<u8> {
+    let workers = &answer.overlap.workers;
+    let device_tokens = |worker: &WorkerOverlap| {
+        answer.ranks[worker.ranks.clone()].iter().map(|found| {
+            (
+                found.key.rank,
+                RankTokens::of(found, answer.block_size).device,
+            )
+        })
     };
-    json.extend_from_slice(b"{\"scores\":{");
-    for (index, (worker, ranks)) in overlap.scores.iter().enumerate() {
-        key(&mut json, if index == 0 { "\"" } else { ",\"" }, *worker);
-        json.extend_from_slice(b"\":{");
-        for (index, (rank, tokens)) in ranks.iter().enumerate() {
-            key(
-                &mut json,
-                if index == 0 { "\"" } else { ",\"" },
-                u64::from(*rank),
-            );
-            key(&mut json, "\":", u64::from(*tokens));
+    let mut out = JsonOut {
+        json: Vec::with_capacity(64 + 128 * workers.len()),
+        digits: itoa::Buffer::new(),
+    };
+    out.json.extend_from_slice(b"{\"scores\":{");
+    let mut first = true;
+    for worker in workers {
+        let mut scored = device_tokens(worker)
+            .filter(|&(_, tokens)| tokens > 0)
+            .peekable();
+        if scored.peek().is_none() {
+            continue;
         }
-        json.push(b'}');
+        out.key(first, worker.worker);
+        first = false;
+        out.json.push(b':');
+        out.rank_map(scored);
     }
-    json.extend_from_slice(b"},\"frequencies\":[],\"instances\":{");
-    for (index, (worker, summary)) in overlap.instances.iter().enumerate() {
-        let WorkerOverlap {
-            longest_matched,
-            gpu,
-            dp,
-            cpu,
-            disk,
-        } = summary;
-        key(&mut json, if index == 0 { "\"" } else { ",\"" }, *worker);
-        key(
-            &mut json,
-            "\":{\"longest_matched\":",
-            u64::from(*longest_matched),
-        );
-        key(&mut json, ",\"gpu\":", u64::from(*gpu));
-        json.extend_from_slice(b",\"dp\":{");
-        for (index, (rank, tokens)) in dp.iter().enumerate() {
-            key(
-                &mut json,
-                if index == 0 { "\"" } else { ",\"" },
-                u64::from(*rank),
-            );
-            key(&mut json, "\":", u64::from(*tokens));
+    out.json
+        .extend_from_slice(b"},\"frequencies\":[],\"instances\":{");
+    for (index, worker) in workers.iter().enumerate() {
+        out.key(index == 0, worker.worker);
+        out.number(b":{\"longest_matched\":", worker.longest_matched.into());
+        out.number(b",\"gpu\":", worker.gpu.into());
+        out.json.extend_from_slice(b",\"dp\":");
+        out.rank_map(device_tokens(worker));
+        out.number(b",\"cpu\":", worker.cpu.into());
+        out.number(b",\"disk\":", worker.disk.into());
+        out.json.push(b'}');
+    }
+    out.json.extend_from_slice(b"}}");
+    out.json
+}
+
+/// A JSON answer being written: the bytes, and a buffer for numbers.
+struct JsonOut {
+    json: Vec<u8>,
+    digits: itoa::Buffer,
+}
+
+impl JsonOut {
+    /// `before`, then `number`.
+    fn number(&mut self, before: &[u8], number: u64) {
+        self.json.extend_from_slice(before);
+        self.json
+            .extend_from_slice(self.digits.format(number).as_bytes());
+    }
+
+    /// An object's key that is a number, a comma before it unless `first`.
+    fn key(&mut self, first: bool, number: u64) {
+        self.number(if first { b"\"" } else { b",\"" }, number);
+        self.json.push(b'"');
+    }
+
+    /// `{"rank":tokens,...}`.
+    fn rank_map(&mut self, ranks: impl Iterator<Item = (u32, u32)>) {
+        self.json.push(b'{');
+        for (index, (rank, tokens)) in ranks.enumerate() {
+            self.key(index == 0, rank.into());
+            self.number(b":", tokens.into());
         }
-        key(&mut json, "},\"cpu\":", u64::from(*cpu));
-        key(&mut json, ",\"disk\":", u64::from(*disk));
-        json.push(b'}');
+        self.json.push(b'}');
     }
-    json.extend_from_slice(b"}}");
-    json
 }
 
 /// Answers for `blocks` in the partition `key` names.
@@ -558,7 +580,7 @@ fn answer(registry: &Registry, key: &PartitionKey, blocks: QueryBlocks<'_>) -> R
     match registry.answer(key, blocks) {
         Ok(answer) => (
             [(header::CONTENT_TYPE, "application/json")],
-            score_json(&answer.overlap),
+            score_json(&answer),
         )
             .into_response(),
         Err(unknown) => error(StatusCode::NOT_FOUND, unknown),
