@@ -135,7 +135,7 @@ struct WorkersFilter {
     routing_group: Option<String>,
 }
 
-/// A `/query` body as serde reads it whole.
+/// A `/query` body.
 #[derive(Deserialize)]
 struct QueryRequest {
     token_ids: Vec<u32>,
@@ -150,61 +150,10 @@ struct QueryRequest {
     cache_salt: Option<String>,
 }
 
-impl QueryRequest {
-    fn split(self) -> (Vec<u32>, QueryFields) {
-        let fields = QueryFields {
-            model_name: self.model_name,
-            routing_group: self.routing_group,
-            _tenant_id: self._tenant_id,
-            lora_name: self.lora_name,
-            cache_salt: self.cache_salt,
-        };
-        (self.token_ids, fields)
-    }
-}
-
-/// A `/query` body's fields but its tokens.
-#[derive(Deserialize)]
-struct QueryFields {
-    model_name: String,
-    #[serde(default = "default_routing_group")]
-    routing_group: String,
-    #[serde(default = "default_routing_group", rename = "tenant_id")]
-    _tenant_id: String,
-    #[serde(default)]
-    lora_name: Option<String>,
-    #[serde(default)]
-    cache_salt: Option<String>,
-}
-
-/// A `/query_by_hash` body as serde reads it whole.
+/// A `/query_by_hash` body.
 #[derive(Deserialize)]
 struct QueryByHashRequest {
     block_hashes: Vec<i64>,
-    model_name: String,
-    #[serde(default = "default_routing_group")]
-    routing_group: String,
-    #[serde(default = "default_routing_group", rename = "tenant_id")]
-    _tenant_id: String,
-    #[serde(default)]
-    cache_salt: Option<String>,
-}
-
-impl QueryByHashRequest {
-    fn split(self) -> (Vec<i64>, QueryByHashFields) {
-        let fields = QueryByHashFields {
-            model_name: self.model_name,
-            routing_group: self.routing_group,
-            _tenant_id: self._tenant_id,
-            cache_salt: self.cache_salt,
-        };
-        (self.block_hashes, fields)
-    }
-}
-
-/// A `/query_by_hash` body's fields but its hashes.
-#[derive(Deserialize)]
-struct QueryByHashFields {
     model_name: String,
     #[serde(default = "default_routing_group")]
     routing_group: String,
@@ -588,18 +537,20 @@ fn answer(registry: &Registry, key: &PartitionKey, blocks: QueryBlocks<'_>) -> R
 }
 
 async fn query(State(registry): State<Arc<Registry>>, QueryBody(body): QueryBody) -> Response {
-    let (token_ids, request) = match index_query_body::read(&body, "token_ids", QueryRequest::split)
-    {
-        Ok(read) => read,
-        Err(refused) => return refused.into_response(),
-    };
+    let request: QueryRequest =
+        match index_query_body::read(&body, "token_ids", |request: &mut QueryRequest| {
+            &mut request.token_ids
+        }) {
+            Ok(request) => request,
+            Err(refused) => return refused.into_response(),
+        };
     let key = PartitionKey {
         model_name: request.model_name,
         routing_group: request.routing_group,
     };
     let seed = HashSeed::new(request.lora_name.as_deref(), request.cache_salt.as_deref());
     let blocks = QueryBlocks::Tokens {
-        token_ids: &token_ids,
+        token_ids: &request.token_ids,
         seed,
     };
     answer(&registry, &key, blocks)
@@ -609,9 +560,11 @@ async fn query_by_hash(
     State(registry): State<Arc<Registry>>,
     QueryBody(body): QueryBody,
 ) -> Response {
-    let (block_hashes, request) =
-        match index_query_body::read(&body, "block_hashes", QueryByHashRequest::split) {
-            Ok(read) => read,
+    let request: QueryByHashRequest =
+        match index_query_body::read(&body, "block_hashes", |request: &mut QueryByHashRequest| {
+            &mut request.block_hashes
+        }) {
+            Ok(request) => request,
             Err(refused) => return refused.into_response(),
         };
     if request.cache_salt.is_some() {
@@ -621,7 +574,7 @@ async fn query_by_hash(
         model_name: request.model_name,
         routing_group: request.routing_group,
     };
-    answer(&registry, &key, QueryBlocks::Hashes(&block_hashes))
+    answer(&registry, &key, QueryBlocks::Hashes(&request.block_hashes))
 }
 
 /// Every partition's live blocks as Dynamo's dump lists them: one stored

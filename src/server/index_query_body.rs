@@ -83,29 +83,29 @@ impl ArrayInteger for i64 {
     }
 }
 
-/// A request of the array field `array` (read by hand) and the other fields
-/// `Rest`; `Whole` is the same request as serde reads it, used when the
-/// hand-read path is not sure.
-pub fn read<T, Rest, Whole>(
+/// A request whose field `array` is read by hand (and put in place with
+/// `array_of`) and whose other fields serde reads, or all of it read by
+/// serde when the hand-read path is not sure.
+pub fn read<T, Request>(
     body: &[u8],
     array: &str,
-    whole: impl FnOnce(Whole) -> (Vec<T>, Rest),
-) -> Result<(Vec<T>, Rest), JsonRejection>
+    array_of: impl FnOnce(&mut Request) -> &mut Vec<T>,
+) -> Result<Request, JsonRejection>
 where
     T: ArrayInteger,
-    Rest: DeserializeOwned,
-    Whole: DeserializeOwned,
+    Request: DeserializeOwned,
 {
-    if let Some(fast) = read_by_hand(body, array) {
-        return Ok(fast);
+    if let Some(request) = read_by_hand(body, array, array_of) {
+        return Ok(request);
     }
-    Json::<Whole>::from_bytes(body).map(|Json(request)| whole(request))
+    Json::<Request>::from_bytes(body).map(|Json(request)| request)
 }
 
-fn read_by_hand<T: ArrayInteger, Rest: DeserializeOwned>(
+fn read_by_hand<T: ArrayInteger, Request: DeserializeOwned>(
     body: &[u8],
     array: &str,
-) -> Option<(Vec<T>, Rest)> {
+    array_of: impl FnOnce(&mut Request) -> &mut Vec<T>,
+) -> Option<Request> {
     let mut reader = Reader { body, at: 0 };
     let mut values: Option<Vec<T>> = None;
     let mut rest = Map::new();
@@ -143,8 +143,13 @@ fn read_by_hand<T: ArrayInteger, Rest: DeserializeOwned>(
     if reader.at != body.len() {
         return None;
     }
-    let rest = serde_json::from_value(Value::Object(rest)).ok()?;
-    Some((values?, rest))
+    // The request read from the other fields and an empty array, then the
+    // array read by hand put in its place.
+    let values = values?;
+    rest.insert(array.to_owned(), Value::Array(Vec::new()));
+    let mut request: Request = serde_json::from_value(Value::Object(rest)).ok()?;
+    *array_of(&mut request) = values;
+    Some(request)
 }
 
 struct Reader<'a> {
@@ -250,32 +255,19 @@ mod tests {
     use serde::Deserialize;
 
     #[derive(Debug, Deserialize, PartialEq)]
-    struct Rest {
-        model_name: String,
-        #[serde(default)]
-        lora_name: Option<String>,
-    }
-
-    #[derive(Deserialize)]
-    struct Whole {
+    struct Query {
         token_ids: Vec<u32>,
         model_name: String,
         #[serde(default)]
         lora_name: Option<String>,
     }
 
-    fn split(whole: Whole) -> (Vec<u32>, Rest) {
-        (
-            whole.token_ids,
-            Rest {
-                model_name: whole.model_name,
-                lora_name: whole.lora_name,
-            },
-        )
+    fn tokens_of(query: &mut Query) -> &mut Vec<u32> {
+        &mut query.token_ids
     }
 
-    fn tokens(body: &str) -> Result<(Vec<u32>, Rest), u16> {
-        read(body.as_bytes(), "token_ids", split).map_err(|refused| refused.status().as_u16())
+    fn tokens(body: &str) -> Result<Query, u16> {
+        read(body.as_bytes(), "token_ids", tokens_of).map_err(|refused| refused.status().as_u16())
     }
 
     #[test]
@@ -287,10 +279,10 @@ mod tests {
             r#"{"token_ids":[7],"model_name":"m\u0041","lora_name":"x"}"#,
         ];
         for body in bodies {
-            let by_hand = read_by_hand::<u32, Rest>(body.as_bytes(), "token_ids");
+            let by_hand = read_by_hand(body.as_bytes(), "token_ids", tokens_of);
             assert!(by_hand.is_some(), "{body} was not read by hand");
-            let Json(whole) = Json::<Whole>::from_bytes(body.as_bytes()).unwrap();
-            assert_eq!(by_hand, Some(split(whole)), "{body}");
+            let Json(by_serde) = Json::<Query>::from_bytes(body.as_bytes()).unwrap();
+            assert_eq!(by_hand, Some(by_serde), "{body}");
         }
     }
 
@@ -323,36 +315,27 @@ mod tests {
             assert_eq!(tokens(body).err(), Some(status), "{body}");
         }
         // Accepted by serde though not read by hand: serde's value.
-        let (values, rest) = tokens(r#"{"tok\u0065n_ids": [5], "model_name": "m"}"#).unwrap();
-        assert_eq!((values, rest.model_name.as_str()), (vec![5], "m"));
+        let query = tokens(r#"{"tok\u0065n_ids": [5], "model_name": "m"}"#).unwrap();
+        assert_eq!((query.token_ids, query.model_name.as_str()), (vec![5], "m"));
     }
 
     #[test]
     fn signed_arrays_take_the_whole_range_of_i64() {
-        #[derive(Debug, Deserialize, PartialEq)]
-        struct Named {
-            model_name: String,
-        }
-        #[derive(Deserialize)]
+        #[derive(Debug, Deserialize)]
         struct Hashes {
             block_hashes: Vec<i64>,
-            model_name: String,
         }
-        let body = r#"{"block_hashes": [-9223372036854775808, 9223372036854775807, -1, 0], "model_name": "m"}"#;
-        let (hashes, _) = read_by_hand::<i64, Named>(body.as_bytes(), "block_hashes").unwrap();
-        assert_eq!(hashes, [i64::MIN, i64::MAX, -1, 0]);
-        let negative_zero = r#"{"block_hashes": [-0], "model_name": "m"}"#;
-        assert!(read_by_hand::<i64, Named>(negative_zero.as_bytes(), "block_hashes").is_none());
-        let too_low = r#"{"block_hashes": [-9223372036854775809], "model_name": "m"}"#;
-        assert!(read_by_hand::<i64, Named>(too_low.as_bytes(), "block_hashes").is_none());
-        let refused = read(too_low.as_bytes(), "block_hashes", |whole: Hashes| {
-            (
-                whole.block_hashes,
-                Named {
-                    model_name: whole.model_name,
-                },
-            )
-        });
+        fn hashes_of(request: &mut Hashes) -> &mut Vec<i64> {
+            &mut request.block_hashes
+        }
+        let by_hand = |body: &str| read_by_hand(body.as_bytes(), "block_hashes", hashes_of);
+        let all =
+            by_hand(r#"{"block_hashes": [-9223372036854775808, 9223372036854775807, -1, 0]}"#);
+        assert_eq!(all.unwrap().block_hashes, [i64::MIN, i64::MAX, -1, 0]);
+        assert!(by_hand(r#"{"block_hashes": [-0]}"#).is_none());
+        let too_low = r#"{"block_hashes": [-9223372036854775809]}"#;
+        assert!(by_hand(too_low).is_none());
+        let refused = read(too_low.as_bytes(), "block_hashes", hashes_of);
         assert_eq!(
             refused.err().map(|refused| refused.status().as_u16()),
             Some(422)
