@@ -148,6 +148,14 @@ pub struct IndexArgs {
     )]
     pub worker_service: String,
 
+    /// Threads that run the index's tasks (feeds, the writer, queries).
+    /// One answers a query on the thread that read it, with no wake-up of
+    /// another: 32 µs of CPU per query against 37.5-44 µs with two, at
+    /// the same rate and p99 (BENCHMARKS.md, "The fleet index").
+    #[arg(long, env = "KVGATE_INDEX_WORKER_THREADS", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub worker_threads: u32,
+
     /// Most milliseconds one replay request to a worker's replay endpoint
     /// may take.
     #[arg(long, env = "KVGATE_ZMQ_REPLAY_TIMEOUT_MS",

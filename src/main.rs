@@ -43,12 +43,19 @@ fn main() -> std::process::ExitCode {
         HugePages::NothingToAsk => {}
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    // The gateway's runtime shape is measured (a wake-up of another worker
-    // per delivery cost more than the parallelism gave: BENCHMARKS.md,
-    // "One worker thread");
+    // The gateway's and the index's runtime shapes are measured (a wake-up
+    // of another worker per delivery or query cost more than the
+    // parallelism gave: BENCHMARKS.md, "One worker thread", "The fleet
+    // index");
     // the client commands keep tokio's one worker per core.
-    if let Command::Serve(args) = &cli.command {
-        builder.worker_threads(args.worker_threads as usize);
+    match &cli.command {
+        Command::Serve(args) => {
+            builder.worker_threads(args.worker_threads as usize);
+        }
+        Command::Index(args) => {
+            builder.worker_threads(args.worker_threads as usize);
+        }
+        _ => {}
     }
     let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
