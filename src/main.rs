@@ -53,7 +53,9 @@ fn main() -> std::process::ExitCode {
             builder.worker_threads(args.worker_threads as usize);
         }
         Command::Index(args) => {
-            builder.worker_threads(args.worker_threads as usize);
+            if let Some(threads) = args.worker_threads {
+                builder.worker_threads(threads as usize);
+            }
         }
         _ => {}
     }
