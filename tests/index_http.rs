@@ -4,11 +4,10 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::time::Instant;
 
 use bytes::Bytes;
 use common::index::{self, get, post, publisher, request, stored_payload};
-use common::{DEADLINE, IndexProcess};
+use common::{DEADLINE, IndexProcess, Polling};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
 
@@ -244,18 +243,18 @@ async fn registrations_and_queries_get_dynamos_status_codes() {
 
 /// Polls `/workers` until worker 1's rank 0 listener is in `state`.
 async fn await_listener_state(address: SocketAddr, state: &str) -> Value {
-    let started = Instant::now();
+    let mut polling = Polling::within(DEADLINE);
     loop {
         let (_, workers) = get(address, "/workers").await;
         let listener = workers[0]["listeners"]["0"].clone();
         if listener["kvgate"]["state"] == state {
             return listener;
         }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the listener stayed {listener}, never {state}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        polling
+            .again(format_args!(
+                "the listener stayed {listener}, never {state}"
+            ))
+            .await;
     }
 }
 
@@ -362,7 +361,7 @@ async fn workers_named_by_flags_are_followed_and_garbage_from_them_is_counted_no
     });
     // Published until it arrives (no replay endpoint here: the first
     // messages may go before the subscription does).
-    let started = Instant::now();
+    let mut polling = Polling::within(DEADLINE);
     loop {
         publisher
             .publish(Bytes::from(stored.clone()))
@@ -372,8 +371,7 @@ async fn workers_named_by_flags_are_followed_and_garbage_from_them_is_counted_no
         if answer == expected {
             break;
         }
-        assert!(started.elapsed() < DEADLINE, "answered {answer}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        polling.again(format_args!("answered {answer}")).await;
     }
     // Not msgpack, then a batch that is not [ts, events, rank]: counted, and
     // the rank goes on.
@@ -385,7 +383,7 @@ async fn workers_named_by_flags_are_followed_and_garbage_from_them_is_counted_no
         .publish(Bytes::from_static(b"\x93\xa1x\x90\x00"))
         .await
         .unwrap();
-    let started = Instant::now();
+    let mut polling = Polling::within(DEADLINE);
     loop {
         let (_, workers) = get(index.address, "/workers").await;
         let listener = &workers[0]["listeners"]["1"];
@@ -393,22 +391,22 @@ async fn workers_named_by_flags_are_followed_and_garbage_from_them_is_counted_no
             assert_eq!(listener["status"], "active");
             break;
         }
-        assert!(started.elapsed() < DEADLINE, "not counted: {listener}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        polling.again(format_args!("not counted: {listener}")).await;
     }
     let (_, answer) = post(index.address, "/query", query).await;
     assert_eq!(answer, expected);
 }
 
 async fn await_rank_one_connected(address: SocketAddr) {
-    let started = Instant::now();
+    let mut polling = Polling::within(DEADLINE);
     loop {
         let (_, workers) = get(address, "/workers").await;
         if workers[0]["listeners"]["1"]["kvgate"]["state"] == "connected" {
             return;
         }
-        assert!(started.elapsed() < DEADLINE, "never connected: {workers}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        polling
+            .again(format_args!("never connected: {workers}"))
+            .await;
     }
 }
 

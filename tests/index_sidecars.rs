@@ -13,9 +13,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use common::{DEADLINE, Gateway, IndexProcess, http_exchange, poll_until, removed_payload};
+use common::{
+    DEADLINE, Gateway, IndexProcess, Polling, http_exchange, poll_until, removed_payload,
+};
 use kvgate_sim::{EnginePublisher, PublisherOptions, SimConfig, SimEngine, SimEvent, encode_batch};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
@@ -276,13 +277,13 @@ async fn indexed(index: SocketAddr, worker: u64) -> BTreeMap<u32, BTreeSet<u64>>
 async fn await_exact(index: SocketAddr, worker: u64, engine: &mut Engine, context: &str) {
     let truth = engine.truth();
     assert!(!truth.is_empty(), "{context}: the engine holds blocks");
-    let deadline = tokio::time::Instant::now() + DEADLINE * 2;
+    let mut polling = Polling::within(DEADLINE * 2);
     loop {
         let held = indexed(index, worker).await;
         if held == truth {
             return;
         }
-        if tokio::time::Instant::now() > deadline {
+        if polling.expired() {
             let differences: Vec<String> = truth
                 .keys()
                 .chain(held.keys())
@@ -305,7 +306,7 @@ async fn await_exact(index: SocketAddr, worker: u64, engine: &mut Engine, contex
             panic!("{context}: the index is not exact: {differences:?}; /workers: {workers}");
         }
         engine.nudge().await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        polling.again(context).await;
     }
 }
 
@@ -396,14 +397,14 @@ async fn a_refused_cursor_clears_the_worker_even_when_the_new_sidecar_has_no_sna
     let sidecar = engine.sidecar(None).await;
     proxy.retarget(sidecar.address);
     let address = index.address;
-    let started = tokio::time::Instant::now();
+    let mut polling = Polling::within(DEADLINE);
     while !indexed(address, 7).await.is_empty() {
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the refused cursor left blocks behind: {}",
-            worker_report(address, 7).await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let report = worker_report(address, 7).await;
+        polling
+            .again(format_args!(
+                "the refused cursor left blocks behind: {report}"
+            ))
+            .await;
     }
     assert!(counter(address, 7, "refused_cursors").await >= 1);
     assert_eq!(
@@ -513,17 +514,14 @@ async fn a_connection_cut_and_restored_is_resumed_by_cursor_and_the_answers_are_
     let resumes = counter(index.address, 7, "resumes").await;
     proxy.sever();
     engine.steps(30).await;
-    let deadline = DEADLINE;
     let address = index.address;
-    let mut reported = Value::Null;
-    let started = tokio::time::Instant::now();
+    let mut polling = Polling::within(DEADLINE);
+    let mut reported = worker_report(address, 7).await;
     while reported["kvgate"]["state"] != "disconnected" {
-        assert!(
-            started.elapsed() < deadline,
-            "/workers says the cut: {reported}"
-        );
+        polling
+            .again(format_args!("/workers says the cut: {reported}"))
+            .await;
         reported = worker_report(address, 7).await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(reported["status"], "pending", "Dynamo's status of it");
     assert!(
@@ -694,18 +692,18 @@ async fn a_hostile_grpc_worker_is_counted_and_said_why_while_other_workers_stay_
         )
         .unwrap_or(0.0)
     };
-    let started = tokio::time::Instant::now();
+    let mut polling = Polling::within(DEADLINE);
     loop {
         let (_, metrics) = get(address, "/metrics").await;
         let report = worker_report(address, 66).await;
         if bad(&metrics) >= 4.0 && report["kvgate"]["unknown_ranks"].as_u64() >= Some(2) {
             break;
         }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the hostile worker's batches are counted: {report}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        polling
+            .again(format_args!(
+                "the hostile worker's batches are counted: {report}"
+            ))
+            .await;
     }
     let report = worker_report(address, 66).await;
     assert!(

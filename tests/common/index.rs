@@ -3,13 +3,12 @@
 //! endpoint.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::Value;
 
-use super::{DEADLINE, http_exchange, removed_payload};
+use super::{DEADLINE, Polling, http_exchange, removed_payload};
 
 /// One HTTP/1.0 request of a JSON body: (status, body).
 pub async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
@@ -138,22 +137,22 @@ pub async fn publish_until(
     query: Value,
     expected: &Value,
 ) {
-    let started = Instant::now();
+    let mut polling = Polling::within(DEADLINE);
     loop {
         let (status, answer) = post(address, path, query.clone()).await;
         if status == 200 && &answer == expected {
             return;
         }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "{path} answered {status} {answer}, not {expected}"
-        );
         for publisher in publishers.iter_mut() {
             publisher
                 .publish(removed_payload(&[-12345], 0))
                 .await
                 .unwrap();
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        polling
+            .again(format_args!(
+                "{path} answered {status} {answer}, not {expected}"
+            ))
+            .await;
     }
 }

@@ -780,13 +780,44 @@ pub fn remove_state_dir(dir: &std::path::Path) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// How long a test waits between two looks at what nothing announces.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// A wait, bounded by a deadline, for a condition nothing announces (an
+/// answer over HTTP, a counter, a log line, what only `/proc` shows): each
+/// look that finds it not yet true calls [`Polling::again`], which fails
+/// the test with what the look saw once the deadline has passed. The one
+/// place tests pause between looks.
+pub struct Polling {
+    deadline: tokio::time::Instant,
+}
+
+impl Polling {
+    /// A wait of at most `within`.
+    pub fn within(within: Duration) -> Self {
+        Polling {
+            deadline: tokio::time::Instant::now() + within,
+        }
+    }
+
+    /// Whether the deadline has passed.
+    pub fn expired(&self) -> bool {
+        tokio::time::Instant::now() >= self.deadline
+    }
+
+    /// Fails the test with `seen` past the deadline; otherwise pauses
+    /// before the next look.
+    pub async fn again(&mut self, seen: impl std::fmt::Display) {
+        assert!(!self.expired(), "{seen}");
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
 /// Polls `reached` until it holds, failing the test with `what` once
-/// `within` has passed: for what only `/proc` shows (a thread's state, a
-/// zombie), which nothing announces.
+/// `within` has passed.
 pub async fn poll_until(what: &str, within: Duration, mut reached: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + within;
+    let mut polling = Polling::within(within);
     while !reached() {
-        assert!(tokio::time::Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        polling.again(what).await;
     }
 }
