@@ -14,7 +14,6 @@
 //! and the writer's queue is bounded, so a slow writer holds the feed back,
 //! never the drain.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -110,7 +109,6 @@ pub(super) fn start(flags: IndexFlags, hub: &HubReader, supervisor: &Supervisor)
         partition,
         worker: flags.worker,
         writer: queue,
-        fed_ranks: BTreeSet::new(),
     };
     let stop = supervisor.stopping();
     supervisor.spawn(TaskName::IndexFeed, async move {
@@ -126,8 +124,6 @@ struct EngineFeed {
     partition: Arc<Partition>,
     worker: WorkerId,
     writer: mpsc::Sender<IndexInput>,
-    /// Ranks given events since the worker was last emptied.
-    fed_ranks: BTreeSet<u32>,
 }
 
 /// Why one subscription ended.
@@ -231,7 +227,6 @@ impl EngineFeed {
         if batch.events.is_empty() {
             return None;
         }
-        self.fed_ranks.insert(rank);
         let input = IndexInput::Events {
             partition: Arc::clone(&self.partition),
             key: self.key(rank),
@@ -243,19 +238,13 @@ impl EngineFeed {
         }
     }
 
-    /// Clears every rank the worker was given events for; false once the
-    /// writer is gone.
+    /// Clears every rank of the worker; false once the writer is gone.
     async fn empty_the_worker(&mut self) -> bool {
-        for rank in std::mem::take(&mut self.fed_ranks) {
-            let input = IndexInput::ClearRank {
-                partition: Arc::clone(&self.partition),
-                key: self.key(rank),
-            };
-            if self.writer.send(input).await.is_err() {
-                return false;
-            }
-        }
-        true
+        let input = IndexInput::ClearWorker {
+            partition: Arc::clone(&self.partition),
+            worker: self.worker,
+        };
+        self.writer.send(input).await.is_ok()
     }
 
     fn key(&self, rank: u32) -> RankKey {
@@ -319,7 +308,6 @@ mod tests {
             partition: Arc::new(Partition::new(key, 2)),
             worker: 9,
             writer,
-            fed_ranks: BTreeSet::new(),
         };
         (feed, inputs)
     }
