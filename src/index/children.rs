@@ -1,5 +1,8 @@
-//! How a child is found under its parent: every node but the root, keyed by
-//! (parent, local hash).
+//! How a child is found under its parent among its siblings: every node
+//! that has a sibling, keyed by (parent, local hash). An only child (most
+//! blocks of a chain) is its parent's first child and is found there
+//! (`Tree::find_child`), so it costs the index no entry and a lookup no
+//! probe.
 //!
 //! Invariants:
 //! - An entry is the node's id alone (4 bytes); its key is read from the
@@ -63,6 +66,12 @@ impl Children {
         self.shards[Self::shard(hash)].insert_unique(hash, id, |&id| {
             hasher.hash_one((nodes[id].parent, nodes[id].local))
         });
+    }
+
+    /// How many nodes are indexed.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(HashTable::len).sum()
     }
 
     /// Removes `id`.

@@ -257,6 +257,7 @@ proptest! {
             }
             prop_assert_eq!(tree.nodes(), model.nodes());
             prop_assert_eq!(tree.held_blocks(), model.held());
+            prop_assert!(tree.indexes_exactly_the_siblings());
             for query in queries(&model) {
                 prop_assert_eq!(sorted(tree.overlap(&query)), model.overlap(&query), "query {:?}", query);
             }

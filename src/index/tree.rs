@@ -5,7 +5,8 @@
 //! - A node is one full block reached from the root by the local hashes of
 //!   every block before it ([`super::block_hash`]): a child is found under
 //!   its parent by its own local hash, so no engine's hash function has to
-//!   be known.
+//!   be known. An only child is its parent's first; [`Children`] indexes
+//!   exactly the nodes that have a sibling.
 //! - Each worker rank (a [`RankKey`]) maps each engine block hash it holds to
 //!   exactly one node, and that node lists the rank as a holder with the
 //!   set of tiers it holds the block in; a holder with no tier left is
@@ -517,7 +518,39 @@ impl Tree {
 
     /// The child of `parent` with `local`, if the tree has it.
     fn find_child(&self, parent: u32, local: u64) -> Option<u32> {
+        let first = self.nodes[parent].first_child;
+        if first == NONE {
+            return None;
+        }
+        let child = &self.nodes[first];
+        if child.next == NONE {
+            return (child.local == local).then_some(first);
+        }
         self.children.find(&self.nodes, parent, local)
+    }
+
+    /// Whether [`Children`] indexes exactly the nodes that have a sibling,
+    /// each under its own key.
+    #[cfg(test)]
+    pub(super) fn indexes_exactly_the_siblings(&self) -> bool {
+        let mut with_siblings = 0;
+        let mut stack = vec![ROOT];
+        while let Some(parent) = stack.pop() {
+            let first = self.nodes[parent].first_child;
+            let mut child = first;
+            while child != NONE {
+                stack.push(child);
+                if first != child || self.nodes[child].next != NONE {
+                    with_siblings += 1;
+                    let local = self.nodes[child].local;
+                    if self.children.find(&self.nodes, parent, local) != Some(child) {
+                        return false;
+                    }
+                }
+                child = self.nodes[child].next;
+            }
+        }
+        with_siblings == self.children.len()
     }
 
     /// The child of `parent` with `local`, made if missing.
@@ -529,9 +562,13 @@ impl Tree {
         let id = self.nodes.add(Node::new(parent, local, next));
         if next != NONE {
             self.nodes[next].previous = id;
+            if self.nodes[next].next == NONE {
+                // No longer an only child.
+                self.children.insert(&self.nodes, next);
+            }
+            self.children.insert(&self.nodes, id);
         }
         self.nodes[parent].first_child = id;
-        self.children.insert(&self.nodes, id);
         id
     }
 
@@ -571,7 +608,9 @@ impl Tree {
             }
             let empty = &self.nodes[node];
             let (parent, next, previous) = (empty.parent, empty.next, empty.previous);
-            self.children.remove(&self.nodes, node);
+            if previous != NONE || next != NONE {
+                self.children.remove(&self.nodes, node);
+            }
             if previous == NONE {
                 self.nodes[parent].first_child = next;
             } else {
@@ -579,6 +618,11 @@ impl Tree {
             }
             if next != NONE {
                 self.nodes[next].previous = previous;
+            }
+            let first = self.nodes[parent].first_child;
+            if (previous != NONE || next != NONE) && self.nodes[first].next == NONE {
+                // Now an only child.
+                self.children.remove(&self.nodes, first);
             }
             self.nodes.free(node);
             node = parent;

@@ -200,6 +200,11 @@ impl<'a> Reader<'a> {
     }
 
     /// An array of plain decimal integers.
+    ///
+    /// Kept out of line, with its position in a local: inlined into
+    /// [`read_by_hand`], the position lived on the stack and each byte's
+    /// step waited on the store of the one before.
+    #[inline(never)]
     fn integers<T: ArrayInteger>(&mut self) -> Option<Vec<T>> {
         self.expect(b'[')?;
         // Each integer takes at least two bytes with its comma.
@@ -209,41 +214,105 @@ impl<'a> Reader<'a> {
             self.at += 1;
             return Some(integers);
         }
+        let body = self.body;
+        let mut at = self.at;
         loop {
-            integers.push(self.integer()?);
-            self.skip_space();
-            match self.next()? {
-                b',' => self.skip_space(),
-                b']' => return Some(integers),
-                _ => return None,
+            let (integer, length) = integer(&body[at..])?;
+            integers.push(integer);
+            at += length;
+            match body.get(at)? {
+                b',' if body.get(at + 1).is_some_and(u8::is_ascii_digit) => at += 1,
+                _ => {
+                    self.at = at;
+                    self.skip_space();
+                    match self.next()? {
+                        b',' => self.skip_space(),
+                        b']' => return Some(integers),
+                        _ => return None,
+                    }
+                    at = self.at;
+                }
             }
         }
     }
+}
 
-    fn integer<T: ArrayInteger>(&mut self) -> Option<T> {
-        let negative = self.peek()? == b'-';
-        if negative {
-            self.at += 1;
-        }
-        let digits = &self.body[self.at..];
-        let count = digits
-            .iter()
-            .position(|byte| !byte.is_ascii_digit())
-            .unwrap_or(digits.len());
-        // Up to 19 digits fit a u64 without a check per digit; longer
-        // numbers (none in range past 20) are left to serde.
-        if count == 0 || count > MAX_DIGITS || (count > 1 && digits[0] == b'0') {
-            return None;
-        }
-        if matches!(digits.get(count), Some(b'.' | b'e' | b'E')) {
-            return None;
-        }
-        let magnitude = digits[..count].iter().fold(0u64, |magnitude, digit| {
-            magnitude * 10 + u64::from(digit - b'0')
-        });
-        self.at += count;
-        T::from_decimal(negative, magnitude)
+/// The plain decimal integer `bytes` start with, and its length in bytes.
+fn integer<T: ArrayInteger>(bytes: &[u8]) -> Option<(T, usize)> {
+    let negative = *bytes.first()? == b'-';
+    let digits = &bytes[usize::from(negative)..];
+    let (count, magnitude) = decimal(digits);
+    if count == 0 || count > MAX_DIGITS || (count > 1 && digits[0] == b'0') {
+        return None;
     }
+    if matches!(digits.get(count), Some(b'.' | b'e' | b'E')) {
+        return None;
+    }
+    Some((
+        T::from_decimal(negative, magnitude)?,
+        usize::from(negative) + count,
+    ))
+}
+
+/// How many decimal digits `bytes` start with (reading stops past
+/// [`MAX_DIGITS`]) and their value (meaningless past it), eight at a time
+/// while eight bytes are left.
+fn decimal(bytes: &[u8]) -> (usize, u64) {
+    let mut count = 0;
+    let mut value = 0u64;
+    while let Some(chunk) = bytes.get(count..count + 8) {
+        let (digits, chunk_value) = eight_digits(chunk.try_into().expect("eight bytes"));
+        value = value.wrapping_mul(POWERS_OF_TEN[digits]).wrapping_add(chunk_value);
+        count += digits;
+        if digits < 8 || count > MAX_DIGITS {
+            return (count, value);
+        }
+    }
+    while let Some(digit) = bytes.get(count).map(|byte| byte.wrapping_sub(b'0')) {
+        if digit > 9 || count > MAX_DIGITS {
+            break;
+        }
+        value = value.wrapping_mul(10).wrapping_add(u64::from(digit));
+        count += 1;
+    }
+    (count, value)
+}
+
+/// 10^0 to 10^8.
+const POWERS_OF_TEN: [u64; 9] = [
+    1,
+    10,
+    100,
+    1_000,
+    10_000,
+    100_000,
+    1_000_000,
+    10_000_000,
+    100_000_000,
+];
+
+/// How many of `chunk`'s bytes are decimal digits before the first that is
+/// not, and their value: the digits are told and combined in one word, a
+/// pair, then a quad, then the eight at once (SIMD within a register).
+fn eight_digits(chunk: [u8; 8]) -> (usize, u64) {
+    const HIGH_NIBBLES: u64 = 0xF0F0_F0F0_F0F0_F0F0;
+    const ZEROS: u64 = 0x3030_3030_3030_3030;
+    let word = u64::from_le_bytes(chunk);
+    // A byte is a digit when its high nibble is 3 and adding 6 keeps it 3
+    // (0x30..=0x39); a carry out of a byte that is not one only reaches
+    // bytes after the first that is not, which are not counted.
+    let not_digits = ((word & HIGH_NIBBLES) ^ ZEROS)
+        | ((word.wrapping_add(0x0606_0606_0606_0606) & HIGH_NIBBLES) ^ ZEROS);
+    let count = (not_digits.trailing_zeros() / 8) as usize;
+    if count == 0 {
+        return (0, 0);
+    }
+    // The first digit is the lowest byte: leading zero bytes pad the
+    // digits to eight.
+    let digits = (word & 0x0F0F_0F0F_0F0F_0F0F) << (8 * (8 - count));
+    let pairs = digits.wrapping_mul(10 << 8 | 1) >> 8 & 0x00FF_00FF_00FF_00FF;
+    let quads = pairs.wrapping_mul(100 << 16 | 1) >> 16 & 0x0000_FFFF_0000_FFFF;
+    (count, quads.wrapping_mul(10_000 << 32 | 1) >> 32)
 }
 
 /// The most digits read by hand: every 19-digit number fits a u64.
@@ -317,6 +386,46 @@ mod tests {
         // Accepted by serde though not read by hand: serde's value.
         let query = tokens(r#"{"tok\u0065n_ids": [5], "model_name": "m"}"#).unwrap();
         assert_eq!((query.token_ids, query.model_name.as_str()), (vec![5], "m"));
+    }
+
+    #[test]
+    fn integers_of_every_length_read_by_hand_as_serde_reads_them() {
+        #[derive(Debug, Deserialize, PartialEq)]
+        struct Hashes {
+            block_hashes: Vec<i64>,
+        }
+        fn hashes_of(request: &mut Hashes) -> &mut Vec<i64> {
+            &mut request.block_hashes
+        }
+        // Each length of one to twenty digits, alone, at the array's end
+        // and before other numbers (the eight-byte reads cross each of
+        // these boundaries), signed and not.
+        for digits in 1..=20u32 {
+            let magnitude = u64::MAX / 10u64.pow(20 - digits).max(1) % 10u64.pow(digits.min(19));
+            let number = format!("{magnitude:0>width$}", width = digits as usize)
+                .replacen('0', "1", 1);
+            for sign in ["", "-"] {
+                for array in [
+                    format!("[{sign}{number}]"),
+                    format!("[7,{sign}{number}]"),
+                    format!("[{sign}{number},12345678,9 , {sign}{number}]"),
+                    format!("[ {sign}{number} ,{sign}{number}0,3]"),
+                ] {
+                    let body = format!(r#"{{"block_hashes":{array}}}"#);
+                    let by_hand = read_by_hand(body.as_bytes(), "block_hashes", hashes_of);
+                    let by_serde = Json::<Hashes>::from_bytes(body.as_bytes())
+                        .map(|Json(request)| request)
+                        .ok();
+                    match by_hand {
+                        Some(by_hand) => assert_eq!(Some(by_hand), by_serde, "{body}"),
+                        None => assert!(
+                            digits >= 19 || by_serde.is_none(),
+                            "{body} was left to serde"
+                        ),
+                    }
+                }
+            }
+        }
     }
 
     #[test]
