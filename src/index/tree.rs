@@ -416,11 +416,30 @@ impl Tree {
         let mut walking: Vec<Walk> = Vec::new();
         let mut ended: Vec<Walk> = Vec::new();
         let mut current = ROOT;
+        // The holders of the node before, and how many nodes in a row since
+        // had the same ones: every rank still walking went on in its phase
+        // through each, counted once the holders change (a prefix the whole
+        // fleet shares is then one comparison a block, not a merge).
+        let mut before: &[Held] = &[];
+        let mut unchanged = 0;
+        let go_on = |walking: &mut Vec<Walk>, unchanged: &mut u32| {
+            for walk in walking.iter_mut() {
+                walk.blocks[walk.phase] += *unchanged;
+            }
+            *unchanged = 0;
+        };
         for (depth, local) in locals.iter().enumerate() {
             let Some(node) = self.find_child(current, *local) else {
                 break;
             };
             let holders = self.nodes.holders(node);
+            current = node;
+            if depth > 0 && holders == before {
+                unchanged += 1;
+                continue;
+            }
+            go_on(&mut walking, &mut unchanged);
+            before = holders;
             if depth == 0 {
                 walking.extend(holders.iter().map(|held| Walk {
                     member: held.member(),
@@ -458,8 +477,8 @@ impl Tree {
             if walking.is_empty() {
                 break;
             }
-            current = node;
         }
+        go_on(&mut walking, &mut unchanged);
         ended.append(&mut walking);
         ended
             .into_iter()
