@@ -339,6 +339,8 @@ async fn measure(
             anyhow::Ok(fleet)
         })
         .await??;
+    tokio::time::sleep(IDLE_SETTLE).await;
+    let registered = procfs::memory(index.pid())?;
 
     let publisher_before = publisher.cpu_seconds()?;
     let start = Clocks::take(&index)?;
@@ -375,8 +377,11 @@ async fn measure(
     };
     let memory = IndexMemory {
         rss_before_mb: before.rss_mb,
+        rss_registered_mb: registered.rss_mb,
         rss_after_ingest_mb: after.rss_mb,
         bytes_per_live_block: (after.rss_mb - before.rss_mb) * 1e6 / shape.live_blocks() as f64,
+        bytes_per_live_block_beyond_registration: (after.rss_mb - registered.rss_mb) * 1e6
+            / shape.live_blocks() as f64,
     };
     drop(connection);
 

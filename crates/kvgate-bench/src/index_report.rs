@@ -98,10 +98,16 @@ pub struct Ingest {
 pub struct IndexMemory {
     /// RSS once started, before the first registration.
     pub rss_before_mb: f64,
+    /// RSS once every rank is registered and subscribed to, before the
+    /// first block: what following the ranks costs whatever they hold.
+    pub rss_registered_mb: f64,
     /// RSS at rest: a second after the last block was applied.
     pub rss_after_ingest_mb: f64,
     /// (RSS at rest after ingest - RSS before) / live blocks.
     pub bytes_per_live_block: f64,
+    /// (RSS at rest after ingest - RSS registered) / live blocks: the
+    /// blocks' own cost, the ranks' connections left out.
+    pub bytes_per_live_block_beyond_registration: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -182,10 +188,11 @@ impl IndexReport {
         write_machine(&mut out, machine);
         let _ = writeln!(
             out,
-            "{:<8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>10}",
+            "{:<8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>10}",
             "index",
             "ingest µs/b",
             "B/block",
+            "B/b beyond",
             "RSS MB",
             "queries",
             "µs/query",
@@ -198,10 +205,11 @@ impl IndexReport {
         for run in &self.runs {
             let _ = write!(
                 out,
-                "{:<8} {:>12.2} {:>10.1} {:>10.1}",
+                "{:<8} {:>12.2} {:>10.1} {:>10.1} {:>10.1}",
                 run.subject,
                 run.ingest.cpu_us_per_block,
                 run.memory.bytes_per_live_block,
+                run.memory.bytes_per_live_block_beyond_registration,
                 run.memory.rss_after_ingest_mb,
             );
             match &run.queries {
@@ -306,6 +314,16 @@ fn targets(config: &IndexConfig, runs: &[IndexRunReport]) -> Vec<TargetCheck> {
         target: format!("{peer_name}'s memory per live block >= {INGEST_RATIO}x kvgate's (x)"),
         measured: memory,
         met: memory.map(|ratio| ratio >= INGEST_RATIO),
+        note: no_peer.clone(),
+    });
+    let blocks_own = ratio(|run| Some(run.memory.bytes_per_live_block_beyond_registration));
+    checks.push(TargetCheck {
+        target: format!(
+            "{peer_name}'s memory per live block beyond what registering the ranks took \
+             >= {INGEST_RATIO}x kvgate's (x)"
+        ),
+        measured: blocks_own,
+        met: blocks_own.map(|ratio| ratio >= INGEST_RATIO),
         note: no_peer.clone(),
     });
     let ingest = ratio(|run| Some(run.ingest.cpu_us_per_block));
@@ -453,8 +471,10 @@ mod tests {
             },
             memory: IndexMemory {
                 rss_before_mb: 10.0,
+                rss_registered_mb: 10.0,
                 rss_after_ingest_mb: 10.0 + bytes * 1e-3,
                 bytes_per_live_block: bytes,
+                bytes_per_live_block_beyond_registration: bytes,
             },
             queries: Some(Queries {
                 queries: 1_000,
@@ -511,7 +531,7 @@ mod tests {
             run("dynamo", 100.0, 0.7, 120.0, 1.5),
         ];
         let report = IndexReport::new(machine(), config(true), runs);
-        let verdicts: Vec<_> = report.targets[..4]
+        let verdicts: Vec<_> = report.targets[..5]
             .iter()
             .map(|target| (target.measured, target.met))
             .collect();
@@ -521,6 +541,7 @@ mod tests {
                 // (60 + 100) / 2 over (20 + 30) / 2.
                 (Some(3.2), Some(true)),
                 (Some(1.2), Some(true)),
+                (Some(2.4), Some(true)),
                 (Some(2.4), Some(true)),
                 (Some(1.5), Some(false)),
             ]
@@ -536,20 +557,20 @@ mod tests {
             config(false),
             vec![run(KVGATE, 20.0, 0.4, 50.0, 1.0)],
         );
-        assert!(report.targets[..4].iter().all(
+        assert!(report.targets[..5].iter().all(
             |target| target.measured.is_none() && target.note.as_deref() == Some("no peer ran")
         ));
         // RSS is measured in every run; the rate targets need the fleet phase.
-        assert_eq!(report.targets[4].measured, Some(10.05));
+        assert_eq!(report.targets[5].measured, Some(10.05));
         assert!(
-            report.targets[4]
+            report.targets[5]
                 .note
                 .as_deref()
                 .unwrap()
                 .contains("264000")
         );
-        assert_eq!(report.targets[5].measured, None);
         assert_eq!(report.targets[6].measured, None);
+        assert_eq!(report.targets[7].measured, None);
     }
 
     #[test]
@@ -585,13 +606,13 @@ mod tests {
         let mut config = config(false);
         config.live_blocks = FLEET_LIVE_BLOCKS;
         let report = IndexReport::new(machine(), config, vec![first, second]);
-        assert_eq!(report.targets[4].note, None);
+        assert_eq!(report.targets[5].note, None);
         assert_eq!(
-            (report.targets[5].measured, report.targets[5].met),
+            (report.targets[6].measured, report.targets[6].met),
             (Some(1.2), Some(false))
         );
         assert_eq!(
-            (report.targets[6].measured, report.targets[6].met),
+            (report.targets[7].measured, report.targets[7].met),
             (Some(98.0), Some(false))
         );
         assert!(report.table().contains("fleet scale"));

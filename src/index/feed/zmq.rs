@@ -50,8 +50,12 @@ fn connected(replaying: bool) -> FeedPhase {
     }
 }
 
-/// Events a source may queue before its socket task waits for the feed.
-const SOURCE_QUEUE_DEPTH: usize = 256;
+/// Engine messages a rank's socket task may queue before it waits for the
+/// feed. Few: the writer's queue is the index's buffer, and a message holds
+/// the whole read buffer it was read into. At 256 a rank, a fleet of 256
+/// ranks publishing at once held a gigabyte of payloads waiting for the
+/// writer; past this, the engine's socket waits in the kernel instead.
+const SOURCE_QUEUE_DEPTH: usize = 8;
 
 /// Follows `config` until `stop`, feeding `writer` for the rank `key`; an
 /// endpoint kvgate cannot follow (`None`: `ipc://`, `inproc://`) fails at once.
