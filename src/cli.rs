@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::cli_values::{byte_size, parse_grpc_uri, parse_http_url, parse_listen_address};
 use crate::logging::LogFormat;
-use kvgate_endpoint::TcpEndpoint;
+use kvgate_endpoint::ZmqEndpoint;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -261,7 +261,7 @@ pub struct ServeArgs {
         value_delimiter = ',',
         conflicts_with = "demo"
     )]
-    pub zmq_endpoint: Vec<TcpEndpoint>,
+    pub zmq_endpoint: Vec<ZmqEndpoint>,
 
     /// Another SubscribeKvEvents server to re-serve instead of a ZMQ engine
     /// (TensorRT-LLM's gRPC server, or another kvgate), e.g. http://127.0.0.1:50051.
@@ -295,7 +295,7 @@ pub struct ServeArgs {
         value_name = "URI",
         value_delimiter = ','
     )]
-    pub zmq_replay_endpoint: Vec<TcpEndpoint>,
+    pub zmq_replay_endpoint: Vec<ZmqEndpoint>,
 
     /// Most milliseconds one replay request may take (engines answer within
     /// ~100 ms when idle).
@@ -477,7 +477,7 @@ pub struct ServeArgs {
         value_delimiter = ',',
         conflicts_with_all = ["demo", "upstream_grpc"]
     )]
-    pub zmq_load_endpoint: Vec<TcpEndpoint>,
+    pub zmq_load_endpoint: Vec<ZmqEndpoint>,
 
     /// Milliseconds a rank's load push may be silent before kvgate polls
     /// that rank's GetLoads instead (with --engine-grpc), until pushes

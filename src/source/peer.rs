@@ -120,6 +120,16 @@ pub fn record_dropped_peer(
     true
 }
 
+/// Every peer connection dropped on the sockets counted in `metrics`,
+/// whatever the socket and the reason.
+pub fn dropped_peers(metrics: &Metrics) -> u64 {
+    PeerSocket::ALL
+        .into_iter()
+        .flat_map(|socket| PeerDropReason::ALL.map(|reason| (socket, reason)))
+        .map(|(socket, reason)| metrics.dropped_peers(socket.as_str(), reason.as_str()))
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
