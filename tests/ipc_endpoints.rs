@@ -97,6 +97,28 @@ async fn await_listener_saying(address: SocketAddr, id: u64, state: &str, why: &
     }
 }
 
+/// Publishes `store` (of `tokens`, on worker 1's rank 0) until `/query`
+/// answers it held: with no replay endpoint, the first messages may go
+/// before the subscription does; storing the same blocks again changes
+/// nothing.
+async fn store_until_held(
+    publisher: &mut EnginePublisher,
+    address: SocketAddr,
+    store: bytes::Bytes,
+    tokens: &[u32],
+) {
+    let query = json!({"token_ids": tokens, "model_name": "m"});
+    let mut polling = Polling::within(DEADLINE);
+    loop {
+        publisher.publish(store.clone()).await.unwrap();
+        let (_, answer) = post(address, "/query", query.clone()).await;
+        if answer == held(tokens.len()) {
+            return;
+        }
+        polling.again(format_args!("answered {answer}")).await;
+    }
+}
+
 fn held(tokens: usize) -> Value {
     json!({
         "scores": {"1": {"0": tokens}},
@@ -183,4 +205,160 @@ async fn a_worker_publishing_on_ipc_is_answered_for_exactly_and_followed_through
         json!({}),
         "the restarted engine's old blocks are gone"
     );
+}
+
+#[tokio::test]
+async fn an_ipc_worker_is_told_at_registration_or_in_workers_what_is_wrong_with_its_path() {
+    let dir = SocketDir::new("paths");
+    let index = IndexProcess::start(&[]);
+    let register = |instance_id: u64, endpoint: &str| json!({"instance_id": instance_id, "endpoint": endpoint, "model_name": "m", "block_size": 2});
+
+    // A path no socket address holds (107 bytes at most) is refused.
+    let too_long = format!("ipc:///{}", "p".repeat(120));
+    let (status, answer) = post(index.address, "/register", register(1, &too_long)).await;
+    assert_eq!(status, 400, "{answer}");
+    let error = answer["error"].as_str().unwrap();
+    assert!(
+        error.starts_with(&format!("invalid ZMQ endpoint `{too_long}`: "))
+            && error.contains("is 121 bytes"),
+        "{error}"
+    );
+    let mut replay_too_long = register(1, &dir.endpoint("rank0.sock"));
+    replay_too_long["replay_endpoint"] = json!(too_long);
+    let (status, answer) = post(index.address, "/register", replay_too_long).await;
+    assert_eq!(status, 400, "{answer}");
+    let (status, answer) = post(index.address, "/register", register(1, "ipc://@kv")).await;
+    assert_eq!(status, 400, "{answer}");
+
+    // inproc:// is registered, as Dynamo does, and fails saying why.
+    assert_eq!(
+        post(index.address, "/register", register(2, "inproc://kv"))
+            .await
+            .0,
+        201
+    );
+    let failed = await_listener(index.address, 2, "failed").await;
+    assert_eq!(failed["status"], "failed");
+    assert!(
+        failed["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("only threads of the engine's own process can reach"),
+        "{failed}"
+    );
+
+    // Nothing at the path yet: registered, dialled, and said so.
+    let path = dir.path("rank0.sock");
+    assert_eq!(
+        post(
+            index.address,
+            "/register",
+            register(1, &dir.endpoint("rank0.sock"))
+        )
+        .await
+        .0,
+        201
+    );
+    let waiting = await_listener_saying(
+        index.address,
+        1,
+        "connecting",
+        &format!("no socket at {}", path.display()),
+    )
+    .await;
+    assert_eq!(waiting["status"], "pending");
+    // A file that is not a socket: said so too, and still dialled.
+    std::fs::write(&path, b"not a socket").unwrap();
+    await_listener_saying(
+        index.address,
+        1,
+        "connecting",
+        "is a regular file, not a socket",
+    )
+    .await;
+
+    // The engine replaces it with its socket: followed, answered exactly.
+    std::fs::remove_file(&path).unwrap();
+    let mut publisher =
+        EnginePublisher::bind(&dir.endpoint("rank0.sock"), &PublisherOptions::default())
+            .await
+            .unwrap();
+    let connected = await_listener(index.address, 1, "connected").await;
+    assert!(connected["kvgate"]["reason"].is_null(), "{connected}");
+    let tokens: Vec<u32> = (0..4).collect();
+    let store = stored_payload(&[41, 42], None, &tokens, 2, "GPU", 0);
+    store_until_held(&mut publisher, index.address, store, &tokens).await;
+}
+
+/// Waits until kvgate closes `stream`, reading whatever it sends.
+async fn closed_by_kvgate(mut stream: tokio::net::UnixStream) {
+    use tokio::io::AsyncReadExt as _;
+    let mut sink = [0u8; 4096];
+    let closed = tokio::time::timeout(DEADLINE, async {
+        while let Ok(read) = stream.read(&mut sink).await
+            && read > 0
+        {}
+    });
+    closed.await.expect("kvgate closed the connection");
+}
+
+#[tokio::test]
+async fn garbage_over_a_unix_socket_costs_the_connection_never_the_feed() {
+    use tokio::io::AsyncWriteExt as _;
+    let dir = SocketDir::new("garbage");
+    let path = dir.path("rank0.sock");
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    let index = IndexProcess::start(&[]);
+    let registration = json!({
+        "instance_id": 1, "endpoint": dir.endpoint("rank0.sock"), "model_name": "m", "block_size": 2,
+    });
+    assert_eq!(post(index.address, "/register", registration).await.0, 201);
+
+    // Not ZMTP at all: a whole greeting's length of something else.
+    let (mut stream, _) = tokio::time::timeout(DEADLINE, listener.accept())
+        .await
+        .expect("kvgate dials the path")
+        .unwrap();
+    let mut garbage = b"HTTP/1.1 200 OK\r\n\r\n".to_vec();
+    garbage.resize(64, b'x');
+    stream.write_all(&garbage).await.unwrap();
+    closed_by_kvgate(stream).await;
+    // A handshake, then a frame announced at 1 TiB.
+    let (mut stream, _) = tokio::time::timeout(DEADLINE, listener.accept())
+        .await
+        .expect("kvgate dials the path again")
+        .unwrap();
+    common::zmtp::send_greeting(&mut stream).await;
+    common::zmtp::send_ready(&mut stream, "PUB").await;
+    common::zmtp::announce(&mut stream, common::zmtp::LONG, 1 << 40).await;
+    closed_by_kvgate(stream).await;
+    drop(listener);
+    std::fs::remove_file(&path).unwrap();
+
+    let mut polling = Polling::within(DEADLINE);
+    loop {
+        let (_, workers) = get(index.address, "/workers").await;
+        let listener = &workers[0]["listeners"]["0"];
+        if listener["kvgate"]["peers_dropped"] == 2 {
+            assert_ne!(listener["status"], "failed", "{listener}");
+            break;
+        }
+        polling.again(format_args!("not counted: {listener}")).await;
+    }
+    let (_, metrics) = get(index.address, "/metrics").await;
+    let metrics = metrics.as_str().unwrap();
+    assert!(
+        metrics.contains("kvgate_index_zmq_peers_dropped_total{instance_id=\"1\"} 2"),
+        "{metrics}"
+    );
+
+    // The engine binds the path: followed, answered exactly.
+    let mut publisher =
+        EnginePublisher::bind(&dir.endpoint("rank0.sock"), &PublisherOptions::default())
+            .await
+            .unwrap();
+    await_listener(index.address, 1, "connected").await;
+    let tokens: Vec<u32> = (0..2).collect();
+    let store = stored_payload(&[51], None, &tokens, 2, "GPU", 0);
+    store_until_held(&mut publisher, index.address, store, &tokens).await;
 }

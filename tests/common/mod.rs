@@ -8,6 +8,7 @@ pub mod pki;
 pub mod raw_codec;
 pub mod recording;
 pub mod router;
+pub mod zmtp;
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
