@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use common::index::{get, post, publish_until, stored_payload};
 use common::{DEADLINE, IndexProcess, Polling};
+use kvgate::proto::common::kv_cache_event::Data;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
 
@@ -361,4 +362,159 @@ async fn garbage_over_a_unix_socket_costs_the_connection_never_the_feed() {
     let tokens: Vec<u32> = (0..2).collect();
     let store = stored_payload(&[51], None, &tokens, 2, "GPU", 0);
     store_until_held(&mut publisher, index.address, store, &tokens).await;
+}
+
+#[tokio::test]
+async fn workers_named_by_flags_may_publish_on_ipc_and_a_path_too_long_fails_the_start_naming_the_flag()
+ {
+    let dir = SocketDir::new("flags");
+    let mut publisher =
+        EnginePublisher::bind(&dir.endpoint("rank1.sock"), &PublisherOptions::default())
+            .await
+            .unwrap();
+    let workers = format!("1:1={}", dir.endpoint("rank1.sock"));
+    let index = IndexProcess::start(&[
+        "--workers",
+        &workers,
+        "--model-name",
+        "m",
+        "--block-size",
+        "2",
+    ]);
+    let (_, listed) = get(index.address, "/workers").await;
+    assert_eq!(listed[0]["endpoints"]["1"], dir.endpoint("rank1.sock"));
+    let tokens: Vec<u32> = (0..2).collect();
+    let query = json!({"token_ids": tokens, "model_name": "m"});
+    let expected = json!({
+        "scores": {"1": {"1": 2}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 2, "gpu": 2, "dp": {"1": 2}, "cpu": 2, "disk": 2}},
+    });
+    let store = stored_payload(&[61], None, &tokens, 2, "GPU", 1);
+    let mut polling = Polling::within(DEADLINE);
+    loop {
+        publisher.publish(store.clone()).await.unwrap();
+        let (_, answer) = post(index.address, "/query", query.clone()).await;
+        if answer == expected {
+            break;
+        }
+        polling.again(format_args!("answered {answer}")).await;
+    }
+
+    let too_long = format!("1=ipc:///{}", "p".repeat(120));
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["index", "--listen", "127.0.0.1:0", "--model-name", "m"])
+        .args(["--block-size", "2", "--workers", &too_long])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = common::output_within_deadline(child);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--workers") && stderr.contains("is 121 bytes"),
+        "{stderr}"
+    );
+}
+
+const SERVICE: &str = "kvgate.v1.KvGate";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kvgate_serve_follows_an_engine_publishing_on_ipc_primed_from_its_ipc_replay_endpoint() {
+    let dir = SocketDir::new("serve");
+    let mut publisher = ipc_publisher(&dir).await;
+    // Stored before kvgate starts: only the replay ROUTER can bring it.
+    let tokens: Vec<u32> = (0..2).collect();
+    publisher
+        .publish(stored_payload(&[777], None, &tokens, 2, "GPU", 0))
+        .await
+        .unwrap();
+    let gateway = common::Gateway::start(&[
+        "--zmq-endpoint",
+        &dir.endpoint("rank0.sock"),
+        "--zmq-replay-endpoint",
+        &dir.endpoint("replay0.sock"),
+    ]);
+    let mut stream = common::subscribe(gateway.channel().await, SERVICE, 0)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let batch = tokio::time::timeout_at(deadline, common::next_batch(&mut stream))
+            .await
+            .expect("the block stored before kvgate started, in the snapshot or primed");
+        let stores = batch.events.iter().filter_map(|event| match &event.data {
+            Some(Data::Stored(stored)) => Some(stored),
+            _ => None,
+        });
+        if stores
+            .flat_map(|stored| &stored.blocks)
+            .any(|block| block.block_hash == 777)
+        {
+            break;
+        }
+    }
+    // And live, over the socket path.
+    common::sync_streams(&mut publisher, 0, std::slice::from_mut(&mut stream)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kvgate_serve_binds_an_ipc_endpoint_for_an_engine_that_connects_out() {
+    let dir = SocketDir::new("bind");
+    let endpoint = dir.endpoint("kvgate.sock");
+    let mut gateway = common::Gateway::start(&["--zmq-endpoint", &endpoint, "--zmq-bind"]);
+    assert!(dir.path("kvgate.sock").exists(), "bound before serving");
+    let mut publisher = EnginePublisher::connect(&endpoint, &PublisherOptions::default())
+        .await
+        .unwrap();
+    let mut stream = common::subscribe(gateway.channel().await, SERVICE, 0)
+        .await
+        .unwrap();
+    common::sync_streams(&mut publisher, 0, std::slice::from_mut(&mut stream)).await;
+    assert!(gateway.terminate().success());
+    await_removed(&dir.path("kvgate.sock")).await;
+}
+
+/// `kvgate serve <args>` fails at start, naming `flag` and saying `why`.
+fn serve_refused(args: &[&str], flag: &str, why: &str) {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = common::output_within_deadline(child);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains(flag) && stderr.contains(why),
+        "{args:?}: {stderr}"
+    );
+}
+
+#[test]
+fn an_ipc_endpoint_given_once_for_several_ranks_or_too_long_fails_the_start_naming_the_flag() {
+    serve_refused(
+        &["--zmq-endpoint", "ipc:///tmp/kv.sock", "--dp-size", "2"],
+        "--zmq-endpoint ipc:///tmp/kv.sock is given once but --dp-size is 2",
+        "give one endpoint per rank",
+    );
+    let too_long = format!("ipc:///{}", "p".repeat(120));
+    serve_refused(
+        &["--zmq-endpoint", &too_long],
+        "--zmq-endpoint",
+        "is 121 bytes",
+    );
+    serve_refused(
+        &[
+            "--zmq-endpoint",
+            "tcp://127.0.0.1:5557",
+            "--zmq-replay-endpoint",
+            "inproc://kv",
+        ],
+        "--zmq-replay-endpoint",
+        "only threads of the engine's own process can reach",
+    );
 }
