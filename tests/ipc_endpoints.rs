@@ -476,8 +476,9 @@ async fn kvgate_serve_binds_an_ipc_endpoint_for_an_engine_that_connects_out() {
     await_removed(&dir.path("kvgate.sock")).await;
 }
 
-/// `kvgate serve <args>` fails at start, naming `flag` and saying `why`.
-fn serve_refused(args: &[&str], flag: &str, why: &str) {
+/// `kvgate serve <args>` fails at start with exit status `code`, naming
+/// `flag` and saying `why`.
+fn serve_refused(code: i32, args: &[&str], flag: &str, why: &str) {
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .args(["serve", "--listen", "127.0.0.1:0"])
         .args(args)
@@ -487,7 +488,7 @@ fn serve_refused(args: &[&str], flag: &str, why: &str) {
         .unwrap();
     let output = common::output_within_deadline(child);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+    assert_eq!(output.status.code(), Some(code), "{args:?}: {stderr}");
     assert!(
         stderr.contains(flag) && stderr.contains(why),
         "{args:?}: {stderr}"
@@ -495,19 +496,36 @@ fn serve_refused(args: &[&str], flag: &str, why: &str) {
 }
 
 #[test]
+fn a_file_left_at_an_ipc_path_kvgate_is_to_bind_fails_the_start_and_stays() {
+    let dir = SocketDir::new("stale");
+    std::fs::write(dir.path("kv.sock"), b"left here").unwrap();
+    let endpoint = dir.endpoint("kv.sock");
+    serve_refused(
+        1,
+        &["--zmq-endpoint", &endpoint, "--zmq-bind"],
+        &format!("--zmq-endpoint {endpoint} --zmq-bind: cannot bind {endpoint}"),
+        "Address already in use",
+    );
+    assert_eq!(std::fs::read(dir.path("kv.sock")).unwrap(), b"left here");
+}
+
+#[test]
 fn an_ipc_endpoint_given_once_for_several_ranks_or_too_long_fails_the_start_naming_the_flag() {
     serve_refused(
+        2,
         &["--zmq-endpoint", "ipc:///tmp/kv.sock", "--dp-size", "2"],
         "--zmq-endpoint ipc:///tmp/kv.sock is given once but --dp-size is 2",
         "give one endpoint per rank",
     );
     let too_long = format!("ipc:///{}", "p".repeat(120));
     serve_refused(
+        2,
         &["--zmq-endpoint", &too_long],
         "--zmq-endpoint",
         "is 121 bytes",
     );
     serve_refused(
+        2,
         &[
             "--zmq-endpoint",
             "tcp://127.0.0.1:5557",
