@@ -402,16 +402,18 @@ async fn workers_named_by_flags_may_publish_on_ipc_and_a_path_too_long_fails_the
     }
 
     let too_long = format!("1=ipc:///{}", "p".repeat(120));
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args(["index", "--listen", "127.0.0.1:0", "--model-name", "m"])
-        .args(["--block-size", "2", "--workers", &too_long])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let output = common::output_within_deadline(child);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = common::exit_of(&[
+        "index",
+        "--listen",
+        "127.0.0.1:0",
+        "--model-name",
+        "m",
+        "--block-size",
+        "2",
+        "--workers",
+        &too_long,
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("--workers") && stderr.contains("is 121 bytes"),
         "{stderr}"
@@ -479,16 +481,10 @@ async fn kvgate_serve_binds_an_ipc_endpoint_for_an_engine_that_connects_out() {
 /// `kvgate serve <args>` fails at start with exit status `code`, naming
 /// `flag` and saying `why`.
 fn serve_refused(code: i32, args: &[&str], flag: &str, why: &str) {
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let output = common::output_within_deadline(child);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(code), "{args:?}: {stderr}");
+    let mut command = vec!["serve", "--listen", "127.0.0.1:0"];
+    command.extend_from_slice(args);
+    let (exit, stderr) = common::exit_of(&command);
+    assert_eq!(exit, Some(code), "{args:?}: {stderr}");
     assert!(
         stderr.contains(flag) && stderr.contains(why),
         "{args:?}: {stderr}"
