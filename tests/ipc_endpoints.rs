@@ -333,8 +333,6 @@ async fn garbage_over_a_unix_socket_costs_the_connection_never_the_feed() {
     common::zmtp::send_ready(&mut stream, "PUB").await;
     common::zmtp::announce(&mut stream, common::zmtp::LONG, 1 << 40).await;
     closed_by_kvgate(stream).await;
-    drop(listener);
-    std::fs::remove_file(&path).unwrap();
 
     let mut polling = Polling::within(DEADLINE);
     loop {
@@ -352,6 +350,16 @@ async fn garbage_over_a_unix_socket_costs_the_connection_never_the_feed() {
         metrics.contains("kvgate_index_zmq_peers_dropped_total{instance_id=\"1\"} 2"),
         "{metrics}"
     );
+
+    // A peer that accepts and never says a word, holding the connection
+    // open while the engine takes the path over: kvgate gives up on the
+    // handshake (peer::HANDSHAKE_TIMEOUT) and dials again.
+    let (_silent, _) = tokio::time::timeout(DEADLINE, listener.accept())
+        .await
+        .expect("kvgate dials the path once more")
+        .unwrap();
+    drop(listener);
+    std::fs::remove_file(&path).unwrap();
 
     // The engine binds the path: followed, answered exactly.
     let mut publisher =
