@@ -142,14 +142,16 @@ pub async fn run(
                 }
             }
             _ = looks.tick(), if ipc_path.is_some() && !*link.borrow() => {
-                let Some(path) = &ipc_path else { continue };
-                let at_path = AtPath::look(path).await;
-                if !*link.borrow() {
-                    status.explain(if ever_connected {
-                        format!("{PUBLISHER_CLOSED}; {at_path}; redialling")
-                    } else {
-                        format!("{at_path}; dialling")
-                    });
+                if let Some(path) = &ipc_path {
+                    let at_path = AtPath::look(path).await;
+                    // The link may have come up during the look.
+                    if !*link.borrow() {
+                        status.explain(if ever_connected {
+                            format!("{PUBLISHER_CLOSED}; {at_path}; redialling")
+                        } else {
+                            format!("{at_path}; dialling")
+                        });
+                    }
                 }
             }
             Ok(()) = replaying.changed() => {
