@@ -187,25 +187,8 @@ async fn a_worker_publishing_on_ipc_is_answered_for_exactly_and_followed_through
     await_removed(&dir.path("replay0.sock")).await;
     let mut restarted = ipc_publisher(&dir).await;
     await_listener(index.address, 1, "connected").await;
-    let other: Vec<u32> = (100..104).collect();
-    restarted
-        .publish(stored_payload(&[31, 32], None, &other, 2, "GPU", 0))
-        .await
-        .unwrap();
-    publish_until(
-        &mut [&mut restarted],
-        index.address,
-        "/query",
-        json!({"token_ids": other, "model_name": "m"}),
-        &held(4),
-    )
-    .await;
-    let (_, answer) = post(index.address, "/query", query).await;
-    assert_eq!(
-        answer["scores"],
-        json!({}),
-        "the restarted engine's old blocks are gone"
-    );
+    common::index::assert_a_restarted_engine_starts_empty(&mut restarted, index.address, query)
+        .await;
 }
 
 #[tokio::test]
