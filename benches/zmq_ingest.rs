@@ -2,7 +2,9 @@
 //! message shaped like an engine's `[topic, sequence, payload]`, timed from
 //! the first send to the last receive. Run once with the SUB's
 //! `max_message_size` set (kvgate's case) and once without, to show what
-//! the size check costs; BENCHMARKS.md has the numbers and the method.
+//! the size check costs, and once more with the limit over a Unix-domain
+//! socket (`ipc://`, an engine on the same host) beside TCP loopback;
+//! BENCHMARKS.md has the numbers and the method.
 
 use std::time::{Duration, Instant};
 
@@ -30,10 +32,10 @@ fn message(sequence: u64, payload: &Bytes) -> ZmqMessage {
     message
 }
 
-/// A connected PUB/SUB pair past the slow joiner.
-async fn pair(limit: Option<usize>) -> (PubSocket, SubSocket) {
+/// A connected PUB/SUB pair at `endpoint`, past the slow joiner.
+async fn pair(endpoint: &str, limit: Option<usize>) -> (PubSocket, SubSocket) {
     let mut publisher = PubSocket::new();
-    let endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap();
+    let endpoint = publisher.bind(endpoint).await.unwrap();
     let mut sub = SubSocket::with_options(sub_options(limit));
     sub.subscribe("").await.unwrap();
     sub.connect(&endpoint.to_string()).await.unwrap();
@@ -81,14 +83,21 @@ fn receive(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
+    let sockets = std::env::temp_dir().join(format!("kvgate-zmq-ingest-{}", std::process::id()));
+    std::fs::create_dir_all(&sockets).unwrap();
     let mut group = c.benchmark_group("zmq-receive");
     group.sample_size(20);
     // Small engine messages, and large batches.
     for (name, size, count) in [("1KiB", 1 << 10, 2_000u64), ("1MiB", 1 << 20, 32)] {
         let payload = Bytes::from(vec![0x5a; size]);
         group.throughput(Throughput::Elements(count));
-        for (variant, limit) in [("no-limit", None), ("limit-64MiB", Some(LIMIT))] {
-            let (mut publisher, mut sub) = runtime.block_on(pair(limit));
+        let ipc = format!("ipc://{}", sockets.join(format!("{name}.sock")).display());
+        for (variant, endpoint, limit) in [
+            ("no-limit", "tcp://127.0.0.1:0", None),
+            ("limit-64MiB", "tcp://127.0.0.1:0", Some(LIMIT)),
+            ("ipc/limit-64MiB", ipc.as_str(), Some(LIMIT)),
+        ] {
+            let (mut publisher, mut sub) = runtime.block_on(pair(endpoint, limit));
             group.bench_function(format!("{name}/{variant}"), |b| {
                 b.iter_custom(|iters| {
                     runtime.block_on(async {
@@ -103,6 +112,7 @@ fn receive(c: &mut Criterion) {
         }
     }
     group.finish();
+    let _ = std::fs::remove_dir_all(&sockets);
 }
 
 criterion_group!(benches, receive);

@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::cli_values::{byte_size, parse_grpc_uri, parse_http_url, parse_listen_address};
 use crate::logging::LogFormat;
-use kvgate_endpoint::TcpEndpoint;
+use kvgate_endpoint::ZmqEndpoint;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -71,9 +71,9 @@ pub struct IndexArgs {
     pub listen: SocketAddr,
 
     /// Workers to follow from the start, as Dynamo's indexer takes them:
-    /// `id[:dp_rank]=tcp://HOST:PORT,...`, or a kvgate sidecar for every
-    /// rank of an engine, `id=grpc://HOST:PORT` (`grpcs://` for TLS); more
-    /// can register over HTTP.
+    /// `id[:dp_rank]=tcp://HOST:PORT,...` or `id[:dp_rank]=ipc://PATH`, or
+    /// a kvgate sidecar for every rank of an engine, `id=grpc://HOST:PORT`
+    /// (`grpcs://` for TLS); more can register over HTTP.
     #[arg(long, env = "KVGATE_INDEX_WORKERS", value_name = "LIST",
           value_parser = parse_index_workers, requires_all = ["model_name", "block_size"])]
     pub workers: Option<IndexWorkers>,
@@ -200,12 +200,13 @@ pub struct IndexWorker {
     pub instance_id: u64,
     /// Its rank, if given.
     pub dp_rank: Option<u32>,
-    /// The rank's publisher (`tcp://`), or the engine's sidecar (`grpc://`,
-    /// `grpcs://`), checked when it is registered.
+    /// The rank's publisher (`tcp://`, `ipc://`), or the engine's sidecar
+    /// (`grpc://`, `grpcs://`), checked when it is registered.
     pub endpoint: String,
 }
 
-/// Parses `id[:dp_rank]=tcp://HOST:PORT,...` (or `id=grpc://HOST:PORT`).
+/// Parses `id[:dp_rank]=ENDPOINT,...`: `tcp://HOST:PORT`, `ipc://PATH` (or
+/// `id=grpc://HOST:PORT`).
 pub fn parse_index_workers(text: &str) -> Result<IndexWorkers, String> {
     text.split(',')
         .map(str::trim)
@@ -213,7 +214,7 @@ pub fn parse_index_workers(text: &str) -> Result<IndexWorkers, String> {
         .map(|entry| {
             let (worker, endpoint) = entry
                 .split_once('=')
-                .ok_or_else(|| format!("expected id[:dp_rank]=tcp://HOST:PORT, got {entry:?}"))?;
+                .ok_or_else(|| format!("expected id[:dp_rank]=tcp://HOST:PORT, id[:dp_rank]=ipc://PATH or id=grpc://HOST:PORT, got {entry:?}"))?;
             let (instance_id, dp_rank) = match worker.split_once(':') {
                 Some((id, rank)) => (id, Some(rank)),
                 None => (worker, None),
@@ -253,7 +254,9 @@ pub struct ServeArgs {
     /// The engine's KV-event publisher for rank 0, as configured on the engine
     /// (e.g. tcp://*:5557); rank r is at port + r. With ranks on several
     /// hosts, give it once per rank in rank order (the env var takes a
-    /// comma-separated list); the count must equal --dp-size.
+    /// comma-separated list); the count must equal --dp-size. An engine on
+    /// this host may publish on a Unix socket, ipc://PATH: a path has no
+    /// port to offset, so with --dp-size over 1 give one per rank.
     #[arg(
         long,
         env = "KVGATE_ZMQ_ENDPOINT",
@@ -261,7 +264,7 @@ pub struct ServeArgs {
         value_delimiter = ',',
         conflicts_with = "demo"
     )]
-    pub zmq_endpoint: Vec<TcpEndpoint>,
+    pub zmq_endpoint: Vec<ZmqEndpoint>,
 
     /// Another SubscribeKvEvents server to re-serve instead of a ZMQ engine
     /// (TensorRT-LLM's gRPC server, or another kvgate), e.g. http://127.0.0.1:50051.
@@ -295,7 +298,7 @@ pub struct ServeArgs {
         value_name = "URI",
         value_delimiter = ','
     )]
-    pub zmq_replay_endpoint: Vec<TcpEndpoint>,
+    pub zmq_replay_endpoint: Vec<ZmqEndpoint>,
 
     /// Most milliseconds one replay request may take (engines answer within
     /// ~100 ms when idle).
@@ -477,7 +480,7 @@ pub struct ServeArgs {
         value_delimiter = ',',
         conflicts_with_all = ["demo", "upstream_grpc"]
     )]
-    pub zmq_load_endpoint: Vec<TcpEndpoint>,
+    pub zmq_load_endpoint: Vec<ZmqEndpoint>,
 
     /// Milliseconds a rank's load push may be silent before kvgate polls
     /// that rank's GetLoads instead (with --engine-grpc), until pushes

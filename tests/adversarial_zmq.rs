@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::zmtp::{COMMAND, LONG, announce, send_greeting, send_ready};
 use common::{DEADLINE, Gateway, http_get, subscribe, sync_streams};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,10 +26,6 @@ const OVER_THE_LIMIT: u64 = 128 << 20;
 /// resident memory would be past this.
 const RSS_BOUND_KIB: u64 = 96 << 10;
 
-/// ZMTP flags byte: a command frame, a long (8-byte) length.
-const COMMAND: u8 = 0b0000_0100;
-const LONG: u8 = 0b0000_0010;
-
 /// How a raw peer abuses kvgate's decoder.
 #[derive(Clone, Copy, Debug)]
 enum Attack {
@@ -43,12 +40,7 @@ enum Attack {
 /// Runs `attack` on a connection to or from kvgate as a `socket_type`
 /// peer, and returns once kvgate closed that connection.
 async fn attack(mut stream: TcpStream, socket_type: &str, attack: Attack) {
-    let mut greeting = [0u8; 64];
-    greeting[0] = 0xff;
-    greeting[9] = 0x7f;
-    greeting[10] = 3;
-    greeting[12..16].copy_from_slice(b"NULL");
-    stream.write_all(&greeting).await.unwrap();
+    send_greeting(&mut stream).await;
     match attack {
         Attack::TerabyteReady => announce(&mut stream, COMMAND | LONG, TERABYTE).await,
         Attack::TerabyteFrame => {
@@ -62,25 +54,6 @@ async fn attack(mut stream: TcpStream, socket_type: &str, attack: Attack) {
         }
     }
     closed_by_kvgate(stream).await;
-}
-
-async fn send_ready(stream: &mut TcpStream, socket_type: &str) {
-    let mut body = vec![5];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
-    stream
-        .write_all(&[COMMAND, body.len() as u8])
-        .await
-        .unwrap();
-    stream.write_all(&body).await.unwrap();
-}
-
-async fn announce(stream: &mut TcpStream, flags: u8, length: u64) {
-    stream.write_all(&[flags]).await.unwrap();
-    stream.write_all(&length.to_be_bytes()).await.unwrap();
 }
 
 /// Writes `length` bytes, or as many as kvgate takes before closing.

@@ -303,29 +303,7 @@ async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_e
     };
     let mut restarted = EnginePublisher::bind(&endpoint, &options).await.unwrap();
     await_listener_state(index.address, "connected").await;
-    let other: Vec<u32> = (100..104).collect();
-    restarted
-        .publish(stored_payload(&[31, 32], None, &other, 2, "GPU", 0))
-        .await
-        .unwrap();
-    let other_held = json!({
-        "scores": {"1": {"0": 4}},
-        "frequencies": [],
-        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
-    });
-    publish_until(
-        &mut restarted,
-        index.address,
-        json!({"token_ids": other, "model_name": "m"}),
-        &other_held,
-    )
-    .await;
-    let (_, answer) = post(index.address, "/query", query).await;
-    assert_eq!(
-        answer["scores"],
-        json!({}),
-        "the restarted engine's old blocks are gone"
-    );
+    index::assert_a_restarted_engine_starts_empty(&mut restarted, index.address, query).await;
 }
 
 #[tokio::test]

@@ -582,22 +582,16 @@ fn a_bad_combination_of_index_flags_fails_at_start_naming_the_flag() {
         ),
         (&["--index-model-name", "m"][..], "--index"),
     ] {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--zmq-endpoint",
-                "tcp://127.0.0.1:1",
-            ])
-            .args(args)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let output = common::output_within_deadline(child);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        let mut command = vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--zmq-endpoint",
+            "tcp://127.0.0.1:1",
+        ];
+        command.extend_from_slice(args);
+        let (code, stderr) = common::exit_of(&command);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
         assert!(
             stderr.contains(named),
             "{args:?} does not name {named}: {stderr}"

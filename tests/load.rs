@@ -679,8 +679,16 @@ async fn load_publisher(endpoint: &str) -> EnginePublisher {
 /// kvgate on an engine's KV and load publishers, metrics on; the KV
 /// publisher is returned to keep it up.
 async fn pushing_gateway(extra: &[&str]) -> (Gateway, EnginePublisher, EnginePublisher) {
+    pushing_gateway_at("tcp://127.0.0.1:0", extra).await
+}
+
+/// [`pushing_gateway`] with the load publisher bound at `load_endpoint`.
+async fn pushing_gateway_at(
+    load_endpoint: &str,
+    extra: &[&str],
+) -> (Gateway, EnginePublisher, EnginePublisher) {
     let kv = publisher("127.0.0.1").await;
-    let load = load_publisher("tcp://127.0.0.1:0").await;
+    let load = load_publisher(load_endpoint).await;
     let mut args = vec![
         "--zmq-endpoint",
         kv.endpoint(),
@@ -768,6 +776,20 @@ fn load_sources(status: &serde_json::Value) -> Vec<Option<String>> {
         .iter()
         .map(|rank| rank["load_source"].as_str().map(str::to_owned))
         .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stat_pushed_on_an_ipc_load_endpoint_reaches_the_stream() {
+    let dir = std::env::temp_dir().join(format!("kvg-load-ipc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let endpoint = format!("ipc://{}", dir.join("load.sock").display());
+    let (gateway, _kv, mut load) = pushing_gateway_at(&endpoint, &[]).await;
+    let (mut stream, mut sample) = (subscribe(&gateway, 0, true).await, 0);
+    sync_load(&mut load, 0, &mut stream, &mut sample).await;
+    assert_eq!(load_sources(&status(&gateway).await), [Some("push".into())]);
+    drop(gateway);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
+use kvgate_endpoint::{RankEndpoints, ZmqEndpoint};
 use tokio::sync::watch;
 use tracing::warn;
 
@@ -109,10 +109,13 @@ fn apply(args: &mut ServeArgs, discovered: &Discovered) -> Result<(), UsageError
         args.dp_size = reported;
     }
     let ranks = &discovered.ranks[..args.dp_size as usize];
-    args.zmq_endpoint = ranks.iter().map(|rank| rank.endpoint.clone()).collect();
-    let replays: Vec<TcpEndpoint> = ranks
+    args.zmq_endpoint = ranks
         .iter()
-        .filter_map(|rank| rank.replay_endpoint.clone())
+        .map(|rank| rank.endpoint.clone().into())
+        .collect();
+    let replays: Vec<ZmqEndpoint> = ranks
+        .iter()
+        .filter_map(|rank| rank.replay_endpoint.clone().map(ZmqEndpoint::from))
         .collect();
     args.zmq_replay_endpoint = if replays.len() == ranks.len() {
         replays
@@ -123,7 +126,12 @@ fn apply(args: &mut ServeArgs, discovered: &Discovered) -> Result<(), UsageError
         Vec::new()
     };
     if args.zmq_load_endpoint.is_empty() {
-        args.zmq_load_endpoint = discovered.load_endpoint.iter().cloned().collect();
+        args.zmq_load_endpoint = discovered
+            .load_endpoint
+            .iter()
+            .cloned()
+            .map(ZmqEndpoint::from)
+            .collect();
     }
     let topic = &ranks[0].topic;
     if args.given.zmq_topic && args.zmq_topic != *topic {
@@ -193,7 +201,7 @@ struct FlagSources {
 
 impl FlagSources {
     fn of(args: &ServeArgs) -> Self {
-        let flag = |name, given: &[TcpEndpoint]| {
+        let flag = |name, given: &[ZmqEndpoint]| {
             RankEndpoints::from_flag(name, given, args.dp_size)
                 .ok()
                 .flatten()

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
+use kvgate_endpoint::{RankEndpoints, TcpEndpoint, ZmqEndpoint};
 use kvgate_sim::{DemoConfig, DemoEngine, Layout};
 use tokio::sync::{mpsc, watch};
 
@@ -152,13 +152,13 @@ pub(super) async fn choose_source(
             discovered
                 .ranks
                 .iter()
-                .map(|rank| rank.endpoint.clone())
+                .map(|rank| rank.endpoint.clone().into())
                 .collect(),
         );
         let replay = discovered
             .ranks
             .iter()
-            .map(|rank| rank.replay_endpoint.clone())
+            .map(|rank| rank.replay_endpoint.clone().map(ZmqEndpoint::from))
             .collect::<Option<Vec<_>>>()
             .map(RankEndpoints::Listed);
         return Ok((

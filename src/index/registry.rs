@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvgate_endpoint::{EndpointError, ZmqEndpoint};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -57,8 +58,9 @@ pub struct Registration {
     pub dp_rank: Option<u32>,
     pub partition: PartitionKey,
     pub block_size: u32,
-    /// The rank's publisher, `tcp://HOST:PORT`, or the sidecar of every
-    /// rank of the engine, `grpc://HOST:PORT` or `grpcs://HOST:PORT`.
+    /// The rank's publisher, `tcp://HOST:PORT` or `ipc://PATH`, or the
+    /// sidecar of every rank of the engine, `grpc://HOST:PORT` or
+    /// `grpcs://HOST:PORT`.
     pub endpoint: String,
     pub replay_endpoint: Option<String>,
 }
@@ -225,19 +227,24 @@ impl Registry {
         } else {
             let endpoint =
                 validate_endpoint(&registration.endpoint).map_err(RegisterError::BadEndpoint)?;
-            let replay_endpoint = match registration.replay_endpoint.as_deref() {
-                Some(replay) => validate_endpoint(replay).map_err(|reason| {
-                    RegisterError::BadEndpoint(format!(
-                        "invalid replay endpoint `{replay}`: {reason}"
-                    ))
-                })?,
-                None => None,
-            };
-            Source::Zmq(endpoint.map(|endpoint| ZmqFeedConfig {
-                endpoint,
-                replay_endpoint,
-                replay_timeout: self.settings.replay_timeout,
-                max_message_bytes: self.settings.max_message_bytes,
+            let replay_endpoint = registration
+                .replay_endpoint
+                .as_deref()
+                .map(|replay| {
+                    validate_endpoint(replay).map_err(|reason| {
+                        RegisterError::BadEndpoint(format!(
+                            "invalid replay endpoint `{replay}`: {reason}"
+                        ))
+                    })
+                })
+                .transpose()?;
+            Source::Zmq(endpoint.and_then(|endpoint| {
+                Ok(ZmqFeedConfig {
+                    endpoint,
+                    replay_endpoint: replay_endpoint.transpose()?,
+                    replay_timeout: self.settings.replay_timeout,
+                    max_message_bytes: self.settings.max_message_bytes,
+                })
             }))
         };
         let dp_rank = registration.dp_rank.unwrap_or(0);
@@ -494,8 +501,8 @@ impl Registry {
 
 /// What a registration follows.
 enum Source {
-    /// A rank's publisher (`None`: an endpoint kvgate cannot follow).
-    Zmq(Option<ZmqFeedConfig>),
+    /// A rank's publisher, or why no other process can reach it.
+    Zmq(Result<ZmqFeedConfig, EndpointError>),
     /// A sidecar, every rank.
     Sidecar(crate::client::Target),
 }
@@ -513,23 +520,27 @@ impl WorkerEntry {
 }
 
 /// A ZMQ endpoint as Dynamo validates one: `tcp://HOST:PORT`, `ipc://PATH`
-/// or `inproc://NAME`. Only `tcp://` is followed (the feed reports the
-/// others as failed); the text is Dynamo's.
-fn validate_endpoint(endpoint: &str) -> Result<Option<kvgate_endpoint::TcpEndpoint>, String> {
+/// or `inproc://NAME` (the texts of its refusals are Dynamo's). kvgate
+/// also refuses an `ipc://` path no socket address can hold. Dynamo
+/// registers an `inproc://` endpoint, which no other process can reach:
+/// so does kvgate, and its feed fails with that reason (the inner `Err`).
+fn validate_endpoint(endpoint: &str) -> Result<Result<ZmqEndpoint, EndpointError>, String> {
     let invalid = |reason: String| format!("invalid ZMQ endpoint `{endpoint}`: {reason}");
     let Some((scheme, rest)) = endpoint.split_once("://") else {
         return Err(invalid("missing scheme".to_owned()));
     };
     match scheme {
         "tcp" => match rest.rsplit_once(':') {
-            Some((_, port)) if port.parse::<u16>().is_ok() => endpoint
-                .parse()
-                .map(Some)
-                .map_err(|error: kvgate_endpoint::EndpointError| invalid(error.to_string())),
-            Some(_) => Err(invalid("invalid TCP port".to_owned())),
-            None => Err(invalid("missing TCP port".to_owned())),
+            Some((_, port)) if port.parse::<u16>().is_ok() => {}
+            Some(_) => return Err(invalid("invalid TCP port".to_owned())),
+            None => return Err(invalid("missing TCP port".to_owned())),
         },
-        "ipc" | "inproc" => Ok(None),
-        other => Err(invalid(format!("unsupported scheme `{other}`"))),
+        "ipc" | "inproc" => {}
+        other => return Err(invalid(format!("unsupported scheme `{other}`"))),
+    }
+    match endpoint.parse::<ZmqEndpoint>() {
+        Ok(endpoint) => Ok(Ok(endpoint)),
+        Err(unreachable @ EndpointError::Inproc(_)) => Ok(Err(unreachable)),
+        Err(error) => Err(invalid(error.to_string())),
     }
 }

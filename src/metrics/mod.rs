@@ -473,6 +473,13 @@ impl Metrics {
             .inc();
     }
 
+    /// The ZMQ peers dropped on `socket` for `reason` so far.
+    pub fn dropped_peers(&self, socket: &'static str, reason: &'static str) -> u64 {
+        self.zmq_peers_dropped
+            .get_or_create(&PeerDropLabels { socket, reason })
+            .get()
+    }
+
     /// A replay fetch stopped at its `bound`.
     pub fn count_bounded_fetch(&self, bound: &'static str) {
         debug_assert_closed(&self.labels.replay_bounds, bound);

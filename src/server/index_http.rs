@@ -308,6 +308,8 @@ struct ListenerDetail {
     payloads: u64,
     bad_payloads: u64,
     publisher_restarts: u64,
+    /// Connections dropped for breaking ZMTP or the message size limit.
+    peers_dropped: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     last_payload: Option<f64>,
 }
@@ -343,6 +345,7 @@ fn listener_info(report: RankReport, cursor: Option<u64>) -> ListenerInfo {
             payloads: feed.payloads,
             bad_payloads: feed.bad_payloads,
             publisher_restarts: feed.publisher_restarts,
+            peers_dropped: feed.peers_dropped,
             last_payload: feed.last_payload.map(unix_seconds),
         },
     }
@@ -674,6 +677,11 @@ async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
         "Payloads or batches a worker sent that were set aside (undecodable, oversized, a rank past the limit), per worker",
     );
     family(
+        "zmq_peers_dropped_total",
+        "counter",
+        "ZMQ connections to a worker's publisher or replay endpoint dropped because the peer broke ZMTP or --zmq-max-message-bytes, per worker",
+    );
+    family(
         "sidecar_calls_total",
         "counter",
         "A grpc:// worker's subscriptions, per worker and outcome: snapshot, resume, refused_cursor, reconnect",
@@ -701,6 +709,15 @@ async fn metrics(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
         let _ = writeln!(
             text,
             "kvgate_index_bad_payloads_total{{instance_id=\"{id}\"}} {bad}"
+        );
+        let dropped: u64 = worker
+            .ranks
+            .values()
+            .map(|rank| rank.feed.peers_dropped)
+            .sum();
+        let _ = writeln!(
+            text,
+            "kvgate_index_zmq_peers_dropped_total{{instance_id=\"{id}\"}} {dropped}"
         );
         if let Some(progress) = worker
             .sidecar

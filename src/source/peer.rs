@@ -7,7 +7,9 @@
 //! it and refuses the message; the socket then drops that connection (a
 //! connecting SUB reconnects) and serves its other peers. Every dropped
 //! connection kvgate learns of is counted by socket and reason, and warned
-//! about at most once a second per socket with the endpoint it was on.
+//! about at most once a second per socket with the endpoint it was on. No
+//! peer holds a connection longer than [`HANDSHAKE_TIMEOUT`] without
+//! completing the ZMTP handshake.
 
 use tracing::warn;
 use zeromq::{CodecError, SocketOptions, ZmqError};
@@ -22,10 +24,18 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 64 << 20;
 /// the bottom, and a bound kvgate can afford per connection at the top.
 pub const MAX_MESSAGE_BYTES_RANGE: std::ops::RangeInclusive<u64> = (64 << 10)..=(1 << 30);
 
+/// How long a peer may take to complete the ZMTP handshake. An engine
+/// answers on loopback in well under a millisecond; a peer that accepts and
+/// then says nothing (a hung process at the port or socket path) would
+/// otherwise hold a connecting socket, or its reconnection, for good.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Options for every ZMQ socket kvgate opens towards an engine.
 pub fn socket_options(max_message_bytes: usize) -> SocketOptions {
     let mut options = SocketOptions::default();
-    options.max_message_size(max_message_bytes);
+    options
+        .max_message_size(max_message_bytes)
+        .handshake_timeout(HANDSHAKE_TIMEOUT);
     options
 }
 
@@ -118,6 +128,16 @@ pub fn record_dropped_peer(
         );
     });
     true
+}
+
+/// Every peer connection dropped on the sockets counted in `metrics`,
+/// whatever the socket and the reason.
+pub fn dropped_peers(metrics: &Metrics) -> u64 {
+    PeerSocket::ALL
+        .into_iter()
+        .flat_map(|socket| PeerDropReason::ALL.map(|reason| (socket, reason)))
+        .map(|(socket, reason)| metrics.dropped_peers(socket.as_str(), reason.as_str()))
+        .sum()
 }
 
 #[cfg(test)]

@@ -126,6 +126,40 @@ pub async fn publisher() -> EnginePublisher {
         .unwrap()
 }
 
+/// After worker 1's engine (rank 0, block size 2) restarted: it stores
+/// blocks 31 and 32 (tokens 100..104), answered once they arrive, while the
+/// blocks it held before (`old_query`) are answered for nobody.
+pub async fn assert_a_restarted_engine_starts_empty(
+    restarted: &mut EnginePublisher,
+    address: SocketAddr,
+    old_query: Value,
+) {
+    let other: Vec<u32> = (100..104).collect();
+    restarted
+        .publish(stored_payload(&[31, 32], None, &other, 2, "GPU", 0))
+        .await
+        .unwrap();
+    let other_held = serde_json::json!({
+        "scores": {"1": {"0": 4}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
+    });
+    publish_until(
+        &mut [restarted],
+        address,
+        "/query",
+        serde_json::json!({"token_ids": other, "model_name": "m"}),
+        &other_held,
+    )
+    .await;
+    let (_, answer) = post(address, "/query", old_query).await;
+    assert_eq!(
+        answer["scores"],
+        serde_json::json!({}),
+        "the restarted engine's old blocks are gone"
+    );
+}
+
 /// Publishes a harmless removal on every one of `publishers` until `path`
 /// answers `query` with `expected` (ZMQ's late joiner may miss the first
 /// messages; the replay endpoint fills the hole once a later message shows

@@ -8,6 +8,7 @@ pub mod pki;
 pub mod raw_codec;
 pub mod recording;
 pub mod router;
+pub mod zmtp;
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
@@ -707,6 +708,20 @@ pub fn limit_open_files(command: &mut Command, limit: u64) {
             }
         });
     }
+}
+
+/// Runs `kvgate <args>`, which must end by itself (a refused start): its
+/// exit status and what it wrote on stderr.
+pub fn exit_of(args: &[&str]) -> (Option<i32>, String) {
+    let child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvgate starts");
+    let output = output_within_deadline(child);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    (output.status.code(), stderr)
 }
 
 /// Waits for `child` (its output piped) to end and returns its output; past

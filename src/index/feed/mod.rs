@@ -7,12 +7,15 @@
 //! [`FeedStatus`], updated by the feed as it happens and read by `/workers`
 //! and `/metrics` without waiting on the feed.
 
+mod ipc_path;
 pub mod sidecar;
 pub mod zmq;
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::SystemTime;
+
+use crate::metrics::Metrics;
 
 pub use zmq::ZmqFeedConfig;
 
@@ -63,7 +66,8 @@ pub struct FeedState {
     pub phase: FeedPhase,
     /// When it entered its phase.
     pub since: SystemTime,
-    /// Why it failed or disconnected.
+    /// Why it failed or disconnected, or (an `ipc://` endpoint) why it is
+    /// not connected yet.
     pub error: Option<String>,
     /// Engine payloads converted and applied (a sidecar's batches applied).
     pub payloads: u64,
@@ -74,6 +78,9 @@ pub struct FeedState {
     pub publisher_restarts: u64,
     /// When the last payload (or batch) arrived.
     pub last_payload: Option<SystemTime>,
+    /// ZMQ connections dropped because the peer broke ZMTP or the message
+    /// size limit (publisher and replay endpoint alike; a sidecar's: 0).
+    pub peers_dropped: u64,
     /// A sidecar's subscription, for a `grpc://` worker.
     pub sidecar: Option<SidecarProgress>,
 }
@@ -97,32 +104,43 @@ pub struct SidecarProgress {
 }
 
 /// A feed's state, shared with whoever reports it.
-#[derive(Debug)]
-pub struct FeedStatus(Mutex<FeedState>);
+pub struct FeedStatus {
+    state: Mutex<FeedState>,
+    /// Where the feed's ZMQ sockets count the peers they drop.
+    sockets: OnceLock<Metrics>,
+}
 
 impl Default for FeedStatus {
     fn default() -> Self {
-        FeedStatus(Mutex::new(FeedState {
-            phase: FeedPhase::Connecting,
-            since: SystemTime::now(),
-            error: None,
-            payloads: 0,
-            bad_payloads: 0,
-            publisher_restarts: 0,
-            last_payload: None,
-            sidecar: None,
-        }))
+        FeedStatus {
+            sockets: OnceLock::new(),
+            state: Mutex::new(FeedState {
+                phase: FeedPhase::Connecting,
+                since: SystemTime::now(),
+                error: None,
+                payloads: 0,
+                bad_payloads: 0,
+                publisher_restarts: 0,
+                last_payload: None,
+                peers_dropped: 0,
+                sidecar: None,
+            }),
+        }
     }
 }
 
 impl FeedStatus {
     /// A copy of the state now.
     pub fn now(&self) -> FeedState {
-        self.lock().clone()
+        let mut state = self.lock().clone();
+        if let Some(sockets) = self.sockets.get() {
+            state.peers_dropped = crate::source::peer::dropped_peers(sockets);
+        }
+        state
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, FeedState> {
-        self.0
+        self.state
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -135,5 +153,17 @@ impl FeedStatus {
         state.phase = phase;
         state.since = SystemTime::now();
         state.error = error;
+    }
+
+    /// Has [`Self::now`] report the peers dropped as counted in `sockets`
+    /// (the feed's ZMQ sockets count there); only the first call counts.
+    fn count_peers_in(&self, sockets: Metrics) {
+        let _ = self.sockets.set(sockets);
+    }
+
+    /// Says why the feed is in its phase, without changing the phase or
+    /// since when it is in it.
+    fn explain(&self, reason: String) {
+        self.lock().error = Some(reason);
     }
 }

@@ -12,10 +12,11 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use kvgate_endpoint::{RankEndpoints, TcpEndpoint};
+use kvgate_endpoint::{EndpointError, RankEndpoints, ZmqEndpoint};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::ipc_path::AtPath;
 use super::{FeedPhase, FeedStatus};
 use crate::convert::{Alignment, Converter, Tally, UnnamedGroups};
 use crate::index::partition::Partition;
@@ -31,9 +32,9 @@ use crate::supervisor::Supervisor;
 #[derive(Clone, Debug)]
 pub struct ZmqFeedConfig {
     /// The engine's PUB socket for this rank.
-    pub endpoint: TcpEndpoint,
+    pub endpoint: ZmqEndpoint,
     /// Its replay ROUTER, if it has one.
-    pub replay_endpoint: Option<TcpEndpoint>,
+    pub replay_endpoint: Option<ZmqEndpoint>,
     /// How long one replay request may take.
     pub replay_timeout: Duration,
     /// Largest message accepted from the publisher.
@@ -57,22 +58,33 @@ fn connected(replaying: bool) -> FeedPhase {
 /// writer; past this, the engine's socket waits in the kernel instead.
 const SOURCE_QUEUE_DEPTH: usize = 8;
 
+/// How often an `ipc://` feed that is not connected looks at its socket
+/// path again, to say what is there.
+const IPC_LOOK_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Why a feed that was connected is not any more.
+const PUBLISHER_CLOSED: &str = "the publisher closed the connection";
+
 /// Follows `config` until `stop`, feeding `writer` for the rank `key`; an
-/// endpoint kvgate cannot follow (`None`: `ipc://`, `inproc://`) fails at once.
+/// endpoint no other process can reach (`inproc://`) fails at once, saying so.
 pub async fn run(
-    config: Option<ZmqFeedConfig>,
+    config: Result<ZmqFeedConfig, EndpointError>,
     partition: Arc<Partition>,
     key: RankKey,
     writer: mpsc::Sender<IndexInput>,
     status: Arc<FeedStatus>,
     stop: CancellationToken,
 ) {
-    let Some(config) = config else {
-        status.enter(
-            FeedPhase::Failed,
-            Some("only tcp:// endpoints are followed".to_owned()),
-        );
-        return;
+    let config = match config {
+        Ok(config) => config,
+        Err(unreachable) => {
+            status.enter(FeedPhase::Failed, Some(unreachable.to_string()));
+            return;
+        }
+    };
+    let ipc_path = match &config.endpoint {
+        ZmqEndpoint::Ipc(ipc) => Some(ipc.path().to_owned()),
+        ZmqEndpoint::Tcp(_) => None,
     };
     let supervisor = Supervisor::new();
     let (events_tx, mut events) = mpsc::channel(SOURCE_QUEUE_DEPTH);
@@ -80,8 +92,8 @@ pub async fn run(
     let (link_tx, mut link) = watch::channel(false);
     let (replaying_tx, mut replaying) = watch::channel(false);
     let source = ZmqSourceConfig {
-        endpoint: RankEndpoints::Offset(config.endpoint),
-        replay_endpoint: config.replay_endpoint.map(RankEndpoints::Offset),
+        endpoint: RankEndpoints::from(config.endpoint),
+        replay_endpoint: config.replay_endpoint.map(RankEndpoints::from),
         replay_timeout: config.replay_timeout,
         replay_bounds: FetchBounds::default(),
         dp_size: 1,
@@ -96,8 +108,10 @@ pub async fn run(
         link: Some(link_tx),
         replaying: Some(replaying_tx),
     };
+    let sockets = Metrics::default();
+    status.count_peers_in(sockets.clone());
     if let Err(error) = source
-        .start(events_tx, Metrics::default(), ready_tx, &supervisor)
+        .start(events_tx, sockets, ready_tx, &supervisor)
         .await
     {
         status.enter(FeedPhase::Failed, Some(error.to_string()));
@@ -110,6 +124,9 @@ pub async fn run(
     let mut tally = Tally::default();
     let failed = supervisor.failed();
     tokio::pin!(failed);
+    let mut looks = tokio::time::interval(IPC_LOOK_INTERVAL);
+    looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ever_connected = false;
     loop {
         tokio::select! {
             () = stop.cancelled() => break,
@@ -119,12 +136,26 @@ pub async fn run(
             }
             Ok(()) = link.changed() => {
                 if *link.borrow_and_update() {
+                    ever_connected = true;
                     status.enter(connected(*replaying.borrow()), None);
                 } else {
                     status.enter(
                         FeedPhase::Disconnected,
-                        Some("the publisher closed the connection; redialling".to_owned()),
+                        Some(format!("{PUBLISHER_CLOSED}; redialling")),
                     );
+                }
+            }
+            _ = looks.tick(), if ipc_path.is_some() && !*link.borrow() => {
+                if let Some(path) = &ipc_path {
+                    let at_path = AtPath::look(path).await;
+                    // The link may have come up during the look.
+                    if !*link.borrow() {
+                        status.explain(if ever_connected {
+                            format!("{PUBLISHER_CLOSED}; {at_path}; redialling")
+                        } else {
+                            format!("{at_path}; dialling")
+                        });
+                    }
                 }
             }
             Ok(()) = replaying.changed() => {

@@ -355,6 +355,7 @@ pub struct SocketOptions {
     pub(crate) read_buffer_max_size: usize,
     pub(crate) read_buffer_short_reads: usize,
     pub(crate) max_message_size: Option<usize>,
+    pub(crate) handshake_timeout: Option<Duration>,
 }
 
 impl Default for SocketOptions {
@@ -366,6 +367,7 @@ impl Default for SocketOptions {
             read_buffer_max_size: 64 * 1024,
             read_buffer_short_reads: 2,
             max_message_size: None,
+            handshake_timeout: None,
         }
     }
 }
@@ -444,6 +446,27 @@ impl SocketOptions {
     /// ```
     pub fn max_message_size(&mut self, max_size: usize) -> &mut Self {
         self.max_message_size = Some(max_size);
+        self
+    }
+
+    /// Drops a connection whose peer has not completed the ZMTP handshake
+    /// (greeting and READY) within `timeout`, like libzmq's
+    /// `ZMQ_HANDSHAKE_IVL`: the handshake fails with a
+    /// [`ZmqError::Network`] error of kind `TimedOut`. Applies to every
+    /// connection the socket makes, accepts or remakes after a disconnect.
+    /// Defaults to no limit: a peer that accepts and then stays silent holds
+    /// a connecting socket (or its reconnection) there for good.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use zeromq::{Socket, SocketOptions, SubSocket};
+    ///
+    /// let mut options = SocketOptions::default();
+    /// options.handshake_timeout(Duration::from_secs(5));
+    /// let socket = SubSocket::with_options(options);
+    /// ```
+    pub fn handshake_timeout(&mut self, timeout: Duration) -> &mut Self {
+        self.handshake_timeout = Some(timeout);
         self
     }
 

@@ -8,7 +8,7 @@ use crate::async_rt::task::{spawn, JoinHandle};
 use crate::backend::DisconnectNotifier;
 use crate::endpoint::Endpoint;
 use crate::transport;
-use crate::util::{greet_exchange, ready_exchange, PeerIdentity};
+use crate::util::{peer_handshake, PeerIdentity};
 use crate::MultiPeerBackend;
 
 use futures::channel::{mpsc, oneshot};
@@ -223,19 +223,9 @@ async fn try_reconnect(
     let (mut raw_socket, resolved_endpoint) =
         transport::connect(endpoint, Arc::clone(backend.socket_options())).await?;
 
-    // Perform ZMTP handshake
-    greet_exchange(&mut raw_socket).await?;
-
-    // Build properties for ready exchange (include identity if configured)
-    let mut props = None;
-    if let Some(identity) = &backend.socket_options().peer_id {
-        let mut connect_ops = std::collections::HashMap::new();
-        connect_ops.insert("Identity".to_string(), identity.clone().into());
-        props = Some(connect_ops);
-    }
-
-    // Exchange ready commands
-    let peer_id = ready_exchange(&mut raw_socket, backend.socket_type(), props).await?;
+    // Perform the ZMTP handshake (greeting and READY), bounded by the
+    // socket's handshake timeout
+    let peer_id = peer_handshake(&mut raw_socket, backend.clone()).await?;
 
     // Register the peer with the backend
     // This triggers subscription resync for SUB sockets

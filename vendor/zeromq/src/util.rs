@@ -196,18 +196,33 @@ pub(crate) async fn peer_connected(
     Ok(peer_id)
 }
 
+/// Greets the peer and exchanges READY, within the socket's
+/// `handshake_timeout` when it has one.
 pub(crate) async fn peer_handshake(
     raw_socket: &mut FramedIo,
     backend: Arc<dyn MultiPeerBackend>,
 ) -> ZmqResult<PeerIdentity> {
-    greet_exchange(raw_socket).await?;
-    let mut props = None;
-    if let Some(identity) = &backend.socket_options().peer_id {
-        let mut connect_ops = HashMap::new();
-        connect_ops.insert("Identity".to_string(), identity.clone().into());
-        props = Some(connect_ops);
+    let handshake = async {
+        greet_exchange(raw_socket).await?;
+        let mut props = None;
+        if let Some(identity) = &backend.socket_options().peer_id {
+            let mut connect_ops = HashMap::new();
+            connect_ops.insert("Identity".to_string(), identity.clone().into());
+            props = Some(connect_ops);
+        }
+        ready_exchange(raw_socket, backend.socket_type(), props).await
+    };
+    match backend.socket_options().handshake_timeout {
+        Some(limit) => async_rt::task::timeout(limit, handshake)
+            .await
+            .unwrap_or_else(|_| {
+                Err(ZmqError::Network(std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    format!("the peer did not complete the ZMTP handshake within {limit:?}"),
+                )))
+            }),
+        None => handshake.await,
     }
-    ready_exchange(raw_socket, backend.socket_type(), props).await
 }
 
 pub(crate) async fn run_with_timeout<T, F>(duration: Option<Duration>, future: F) -> ZmqResult<T>
