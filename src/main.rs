@@ -53,9 +53,7 @@ fn main() -> std::process::ExitCode {
             builder.worker_threads(args.worker_threads as usize);
         }
         Command::Index(args) => {
-            if let Some(threads) = args.worker_threads {
-                builder.worker_threads(threads as usize);
-            }
+            builder.worker_threads(args.worker_threads as usize);
         }
         _ => {}
     }

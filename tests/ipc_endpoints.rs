@@ -231,16 +231,14 @@ async fn an_ipc_worker_is_told_at_registration_or_in_workers_what_is_wrong_with_
         "{failed}"
     );
 
-    // Nothing at the path yet: registered, dialled, and said so.
+    // Nothing at the path yet: registered, dialled, and said so. A replay
+    // endpoint nobody outside the engine can reach leaves the rank
+    // followed without gap fills, not failed.
     let path = dir.path("rank0.sock");
+    let mut unreachable_replay = register(1, &dir.endpoint("rank0.sock"));
+    unreachable_replay["replay_endpoint"] = json!("inproc://replay");
     assert_eq!(
-        post(
-            index.address,
-            "/register",
-            register(1, &dir.endpoint("rank0.sock"))
-        )
-        .await
-        .0,
+        post(index.address, "/register", unreachable_replay).await.0,
         201
     );
     let waiting = await_listener_saying(

@@ -189,8 +189,8 @@ pub(super) async fn choose_source(
         .ok_or_else(|| {
             UsageError(
                 "no event source: give --engine-http URL (vLLM) or --engine-grpc URI (SGLang, OpenEngine) \
-                 to ask the engine where it publishes, --zmq-endpoint tcp://HOST:PORT (the engine's \
-                 KV-event publisher), --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
+                 to ask the engine where it publishes, --zmq-endpoint tcp://HOST:PORT or ipc://PATH \
+                 (the engine's KV-event publisher), --upstream-grpc URI (another SubscribeKvEvents server) or --demo"
                     .into(),
             )
         })?;

@@ -20,11 +20,13 @@
 //!
 //! Files: `tier.rs` (tiers from the event's medium), `block_hash.rs` (the
 //! local hash), `nodes.rs` (where a tree's nodes live and who holds each),
-//! `children.rs` (a child found under its parent), `rank_blocks.rs` (a
-//! rank's engine hashes and their nodes), `tree.rs` (one partition), `partition.rs` (a tree, its block
-//! size and its counters), `writer.rs` (the one writer), `registry.rs`
-//! (workers and partitions), `feed.rs` (one worker rank's ZMQ source and
-//! converter), `overlap.rs` (a query's answer per worker and rank).
+//! `children.rs` (a child found among its siblings), `rank_blocks.rs` (a
+//! rank's engine hashes and their nodes), `tree.rs` (one partition),
+//! `partition.rs` (a tree, its block size and its counters), `writer.rs`
+//! (the one writer), `registry.rs` (workers and partitions), `feed/` (a
+//! worker's source: `zmq.rs` one rank's ZMQ source and converter,
+//! `ipc_path.rs` what is at an `ipc://` path, `sidecar.rs` every rank of a
+//! kvgate sidecar), `overlap.rs` (a query's answer per worker and rank).
 
 pub mod block_hash;
 mod children;

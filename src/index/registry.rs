@@ -21,6 +21,7 @@ use kvgate_endpoint::{EndpointError, ZmqEndpoint};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 use super::feed::sidecar::{self, SidecarSettings};
 use super::feed::{self, FeedState, FeedStatus, ZmqFeedConfig};
@@ -238,13 +239,27 @@ impl Registry {
                     })
                 })
                 .transpose()?;
-            Source::Zmq(endpoint.and_then(|endpoint| {
-                Ok(ZmqFeedConfig {
+            Source::Zmq(endpoint.map(|endpoint| {
+                ZmqFeedConfig {
                     endpoint,
-                    replay_endpoint: replay_endpoint.transpose()?,
+                    // A replay endpoint kvgate cannot reach (`inproc://`)
+                    // leaves the rank followed without gap fills, as if
+                    // registered without one.
+                    replay_endpoint: replay_endpoint.and_then(|replay| {
+                        replay
+                            .inspect_err(|reason| {
+                                warn!(
+                                    instance_id = registration.instance_id,
+                                    dp_rank = registration.dp_rank.unwrap_or(0),
+                                    %reason,
+                                    "replay endpoint not followed; the rank is followed without gap fills"
+                                );
+                            })
+                            .ok()
+                    }),
                     replay_timeout: self.settings.replay_timeout,
                     max_message_bytes: self.settings.max_message_bytes,
-                })
+                }
             }))
         };
         let dp_rank = registration.dp_rank.unwrap_or(0);

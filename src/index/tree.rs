@@ -418,15 +418,15 @@ impl Tree {
         let mut current = ROOT;
         // The holders of the node before, and how many nodes in a row since
         // had the same ones: every rank still walking went on in its phase
-        // through each, counted once the holders change (a prefix the whole
+        // through each, credited once the holders change (a prefix the whole
         // fleet shares is then one comparison a block, not a merge).
-        let mut before: &[Held] = &[];
-        let mut unchanged = 0;
-        let go_on = |walking: &mut Vec<Walk>, unchanged: &mut u32| {
+        let mut previous_holders: &[Held] = &[];
+        let mut same_holders_run = 0;
+        let credit_run = |walking: &mut Vec<Walk>, run: &mut u32| {
             for walk in walking.iter_mut() {
-                walk.blocks[walk.phase] += *unchanged;
+                walk.blocks[walk.phase] += *run;
             }
-            *unchanged = 0;
+            *run = 0;
         };
         for (depth, local) in locals.iter().enumerate() {
             let Some(node) = self.find_child(current, *local) else {
@@ -434,12 +434,12 @@ impl Tree {
             };
             let holders = self.nodes.holders(node);
             current = node;
-            if depth > 0 && holders == before {
-                unchanged += 1;
+            if depth > 0 && holders == previous_holders {
+                same_holders_run += 1;
                 continue;
             }
-            go_on(&mut walking, &mut unchanged);
-            before = holders;
+            credit_run(&mut walking, &mut same_holders_run);
+            previous_holders = holders;
             if depth == 0 {
                 walking.extend(holders.iter().map(|held| Walk {
                     member: held.member(),
@@ -478,7 +478,7 @@ impl Tree {
                 break;
             }
         }
-        go_on(&mut walking, &mut unchanged);
+        credit_run(&mut walking, &mut same_holders_run);
         ended.append(&mut walking);
         ended
             .into_iter()

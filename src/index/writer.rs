@@ -96,8 +96,9 @@ pub async fn run(mut inputs: mpsc::Receiver<IndexInput>) {
         applied_since_trim = true;
         // The runtime's thread goes back to queries and feeds after each
         // input: with a queue behind it, tokio's cooperative budget alone
-        // let the writer apply some sixty inputs in a row (milliseconds of
-        // a fleet's churn) before a query on the same thread was answered.
+        // (128, two an input) let the writer apply 64 inputs in a row,
+        // milliseconds of a fleet's churn, before a query on the same
+        // thread was answered.
         tokio::task::yield_now().await;
     }
 }

@@ -471,10 +471,11 @@ mod tests {
             },
             memory: IndexMemory {
                 rss_before_mb: 10.0,
-                rss_registered_mb: 10.0,
+                // Registering the ranks took 10 of the bytes per block.
+                rss_registered_mb: 10.0 + 10.0 * 1e-3,
                 rss_after_ingest_mb: 10.0 + bytes * 1e-3,
                 bytes_per_live_block: bytes,
-                bytes_per_live_block_beyond_registration: bytes,
+                bytes_per_live_block_beyond_registration: bytes - 10.0,
             },
             queries: Some(Queries {
                 queries: 1_000,
@@ -542,7 +543,8 @@ mod tests {
                 (Some(3.2), Some(true)),
                 (Some(1.2), Some(true)),
                 (Some(2.4), Some(true)),
-                (Some(2.4), Some(true)),
+                // (120 - 10) / (50 - 10).
+                (Some(2.75), Some(true)),
                 (Some(1.5), Some(false)),
             ]
         );

@@ -5,8 +5,10 @@
 //! exactly what is wrong: nothing there yet (the engine has not bound it),
 //! something that is not a socket, a socket nobody accepts on, or a path
 //! kvgate may not reach. Invariant: looking never blocks the feed's task
-//! (the file system is asked on tokio's blocking pool) and changes
-//! nothing at the path; the socket goes on redialling whatever it finds.
+//! (the file system is asked on tokio's blocking pool, and the feed waits
+//! for the answer beside its events, so a hung mount delays only the
+//! reason) and changes nothing at the path; the socket goes on redialling
+//! whatever it finds.
 
 use std::fmt;
 use std::io;

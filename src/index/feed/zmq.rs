@@ -9,8 +9,12 @@
 //! refuses is counted and changes nothing. What the feed knows of its
 //! source is in its [`FeedStatus`], updated as it happens.
 
+use std::pin::pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+
+use futures::FutureExt as _;
+use futures::future::{BoxFuture, Fuse, FusedFuture as _};
 
 use kvgate_endpoint::{EndpointError, RankEndpoints, ZmqEndpoint};
 use tokio::sync::{mpsc, watch};
@@ -55,7 +59,11 @@ fn connected(replaying: bool) -> FeedPhase {
 /// feed. Few: the writer's queue is the index's buffer, and a message holds
 /// the whole read buffer it was read into. At 256 a rank, a fleet of 256
 /// ranks publishing at once held a gigabyte of payloads waiting for the
-/// writer; past this, the engine's socket waits in the kernel instead.
+/// writer (BENCHMARKS.md, "The fleet index"). Past this, what the engine
+/// sends waits in the kernel's socket buffers, then in the engine's own
+/// queue up to its high-water mark (vLLM's is 100,000 messages), and only
+/// past that is dropped: a gap, filled from the replay endpoint when the
+/// rank has one.
 const SOURCE_QUEUE_DEPTH: usize = 8;
 
 /// How often an `ipc://` feed that is not connected looks at its socket
@@ -126,6 +134,10 @@ pub async fn run(
     tokio::pin!(failed);
     let mut looks = tokio::time::interval(IPC_LOOK_INTERVAL);
     looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // A look in flight is one more branch of the loop, so a file system
+    // that hangs (a dead network mount) delays the reason, never the
+    // feed's events or its stop.
+    let mut look = pin!(Fuse::<BoxFuture<'static, AtPath>>::terminated());
     let mut ever_connected = false;
     loop {
         tokio::select! {
@@ -145,17 +157,19 @@ pub async fn run(
                     );
                 }
             }
-            _ = looks.tick(), if ipc_path.is_some() && !*link.borrow() => {
-                if let Some(path) = &ipc_path {
-                    let at_path = AtPath::look(path).await;
-                    // The link may have come up during the look.
-                    if !*link.borrow() {
-                        status.explain(if ever_connected {
-                            format!("{PUBLISHER_CLOSED}; {at_path}; redialling")
-                        } else {
-                            format!("{at_path}; dialling")
-                        });
-                    }
+            _ = looks.tick(), if ipc_path.is_some() && !*link.borrow() && look.is_terminated() => {
+                if let Some(path) = ipc_path.clone() {
+                    look.set(async move { AtPath::look(&path).await }.boxed().fuse());
+                }
+            }
+            at_path = &mut look => {
+                // The link may have come up during the look.
+                if !*link.borrow() {
+                    status.explain(if ever_connected {
+                        format!("{PUBLISHER_CLOSED}; {at_path}; redialling")
+                    } else {
+                        format!("{at_path}; dialling")
+                    });
                 }
             }
             Ok(()) = replaying.changed() => {
