@@ -6,7 +6,7 @@ mod common;
 use std::net::SocketAddr;
 
 use bytes::Bytes;
-use common::index::{self, get, post, publisher, request, stored_payload};
+use common::index::{self, await_listener, get, post, publisher, request, stored_payload};
 use common::{DEADLINE, IndexProcess, Polling};
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
@@ -241,23 +241,6 @@ async fn registrations_and_queries_get_dynamos_status_codes() {
     );
 }
 
-/// Polls `/workers` until worker 1's rank 0 listener is in `state`.
-async fn await_listener_state(address: SocketAddr, state: &str) -> Value {
-    let mut polling = Polling::within(DEADLINE);
-    loop {
-        let (_, workers) = get(address, "/workers").await;
-        let listener = workers[0]["listeners"]["0"].clone();
-        if listener["kvgate"]["state"] == state {
-            return listener;
-        }
-        polling
-            .again(format_args!(
-                "the listener stayed {listener}, never {state}"
-            ))
-            .await;
-    }
-}
-
 #[tokio::test]
 async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_empty() {
     let index = IndexProcess::start(&[]);
@@ -270,7 +253,7 @@ async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_e
             .0,
         201
     );
-    let before = await_listener_state(index.address, "connected").await;
+    let before = await_listener(index.address, 1, "connected").await;
     assert_eq!(before["status"], "active");
 
     let tokens: Vec<u32> = (0..4).collect();
@@ -288,7 +271,7 @@ async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_e
 
     // The engine goes away: the listener says so, and since when.
     drop(publisher);
-    let gone = await_listener_state(index.address, "disconnected").await;
+    let gone = await_listener(index.address, 1, "disconnected").await;
     assert_eq!(gone["status"], "pending");
     assert!(
         gone["kvgate"]["since"].as_f64().unwrap() >= before["kvgate"]["since"].as_f64().unwrap()
@@ -302,7 +285,7 @@ async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_e
         ..PublisherOptions::default()
     };
     let mut restarted = EnginePublisher::bind(&endpoint, &options).await.unwrap();
-    await_listener_state(index.address, "connected").await;
+    await_listener(index.address, 1, "connected").await;
     index::assert_a_restarted_engine_starts_empty(&mut restarted, index.address, query).await;
 }
 
@@ -406,9 +389,9 @@ async fn a_worker_priming_from_a_slow_replay_endpoint_is_reported_catching_up_th
     let mut registration = register(1, &publisher, 2);
     registration["replay_endpoint"] = json!(replay);
     assert_eq!(post(index.address, "/register", registration).await.0, 201);
-    let catching_up = await_listener_state(index.address, "catching_up").await;
+    let catching_up = await_listener(index.address, 1, "catching_up").await;
     assert_eq!(catching_up["status"], "active", "Dynamo's status of it");
-    let connected = await_listener_state(index.address, "connected").await;
+    let connected = await_listener(index.address, 1, "connected").await;
     assert!(
         connected["kvgate"]["since"].as_f64() > catching_up["kvgate"]["since"].as_f64(),
         "{catching_up} then {connected}"
@@ -478,7 +461,7 @@ async fn status_shows_partitions_and_each_ranks_source_and_fails_while_one_is_no
         &held,
     )
     .await;
-    await_listener_state(address, "connected").await;
+    await_listener(address, 1, "connected").await;
 
     let (code, text, stderr) = status_of(address, false);
     assert_eq!(code, 1, "a rank is not connected: {text}{stderr}");

@@ -8,41 +8,16 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use common::index::{get, post, publish_until, stored_payload};
+use common::index::{
+    await_listener, await_listener_saying, get, post, publish_until, stored_payload,
+};
+use common::socket_dir::SocketDir;
 use common::{DEADLINE, IndexProcess, Polling};
 use kvgate::proto::common::kv_cache_event::Data;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
 use serde_json::{Value, json};
-
-/// A directory for one test's socket files, removed with what is in it.
-struct SocketDir(PathBuf);
-
-impl SocketDir {
-    fn new(test: &str) -> Self {
-        // Short: a socket path must fit in 107 bytes.
-        let dir = std::env::temp_dir().join(format!("kvg-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        SocketDir(dir)
-    }
-
-    /// `ipc://` at `name` in the directory.
-    fn endpoint(&self, name: &str) -> String {
-        format!("ipc://{}", self.0.join(name).display())
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for SocketDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// An engine rank publishing at `ipc://dir/rank0.sock`, its replay ROUTER at
 /// `ipc://dir/replay0.sock`.
@@ -64,36 +39,6 @@ async fn await_removed(path: &Path) {
     while path.exists() {
         polling
             .again(format_args!("{} was never removed", path.display()))
-            .await;
-    }
-}
-
-/// Polls `/workers` until worker `id`'s rank 0 listener is in `state`.
-async fn await_listener(address: SocketAddr, id: u64, state: &str) -> Value {
-    await_listener_saying(address, id, state, "").await
-}
-
-/// Polls `/workers` until worker `id`'s rank 0 listener is in `state` for
-/// a reason that contains `why`.
-async fn await_listener_saying(address: SocketAddr, id: u64, state: &str, why: &str) -> Value {
-    let mut polling = Polling::within(DEADLINE);
-    loop {
-        let (_, workers) = get(address, "/workers").await;
-        let listener = workers
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|worker| worker["instance_id"] == id)
-            .map(|worker| worker["listeners"]["0"].clone())
-            .unwrap_or_default();
-        let reason = listener["kvgate"]["reason"].as_str().unwrap_or_default();
-        if listener["kvgate"]["state"] == state && reason.contains(why) {
-            return listener;
-        }
-        polling
-            .again(format_args!(
-                "worker {id}'s listener stayed {listener}, never {state} saying {why:?}"
-            ))
             .await;
     }
 }

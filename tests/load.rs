@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::router::{Admission, RouterView};
+use common::socket_dir::SocketDir;
 use common::{DEADLINE, Gateway, is_load_only, next_batch};
 use kvgate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 use kvgate::proto::sglang::grpc::scheduler as sglang;
@@ -780,16 +781,11 @@ fn load_sources(status: &serde_json::Value) -> Vec<Option<String>> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stat_pushed_on_an_ipc_load_endpoint_reaches_the_stream() {
-    let dir = std::env::temp_dir().join(format!("kvg-load-ipc-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let endpoint = format!("ipc://{}", dir.join("load.sock").display());
-    let (gateway, _kv, mut load) = pushing_gateway_at(&endpoint, &[]).await;
+    let dir = SocketDir::new("load-ipc");
+    let (gateway, _kv, mut load) = pushing_gateway_at(&dir.endpoint("load.sock"), &[]).await;
     let (mut stream, mut sample) = (subscribe(&gateway, 0, true).await, 0);
     sync_load(&mut load, 0, &mut stream, &mut sample).await;
     assert_eq!(load_sources(&status(&gateway).await), [Some("push".into())]);
-    drop(gateway);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -190,3 +190,33 @@ pub async fn publish_until(
             .await;
     }
 }
+
+/// Polls `/workers` until worker `id`'s rank 0 listener is in `state`.
+pub async fn await_listener(address: SocketAddr, id: u64, state: &str) -> Value {
+    await_listener_saying(address, id, state, "").await
+}
+
+/// Polls `/workers` until worker `id`'s rank 0 listener is in `state` for
+/// a reason that contains `why`.
+pub async fn await_listener_saying(address: SocketAddr, id: u64, state: &str, why: &str) -> Value {
+    let mut polling = Polling::within(DEADLINE);
+    loop {
+        let (_, workers) = get(address, "/workers").await;
+        let listener = workers
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|worker| worker["instance_id"] == id)
+            .map(|worker| worker["listeners"]["0"].clone())
+            .unwrap_or_default();
+        let reason = listener["kvgate"]["reason"].as_str().unwrap_or_default();
+        if listener["kvgate"]["state"] == state && reason.contains(why) {
+            return listener;
+        }
+        polling
+            .again(format_args!(
+                "worker {id}'s listener stayed {listener}, never {state} saying {why:?}"
+            ))
+            .await;
+    }
+}

@@ -8,6 +8,7 @@ pub mod pki;
 pub mod raw_codec;
 pub mod recording;
 pub mod router;
+pub mod socket_dir;
 pub mod zmtp;
 
 use std::collections::VecDeque;
