@@ -132,7 +132,7 @@ pub fn record_dropped_peer(
 
 /// Every peer connection dropped on the sockets counted in `metrics`,
 /// whatever the socket and the reason.
-pub fn dropped_peers(metrics: &Metrics) -> u64 {
+pub fn all_dropped_peers(metrics: &Metrics) -> u64 {
     PeerSocket::ALL
         .into_iter()
         .flat_map(|socket| PeerDropReason::ALL.map(|reason| (socket, reason)))

@@ -134,7 +134,7 @@ impl FeedStatus {
     pub fn now(&self) -> FeedState {
         let mut state = self.lock().clone();
         if let Some(sockets) = self.sockets.get() {
-            state.peers_dropped = crate::source::peer::dropped_peers(sockets);
+            state.peers_dropped = crate::source::peer::all_dropped_peers(sockets);
         }
         state
     }
