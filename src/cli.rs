@@ -148,13 +148,13 @@ pub struct IndexArgs {
     )]
     pub worker_service: String,
 
-    /// Threads that run the index's tasks (feeds, the writer, queries). One
-    /// answers each query on the thread that read it, with no wake-up of
-    /// another: 15-20% less CPU per query and per ingested block than two
-    /// on 33 ranks, and at 256 ranks 5,000 queries/s answered while every
-    /// rank stores, at two thirds of a core (BENCHMARKS.md, "The fleet
-    /// index"). It caps the index at one core's queries (about 40,000 a
-    /// second over 33 ranks, 14,000 over 256): more threads for more.
+    /// Threads that answer queries (every feed and the writer run on a
+    /// thread of their own). One answers each query on the thread that read
+    /// it, with no wake-up of another: 23-24 µs of CPU per query against
+    /// 28.5-31.5 with two on 33 ranks, at the same rate and p99
+    /// (BENCHMARKS.md, "The fleet index"). It caps the index at one core's
+    /// queries (about 40,000 a second over 33 ranks, 16,000 over 256): more
+    /// threads for more.
     #[arg(long, env = "KVGATE_INDEX_WORKER_THREADS", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub worker_threads: u32,

@@ -508,3 +508,36 @@ async fn status_shows_partitions_and_each_ranks_source_and_fails_while_one_is_no
     let (code, text, stderr) = status_of(address, false);
     assert_eq!(code, 0, "{text}{stderr}");
 }
+
+/// `(thread name, nice)` of every thread of process `pid`, from `/proc`.
+fn thread_priorities(pid: u32) -> Vec<(String, i64)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| {
+            let task = task.ok()?.path();
+            let name = std::fs::read_to_string(task.join("comm")).ok()?;
+            let stat = std::fs::read_to_string(task.join("stat")).ok()?;
+            // Past the name in parentheses, nice is the 17th field.
+            let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split(' ').collect();
+            Some((name.trim().to_owned(), fields.get(16)?.parse().ok()?))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn feeds_and_the_writer_run_on_a_thread_of_their_own_below_the_queries_priority() {
+    let index = IndexProcess::start(&[]);
+    let threads = thread_priorities(index.pid());
+    let ingest: Vec<i64> = threads
+        .iter()
+        .filter(|(name, _)| name == "kvgate-ingest")
+        .map(|&(_, nice)| nice)
+        .collect();
+    assert_eq!(ingest, [10], "{threads:?}");
+    assert!(
+        threads
+            .iter()
+            .any(|(name, nice)| name.starts_with("tokio-rt") && *nice == 0),
+        "{threads:?}"
+    );
+}

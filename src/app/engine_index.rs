@@ -77,6 +77,8 @@ pub(super) fn start(flags: IndexFlags, hub: &HubReader, supervisor: &Supervisor)
     let (queue, inputs) = writer::queue();
     let registry = Arc::new(Registry::new(
         queue.clone(),
+        // The sidecar's one feed is its hub's, spawned below.
+        tokio::runtime::Handle::current(),
         // No worker registers with a sidecar: only its own engine is held.
         FeedSettings {
             replay_timeout: Duration::ZERO,

@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 use crate::cli::IndexArgs;
 use crate::client::TlsFlags;
 use crate::index::feed::sidecar::{self, SidecarSettings, SidecarTrust};
+use crate::index::ingest_thread::IngestThread;
 use crate::index::partition::PartitionKey;
 use crate::index::registry::{FeedSettings, Registration, Registry, RegistryLimits};
 use crate::index::writer;
@@ -28,6 +29,8 @@ pub struct Index {
     listener: TcpListener,
     registry: Arc<Registry>,
     writer: tokio::task::JoinHandle<()>,
+    /// Runs the feeds and the writer; stopped last.
+    ingest: IngestThread,
     limits: AdminLimits,
 }
 
@@ -43,10 +46,12 @@ impl Index {
             token_flag: "--worker-token-file",
         };
         check_trust(&trust)?;
+        let ingest = IngestThread::start()?;
         let (queue, inputs) = writer::queue();
-        let writer = tokio::spawn(writer::run(inputs));
+        let writer = ingest.handle().spawn(writer::run(inputs));
         let registry = Arc::new(Registry::new(
             queue,
+            ingest.handle().clone(),
             FeedSettings {
                 replay_timeout: Duration::from_millis(args.zmq_replay_timeout_ms),
                 max_message_bytes: usize::try_from(args.zmq_max_message_bytes)
@@ -91,6 +96,7 @@ impl Index {
             listener,
             registry,
             writer,
+            ingest,
             limits: AdminLimits {
                 max_connections: args.http_max_connections,
                 header_timeout: Duration::from_millis(args.http_header_timeout_ms),
@@ -111,6 +117,7 @@ impl Index {
         self.registry.stop_all();
         drop(self.registry);
         self.writer.abort();
+        drop(self.ingest);
         Ok(())
     }
 }

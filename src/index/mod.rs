@@ -23,7 +23,8 @@
 //! `children.rs` (a child found among its siblings), `rank_blocks.rs` (a
 //! rank's engine hashes and their nodes), `tree.rs` (one partition),
 //! `partition.rs` (a tree, its block size and its counters), `writer.rs`
-//! (the one writer), `registry.rs` (workers and partitions), `feed/` (a
+//! (the one writer), `ingest_thread.rs` (the feeds' and the writer's
+//! thread, below the queries'), `registry.rs` (workers and partitions), `feed/` (a
 //! worker's source: `zmq.rs` one rank's ZMQ source and converter,
 //! `ipc_path.rs` what is at an `ipc://` path, `sidecar.rs` every rank of a
 //! kvgate sidecar), `overlap.rs` (a query's answer per worker and rank).
@@ -31,6 +32,7 @@
 pub mod block_hash;
 mod children;
 pub(crate) mod feed;
+pub(crate) mod ingest_thread;
 mod nodes;
 pub mod overlap;
 pub mod partition;

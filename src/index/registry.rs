@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvgate_endpoint::{EndpointError, ZmqEndpoint};
+use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -185,20 +186,24 @@ struct State {
 pub struct Registry {
     state: Mutex<State>,
     writer: mpsc::Sender<IndexInput>,
+    /// Where feeds run: ingest's own runtime, apart from the queries'.
+    ingest: Handle,
     settings: FeedSettings,
     limits: RegistryLimits,
 }
 
 impl Registry {
-    /// An empty registry whose feeds send to `writer`.
+    /// An empty registry whose feeds run on `ingest` and send to `writer`.
     pub fn new(
         writer: mpsc::Sender<IndexInput>,
+        ingest: Handle,
         settings: FeedSettings,
         limits: RegistryLimits,
     ) -> Self {
         Registry {
             state: Mutex::default(),
             writer,
+            ingest,
             settings,
             limits,
         }
@@ -315,7 +320,7 @@ impl Registry {
         let status = Arc::new(FeedStatus::default());
         let stop = CancellationToken::new();
         let task = match source {
-            Source::Zmq(config) => tokio::spawn(feed::zmq::run(
+            Source::Zmq(config) => self.ingest.spawn(feed::zmq::run(
                 config,
                 Arc::clone(&partition),
                 RankKey {
@@ -326,7 +331,7 @@ impl Registry {
                 Arc::clone(&status),
                 stop.clone(),
             )),
-            Source::Sidecar(target) => tokio::spawn(sidecar::run(
+            Source::Sidecar(target) => self.ingest.spawn(sidecar::run(
                 target,
                 self.settings.sidecar.clone(),
                 Arc::clone(&partition),
