@@ -38,6 +38,7 @@ pub mod proto;
 pub mod recording;
 pub mod regular_file;
 pub mod router_rules;
+pub mod runtime_thread;
 pub mod server;
 pub mod source;
 pub mod state;

@@ -9,10 +9,11 @@ use tokio::net::TcpListener;
 use crate::cli::IndexArgs;
 use crate::client::TlsFlags;
 use crate::index::feed::sidecar::{self, SidecarSettings, SidecarTrust};
-use crate::index::ingest_thread::IngestThread;
+use crate::index::ingest_thread;
 use crate::index::partition::PartitionKey;
 use crate::index::registry::{FeedSettings, Registration, Registry, RegistryLimits};
 use crate::index::writer;
+use crate::runtime_thread::RuntimeThread;
 use crate::server::admin_connection::AdminLimits;
 use crate::server::index_http;
 
@@ -30,7 +31,7 @@ pub struct Index {
     registry: Arc<Registry>,
     writer: tokio::task::JoinHandle<()>,
     /// Runs the feeds and the writer; stopped last.
-    ingest: IngestThread,
+    ingest: RuntimeThread,
     limits: AdminLimits,
 }
 
@@ -46,7 +47,7 @@ impl Index {
             token_flag: "--worker-token-file",
         };
         check_trust(&trust)?;
-        let ingest = IngestThread::start()?;
+        let ingest = ingest_thread::start()?;
         let (queue, inputs) = writer::queue();
         let writer = ingest.handle().spawn(writer::run(inputs));
         let registry = Arc::new(Registry::new(

@@ -292,47 +292,48 @@ fn targets(config: &IndexConfig, runs: &[IndexRunReport]) -> Vec<TargetCheck> {
     };
     let no_peer = peer.is_none().then(|| "no peer ran".to_owned());
     let peer_name = peer.unwrap_or("the peer");
-    let query_cpu = ratio(|run| Some(run.queries.as_ref()?.cpu_us_per_query));
-    checks.push(TargetCheck {
-        target: format!(
+    // A target met when the peer's mean is at least `at_least` times kvgate's.
+    let peer_over_kvgate =
+        |target: String, pick: fn(&IndexRunReport) -> Option<f64>, at_least: f64| {
+            let measured = ratio(pick);
+            TargetCheck {
+                target,
+                measured,
+                met: measured.map(|ratio| ratio >= at_least),
+                note: no_peer.clone(),
+            }
+        };
+    checks.push(peer_over_kvgate(
+        format!(
             "{peer_name}'s CPU per query >= {QUERY_CPU_RATIO}x kvgate's at {} connections (x)",
             config.connections
         ),
-        measured: query_cpu,
-        met: query_cpu.map(|ratio| ratio >= QUERY_CPU_RATIO),
-        note: no_peer.clone(),
-    });
-    let p99 = ratio(|run| Some(run.queries.as_ref()?.latency_ms.p99));
-    checks.push(TargetCheck {
-        target: format!("{peer_name}'s query p99 over kvgate's (x, >= 1)"),
-        measured: p99,
-        met: p99.map(|ratio| ratio >= 1.0),
-        note: no_peer.clone(),
-    });
-    let memory = ratio(|run| Some(run.memory.bytes_per_live_block));
-    checks.push(TargetCheck {
-        target: format!("{peer_name}'s memory per live block >= {INGEST_RATIO}x kvgate's (x)"),
-        measured: memory,
-        met: memory.map(|ratio| ratio >= INGEST_RATIO),
-        note: no_peer.clone(),
-    });
-    let blocks_own = ratio(|run| Some(run.memory.bytes_per_live_block_beyond_registration));
-    checks.push(TargetCheck {
-        target: format!(
+        |run| Some(run.queries.as_ref()?.cpu_us_per_query),
+        QUERY_CPU_RATIO,
+    ));
+    checks.push(peer_over_kvgate(
+        format!("{peer_name}'s query p99 over kvgate's (x, >= 1)"),
+        |run| Some(run.queries.as_ref()?.latency_ms.p99),
+        1.0,
+    ));
+    checks.push(peer_over_kvgate(
+        format!("{peer_name}'s memory per live block >= {INGEST_RATIO}x kvgate's (x)"),
+        |run| Some(run.memory.bytes_per_live_block),
+        INGEST_RATIO,
+    ));
+    checks.push(peer_over_kvgate(
+        format!(
             "{peer_name}'s memory per live block beyond what registering the ranks took \
              >= {INGEST_RATIO}x kvgate's (x)"
         ),
-        measured: blocks_own,
-        met: blocks_own.map(|ratio| ratio >= INGEST_RATIO),
-        note: no_peer.clone(),
-    });
-    let ingest = ratio(|run| Some(run.ingest.cpu_us_per_block));
-    checks.push(TargetCheck {
-        target: format!("{peer_name}'s CPU per ingested block >= {INGEST_RATIO}x kvgate's (x)"),
-        measured: ingest,
-        met: ingest.map(|ratio| ratio >= INGEST_RATIO),
-        note: no_peer,
-    });
+        |run| Some(run.memory.bytes_per_live_block_beyond_registration),
+        INGEST_RATIO,
+    ));
+    checks.push(peer_over_kvgate(
+        format!("{peer_name}'s CPU per ingested block >= {INGEST_RATIO}x kvgate's (x)"),
+        |run| Some(run.ingest.cpu_us_per_block),
+        INGEST_RATIO,
+    ));
     checks.extend(fleet_targets(config, runs));
     checks
 }

@@ -41,6 +41,7 @@ pub fn system_cpu() -> io::Result<SystemCpu> {
 }
 
 /// The id of the calling thread.
+#[cfg(test)]
 pub fn current_thread_id() -> io::Result<u32> {
     // `/proc/thread-self` links to `<pid>/task/<tid>`.
     let link = std::fs::read_link("/proc/thread-self")?;
