@@ -1,9 +1,9 @@
 //! The tree's nodes: where they live and which ranks hold each.
 //!
 //! Invariants:
-//! - A node takes 32 bytes: its local hash, its parent, its sibling links
-//!   and its holders, the one holder most blocks have kept inline and
-//!   several moved to a list of their own.
+//! - A node takes 40 bytes: its local hash, the engine hash it was made
+//!   under, its parent, its sibling links and its holders, the one holder
+//!   most blocks have kept inline and several moved to a list of their own.
 //! - Nodes live in chunks of [`CHUNK`] that never move, so growing the tree
 //!   copies nothing under the writer's lock and leaves no slack past the
 //!   last chunk (a vector that doubles would copy every node and, right
@@ -16,7 +16,7 @@ use super::tier::Tier;
 /// No node (the end of a sibling list, or no parent).
 pub const NONE: u32 = u32::MAX;
 
-/// Nodes per chunk (1 MiB of nodes).
+/// Nodes per chunk (1.25 MiB of nodes).
 const CHUNK_BITS: u32 = 15;
 const CHUNK: usize = 1 << CHUNK_BITS;
 
@@ -56,6 +56,9 @@ const _: () = assert!(Tier::WALK.len() <= 4);
 pub struct Node {
     /// This block's local hash (its key under `parent`).
     pub local: u64,
+    /// The engine hash the rank that made it named it by: the ranks naming
+    /// it alike find it through this ([`super::rank_blocks`]).
+    pub engine_hash: i64,
     pub parent: u32,
     /// The first of its children ([`NONE`] for a leaf), linked through
     /// `next` and `previous`, so a removal can reach a rank's blocks under it.
@@ -68,13 +71,14 @@ pub struct Node {
     several: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<Node>() == 32);
+const _: () = assert!(std::mem::size_of::<Node>() == 40);
 
 impl Node {
     /// A node with no holder and no child.
-    pub fn new(parent: u32, local: u64, next: u32) -> Self {
+    pub fn new(parent: u32, local: u64, next: u32, engine_hash: i64) -> Self {
         Node {
             local,
+            engine_hash,
             parent,
             first_child: NONE,
             next,
@@ -175,7 +179,13 @@ impl Nodes {
         let node = &self[id];
         if node.several != NONE {
             let several = node.several as usize;
-            self.lists[several].insert(at, held);
+            let list = &mut self.lists[several];
+            if list.len() == list.capacity() {
+                // A quarter more, not twice: a block every rank of a fleet
+                // holds keeps about as many slots as ranks.
+                list.reserve_exact(list.len() / 4 + 1);
+            }
+            list.insert(at, held);
         } else if node.holder == EMPTY {
             self[id].holder = held;
         } else {
@@ -238,8 +248,8 @@ mod tests {
 
     #[test]
     fn holders_stay_sorted_by_member_from_one_to_several_and_back() {
-        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE));
-        let id = nodes.add(Node::new(0, 9, NONE));
+        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE, 0));
+        let id = nodes.add(Node::new(0, 9, NONE, 0));
         for member in [5, 1, 9, 3] {
             let at = nodes.find_holder(id, member).unwrap_err();
             nodes.insert_holder(id, at, Held::new(member, 1));
@@ -263,15 +273,15 @@ mod tests {
 
     #[test]
     fn ids_cross_chunks_and_freed_ids_are_reused() {
-        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE));
+        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE, 0));
         let ids: Vec<u32> = (0..CHUNK as u64 + 10)
-            .map(|local| nodes.add(Node::new(0, local, NONE)))
+            .map(|local| nodes.add(Node::new(0, local, NONE, 0)))
             .collect();
         assert_eq!(nodes.len(), CHUNK + 11);
         assert_eq!(nodes[ids[CHUNK + 5]].local, CHUNK as u64 + 5);
         nodes.free(ids[3]);
         assert_eq!(nodes.len(), CHUNK + 10);
-        assert_eq!(nodes.add(Node::new(0, 77, NONE)), ids[3]);
+        assert_eq!(nodes.add(Node::new(0, 77, NONE, 0)), ids[3]);
         assert_eq!(nodes[ids[3]].local, 77);
     }
 }

@@ -1,19 +1,32 @@
 //! One rank's blocks: each engine hash it holds and the tree node it names.
 //!
-//! Invariant: one entry per engine hash, 12 bytes each (the hash and the
-//! node, packed), found with a per-process random seed so an engine cannot
-//! choose hashes that collide in advance. Every live block of a fleet has
-//! one such entry, so its size is the index's memory per block.
+//! Invariants:
+//! - One entry per engine hash. A node records the engine hash the rank
+//!   that made it named it by ([`super::nodes::Node::engine_hash`]); a rank naming the node
+//!   alike keeps the node's id alone (4 bytes, `by_node`), found by that
+//!   hash read from the node. A rank naming a node otherwise (an engine that
+//!   hashes differently, a second name for the same tokens) keeps the pair
+//!   itself (`renamed`), listed by node as well (`renamed_by_node`). Every
+//!   live block of a fleet has one such entry, so its size is most of the
+//!   index's memory per block.
+//! - Every entry names a node the rank holds: when the rank stops holding a
+//!   node, every name it gave the node goes ([`RankBlocks::forget_node`]), as
+//!   Dynamo's tree detaches the block from every name. So a node is live
+//!   while named, the hash it is found by cannot change under it, and a
+//!   freed node's id, reused, is never reached by an old name.
+//! - Hashes are found with a per-process random seed so an engine cannot
+//!   choose hashes that collide in advance.
 
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
-use hashbrown::hash_table::Entry;
+
+use super::nodes::Nodes;
 
 /// A packed (engine hash, node) pair: 12 bytes, not 16.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C, packed(4))]
-struct Block {
+struct Renamed {
     engine_hash: i64,
     node: u32,
 }
@@ -21,7 +34,12 @@ struct Block {
 /// A rank's engine hashes and their nodes.
 #[derive(Clone, Debug, Default)]
 pub struct RankBlocks {
-    blocks: HashTable<Block>,
+    /// Nodes the rank names by their own [`super::nodes::Node::engine_hash`].
+    by_node: HashTable<u32>,
+    /// Names that are not their node's own, found by name.
+    renamed: HashTable<Renamed>,
+    /// The same names, found by node.
+    renamed_by_node: HashTable<Renamed>,
     hasher: foldhash::fast::RandomState,
 }
 
@@ -29,99 +47,198 @@ impl RankBlocks {
     /// An empty map whose hashes are seeded with `hasher`'s seed.
     pub fn with_hasher(hasher: foldhash::fast::RandomState) -> Self {
         RankBlocks {
-            blocks: HashTable::new(),
+            by_node: HashTable::new(),
+            renamed: HashTable::new(),
+            renamed_by_node: HashTable::new(),
             hasher,
         }
     }
 
     /// How many engine hashes.
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.by_node.len() + self.renamed.len()
     }
 
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.len() == 0
     }
 
     /// The node `engine_hash` names.
-    pub fn get(&self, engine_hash: i64) -> Option<u32> {
+    pub fn get(&self, nodes: &Nodes, engine_hash: i64) -> Option<u32> {
         let hash = self.hasher.hash_one(engine_hash);
-        self.blocks
-            .find(hash, |block| block.engine_hash == engine_hash)
-            .map(|block| block.node)
+        self.by_node
+            .find(hash, |&id| nodes[id].engine_hash == engine_hash)
+            .copied()
+            .or_else(|| {
+                self.renamed
+                    .find(hash, |entry| entry.engine_hash == engine_hash)
+                    .map(|entry| entry.node)
+            })
     }
 
-    /// Makes `engine_hash` name `node`; returns the node it named before.
-    pub fn insert(&mut self, engine_hash: i64, node: u32) -> Option<u32> {
+    /// Makes `engine_hash` name `node` (which the rank holds); returns the
+    /// node it named before.
+    pub fn insert(&mut self, nodes: &Nodes, engine_hash: i64, node: u32) -> Option<u32> {
         let hash = self.hasher.hash_one(engine_hash);
+        let old = self.take(nodes, engine_hash, hash);
         let hasher = &self.hasher;
-        match self.blocks.entry(
-            hash,
-            |block| block.engine_hash == engine_hash,
-            |block| hasher.hash_one(block.engine_hash),
-        ) {
-            Entry::Occupied(mut occupied) => {
-                let old = occupied.get().node;
-                occupied.get_mut().node = node;
-                Some(old)
-            }
-            Entry::Vacant(vacant) => {
-                vacant.insert(Block { engine_hash, node });
-                None
-            }
+        if nodes[node].engine_hash == engine_hash {
+            self.by_node
+                .insert_unique(hash, node, |&id| hasher.hash_one(nodes[id].engine_hash));
+        } else {
+            let entry = Renamed { engine_hash, node };
+            self.renamed
+                .insert_unique(hash, entry, |entry| hasher.hash_one(entry.engine_hash));
+            self.renamed_by_node
+                .insert_unique(hasher.hash_one(node), entry, |entry| {
+                    hasher.hash_one(entry.node)
+                });
+        }
+        old
+    }
+
+    /// Forgets `engine_hash` (hashed as `hash`); returns the node it named.
+    fn take(&mut self, nodes: &Nodes, engine_hash: i64, hash: u64) -> Option<u32> {
+        if let Ok(entry) = self
+            .by_node
+            .find_entry(hash, |&id| nodes[id].engine_hash == engine_hash)
+        {
+            return Some(entry.remove().0);
+        }
+        let (entry, _) = self
+            .renamed
+            .find_entry(hash, |entry| entry.engine_hash == engine_hash)
+            .ok()?
+            .remove();
+        self.forget_by_node(entry);
+        Some(entry.node)
+    }
+
+    fn forget_by_node(&mut self, entry: Renamed) {
+        let hash = self.hasher.hash_one(entry.node);
+        if let Ok(found) = self
+            .renamed_by_node
+            .find_entry(hash, |&other| other == entry)
+        {
+            found.remove();
         }
     }
 
-    /// Forgets `engine_hash`; returns the node it named.
-    pub fn remove(&mut self, engine_hash: i64) -> Option<u32> {
-        let hash = self.hasher.hash_one(engine_hash);
-        self.blocks
-            .find_entry(hash, |block| block.engine_hash == engine_hash)
-            .ok()
-            .map(|entry| entry.remove().0.node)
+    /// Forgets every name of `node` (still live), which the rank no longer
+    /// holds; returns how many there were.
+    pub fn forget_node(&mut self, nodes: &Nodes, node: u32) -> usize {
+        let mut forgotten = 0;
+        let own_hash = self.hasher.hash_one(nodes[node].engine_hash);
+        if let Ok(entry) = self.by_node.find_entry(own_hash, |&id| id == node) {
+            entry.remove();
+            forgotten += 1;
+        }
+        let node_hash = self.hasher.hash_one(node);
+        while let Ok(found) = self
+            .renamed_by_node
+            .find_entry(node_hash, |entry| entry.node == node)
+        {
+            let (entry, _) = found.remove();
+            let name_hash = self.hasher.hash_one(entry.engine_hash);
+            if let Ok(named) = self.renamed.find_entry(name_hash, |&other| other == entry) {
+                named.remove();
+            }
+            forgotten += 1;
+        }
+        forgotten
     }
 
     /// Every (engine hash, node), in no order.
-    pub fn iter(&self) -> impl Iterator<Item = (i64, u32)> + '_ {
-        self.blocks
+    pub fn iter<'a>(&'a self, nodes: &'a Nodes) -> impl Iterator<Item = (i64, u32)> + 'a {
+        let by_node = self.by_node.iter().map(|&id| (nodes[id].engine_hash, id));
+        let renamed = self
+            .renamed
             .iter()
-            .map(|block| (block.engine_hash, block.node))
+            .map(|entry| (entry.engine_hash, entry.node));
+        by_node.chain(renamed)
     }
 
-    /// Every node, in no order.
+    /// Every node, in no order (one per engine hash).
     pub fn into_nodes(self) -> impl Iterator<Item = u32> {
-        self.blocks.into_iter().map(|block| block.node)
+        let renamed = self.renamed.into_iter().map(|entry| entry.node);
+        self.by_node.into_iter().chain(renamed)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::nodes::{NONE, Node};
     use super::*;
 
     #[test]
-    fn an_entry_takes_twelve_bytes() {
-        assert_eq!(std::mem::size_of::<Block>(), 12);
+    fn a_renamed_entry_takes_twelve_bytes() {
+        assert_eq!(std::mem::size_of::<Renamed>(), 12);
+    }
+
+    /// Node `i + 1` made under engine hash `hashes[i]`.
+    fn nodes_named(hashes: &[i64]) -> (Nodes, Vec<u32>) {
+        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE, 0));
+        let ids = hashes
+            .iter()
+            .map(|&engine_hash| nodes.add(Node::new(0, 1, NONE, engine_hash)))
+            .collect();
+        (nodes, ids)
     }
 
     #[test]
-    fn a_hash_names_the_node_it_was_last_given_until_removed() {
+    fn a_hash_names_the_node_it_was_last_given_until_its_node_is_forgotten() {
+        let (nodes, ids) = nodes_named(&[-5, i64::MAX, 7]);
         let mut blocks = RankBlocks::default();
-        assert_eq!(blocks.insert(-5, 1), None);
-        assert_eq!(blocks.insert(i64::MAX, 2), None);
-        assert_eq!(blocks.insert(-5, 3), Some(1));
+        assert_eq!(blocks.insert(&nodes, -5, ids[0]), None);
+        assert_eq!(blocks.insert(&nodes, i64::MAX, ids[1]), None);
+        // -5 now names a node made under another hash: kept as renamed.
+        assert_eq!(blocks.insert(&nodes, -5, ids[2]), Some(ids[0]));
         assert_eq!(
-            (blocks.get(-5), blocks.get(i64::MAX), blocks.len()),
-            (Some(3), Some(2), 2)
+            (
+                blocks.get(&nodes, -5),
+                blocks.get(&nodes, i64::MAX),
+                blocks.len()
+            ),
+            (Some(ids[2]), Some(ids[1]), 2)
         );
-        assert_eq!(blocks.remove(-5), Some(3));
         assert_eq!(
-            (blocks.get(-5), blocks.remove(-5), blocks.len()),
-            (None, None, 1)
+            (
+                blocks.by_node.len(),
+                blocks.renamed.len(),
+                blocks.renamed_by_node.len()
+            ),
+            (1, 1, 1)
         );
-        let mut left: Vec<(i64, u32)> = blocks.iter().collect();
+        assert_eq!(blocks.forget_node(&nodes, ids[2]), 1);
+        assert_eq!(
+            (
+                blocks.get(&nodes, -5),
+                blocks.len(),
+                blocks.renamed_by_node.len()
+            ),
+            (None, 1, 0)
+        );
+        let mut left: Vec<(i64, u32)> = blocks.iter(&nodes).collect();
         left.sort_unstable();
-        assert_eq!(left, [(i64::MAX, 2)]);
-        assert_eq!(blocks.into_nodes().collect::<Vec<_>>(), [2]);
+        assert_eq!(left, [(i64::MAX, ids[1])]);
+        assert_eq!(blocks.into_nodes().collect::<Vec<_>>(), [ids[1]]);
+    }
+
+    #[test]
+    fn forgetting_a_node_forgets_every_name_of_it_and_no_other() {
+        let (nodes, ids) = nodes_named(&[40, 41]);
+        let mut blocks = RankBlocks::default();
+        blocks.insert(&nodes, 40, ids[0]);
+        blocks.insert(&nodes, 90, ids[0]);
+        blocks.insert(&nodes, 91, ids[0]);
+        blocks.insert(&nodes, 41, ids[1]);
+        blocks.insert(&nodes, 92, ids[1]);
+        assert_eq!(blocks.forget_node(&nodes, ids[0]), 3);
+        assert_eq!(blocks.forget_node(&nodes, ids[0]), 0);
+        let mut left: Vec<(i64, u32)> = blocks.iter(&nodes).collect();
+        left.sort_unstable();
+        assert_eq!(left, [(41, ids[1]), (92, ids[1])]);
+        assert_eq!(blocks.renamed_by_node.len(), 1);
     }
 }

@@ -17,9 +17,12 @@ struct Model {
     ranks: BTreeMap<RankKey, ModelRank>,
 }
 
-/// Engines name a block by its whole prefix, the same on every rank.
-fn engine_hash(path: &[u64]) -> i64 {
-    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+/// Engines name a block by its whole prefix: workers 1 and 2 alike, so
+/// their ranks find shared nodes by the node's own hash, and worker 7 with
+/// a hash function of its own, so its names of the others' nodes are kept
+/// beside them.
+fn engine_hash(key: RankKey, path: &[u64]) -> i64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64 ^ u64::from(key.worker == 7);
     for local in path {
         hash = (hash ^ local).wrapping_mul(0x100_0000_01b3);
     }
@@ -58,7 +61,7 @@ impl Model {
         for local in locals {
             path.push(*local);
             rank.entry(path.clone())
-                .or_insert_with(|| (engine_hash(&path), BTreeSet::new()))
+                .or_insert_with(|| (engine_hash(key, &path), BTreeSet::new()))
                 .1
                 .insert(tier);
         }
@@ -230,9 +233,9 @@ proptest! {
                     let parent_path: Option<Vec<u64>> = parent.map(|pick| {
                         if held.is_empty() || pick % 5 == 4 { vec![999, pick as u64] } else { held[pick % held.len()].clone() }
                     });
-                    let parent = parent_path.as_deref().map(engine_hash);
+                    let parent = parent_path.as_deref().map(|path| engine_hash(key, path));
                     let mut path = parent_path.unwrap_or_default();
-                    let blocks: Vec<(i64, u64)> = locals.iter().map(|&local| { path.push(local); (engine_hash(&path), local) }).collect();
+                    let blocks: Vec<(i64, u64)> = locals.iter().map(|&local| { path.push(local); (engine_hash(key, &path), local) }).collect();
                     let expected = model.store(key, parent, Tier::WALK[tier], &locals);
                     prop_assert_eq!(tree.store(key, parent, Tier::WALK[tier], &blocks), expected);
                 }
@@ -365,4 +368,45 @@ fn a_clear_released_in_steps_leaves_what_a_whole_clear_leaves() {
     // The rank stays known and stores again.
     tree.store(key, None, Tier::Device, &chain[..1]);
     assert_eq!(tree.rank_blocks(key), 1);
+}
+
+#[test]
+fn a_block_held_by_two_names_goes_with_either_and_its_id_reused_is_never_reached_by_the_other() {
+    let mut tree = Tree::new();
+    let key = RankKey { worker: 1, rank: 0 };
+    let other = RankKey { worker: 2, rank: 0 };
+    // The same tokens named twice by one rank (as two multimodal requests
+    // whose placeholders match), and once by another rank.
+    tree.store(key, None, Tier::Device, &[(10, 7)]);
+    tree.store(key, None, Tier::Device, &[(20, 7)]);
+    tree.store(other, None, Tier::Device, &[(30, 7)]);
+    assert_eq!((tree.nodes(), tree.held_blocks()), (1, 3));
+    assert_eq!(tree.remove(key, Tier::Device, &[20]), 1);
+    assert_eq!(
+        tree.overlap(&[7]),
+        [RankMatch {
+            key: other,
+            blocks: [1, 0, 0, 0]
+        }],
+        "the rank holds it no more, by either name"
+    );
+    assert_eq!(tree.held_blocks(), 1, "both of its names went");
+    assert_eq!(tree.remove(other, Tier::Device, &[30]), 1);
+    assert_eq!(tree.nodes(), 0);
+    // The freed node's id is reused by other tokens the rank stores.
+    tree.store(key, None, Tier::Device, &[(40, 8)]);
+    assert_eq!(tree.remove(key, Tier::Device, &[10]), 0);
+    assert_eq!(
+        tree.store(key, Some(10), Tier::Device, &[(50, 9)]),
+        StoreOutcome::UnknownParent
+    );
+    assert_eq!(
+        tree.overlap(&[8]),
+        [RankMatch {
+            key,
+            blocks: [1, 0, 0, 0]
+        }]
+    );
+    assert_eq!(tree.clear(key), 1);
+    assert_eq!((tree.nodes(), tree.held_blocks()), (0, 0));
 }

@@ -10,7 +10,8 @@
 //! - Each worker rank (a [`RankKey`]) maps each engine block hash it holds to
 //!   exactly one node, and that node lists the rank as a holder with the
 //!   set of tiers it holds the block in; a holder with no tier left is
-//!   removed, and so is its engine hash.
+//!   removed, and so is every engine hash the rank named the node by (an
+//!   engine may name the same tokens twice), so no name outlives its node.
 //! - A node with no holder and no child does not exist: removing the last
 //!   holder frees it and every ancestor left empty, so memory follows the
 //!   live blocks and nothing else.
@@ -172,7 +173,7 @@ impl Tree {
     /// An empty tree.
     pub fn new() -> Self {
         Tree {
-            nodes: Nodes::new(Node::new(NONE, 0, NONE)),
+            nodes: Nodes::new(Node::new(NONE, 0, NONE, 0)),
             children: Children::default(),
             members: Vec::new(),
             free_members: Vec::new(),
@@ -216,6 +217,14 @@ impl Tree {
             .expect("member ids in use name members")
     }
 
+    /// Member `id`'s blocks, beside the nodes they name.
+    fn blocks_mut(&mut self, id: u32) -> (&mut RankBlocks, &Nodes) {
+        let member = self.members[id as usize]
+            .as_mut()
+            .expect("member ids in use name members");
+        (&mut member.blocks, &self.nodes)
+    }
+
     fn member_id(&mut self, key: RankKey) -> u32 {
         if let Some(&id) = self.member_ids.get(&key) {
             return id;
@@ -254,7 +263,7 @@ impl Tree {
         let member = self.member_id(key);
         let mut current = match parent {
             None => ROOT,
-            Some(parent) => match self.member(member).blocks.get(parent) {
+            Some(parent) => match self.member(member).blocks.get(&self.nodes, parent) {
                 Some(node)
                     if tier != Tier::Device
                         || self.nodes.tiers_of(node, member) & Tier::Device.bit() != 0 =>
@@ -265,7 +274,7 @@ impl Tree {
             },
         };
         for &(engine_hash, local) in blocks {
-            let node = self.child(current, local);
+            let node = self.child(current, local, engine_hash);
             self.hold(member, engine_hash, node, tier);
             current = node;
         }
@@ -282,17 +291,10 @@ impl Tree {
         };
         let mut removed = 0;
         for engine_hash in engine_hashes {
-            let Some(node) = self.member(member).blocks.get(*engine_hash) else {
+            let Some(node) = self.member(member).blocks.get(&self.nodes, *engine_hash) else {
                 continue;
             };
-            let Ok(at) = self.nodes.find_holder(node, member) else {
-                // Another engine hash of this rank named the same node and
-                // took the holder with it when it left (as Dynamo's tree does).
-                self.member_mut(member).blocks.remove(*engine_hash);
-                self.held -= 1;
-                continue;
-            };
-            if self.nodes.holders(node)[at].tiers() & tier.bit() == 0 {
+            if self.nodes.tiers_of(node, member) & tier.bit() == 0 {
                 continue;
             }
             removed += 1;
@@ -300,14 +302,14 @@ impl Tree {
                 // Dynamo's device tree drops the rank's blocks under it too.
                 self.drop_device_subtree(member, node);
             }
-            self.drop_tier(member, *engine_hash, node, tier);
+            self.drop_tier(member, node, tier);
         }
         removed
     }
 
-    /// Takes `tier` from `member`'s hold of `node` (named `engine_hash`),
-    /// forgetting the hold and freeing the node when nothing is left.
-    fn drop_tier(&mut self, member: u32, engine_hash: i64, node: u32, tier: Tier) {
+    /// Takes `tier` from `member`'s hold of `node`, releasing the hold when
+    /// no tier is left.
+    fn drop_tier(&mut self, member: u32, node: u32, tier: Tier) {
         let Ok(at) = self.nodes.find_holder(node, member) else {
             return;
         };
@@ -315,10 +317,7 @@ impl Tree {
         if tiers != 0 {
             self.nodes.set_holder(node, at, Held::new(member, tiers));
         } else {
-            self.nodes.remove_holder(node, at);
-            self.member_mut(member).blocks.remove(engine_hash);
-            self.held -= 1;
-            self.free_if_empty(node);
+            self.release(node, member);
         }
     }
 
@@ -337,23 +336,9 @@ impl Tree {
                 child = self.nodes[child].next;
             }
         }
-        if held_under.is_empty() {
-            return;
-        }
-        let under: rustc_hash::FxHashSet<u32> = held_under.iter().copied().collect();
-        let engine_hashes: FxHashMap<u32, i64> = self
-            .member(member)
-            .blocks
-            .iter()
-            .filter(|(_, node)| under.contains(node))
-            .map(|(engine_hash, node)| (node, engine_hash))
-            .collect();
         // Leaves first, so no node is freed while a descendant is still held.
         for &under in held_under.iter().rev() {
-            match engine_hashes.get(&under) {
-                Some(&engine_hash) => self.drop_tier(member, engine_hash, under, Tier::Device),
-                None => self.release(under, member),
-            }
+            self.drop_tier(member, under, Tier::Device);
         }
     }
 
@@ -501,10 +486,12 @@ impl Tree {
         ranks.sort_unstable();
         for (key, member) in ranks {
             let blocks = &self.member(member).blocks;
-            let engine_hash_of: FxHashMap<u32, i64> =
-                blocks.iter().map(|(engine, node)| (node, engine)).collect();
+            let engine_hash_of: FxHashMap<u32, i64> = blocks
+                .iter(&self.nodes)
+                .map(|(engine, node)| (node, engine))
+                .collect();
             let mut rows: Vec<(u32, i64, u32)> = blocks
-                .iter()
+                .iter(&self.nodes)
                 .map(|(engine, node)| (self.depth(node), engine, node))
                 .collect();
             rows.sort_unstable();
@@ -572,13 +559,13 @@ impl Tree {
         with_siblings == self.children.len()
     }
 
-    /// The child of `parent` with `local`, made if missing.
-    fn child(&mut self, parent: u32, local: u64) -> u32 {
+    /// The child of `parent` with `local`, made under `engine_hash` if missing.
+    fn child(&mut self, parent: u32, local: u64, engine_hash: i64) -> u32 {
         if let Some(node) = self.find_child(parent, local) {
             return node;
         }
         let next = self.nodes[parent].first_child;
-        let id = self.nodes.add(Node::new(parent, local, next));
+        let id = self.nodes.add(Node::new(parent, local, next, engine_hash));
         if next != NONE {
             self.nodes[next].previous = id;
             if self.nodes[next].next == NONE {
@@ -604,7 +591,8 @@ impl Tree {
                 .nodes
                 .insert_holder(node, at, Held::new(member, tier.bit())),
         }
-        match self.member_mut(member).blocks.insert(engine_hash, node) {
+        let (blocks, nodes) = self.blocks_mut(member);
+        match blocks.insert(nodes, engine_hash, node) {
             None => self.held += 1,
             Some(old) if old != node => self.release(old, member),
             Some(_) => {}
@@ -615,6 +603,9 @@ impl Tree {
     fn release(&mut self, node: u32, member: u32) {
         if let Ok(at) = self.nodes.find_holder(node, member) {
             self.nodes.remove_holder(node, at);
+            let (blocks, nodes) = self.blocks_mut(member);
+            let forgotten = blocks.forget_node(nodes, node);
+            self.held -= forgotten as u64;
         }
         self.free_if_empty(node);
     }
