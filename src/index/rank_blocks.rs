@@ -2,13 +2,15 @@
 //!
 //! Invariants:
 //! - One entry per engine hash. A node records the engine hash the rank
-//!   that made it named it by ([`super::nodes::Node::engine_hash`]); a rank naming the node
-//!   alike keeps the node's id alone (4 bytes, `by_node`), found by that
-//!   hash read from the node. A rank naming a node otherwise (an engine that
-//!   hashes differently, a second name for the same tokens) keeps the pair
-//!   itself (`renamed`), listed by node as well (`renamed_by_node`). Every
-//!   live block of a fleet has one such entry, so its size is most of the
-//!   index's memory per block.
+//!   that made it named it by ([`super::nodes::Node::engine_hash`]); a rank
+//!   naming the node alike keeps the node's id alone (4 bytes, `by_node`),
+//!   found by that hash read from the node. A rank naming a node otherwise
+//!   (an engine that hashes differently, a second name for the same tokens)
+//!   keeps the pair itself (`renamed`), and the name in the node's list of
+//!   such names (`renamed_of`) at the slot the entry records, so adding,
+//!   moving or forgetting a name costs the same however many names a node
+//!   has. Every live block of a fleet has one such entry, so its size is
+//!   most of the index's memory per block.
 //! - Every entry names a node the rank holds: when the rank stops holding a
 //!   node, every name it gave the node goes ([`RankBlocks::forget_node`]), as
 //!   Dynamo's tree detaches the block from every name. So a node is live
@@ -20,15 +22,17 @@
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
+use rustc_hash::FxHashMap;
 
 use super::nodes::Nodes;
 
-/// A packed (engine hash, node) pair: 12 bytes, not 16.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(C, packed(4))]
+/// A name that is not its node's own.
+#[derive(Clone, Copy, Debug)]
 struct Renamed {
     engine_hash: i64,
     node: u32,
+    /// Where the name is in its node's list ([`RankBlocks::renamed_of`]).
+    slot: u32,
 }
 
 /// A rank's engine hashes and their nodes.
@@ -38,8 +42,8 @@ pub struct RankBlocks {
     by_node: HashTable<u32>,
     /// Names that are not their node's own, found by name.
     renamed: HashTable<Renamed>,
-    /// The same names, found by node.
-    renamed_by_node: HashTable<Renamed>,
+    /// The same names, listed by node.
+    renamed_of: FxHashMap<u32, Vec<i64>>,
     hasher: foldhash::fast::RandomState,
 }
 
@@ -49,7 +53,7 @@ impl RankBlocks {
         RankBlocks {
             by_node: HashTable::new(),
             renamed: HashTable::new(),
-            renamed_by_node: HashTable::new(),
+            renamed_of: FxHashMap::default(),
             hasher,
         }
     }
@@ -87,13 +91,16 @@ impl RankBlocks {
             self.by_node
                 .insert_unique(hash, node, |&id| hasher.hash_one(nodes[id].engine_hash));
         } else {
-            let entry = Renamed { engine_hash, node };
+            let names = self.renamed_of.entry(node).or_default();
+            let slot = u32::try_from(names.len()).expect("fewer than 2^32 names of a node");
+            names.push(engine_hash);
+            let entry = Renamed {
+                engine_hash,
+                node,
+                slot,
+            };
             self.renamed
                 .insert_unique(hash, entry, |entry| hasher.hash_one(entry.engine_hash));
-            self.renamed_by_node
-                .insert_unique(hasher.hash_one(node), entry, |entry| {
-                    hasher.hash_one(entry.node)
-                });
         }
         old
     }
@@ -111,17 +118,30 @@ impl RankBlocks {
             .find_entry(hash, |entry| entry.engine_hash == engine_hash)
             .ok()?
             .remove();
-        self.forget_by_node(entry);
+        self.unlist(entry);
         Some(entry.node)
     }
 
-    fn forget_by_node(&mut self, entry: Renamed) {
-        let hash = self.hasher.hash_one(entry.node);
-        if let Ok(found) = self
-            .renamed_by_node
-            .find_entry(hash, |&other| other == entry)
-        {
-            found.remove();
+    /// Takes `entry`, no longer in `renamed`, out of its node's list: the
+    /// last name moves to its slot.
+    fn unlist(&mut self, entry: Renamed) {
+        let std::collections::hash_map::Entry::Occupied(mut listed) =
+            self.renamed_of.entry(entry.node)
+        else {
+            return;
+        };
+        let names = listed.get_mut();
+        names.swap_remove(entry.slot as usize);
+        if let Some(&moved) = names.get(entry.slot as usize) {
+            let hash = self.hasher.hash_one(moved);
+            if let Some(moved) = self
+                .renamed
+                .find_mut(hash, |other| other.engine_hash == moved)
+            {
+                moved.slot = entry.slot;
+            }
+        } else if names.is_empty() {
+            listed.remove();
         }
     }
 
@@ -134,17 +154,15 @@ impl RankBlocks {
             entry.remove();
             forgotten += 1;
         }
-        let node_hash = self.hasher.hash_one(node);
-        while let Ok(found) = self
-            .renamed_by_node
-            .find_entry(node_hash, |entry| entry.node == node)
-        {
-            let (entry, _) = found.remove();
-            let name_hash = self.hasher.hash_one(entry.engine_hash);
-            if let Ok(named) = self.renamed.find_entry(name_hash, |&other| other == entry) {
+        for name in self.renamed_of.remove(&node).unwrap_or_default() {
+            let hash = self.hasher.hash_one(name);
+            if let Ok(named) = self
+                .renamed
+                .find_entry(hash, |entry| entry.engine_hash == name)
+            {
                 named.remove();
+                forgotten += 1;
             }
-            forgotten += 1;
         }
         forgotten
     }
@@ -171,9 +189,18 @@ mod tests {
     use super::super::nodes::{NONE, Node};
     use super::*;
 
-    #[test]
-    fn a_renamed_entry_takes_twelve_bytes() {
-        assert_eq!(std::mem::size_of::<Renamed>(), 12);
+    /// Whether every renamed entry is at its slot of its node's list, and
+    /// the lists hold nothing else.
+    fn listed_at_their_slots(blocks: &RankBlocks) -> bool {
+        let listed: usize = blocks.renamed_of.values().map(Vec::len).sum();
+        listed == blocks.renamed.len()
+            && blocks.renamed.iter().all(|entry| {
+                blocks
+                    .renamed_of
+                    .get(&entry.node)
+                    .and_then(|names| names.get(entry.slot as usize))
+                    == Some(&entry.engine_hash)
+            })
     }
 
     /// Node `i + 1` made under engine hash `hashes[i]`.
@@ -202,20 +229,14 @@ mod tests {
             ),
             (Some(ids[2]), Some(ids[1]), 2)
         );
-        assert_eq!(
-            (
-                blocks.by_node.len(),
-                blocks.renamed.len(),
-                blocks.renamed_by_node.len()
-            ),
-            (1, 1, 1)
-        );
+        assert_eq!((blocks.by_node.len(), blocks.renamed.len()), (1, 1));
+        assert!(listed_at_their_slots(&blocks));
         assert_eq!(blocks.forget_node(&nodes, ids[2]), 1);
         assert_eq!(
             (
                 blocks.get(&nodes, -5),
                 blocks.len(),
-                blocks.renamed_by_node.len()
+                blocks.renamed_of.len()
             ),
             (None, 1, 0)
         );
@@ -239,6 +260,25 @@ mod tests {
         let mut left: Vec<(i64, u32)> = blocks.iter(&nodes).collect();
         left.sort_unstable();
         assert_eq!(left, [(41, ids[1]), (92, ids[1])]);
-        assert_eq!(blocks.renamed_by_node.len(), 1);
+        assert!(listed_at_their_slots(&blocks));
+    }
+
+    #[test]
+    fn names_moved_off_a_node_one_by_one_keep_every_other_name_at_its_slot() {
+        let (nodes, ids) = nodes_named(&[1, 2]);
+        let mut blocks = RankBlocks::default();
+        let names: Vec<i64> = (100..600).collect();
+        for &name in &names {
+            blocks.insert(&nodes, name, ids[0]);
+        }
+        // Every third name moves to the other node, from the middle out.
+        for &name in names.iter().rev().step_by(3) {
+            assert_eq!(blocks.insert(&nodes, name, ids[1]), Some(ids[0]));
+            assert!(listed_at_their_slots(&blocks));
+        }
+        let moved = names.iter().rev().step_by(3).count();
+        assert_eq!(blocks.forget_node(&nodes, ids[0]), names.len() - moved);
+        assert_eq!(blocks.forget_node(&nodes, ids[1]), moved);
+        assert!(blocks.is_empty() && blocks.renamed_of.is_empty());
     }
 }
