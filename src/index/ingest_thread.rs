@@ -1,12 +1,14 @@
 //! The index's ingest (every worker's feed and the one writer) on a thread
 //! of its own, below the queries' threads in the kernel's priority.
 //!
-//! Invariant: a query that becomes ready is run before ingest on a busy
-//! core: the thread runs at nice [`INGEST_NICENESS`], so the kernel
-//! preempts it for a query's thread, and tokio never queues a query behind
-//! a feed or the writer (they are on another runtime). The writer's lock
-//! stays bounded by one step: a query that finds it held sleeps, and the
-//! ingest thread then has the core to finish the step.
+//! Invariant: tokio never queues a query behind a feed or the writer (they
+//! are on another runtime), and on a busy core the kernel gives ingest a
+//! tenth of a query thread's share (nice [`INGEST_NICENESS`]). The kernel
+//! does not preempt it at once: a query woken on its core may wait out the
+//! rest of ingest's slice (up to 0.6 ms seen at fleet scale, BENCHMARKS.md,
+//! "The fleet index"). The writer's lock stays bounded by one step: a query
+//! that finds it held sleeps, and the ingest thread then has the core to
+//! finish the step.
 
 use crate::runtime_thread::RuntimeThread;
 

@@ -317,7 +317,7 @@ impl Tree {
         if tiers != 0 {
             self.nodes.set_holder(node, at, Held::new(member, tiers));
         } else {
-            self.release(node, member);
+            self.release_at(node, member, at);
         }
     }
 
@@ -601,12 +601,19 @@ impl Tree {
 
     /// Drops `member` from `node`'s holders (every tier), freeing what is left empty.
     fn release(&mut self, node: u32, member: u32) {
-        if let Ok(at) = self.nodes.find_holder(node, member) {
-            self.nodes.remove_holder(node, at);
-            let (blocks, nodes) = self.blocks_mut(member);
-            let forgotten = blocks.forget_node(nodes, node);
-            self.held -= forgotten as u64;
+        match self.nodes.find_holder(node, member) {
+            Ok(at) => self.release_at(node, member, at),
+            Err(_) => self.free_if_empty(node),
         }
+    }
+
+    /// [`Tree::release`], `member` found at `at` in `node`'s holders: every
+    /// name the rank gave the node goes with the hold.
+    fn release_at(&mut self, node: u32, member: u32, at: usize) {
+        self.nodes.remove_holder(node, at);
+        let (blocks, nodes) = self.blocks_mut(member);
+        let forgotten = blocks.forget_node(nodes, node);
+        self.held -= forgotten as u64;
         self.free_if_empty(node);
     }
 
