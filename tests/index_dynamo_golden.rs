@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
-use common::{DEADLINE, IndexProcess, http_exchange};
+use common::{DEADLINE, IndexProcess, Polling, http_exchange};
 use serde_json::{Value, json};
 use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
 
@@ -250,6 +250,36 @@ impl Replayer {
         text
     }
 
+    /// Waits until `/workers` reports the listener at socket `name` active.
+    async fn await_listener_active(&self, name: &str) {
+        let endpoint = self.substitute(&format!("{{socket:{name}}}"));
+        let request = serde_json::json!({"method": "GET", "path": "/workers"});
+        let active = |workers: &Value| {
+            workers.as_array().into_iter().flatten().any(|worker| {
+                worker["listeners"]
+                    .as_object()
+                    .into_iter()
+                    .flat_map(|listeners| listeners.values())
+                    .any(|listener| {
+                        listener["endpoint"] == endpoint.as_str() && listener["status"] == "active"
+                    })
+            })
+        };
+        let mut polling = Polling::within(DEADLINE);
+        loop {
+            let (_, body) = self.send(&request).await;
+            if active(&serde_json::from_str(&body).unwrap_or(Value::Null)) {
+                return;
+            }
+            polling
+                .again(format_args!(
+                    "{}: the listener at {name}: {body}",
+                    self.name
+                ))
+                .await;
+        }
+    }
+
     fn socket(&mut self, name: &str) -> &mut Bound {
         &mut self
             .sockets
@@ -399,6 +429,10 @@ impl Replayer {
                 })
                 .await
                 .unwrap_or_else(|_| panic!("{}: kvgate never subscribed to {name}", self.name));
+                // The subscription goes out from the handshake; the feed
+                // marks its listener connected a moment later, on its own
+                // thread. Dynamo's answers were recorded after both.
+                self.await_listener_active(&name).await;
             } else if let Some(publish) = step.get("publish") {
                 let name = publish["socket"].as_str().unwrap().to_owned();
                 let frames = vec![
