@@ -12,6 +12,9 @@ use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
 use zeromq::{PubSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
+#[path = "../tests/common/socket_dir.rs"]
+mod socket_dir;
+
 /// kvgate's default `--zmq-max-message-bytes`.
 const LIMIT: usize = 64 << 20;
 
@@ -83,15 +86,14 @@ fn receive(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
-    let sockets = std::env::temp_dir().join(format!("kvgate-zmq-ingest-{}", std::process::id()));
-    std::fs::create_dir_all(&sockets).unwrap();
+    let sockets = socket_dir::SocketDir::new("zmq-ingest");
     let mut group = c.benchmark_group("zmq-receive");
     group.sample_size(20);
     // Small engine messages, and large batches.
     for (name, size, count) in [("1KiB", 1 << 10, 2_000u64), ("1MiB", 1 << 20, 32)] {
         let payload = Bytes::from(vec![0x5a; size]);
         group.throughput(Throughput::Elements(count));
-        let ipc = format!("ipc://{}", sockets.join(format!("{name}.sock")).display());
+        let ipc = sockets.endpoint(&format!("{name}.sock"));
         for (variant, endpoint, limit) in [
             ("no-limit", "tcp://127.0.0.1:0", None),
             ("limit-64MiB", "tcp://127.0.0.1:0", Some(LIMIT)),
@@ -112,7 +114,6 @@ fn receive(c: &mut Criterion) {
         }
     }
     group.finish();
-    let _ = std::fs::remove_dir_all(&sockets);
 }
 
 criterion_group!(benches, receive);

@@ -262,11 +262,7 @@ async fn workers_tell_when_a_publisher_went_away_and_a_restarted_engine_starts_e
         .await
         .unwrap();
     let query = json!({"token_ids": tokens, "model_name": "m"});
-    let held = json!({
-        "scores": {"1": {"0": 4}},
-        "frequencies": [],
-        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
-    });
+    let held = index::held(4);
     publish_until(&mut publisher, index.address, query.clone(), &held).await;
 
     // The engine goes away: the listener says so, and since when.
@@ -449,11 +445,7 @@ async fn status_shows_partitions_and_each_ranks_source_and_fails_while_one_is_no
         .publish(stored_payload(&[43], Some(42), &[7, 8, 9], 3, "GPU", 0))
         .await
         .unwrap();
-    let held = json!({
-        "scores": {"1": {"0": 4}},
-        "frequencies": [],
-        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
-    });
+    let held = index::held(4);
     publish_until(
         &mut publisher,
         address,

@@ -11,13 +11,13 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use common::index::{
-    await_listener, await_listener_saying, get, post, publish_until, stored_payload,
+    await_listener, await_listener_saying, get, held, post, publish_until, stored_payload,
 };
 use common::socket_dir::SocketDir;
 use common::{DEADLINE, IndexProcess, Polling};
 use kvgate::proto::common::kv_cache_event::Data;
 use kvgate_sim::{EnginePublisher, PublisherOptions};
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// An engine rank publishing at `ipc://dir/rank0.sock`, its replay ROUTER at
 /// `ipc://dir/replay0.sock`.
@@ -63,14 +63,6 @@ async fn store_until_held(
         }
         polling.again(format_args!("answered {answer}")).await;
     }
-}
-
-fn held(tokens: usize) -> Value {
-    json!({
-        "scores": {"1": {"0": tokens}},
-        "frequencies": [],
-        "instances": {"1": {"longest_matched": tokens, "gpu": tokens, "dp": {"0": tokens}, "cpu": tokens, "disk": tokens}},
-    })
 }
 
 #[tokio::test]

@@ -85,7 +85,27 @@ impl RankBlocks {
     /// node it named before.
     pub fn insert(&mut self, nodes: &Nodes, engine_hash: i64, node: u32) -> Option<u32> {
         let hash = self.hasher.hash_one(engine_hash);
-        let old = self.take(nodes, engine_hash, hash);
+        let old = if let Ok(named) = self
+            .by_node
+            .find_entry(hash, |&id| nodes[id].engine_hash == engine_hash)
+        {
+            if *named.get() == node {
+                return Some(node);
+            }
+            Some(named.remove().0)
+        } else if let Ok(named) = self
+            .renamed
+            .find_entry(hash, |entry| entry.engine_hash == engine_hash)
+        {
+            if named.get().node == node {
+                return Some(node);
+            }
+            let (entry, _) = named.remove();
+            self.unlist(entry);
+            Some(entry.node)
+        } else {
+            None
+        };
         let hasher = &self.hasher;
         if nodes[node].engine_hash == engine_hash {
             self.by_node
@@ -105,30 +125,13 @@ impl RankBlocks {
         old
     }
 
-    /// Forgets `engine_hash` (hashed as `hash`); returns the node it named.
-    fn take(&mut self, nodes: &Nodes, engine_hash: i64, hash: u64) -> Option<u32> {
-        if let Ok(entry) = self
-            .by_node
-            .find_entry(hash, |&id| nodes[id].engine_hash == engine_hash)
-        {
-            return Some(entry.remove().0);
-        }
-        let (entry, _) = self
-            .renamed
-            .find_entry(hash, |entry| entry.engine_hash == engine_hash)
-            .ok()?
-            .remove();
-        self.unlist(entry);
-        Some(entry.node)
-    }
-
     /// Takes `entry`, no longer in `renamed`, out of its node's list: the
     /// last name moves to its slot.
     fn unlist(&mut self, entry: Renamed) {
         let std::collections::hash_map::Entry::Occupied(mut listed) =
             self.renamed_of.entry(entry.node)
         else {
-            return;
+            unreachable!("every renamed entry is listed under its node");
         };
         let names = listed.get_mut();
         names.swap_remove(entry.slot as usize);
@@ -177,10 +180,17 @@ impl RankBlocks {
         by_node.chain(renamed)
     }
 
-    /// Every node, in no order (one per engine hash).
-    pub fn into_nodes(self) -> impl Iterator<Item = u32> {
-        let renamed = self.renamed.into_iter().map(|entry| entry.node);
-        self.by_node.into_iter().chain(renamed)
+    /// Every node named, each once (a node the rank named twice is
+    /// released once), sorted.
+    pub fn into_nodes(self) -> Vec<u32> {
+        let mut nodes: Vec<u32> = self
+            .by_node
+            .into_iter()
+            .chain(self.renamed_of.into_keys())
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        nodes
     }
 }
 
@@ -243,7 +253,7 @@ mod tests {
         let mut left: Vec<(i64, u32)> = blocks.iter(&nodes).collect();
         left.sort_unstable();
         assert_eq!(left, [(i64::MAX, ids[1])]);
-        assert_eq!(blocks.into_nodes().collect::<Vec<_>>(), [ids[1]]);
+        assert_eq!(blocks.into_nodes(), [ids[1]]);
     }
 
     #[test]

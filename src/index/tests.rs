@@ -410,3 +410,31 @@ fn a_block_held_by_two_names_goes_with_either_and_its_id_reused_is_never_reached
     assert_eq!(tree.clear(key), 1);
     assert_eq!((tree.nodes(), tree.held_blocks()), (0, 0));
 }
+
+#[test]
+fn a_clear_releases_a_block_the_rank_named_twice_once() {
+    for step in [1, 3, usize::MAX] {
+        let mut tree = Tree::new();
+        let key = RankKey { worker: 1, rank: 0 };
+        tree.store(key, None, Tier::Device, &[(10, 7), (11, 8)]);
+        tree.store(key, None, Tier::Device, &[(20, 7)]);
+        assert_eq!((tree.nodes(), tree.held_blocks()), (2, 3));
+        let mut nodes = tree.detach(key).into_nodes();
+        assert_eq!(tree.held_blocks(), 0);
+        while !nodes.is_empty() {
+            let step = nodes.split_step(step);
+            tree.release_detached(&step);
+        }
+        assert_eq!(tree.nodes(), 0);
+        // Freed once each: the next two blocks get two ids.
+        tree.store(key, None, Tier::Device, &[(30, 1), (31, 2)]);
+        assert_eq!((tree.nodes(), tree.held_blocks()), (2, 2));
+        assert_eq!(
+            tree.overlap(&[1, 2]),
+            [RankMatch {
+                key,
+                blocks: [2, 0, 0, 0]
+            }]
+        );
+    }
+}

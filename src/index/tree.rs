@@ -121,7 +121,7 @@ impl Detached {
     pub fn into_nodes(self) -> DetachedNodes {
         DetachedNodes {
             member: self.member,
-            nodes: self.blocks.into_nodes().collect(),
+            nodes: self.blocks.into_nodes(),
         }
     }
 }
@@ -294,25 +294,29 @@ impl Tree {
             let Some(node) = self.member(member).blocks.get(&self.nodes, *engine_hash) else {
                 continue;
             };
-            if self.nodes.tiers_of(node, member) & tier.bit() == 0 {
+            let Some(at) = self.held_in(node, member, tier) else {
                 continue;
-            }
+            };
             removed += 1;
             if tier == Tier::Device {
-                // Dynamo's device tree drops the rank's blocks under it too.
+                // Dynamo's device tree drops the rank's blocks under it too
+                // (which leaves this node's holders as they are).
                 self.drop_device_subtree(member, node);
             }
-            self.drop_tier(member, node, tier);
+            self.drop_tier(member, node, at, tier);
         }
         removed
     }
 
-    /// Takes `tier` from `member`'s hold of `node`, releasing the hold when
-    /// no tier is left.
-    fn drop_tier(&mut self, member: u32, node: u32, tier: Tier) {
-        let Ok(at) = self.nodes.find_holder(node, member) else {
-            return;
-        };
+    /// Where `member` is in `node`'s holders, if it holds the node in `tier`.
+    fn held_in(&self, node: u32, member: u32, tier: Tier) -> Option<usize> {
+        let at = self.nodes.find_holder(node, member).ok()?;
+        (self.nodes.holders(node)[at].tiers() & tier.bit() != 0).then_some(at)
+    }
+
+    /// Takes `tier` from `member`'s hold of `node` (the holder at `at`),
+    /// releasing the hold when no tier is left.
+    fn drop_tier(&mut self, member: u32, node: u32, at: usize, tier: Tier) {
         let tiers = self.nodes.holders(node)[at].tiers() & !tier.bit();
         if tiers != 0 {
             self.nodes.set_holder(node, at, Held::new(member, tiers));
@@ -329,16 +333,17 @@ impl Tree {
         while let Some(parent) = stack.pop() {
             let mut child = self.nodes[parent].first_child;
             while child != NONE {
-                if self.nodes.tiers_of(child, member) & Tier::Device.bit() != 0 {
-                    held_under.push(child);
+                if let Some(at) = self.held_in(child, member, Tier::Device) {
+                    held_under.push((child, at));
                     stack.push(child);
                 }
                 child = self.nodes[child].next;
             }
         }
-        // Leaves first, so no node is freed while a descendant is still held.
-        for &under in held_under.iter().rev() {
-            self.drop_tier(member, under, Tier::Device);
+        // Leaves first, so no node is freed while a descendant is still held
+        // (and a node's holders stay where they were found until its turn).
+        for &(under, at) in held_under.iter().rev() {
+            self.drop_tier(member, under, at, Tier::Device);
         }
     }
 
@@ -358,10 +363,15 @@ impl Tree {
     /// the tree for all of them.
     pub fn detach(&mut self, key: RankKey) -> Detached {
         match self.member_ids.get(&key) {
-            Some(&member) => Detached {
-                member: Some(member),
-                blocks: std::mem::take(&mut self.member_mut(member).blocks),
-            },
+            Some(&member) => {
+                let blocks = std::mem::take(&mut self.member_mut(member).blocks);
+                // Its names are gone now, whenever the holds go.
+                self.held -= blocks.len() as u64;
+                Detached {
+                    member: Some(member),
+                    blocks,
+                }
+            }
             None => Detached {
                 member: None,
                 blocks: RankBlocks::default(),
@@ -375,7 +385,6 @@ impl Tree {
         for &node in &nodes.nodes {
             self.release(node, member);
         }
-        self.held -= nodes.nodes.len() as u64;
     }
 
     /// Forgets `key` altogether (unregistered).
@@ -601,9 +610,8 @@ impl Tree {
 
     /// Drops `member` from `node`'s holders (every tier), freeing what is left empty.
     fn release(&mut self, node: u32, member: u32) {
-        match self.nodes.find_holder(node, member) {
-            Ok(at) => self.release_at(node, member, at),
-            Err(_) => self.free_if_empty(node),
+        if let Ok(at) = self.nodes.find_holder(node, member) {
+            self.release_at(node, member, at);
         }
     }
 

@@ -11,6 +11,16 @@ use serde_json::Value;
 use super::{DEADLINE, Polling, http_exchange, removed_payload};
 
 /// One HTTP/1.0 request of a JSON body: (status, body).
+/// `/query`'s answer when rank 0 of worker 1 alone holds all `tokens`
+/// tokens asked for.
+pub fn held(tokens: usize) -> Value {
+    serde_json::json!({
+        "scores": {"1": {"0": tokens}},
+        "frequencies": [],
+        "instances": {"1": {"longest_matched": tokens, "gpu": tokens, "dp": {"0": tokens}, "cpu": tokens, "disk": tokens}},
+    })
+}
+
 pub async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
     http_exchange(address, method, path, Some(body), Some("application/json")).await
 }
@@ -139,11 +149,7 @@ pub async fn assert_a_restarted_engine_starts_empty(
         .publish(stored_payload(&[31, 32], None, &other, 2, "GPU", 0))
         .await
         .unwrap();
-    let other_held = serde_json::json!({
-        "scores": {"1": {"0": 4}},
-        "frequencies": [],
-        "instances": {"1": {"longest_matched": 4, "gpu": 4, "dp": {"0": 4}, "cpu": 4, "disk": 4}},
-    });
+    let other_held = held(other.len());
     publish_until(
         &mut [restarted],
         address,
