@@ -143,8 +143,10 @@ impl Supervisor {
         let task = self.with_fault(name, task);
         let supervisor = self.clone();
         self.running_names().push(name);
-        self.tracker.spawn(async move {
-            let ended = AssertUnwindSafe(task).catch_unwind().await;
+        // A combinator, not an async block: a block would keep `task` as
+        // its capture beside the copy it awaits, twice the task's size for
+        // as long as it runs (a rank's socket task is kilobytes).
+        let watched = AssertUnwindSafe(task).catch_unwind().map(move |ended| {
             let mut running = supervisor.running_names();
             if let Some(index) = running.iter().position(|running| *running == name) {
                 running.swap_remove(index);
@@ -158,6 +160,7 @@ impl Supervisor {
             };
             supervisor.fail(TaskFailure { task: name, end });
         });
+        self.tracker.spawn(watched);
     }
 
     /// Cancelled once shutdown begins.

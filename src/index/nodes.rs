@@ -1,9 +1,9 @@
 //! The tree's nodes: where they live and which ranks hold each.
 //!
 //! Invariants:
-//! - A node takes 40 bytes: its local hash, the engine hash it was made
-//!   under, its parent, its sibling links and its holders, the one holder
-//!   most blocks have kept inline and several moved to a list of their own.
+//! - A node takes 36 bytes: its local hash, the engine hash it was made
+//!   under, its parent, its sibling links and one word for its holders:
+//!   the one holder most blocks have, inline, or where several are listed.
 //! - Nodes live in chunks of [`CHUNK`] that never move, so growing the tree
 //!   copies nothing under the writer's lock and leaves no slack past the
 //!   last chunk (a vector that doubles would copy every node and, right
@@ -28,13 +28,26 @@ pub const MAX_MEMBERS: u32 = (1 << 28) - 1;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Held(u32);
 
-/// No holder, in a node's inline slot.
-const EMPTY: Held = Held(u32::MAX);
+/// A node's holders in one word, of [`Held`]'s type so the one holder
+/// most nodes have is borrowed in place. A holder always has a tier, so a
+/// word with no tier bits is never one: it is [`NO_HOLDER`], or the index
+/// + 1 of the list where several are, above the tier bits.
+const NO_HOLDER: Held = Held(0);
+
+/// Holder lists are fewer than this (28 bits, above the tier bits).
+const MAX_LISTS: usize = (1 << 28) - 1;
+
+/// What a node's holder word says.
+enum HolderWord {
+    None,
+    One,
+    Listed(usize),
+}
 
 impl Held {
     /// `member` holding in `tiers` (bits of [`Tier::bit`]).
     pub fn new(member: u32, tiers: u8) -> Self {
-        debug_assert!(member < MAX_MEMBERS && tiers <= 0xF);
+        debug_assert!(member < MAX_MEMBERS && tiers != 0 && tiers <= 0xF);
         Held(member << 4 | u32::from(tiers))
     }
 
@@ -47,12 +60,31 @@ impl Held {
     pub fn tiers(self) -> u8 {
         (self.0 & 0xF) as u8
     }
+
+    /// The word of a node whose holders are listed at `list`.
+    fn listed(list: usize) -> Self {
+        assert!(list < MAX_LISTS, "fewer than 2^28 - 1 holder lists");
+        Held(((list + 1) as u32) << 4)
+    }
+
+    /// Read as a node's holder word.
+    fn word(self) -> HolderWord {
+        if self.tiers() != 0 {
+            HolderWord::One
+        } else if self == NO_HOLDER {
+            HolderWord::None
+        } else {
+            HolderWord::Listed((self.0 >> 4) as usize - 1)
+        }
+    }
 }
 
 const _: () = assert!(Tier::WALK.len() <= 4);
 
-/// One block in the tree.
-#[derive(Debug)]
+/// One block in the tree. Packed to 4-byte alignment: the two hashes
+/// would otherwise pad it to 40 bytes, and a fleet holds millions.
+#[derive(Clone, Copy, Debug)]
+#[repr(packed(4))]
 pub struct Node {
     /// This block's local hash (its key under `parent`).
     pub local: u64,
@@ -65,13 +97,11 @@ pub struct Node {
     pub first_child: u32,
     pub next: u32,
     pub previous: u32,
-    /// The one holder, or [`EMPTY`] when there are none or several.
-    holder: Held,
-    /// Where several holders are listed, or [`NONE`].
-    several: u32,
+    /// The one holder, or where several are listed ([`HolderWord`]).
+    holders: Held,
 }
 
-const _: () = assert!(std::mem::size_of::<Node>() == 40);
+const _: () = assert!(std::mem::size_of::<Node>() == 36);
 
 impl Node {
     /// A node with no holder and no child.
@@ -83,8 +113,7 @@ impl Node {
             first_child: NONE,
             next,
             previous: NONE,
-            holder: EMPTY,
-            several: NONE,
+            holders: NO_HOLDER,
         }
     }
 }
@@ -143,12 +172,10 @@ impl Nodes {
     /// `id`'s holders, sorted by member.
     pub fn holders(&self, id: u32) -> &[Held] {
         let node = &self[id];
-        if node.several != NONE {
-            &self.lists[node.several as usize]
-        } else if node.holder != EMPTY {
-            std::slice::from_ref(&node.holder)
-        } else {
-            &[]
+        match node.holders.word() {
+            HolderWord::None => &[],
+            HolderWord::One => std::slice::from_ref(&node.holders),
+            HolderWord::Listed(list) => &self.lists[list],
         }
     }
 
@@ -166,64 +193,59 @@ impl Nodes {
 
     /// Replaces the holder at `at` (same member).
     pub fn set_holder(&mut self, id: u32, at: usize, held: Held) {
-        let several = self[id].several;
-        if several == NONE {
-            self[id].holder = held;
-        } else {
-            self.lists[several as usize][at] = held;
+        match self[id].holders.word() {
+            HolderWord::Listed(list) => self.lists[list][at] = held,
+            HolderWord::None | HolderWord::One => self[id].holders = held,
         }
     }
 
     /// Inserts `held` at `at` (from [`Nodes::find_holder`]'s `Err`).
     pub fn insert_holder(&mut self, id: u32, at: usize, held: Held) {
-        let node = &self[id];
-        if node.several != NONE {
-            let several = node.several as usize;
-            let list = &mut self.lists[several];
-            if list.len() == list.capacity() {
-                // A quarter more, not twice: a block every rank of a fleet
-                // holds keeps about as many slots as ranks.
-                list.reserve_exact(list.len() / 4 + 1);
+        let word = self[id].holders;
+        match word.word() {
+            HolderWord::None => self[id].holders = held,
+            HolderWord::Listed(list) => {
+                let list = &mut self.lists[list];
+                if list.len() == list.capacity() {
+                    // A quarter more, not twice: a block every rank of a
+                    // fleet holds keeps about as many slots as ranks.
+                    list.reserve_exact(list.len() / 4 + 1);
+                }
+                list.insert(at, held);
             }
-            list.insert(at, held);
-        } else if node.holder == EMPTY {
-            self[id].holder = held;
-        } else {
-            let mut list = Vec::with_capacity(2);
-            list.push(node.holder);
-            list.insert(at, held);
-            let several = match self.free_lists.pop() {
-                Some(slot) => {
-                    self.lists[slot as usize] = list;
-                    slot
-                }
-                None => {
-                    self.lists.push(list);
-                    u32::try_from(self.lists.len() - 1).expect("fewer than 2^32 holder lists")
-                }
-            };
-            let node = &mut self[id];
-            node.holder = EMPTY;
-            node.several = several;
+            HolderWord::One => {
+                let mut several = Vec::with_capacity(2);
+                several.push(word);
+                several.insert(at, held);
+                let list = match self.free_lists.pop() {
+                    Some(list) => {
+                        self.lists[list as usize] = several;
+                        list as usize
+                    }
+                    None => {
+                        self.lists.push(several);
+                        self.lists.len() - 1
+                    }
+                };
+                self[id].holders = Held::listed(list);
+            }
         }
     }
 
     /// Removes the holder at `at`.
     pub fn remove_holder(&mut self, id: u32, at: usize) {
-        let several = self[id].several;
-        if several == NONE {
-            self[id].holder = EMPTY;
+        let HolderWord::Listed(list) = self[id].holders.word() else {
+            self[id].holders = NO_HOLDER;
             return;
-        }
-        let list = &mut self.lists[several as usize];
-        list.remove(at);
-        if list.len() == 1 {
-            let last = list[0];
-            self.lists[several as usize] = Vec::new();
-            self.free_lists.push(several);
-            let node = &mut self[id];
-            node.holder = last;
-            node.several = NONE;
+        };
+        let several = &mut self.lists[list];
+        several.remove(at);
+        if several.len() == 1 {
+            let last = several[0];
+            self.lists[list] = Vec::new();
+            self.free_lists
+                .push(u32::try_from(list).expect("list indexes fit 28 bits"));
+            self[id].holders = last;
         }
     }
 }
@@ -272,16 +294,37 @@ mod tests {
     }
 
     #[test]
+    fn a_holder_word_tells_member_0_from_none_and_from_a_reused_list() {
+        let mut nodes = Nodes::new(Node::new(NONE, 0, NONE, 0));
+        let first = nodes.add(Node::new(0, 1, NONE, 0));
+        let second = nodes.add(Node::new(0, 2, NONE, 0));
+        nodes.insert_holder(first, 0, Held::new(0, 1));
+        assert_eq!(nodes.holders(first), [Held::new(0, 1)]);
+        nodes.insert_holder(first, 1, Held::new(1, 2));
+        nodes.remove_holder(first, 1);
+        // The first node's list (index 0) is free again; the second takes it.
+        for member in [0, 7] {
+            let at = nodes.find_holder(second, member).unwrap_err();
+            nodes.insert_holder(second, at, Held::new(member, 4));
+        }
+        assert_eq!(nodes.holders(first), [Held::new(0, 1)]);
+        assert_eq!(nodes.holders(second), [Held::new(0, 4), Held::new(7, 4)]);
+        nodes.remove_holder(first, 0);
+        assert!(nodes.holders(first).is_empty());
+        assert_eq!(nodes.tiers_of(second, 7), 4);
+    }
+
+    #[test]
     fn ids_cross_chunks_and_freed_ids_are_reused() {
         let mut nodes = Nodes::new(Node::new(NONE, 0, NONE, 0));
         let ids: Vec<u32> = (0..CHUNK as u64 + 10)
             .map(|local| nodes.add(Node::new(0, local, NONE, 0)))
             .collect();
         assert_eq!(nodes.len(), CHUNK + 11);
-        assert_eq!(nodes[ids[CHUNK + 5]].local, CHUNK as u64 + 5);
+        assert_eq!({ nodes[ids[CHUNK + 5]].local }, CHUNK as u64 + 5);
         nodes.free(ids[3]);
         assert_eq!(nodes.len(), CHUNK + 10);
         assert_eq!(nodes.add(Node::new(0, 77, NONE, 0)), ids[3]);
-        assert_eq!(nodes[ids[3]].local, 77);
+        assert_eq!({ nodes[ids[3]].local }, 77);
     }
 }

@@ -18,9 +18,22 @@ mod process;
 
 pub use labels::*;
 
-/// Every metric kvgate exports. Cloning shares the same underlying values.
+/// Every metric kvgate exports, shared: a clone is one pointer, so each
+/// task holding one (a rank's socket task, a connection) carries 8 bytes
+/// rather than every metric's handle.
 #[derive(Clone)]
-pub struct Metrics {
+pub struct Metrics(Arc<MetricSet>);
+
+impl std::ops::Deref for Metrics {
+    type Target = MetricSet;
+
+    fn deref(&self) -> &MetricSet {
+        &self.0
+    }
+}
+
+/// The metrics themselves ([`Metrics`] shares them).
+pub struct MetricSet {
     /// Engine messages accepted from the sockets, per rank.
     pub engine_messages: Family<RankLabel, Counter>,
     /// Decoded engine events per rank and type, forwarded or not.
@@ -136,9 +149,9 @@ pub struct Metrics {
     /// Files in the state directory set aside because they did not verify,
     /// by kind of damage.
     pub state_damaged: Family<ReasonLabel, Counter>,
-    registry: Arc<Registry>,
+    registry: Registry,
     /// Kept for the per-rank series, created once the rank count is known.
-    labels: Arc<ClosedLabels>,
+    labels: ClosedLabels,
 }
 
 /// One rank's report gauges, resolved once: the drain sets them after
@@ -173,13 +186,19 @@ fn debug_assert_closed(set: &[&'static str], value: &'static str) {
     );
 }
 
-/// Creates a metric and registers it under `kvgate_<name>`.
-struct Registrar(Registry);
+/// Creates a metric and, for metrics that are exported, registers it
+/// under `kvgate_<name>`.
+struct Registrar {
+    registry: Registry,
+    export: bool,
+}
 
 impl Registrar {
     fn metric<M: Metric + Clone + Default>(&mut self, name: &str, help: &str) -> M {
         let metric = M::default();
-        self.0.register(name, help, metric.clone());
+        if self.export {
+            self.registry.register(name, help, metric.clone());
+        }
         metric
     }
 }
@@ -195,9 +214,26 @@ impl Default for Metrics {
 impl Metrics {
     /// Registers every metric and exports each series of `labels` at 0.
     pub fn new(labels: ClosedLabels) -> Self {
-        let mut r = Registrar(Registry::with_prefix("kvgate"));
-        r.0.register_collector(Box::new(process::ProcessCollector));
-        let metrics = Self {
+        Self::build(labels, true)
+    }
+
+    /// Metrics read in process and never scraped (an index feed's sockets
+    /// count the peers they drop here for its status): no registry, so no
+    /// copy of every metric's name and help per feed.
+    pub fn unexported() -> Self {
+        Self::build(ClosedLabels::default(), false)
+    }
+
+    fn build(labels: ClosedLabels, export: bool) -> Self {
+        let mut r = Registrar {
+            registry: Registry::with_prefix("kvgate"),
+            export,
+        };
+        if export {
+            r.registry
+                .register_collector(Box::new(process::ProcessCollector));
+        }
+        let metrics = Self(Arc::new(MetricSet {
             engine_messages: r.metric(
                 "engine_messages",
                 "Engine messages received per data-parallel rank",
@@ -375,9 +411,9 @@ impl Metrics {
                 "state_damaged",
                 "Files in --state-dir set aside because they did not verify, by kind",
             ),
-            registry: Arc::new(r.0),
-            labels: Arc::new(labels),
-        };
+            registry: r.registry,
+            labels,
+        }));
         metrics
             .build_info
             .get_or_create(&BuildLabels {

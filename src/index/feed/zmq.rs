@@ -116,12 +116,11 @@ pub async fn run(
         link: Some(link_tx),
         replaying: Some(replaying_tx),
     };
-    let sockets = Metrics::default();
+    let sockets = Metrics::unexported();
     status.count_peers_in(sockets.clone());
-    if let Err(error) = source
-        .start(events_tx, sockets, ready_tx, &supervisor)
-        .await
-    {
+    // Boxed: starting takes more room than following, and a future keeps
+    // room for its largest step for as long as it runs (one per rank).
+    if let Err(error) = Box::pin(source.start(events_tx, sockets, ready_tx, &supervisor)).await {
         status.enter(FeedPhase::Failed, Some(error.to_string()));
         return;
     }
