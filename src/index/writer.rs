@@ -11,10 +11,12 @@
 //! rank's device blocks under the removed one in the same step.
 //! Its input queue is bounded, so a worker's feed waits for it rather than
 //! growing memory. Once the queue has stayed dry for
-//! [`QUIET_BEFORE_TRIM`] after a burst, the heap's free pages go back to the
-//! kernel, on a blocking thread (a steady flow never trims, so it never
-//! faults the same pages in again): the index's memory is then its trees, not the burst's
-//! garbage.
+//! [`QUIET_BEFORE_TRIM`] after a burst (at least [`BURST_BEFORE_TRIM`]
+//! inputs since the last trim), the heap's free pages go back to the
+//! kernel, on a blocking thread: the index's memory is then its trees, not
+//! the burst's garbage. A steady flow never trims, so it never faults the
+//! same pages in again; nor does a trickle, whose every input would
+//! otherwise be followed by a walk of the whole heap.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,15 +77,23 @@ pub fn queue() -> (mpsc::Sender<IndexInput>, mpsc::Receiver<IndexInput>) {
 /// How long the queue stays dry before the heap's free pages go back.
 pub const QUIET_BEFORE_TRIM: Duration = Duration::from_millis(100);
 
+/// Inputs applied since the last trim that make a burst worth trimming
+/// after. A trim walks the whole heap (hundreds of megabytes at fleet
+/// scale) and holds each arena's lock meanwhile: 256 ranks storing one
+/// block a second each (a store every 125 ms) left the queue dry for
+/// 100 ms about once a second, and trimming each time cost some 40 ms of
+/// CPU a second (BENCHMARKS.md, "The fleet index").
+pub const BURST_BEFORE_TRIM: usize = 1024;
+
 /// Applies everything the queue brings until every sender is gone.
 pub async fn run(mut inputs: mpsc::Receiver<IndexInput>) {
-    let mut applied_since_trim = false;
+    let mut applied_since_trim = 0_usize;
     loop {
-        let input = if applied_since_trim {
+        let input = if applied_since_trim >= BURST_BEFORE_TRIM {
             match tokio::time::timeout(QUIET_BEFORE_TRIM, inputs.recv()).await {
                 Ok(input) => input,
                 Err(_quiet) => {
-                    applied_since_trim = false;
+                    applied_since_trim = 0;
                     tokio::task::spawn_blocking(crate::allocator::return_free_pages);
                     continue;
                 }
@@ -93,7 +103,7 @@ pub async fn run(mut inputs: mpsc::Receiver<IndexInput>) {
         };
         let Some(input) = input else { break };
         apply(input);
-        applied_since_trim = true;
+        applied_since_trim += 1;
         // The runtime's thread goes back to queries and feeds after each
         // input: with a queue behind it, tokio's cooperative budget alone
         // (128, two an input) let the writer apply 64 inputs in a row,
