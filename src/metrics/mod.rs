@@ -629,3 +629,28 @@ impl Metrics {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unexported_metrics_count_and_share_like_exported_ones_but_render_nothing() {
+        let unexported = Metrics::unexported();
+        let copy = unexported.clone();
+        unexported.count_dropped_peer("sub", "bad_greeting");
+        copy.count_dropped_peer("sub", "bad_greeting");
+        assert_eq!(unexported.dropped_peers("sub", "bad_greeting"), 2);
+        assert_eq!(unexported.render().trim(), "# EOF");
+
+        let exported = Metrics::default();
+        exported.count_dropped_peer("sub", "bad_greeting");
+        assert!(
+            exported
+                .render()
+                .contains("kvgate_zmq_peers_dropped_total{socket=\"sub\",reason=\"bad_greeting\"} 1"),
+            "{}",
+            exported.render()
+        );
+    }
+}
