@@ -38,6 +38,7 @@ pub mod overlap;
 pub mod partition;
 mod rank_blocks;
 pub(crate) mod registry;
+mod spilling_table;
 #[cfg(test)]
 mod tests;
 pub mod tier;

@@ -3,7 +3,8 @@
 //! Invariants:
 //! - One entry per engine hash. A node records the engine hash the rank
 //!   that made it named it by ([`super::nodes::Node::engine_hash`]); a rank
-//!   naming the node alike keeps the node's id alone (4 bytes, `by_node`),
+//!   naming the node alike keeps the node's id alone (4 bytes, `by_node`,
+//!   in a table that grows by half, not double: [`super::spilling_table`]),
 //!   found by that hash read from the node. A rank naming a node otherwise
 //!   (an engine that hashes differently, a second name for the same tokens)
 //!   keeps the pair itself (`renamed`), and the name in the node's list of
@@ -25,6 +26,7 @@ use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
 
 use super::nodes::Nodes;
+use super::spilling_table::SpillingTable;
 
 /// A name that is not its node's own.
 #[derive(Clone, Copy, Debug)]
@@ -39,7 +41,7 @@ struct Renamed {
 #[derive(Clone, Debug, Default)]
 pub struct RankBlocks {
     /// Nodes the rank names by their own [`super::nodes::Node::engine_hash`].
-    by_node: HashTable<u32>,
+    by_node: SpillingTable<u32>,
     /// Names that are not their node's own, found by name.
     renamed: HashTable<Renamed>,
     /// The same names, listed by node.
@@ -51,7 +53,7 @@ impl RankBlocks {
     /// An empty map whose hashes are seeded with `hasher`'s seed.
     pub fn with_hasher(hasher: foldhash::fast::RandomState) -> Self {
         RankBlocks {
-            by_node: HashTable::new(),
+            by_node: SpillingTable::default(),
             renamed: HashTable::new(),
             renamed_of: FxHashMap::default(),
             hasher,
@@ -85,14 +87,15 @@ impl RankBlocks {
     /// node it named before.
     pub fn insert(&mut self, nodes: &Nodes, engine_hash: i64, node: u32) -> Option<u32> {
         let hash = self.hasher.hash_one(engine_hash);
-        let old = if let Ok(named) = self
+        let old = if let Some(&named) = self
             .by_node
-            .find_entry(hash, |&id| nodes[id].engine_hash == engine_hash)
+            .find(hash, |&id| nodes[id].engine_hash == engine_hash)
         {
-            if *named.get() == node {
+            if named == node {
                 return Some(node);
             }
-            Some(named.remove().0)
+            self.by_node.remove(hash, |&id| id == named);
+            Some(named)
         } else if let Ok(named) = self
             .renamed
             .find_entry(hash, |entry| entry.engine_hash == engine_hash)
@@ -153,8 +156,7 @@ impl RankBlocks {
     pub fn forget_node(&mut self, nodes: &Nodes, node: u32) -> usize {
         let mut forgotten = 0;
         let own_hash = self.hasher.hash_one(nodes[node].engine_hash);
-        if let Ok(entry) = self.by_node.find_entry(own_hash, |&id| id == node) {
-            entry.remove();
+        if self.by_node.remove(own_hash, |&id| id == node).is_some() {
             forgotten += 1;
         }
         for name in self.renamed_of.remove(&node).unwrap_or_default() {

@@ -646,9 +646,9 @@ mod tests {
         let exported = Metrics::default();
         exported.count_dropped_peer("sub", "bad_greeting");
         assert!(
-            exported
-                .render()
-                .contains("kvgate_zmq_peers_dropped_total{socket=\"sub\",reason=\"bad_greeting\"} 1"),
+            exported.render().contains(
+                "kvgate_zmq_peers_dropped_total{socket=\"sub\",reason=\"bad_greeting\"} 1"
+            ),
             "{}",
             exported.render()
         );

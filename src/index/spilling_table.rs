@@ -1,0 +1,173 @@
+//! A hash table that grows by about half at a time, not by doubling.
+//!
+//! A rank's map holds one entry per live block, so its free slots are most
+//! of what a block costs beyond its node. A table that doubles is under
+//! half full right after growing, and stays so until it has taken as many
+//! entries again (8,000 entries sit in 16,384 slots).
+//!
+//! Invariants:
+//! - Every value is in `main` or in `spill`, once.
+//! - `main` never grows by itself. A value goes to `main` while it has room,
+//!   else to `spill`. Removals may leave `main`'s room taken by tombstones:
+//!   when more than an eighth of the room it was built with is lost so,
+//!   `main` is built again at the same size first.
+//! - Once `spill` holds half as many values as `main` was built for, both
+//!   are merged into a new `main` sized for all of them, about two thirds
+//!   full (8,000 entries: 9,216 slots, where doubling takes 16,384).
+//! - A merge or a rebuild reads every value's hash once, as a doubling
+//!   table's growth does; nothing else does.
+
+use hashbrown::HashTable;
+
+/// The fewest values `spill` takes before a merge, so a small table does
+/// not merge at every insert.
+const MIN_SPILL: usize = 16;
+
+#[derive(Clone, Debug, Default)]
+pub struct SpillingTable<T> {
+    main: HashTable<T>,
+    /// Values `main` had no room for.
+    spill: HashTable<T>,
+    /// Values `main` could take when it was built (its capacity then):
+    /// what tombstones are counted against.
+    main_room: usize,
+}
+
+impl<T> SpillingTable<T> {
+    pub fn len(&self) -> usize {
+        self.main.len() + self.spill.len()
+    }
+
+    /// The value `eq` accepts among those of `hash`.
+    pub fn find(&self, hash: u64, mut eq: impl FnMut(&T) -> bool) -> Option<&T> {
+        self.main
+            .find(hash, &mut eq)
+            .or_else(|| self.spill.find(hash, eq))
+    }
+
+    /// Takes out the value `eq` accepts among those of `hash`.
+    pub fn remove(&mut self, hash: u64, mut eq: impl FnMut(&T) -> bool) -> Option<T> {
+        if let Ok(entry) = self.main.find_entry(hash, &mut eq) {
+            return Some(entry.remove().0);
+        }
+        self.spill
+            .find_entry(hash, eq)
+            .ok()
+            .map(|entry| entry.remove().0)
+    }
+
+    /// Adds `value` (of `hash`), which is not in the table; `hasher` gives
+    /// any value's hash.
+    pub fn insert_unique(&mut self, hash: u64, value: T, hasher: impl Fn(&T) -> u64) {
+        if self.main.len() == self.main.capacity()
+            && self.main_room - self.main.len() > self.main_room / 8
+        {
+            self.main = rebuilt(self.main.drain(), self.main_room, &hasher);
+        }
+        if self.main.len() < self.main.capacity() {
+            self.main.insert_unique(hash, value, &hasher);
+            return;
+        }
+        self.spill.insert_unique(hash, value, &hasher);
+        if self.spill.len() >= (self.main_room / 2).max(MIN_SPILL) {
+            let values = self.len();
+            let spilled = std::mem::take(&mut self.spill);
+            self.main = rebuilt(self.main.drain().chain(spilled), values, &hasher);
+            self.main_room = self.main.capacity();
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.main.iter().chain(self.spill.iter())
+    }
+}
+
+impl<T> IntoIterator for SpillingTable<T> {
+    type Item = T;
+    type IntoIter =
+        std::iter::Chain<hashbrown::hash_table::IntoIter<T>, hashbrown::hash_table::IntoIter<T>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.main.into_iter().chain(self.spill)
+    }
+}
+
+/// A table of `values`, with room for `room`.
+fn rebuilt<T>(
+    values: impl Iterator<Item = T>,
+    room: usize,
+    hasher: &impl Fn(&T) -> u64,
+) -> HashTable<T> {
+    let mut table = HashTable::with_capacity(room);
+    for value in values {
+        table.insert_unique(hasher(&value), value, hasher);
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hash(value: &u64) -> u64 {
+        value.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    fn insert(table: &mut SpillingTable<u64>, value: u64) {
+        table.insert_unique(hash(&value), value, hash);
+    }
+
+    fn has(table: &SpillingTable<u64>, value: u64) -> bool {
+        table.find(hash(&value), |&other| other == value).is_some()
+    }
+
+    #[test]
+    fn eight_thousand_values_take_nine_thousand_slots_where_doubling_takes_sixteen() {
+        let mut table = SpillingTable::default();
+        for value in 0..8_000 {
+            insert(&mut table, value);
+        }
+        assert_eq!(table.len(), 8_000);
+        assert!((0..8_000).all(|value| has(&table, value)));
+        assert!(!has(&table, 8_000));
+        let slots = |capacity: usize| (capacity * 8 / 7).next_power_of_two();
+        assert_eq!(
+            slots(table.main.capacity()) + slots(table.spill.capacity()),
+            9_216
+        );
+        let mut doubling = HashTable::new();
+        for value in 0..8_000_u64 {
+            doubling.insert_unique(hash(&value), value, hash);
+        }
+        assert_eq!(slots(doubling.capacity()), 16_384);
+    }
+
+    #[test]
+    fn every_value_is_found_once_through_merges_rebuilds_and_removals() {
+        let mut table = SpillingTable::default();
+        let mut live = std::collections::BTreeSet::new();
+        // Churn at a steady size leaves tombstones in `main`: they must be
+        // rebuilt away rather than spill forever.
+        for round in 0..50_000_u64 {
+            insert(&mut table, round);
+            live.insert(round);
+            if round >= 3_000 {
+                let gone = round - 3_000;
+                assert_eq!(
+                    table.remove(hash(&gone), |&value| value == gone),
+                    Some(gone)
+                );
+                live.remove(&gone);
+            }
+        }
+        assert_eq!(table.len(), live.len());
+        let mut listed: Vec<u64> = table.iter().copied().collect();
+        listed.sort_unstable();
+        assert!(listed.iter().eq(live.iter()));
+        assert!(table.main.capacity() + table.spill.capacity() < 2 * 3_584);
+        assert_eq!(table.remove(hash(&1), |&value| value == 1), None);
+        let mut owned: Vec<u64> = table.into_iter().collect();
+        owned.sort_unstable();
+        assert!(owned.iter().eq(live.iter()));
+    }
+}
