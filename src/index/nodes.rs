@@ -84,7 +84,7 @@ const _: () = assert!(Tier::WALK.len() <= 4);
 /// One block in the tree. Packed to 4-byte alignment: the two hashes
 /// would otherwise pad it to 40 bytes, and a fleet holds millions.
 #[derive(Clone, Copy, Debug)]
-#[repr(packed(4))]
+#[repr(C, packed(4))]
 pub struct Node {
     /// This block's local hash (its key under `parent`).
     pub local: u64,
