@@ -14,8 +14,8 @@
 //! - Once `spill` holds half as many values as `main` was built for, both
 //!   are merged into a new `main` sized for all of them, about two thirds
 //!   full (8,000 entries: 9,216 slots, where doubling takes 16,384).
-//! - A merge or a rebuild reads every value's hash once, as a doubling
-//!   table's growth does; nothing else does.
+//! - Hashes are read back as a doubling table's growth reads them: every
+//!   value's once at a merge or a rebuild, the spill's own at its growth.
 
 use hashbrown::HashTable;
 
