@@ -121,6 +121,36 @@ mod tests {
         table.find(hash(&value), |&other| other == value).is_some()
     }
 
+    proptest::proptest! {
+        /// Values whose hashes collide (a hash of a 64th of the value
+        /// range), added and removed in any order, against a set.
+        #[test]
+        fn it_holds_what_a_set_holds_whatever_the_collisions(
+            ops in proptest::collection::vec((proptest::bool::ANY, 0..2_000_u64), 1..2_000)
+        ) {
+            let colliding = |value: &u64| value % 64;
+            let mut table = SpillingTable::default();
+            let mut model = std::collections::BTreeSet::new();
+            for (add, value) in ops {
+                let hash = colliding(&value);
+                if add && model.insert(value) {
+                    table.insert_unique(hash, value, colliding);
+                } else if !add {
+                    let removed = table.remove(hash, |&other| other == value);
+                    proptest::prop_assert_eq!(removed.is_some(), model.remove(&value));
+                }
+                proptest::prop_assert_eq!(table.len(), model.len());
+            }
+            for value in 0..2_000_u64 {
+                let found = table.find(colliding(&value), |&other| other == value);
+                proptest::prop_assert_eq!(found.is_some(), model.contains(&value));
+            }
+            let mut listed: Vec<u64> = table.iter().copied().collect();
+            listed.sort_unstable();
+            proptest::prop_assert!(listed.iter().eq(model.iter()));
+        }
+    }
+
     #[test]
     fn eight_thousand_values_take_nine_thousand_slots_where_doubling_takes_sixteen() {
         let mut table = SpillingTable::default();
