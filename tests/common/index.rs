@@ -10,7 +10,6 @@ use serde_json::Value;
 
 use super::{DEADLINE, Polling, http_exchange, removed_payload};
 
-/// One HTTP/1.0 request of a JSON body: (status, body).
 /// `/query`'s answer when rank 0 of worker 1 alone holds all `tokens`
 /// tokens asked for.
 pub fn held(tokens: usize) -> Value {
@@ -21,6 +20,7 @@ pub fn held(tokens: usize) -> Value {
     })
 }
 
+/// One HTTP/1.0 request of a JSON body: (status, body).
 pub async fn request(address: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
     http_exchange(address, method, path, Some(body), Some("application/json")).await
 }
