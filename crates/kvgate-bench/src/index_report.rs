@@ -137,9 +137,10 @@ pub struct Steady {
     pub answered: u64,
     pub failed: u64,
     pub answered_per_s: f64,
-    /// From the intended send time whenever the connection was still busy
-    /// with an earlier query then (a stall counts against every query it
-    /// delayed), else from the send.
+    /// Each query's round trip plus the wait behind earlier queries on its
+    /// connection that the subject's answers would have caused had the
+    /// client sent every query at its time (a stall counts against every
+    /// query it delayed; the client's own timer does not).
     pub latency_ms: Latency,
     /// What the ranks stored and evicted, over the phase's scheduled
     /// seconds (not the backlog a slow subject answers after them).

@@ -25,6 +25,7 @@ mod gateway;
 mod histogram;
 mod http_client;
 mod index_bench;
+mod index_floor;
 mod index_report;
 mod procfs;
 mod publisher;
@@ -173,6 +174,12 @@ enum Command {
     /// per live block, CPU and latency per query, and queries at a fixed
     /// rate while every rank keeps storing.
     Index(index_bench::IndexArgs),
+    /// Be an index that indexes nothing, the floor under any index's query
+    /// latency: it follows every rank registered with it (each message
+    /// read and dropped) and answers every query with one stored answer
+    /// naming them all; `kvgate-bench index --peer "kvgate-bench
+    /// index-floor --port {port}"` measures it beside kvgate.
+    IndexFloor(index_floor::IndexFloorArgs),
 }
 
 fn seconds(text: &str) -> Result<Duration, String> {
@@ -185,10 +192,21 @@ fn seconds(text: &str) -> Result<Duration, String> {
 
 fn main() -> anyhow::Result<()> {
     let args = LoadArgs::parse();
-    if let Some(Command::Index(index)) = args.command {
-        return tokio::runtime::Runtime::new()
-            .context("cannot start the async runtime")?
-            .block_on(index_bench::run(index));
+    match args.command {
+        Some(Command::Index(index)) => {
+            return tokio::runtime::Runtime::new()
+                .context("cannot start the async runtime")?
+                .block_on(index_bench::run(index));
+        }
+        // One thread answers, as `kvgate index`'s one query thread.
+        Some(Command::IndexFloor(floor)) => {
+            return tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("cannot start the async runtime")?
+                .block_on(index_floor::serve(floor));
+        }
+        None => {}
     }
     if let (Some(target), Some(count)) = (args.floor_receivers.clone(), args.floor_count) {
         return tokio::runtime::Builder::new_current_thread()
