@@ -69,6 +69,10 @@ fn main() {
                 })
                 .collect();
             tree.store(key, None, Tier::Device, &blocks);
+            // As the writer does after each step.
+            if let Some(rebuilt) = tree.rebuilt_map(key) {
+                tree.install_map(rebuilt);
+            }
             ingested += blocks.len() as u64;
             request_ids.push(request);
         }

@@ -26,7 +26,7 @@ use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
 
 use super::nodes::Nodes;
-use super::spilling_table::SpillingTable;
+use super::spilling_table::{Rebuilt, SpillingTable};
 
 /// A name that is not its node's own.
 #[derive(Clone, Copy, Debug)]
@@ -170,6 +170,20 @@ impl RankBlocks {
             }
         }
         forgotten
+    }
+
+    /// The rank's map of nodes built again, when its growth or its
+    /// tombstones made that due ([`SpillingTable::rebuilt`]).
+    pub fn rebuilt(&self, nodes: &Nodes) -> Option<Rebuilt<u32>> {
+        let hasher = &self.hasher;
+        self.by_node
+            .rebuilt(|&id| hasher.hash_one(nodes[id].engine_hash))
+    }
+
+    /// Puts `rebuilt`, made by [`RankBlocks::rebuilt`] with nothing changed
+    /// since, in place.
+    pub fn install(&mut self, rebuilt: Rebuilt<u32>) {
+        self.by_node.install(rebuilt);
     }
 
     /// Every (engine hash, node), in no order.

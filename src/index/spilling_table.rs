@@ -9,11 +9,18 @@
 //! - Every value is in `main` or in `spill`, once.
 //! - `main` never grows by itself. A value goes to `main` while it has room,
 //!   else to `spill`. Removals may leave `main`'s room taken by tombstones:
-//!   when more than an eighth of the room it was built with is lost so,
-//!   `main` is built again at the same size first.
+//!   once `main` is full and more than an eighth of the room it was built
+//!   with is lost so, `main` is due to be built again at the same size.
 //! - Once `spill` holds half as many values as `main` was built for, both
-//!   are merged into a new `main` sized for all of them, about two thirds
-//!   full (8,000 entries: 9,216 slots, where doubling takes 16,384).
+//!   are due to be merged into a new `main` sized for all of them, about
+//!   two thirds full (8,000 entries: 9,216 slots, where doubling takes
+//!   16,384).
+//! - A merge or a rebuild is never made by an insert: its owner asks for
+//!   it ([`SpillingTable::rebuilt`]) while the table can only be read, and
+//!   puts the result in place ([`SpillingTable::install`]) with nothing
+//!   changed in between. So the table's readers are held up by a swap, not
+//!   by a pass over every value: reading back the hashes of a rank's
+//!   32,768 values, each from a node elsewhere in memory, took 1–3 ms.
 //! - Hashes are read back as a doubling table's growth reads them: every
 //!   value's once at a merge or a rebuild, the spill's own at its growth.
 
@@ -59,21 +66,63 @@ impl<T> SpillingTable<T> {
     /// Adds `value` (of `hash`), which is not in the table; `hasher` gives
     /// any value's hash.
     pub fn insert_unique(&mut self, hash: u64, value: T, hasher: impl Fn(&T) -> u64) {
-        if self.main.len() == self.main.capacity()
-            && self.main_room - self.main.len() > self.main_room / 8
-        {
-            self.main = rebuilt(self.main.drain(), self.main_room, &hasher);
-        }
         if self.main.len() < self.main.capacity() {
             self.main.insert_unique(hash, value, &hasher);
-            return;
+        } else {
+            self.spill.insert_unique(hash, value, &hasher);
         }
-        self.spill.insert_unique(hash, value, &hasher);
-        if self.spill.len() >= (self.main_room / 2).max(MIN_SPILL) {
-            let values = self.len();
-            let spilled = std::mem::take(&mut self.spill);
-            self.main = rebuilt(self.main.drain().chain(spilled), values, &hasher);
-            self.main_room = self.main.capacity();
+    }
+
+    /// Whether `main` and `spill` are due to be merged.
+    fn merge_due(&self) -> bool {
+        self.spill.len() >= (self.main_room / 2).max(MIN_SPILL)
+    }
+
+    /// Whether `main` is full and tombstones took more than an eighth of
+    /// its room.
+    fn rebuild_due(&self) -> bool {
+        self.main.len() == self.main.capacity()
+            && self.main_room - self.main.len() > self.main_room / 8
+    }
+
+    /// A new `main` for the table's values when a merge or a rebuild is
+    /// due, built from a shared borrow; `hasher` gives any value's hash.
+    pub fn rebuilt(&self, hasher: impl Fn(&T) -> u64) -> Option<Rebuilt<T>>
+    where
+        T: Copy,
+    {
+        if self.merge_due() {
+            Some(Rebuilt {
+                main: rebuilt(self.iter().copied(), self.len(), &hasher),
+                spill_kept: false,
+            })
+        } else if self.rebuild_due() {
+            Some(Rebuilt {
+                main: rebuilt(self.main.iter().copied(), self.main_room, &hasher),
+                spill_kept: true,
+            })
+        } else {
+            None
+        }
+    }
+
+    /// Puts `rebuilt`, made by [`SpillingTable::rebuilt`] of this table
+    /// with nothing changed since, in place.
+    pub fn install(&mut self, rebuilt: Rebuilt<T>) {
+        let values = if rebuilt.spill_kept {
+            self.main.len()
+        } else {
+            self.len()
+        };
+        debug_assert_eq!(
+            rebuilt.main.len(),
+            values,
+            "the table changed after its rebuild"
+        );
+        self.main = rebuilt.main;
+        self.main_room = self.main.capacity();
+        if !rebuilt.spill_kept {
+            self.spill = HashTable::new();
         }
     }
 
@@ -90,6 +139,14 @@ impl<T> IntoIterator for SpillingTable<T> {
     fn into_iter(self) -> Self::IntoIter {
         self.main.into_iter().chain(self.spill)
     }
+}
+
+/// A new `main` for a [`SpillingTable`], to be installed in it.
+pub struct Rebuilt<T> {
+    main: HashTable<T>,
+    /// It holds `main`'s values only (a rebuild), not the spill's too (a
+    /// merge).
+    spill_kept: bool,
 }
 
 /// A table of `values`, with room for `room`.
@@ -113,8 +170,13 @@ mod tests {
         value.wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
+    /// An insert, and the merge or rebuild it made due, as the table's
+    /// owner makes them.
     fn insert(table: &mut SpillingTable<u64>, value: u64) {
         table.insert_unique(hash(&value), value, hash);
+        if let Some(rebuilt) = table.rebuilt(hash) {
+            table.install(rebuilt);
+        }
     }
 
     fn has(table: &SpillingTable<u64>, value: u64) -> bool {
@@ -135,6 +197,9 @@ mod tests {
                 let hash = colliding(&value);
                 if add && model.insert(value) {
                     table.insert_unique(hash, value, colliding);
+                    if let Some(rebuilt) = table.rebuilt(colliding) {
+                        table.install(rebuilt);
+                    }
                 } else if !add {
                     let removed = table.remove(hash, |&other| other == value);
                     proptest::prop_assert_eq!(removed.is_some(), model.remove(&value));
@@ -149,6 +214,20 @@ mod tests {
             listed.sort_unstable();
             proptest::prop_assert!(listed.iter().eq(model.iter()));
         }
+    }
+
+    #[test]
+    fn an_insert_never_merges_it_leaves_the_merge_to_the_tables_owner() {
+        let mut table = SpillingTable::default();
+        for value in 0..1_000 {
+            table.insert_unique(hash(&value), value, hash);
+        }
+        assert_eq!((table.main.len(), table.spill.len()), (0, 1_000));
+        let rebuilt = table.rebuilt(hash).expect("a merge is due");
+        table.install(rebuilt);
+        assert_eq!((table.main.len(), table.spill.len()), (1_000, 0));
+        assert!(table.rebuilt(hash).is_none());
+        assert!((0..1_000).all(|value| has(&table, value)));
     }
 
     #[test]

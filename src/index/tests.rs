@@ -238,6 +238,10 @@ proptest! {
                     let blocks: Vec<(i64, u64)> = locals.iter().map(|&local| { path.push(local); (engine_hash(key, &path), local) }).collect();
                     let expected = model.store(key, parent, Tier::WALK[tier], &locals);
                     prop_assert_eq!(tree.store(key, parent, Tier::WALK[tier], &blocks), expected);
+                    // As the writer does after each step.
+                    if let Some(rebuilt) = tree.rebuilt_map(key) {
+                        tree.install_map(rebuilt);
+                    }
                 }
                 Op::Remove { rank, tier, picks } => {
                     let key = RANKS[rank];

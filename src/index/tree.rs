@@ -28,6 +28,7 @@ use rustc_hash::{FxBuildHasher, FxHashMap};
 use super::children::Children;
 use super::nodes::{Held, MAX_MEMBERS, NONE, Node, Nodes};
 use super::rank_blocks::RankBlocks;
+use super::spilling_table::Rebuilt;
 use super::tier::Tier;
 
 /// A worker instance id, as Dynamo's registry names it.
@@ -97,6 +98,12 @@ pub struct DumpedBlock {
     pub local_hash: u64,
     /// The tiers the rank holds it in.
     pub tiers: Vec<Tier>,
+}
+
+/// A rank's map built again ([`Tree::rebuilt_map`]).
+pub struct RebuiltMap {
+    member: u32,
+    blocks: Rebuilt<u32>,
 }
 
 /// A rank's blocks taken out of its map ([`Tree::detach`]).
@@ -385,6 +392,20 @@ impl Tree {
         for &node in &nodes.nodes {
             self.release(node, member);
         }
+    }
+
+    /// `key`'s map built again, when its growth or its tombstones made that
+    /// due: a pass over every entry, made while the tree is only read.
+    pub fn rebuilt_map(&self, key: RankKey) -> Option<RebuiltMap> {
+        let &member = self.member_ids.get(&key)?;
+        let blocks = self.member(member).blocks.rebuilt(&self.nodes)?;
+        Some(RebuiltMap { member, blocks })
+    }
+
+    /// Puts `map`, made by [`Tree::rebuilt_map`] with nothing changed since,
+    /// in place.
+    pub fn install_map(&mut self, map: RebuiltMap) {
+        self.member_mut(map.member).blocks.install(map.blocks);
     }
 
     /// Forgets `key` altogether (unregistered).

@@ -247,6 +247,16 @@ fn clear_in_steps(partition: &Partition, key: RankKey) {
     }
 }
 
+/// Builds `key`'s map again if the step's inserts made that due, under
+/// the read lock queries share, and swaps it in under the write lock; the
+/// writer, the only one to change the tree, changes nothing in between.
+fn rebuild_map_if_due(partition: &Partition, key: RankKey) {
+    let rebuilt = partition.read().rebuilt_map(key);
+    if let Some(rebuilt) = rebuilt {
+        partition.write().install_map(rebuilt);
+    }
+}
+
 fn apply_store(
     partition: &Partition,
     key: RankKey,
@@ -273,7 +283,52 @@ fn apply_store(
         if partition.write().store(key, parent, tier, &step) == StoreOutcome::UnknownParent {
             return Err(Dropped::UnknownParent);
         }
+        rebuild_map_if_due(partition, key);
         parent = step.last().map(|&(engine_hash, _)| engine_hash);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::partition::PartitionKey;
+    use crate::proto::common::KvBlock;
+
+    #[test]
+    fn a_store_leaves_no_rank_map_due_for_a_merge() {
+        let partition = Arc::new(Partition::new(
+            PartitionKey {
+                model_name: "m".to_owned(),
+                routing_group: "g".to_owned(),
+            },
+            2,
+        ));
+        let key = RankKey { worker: 1, rank: 0 };
+        let blocks = (0..3_000_u32)
+            .map(|block| KvBlock {
+                block_hash: i64::from(block) + 1,
+                token_ids: vec![block, block],
+                block_size: 2,
+                ..Default::default()
+            })
+            .collect();
+        let store = KvCacheEvent {
+            event_id: 1,
+            data: Some(Data::Stored(KvBlocksStored {
+                blocks,
+                ..Default::default()
+            })),
+        };
+        apply(IndexInput::Events {
+            partition: Arc::clone(&partition),
+            key,
+            events: vec![store],
+        });
+        let tree = partition.read();
+        assert_eq!(tree.rank_blocks(key), 3_000);
+        // The map grew by merges the writer made after its steps, not by a
+        // spill that was never merged.
+        assert!(tree.rebuilt_map(key).is_none());
+    }
 }
