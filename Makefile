@@ -77,7 +77,8 @@ peer: release
 		--rate 312.5 --rounds 2 --rust-receivers target/release/kvgate-bench
 
 # `kvgate index` against Dynamo's standalone indexer 1.6.1, alternating run
-# by run on one simulated fleet: the 33-rank fleet and the fleet scale
+# by run on one simulated fleet: the 33-rank fleet and the fleet scale, then
+# the fleet scale against the floor, an index that indexes nothing
 # (benchmarks/dynamo-index/README.md). DYNAMO_PYTHON is the Python of a venv
 # holding ai-dynamo-runtime 1.6.1 (the install is in that README).
 DYNAMO_PYTHON ?= /work/dynamo-venv/bin/python
@@ -85,8 +86,11 @@ DYNAMO = --peer '$(DYNAMO_PYTHON) benchmarks/dynamo-index/peer.py serve --port {
 index-peer:
 	cargo build --release --locked -p kvgate -p kvgate-bench
 	target/release/kvgate-bench index --rounds 3 $(DYNAMO) --json benchmarks/index-vs-dynamo.json
-	target/release/kvgate-bench index --ranks 256 --ranks-per-worker 1 --blocks-per-rank 32768 \
+	target/release/kvgate-bench index --rounds 2 --ranks 256 --ranks-per-worker 1 --blocks-per-rank 32768 \
 		--queries 4000 --steady 20 $(DYNAMO) --json benchmarks/index-fleet-vs-dynamo.json
+	target/release/kvgate-bench index --rounds 2 --ranks 256 --ranks-per-worker 1 --blocks-per-rank 32768 \
+		--queries 0 --steady 20 --peer 'target/release/kvgate-bench index-floor --port {port}' \
+		--peer-name floor --json benchmarks/index-fleet-vs-floor.json
 
 # The fan-out flame graphs (needs perf and `cargo install inferno`).
 flamegraphs:
