@@ -117,13 +117,24 @@ fn parse_head(received: &[u8]) -> anyhow::Result<Option<(usize, u16, usize)>> {
     let httparse::Status::Complete(head) = response.parse(received)? else {
         return Ok(None);
     };
-    let length = response
-        .headers
-        .iter()
-        .find(|header| header.name.eq_ignore_ascii_case("content-length"))
-        .and_then(|header| std::str::from_utf8(header.value).ok()?.trim().parse().ok())
+    let length = content_length(response.headers)?
         .ok_or_else(|| anyhow::anyhow!("an answer without a content-length"))?;
     Ok(Some((head, response.code.unwrap_or_default(), length)))
+}
+
+/// The `content-length` among `headers`, if there is one; one that is not
+/// a number is an error.
+pub fn content_length(headers: &[httparse::Header<'_>]) -> anyhow::Result<Option<usize>> {
+    headers
+        .iter()
+        .find(|header| header.name.eq_ignore_ascii_case("content-length"))
+        .map(|header| {
+            std::str::from_utf8(header.value)
+                .ok()
+                .and_then(|value| value.trim().parse().ok())
+                .ok_or_else(|| anyhow::anyhow!("a content-length that is not a number"))
+        })
+        .transpose()
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
+use super::http_client::content_length;
 use super::worker::Worker;
 
 /// More header lines than this in a request is refused.
@@ -130,6 +131,14 @@ fn response(status: &str, body: &str) -> Bytes {
     Bytes::from(out)
 }
 
+/// A refusal, its reason as Dynamo's indexer gives one (`{"error": ...}`).
+fn refusal(status: &str, reason: impl std::fmt::Display) -> Bytes {
+    response(
+        status,
+        &serde_json::json!({"error": reason.to_string()}).to_string(),
+    )
+}
+
 /// Answers on `--port` until killed; prints `{"pid": PID, "url": URL}` once
 /// it does, as `kvgate-bench index --peer` expects.
 pub async fn serve(args: IndexFloorArgs) -> anyhow::Result<()> {
@@ -197,17 +206,7 @@ async fn read_request(
         let mut request = httparse::Request::new(&mut headers);
         if let httparse::Status::Complete(head) = request.parse(received)? {
             let path = request.path.unwrap_or_default().to_owned();
-            let length = match request
-                .headers
-                .iter()
-                .find(|header| header.name.eq_ignore_ascii_case("content-length"))
-            {
-                None => 0,
-                Some(header) => std::str::from_utf8(header.value)
-                    .ok()
-                    .and_then(|value| value.trim().parse::<usize>().ok())
-                    .ok_or_else(|| anyhow::anyhow!("a content-length that is not a number"))?,
-            };
+            let length = content_length(request.headers)?.unwrap_or(0);
             if received.len() >= head + length {
                 received.advance(head);
                 return Ok(Some((path, received.split_to(length).freeze())));
@@ -226,7 +225,7 @@ async fn read_request(
 async fn register(body: &[u8], answers: &Mutex<Answers>, feeds: &Worker) -> Bytes {
     let registration: Registration = match serde_json::from_slice(body) {
         Ok(registration) => registration,
-        Err(error) => return response("422 Unprocessable Entity", &format!("{error:?}")),
+        Err(error) => return refusal("422 Unprocessable Entity", error),
     };
     let endpoint = registration.endpoint.clone();
     let subscribed = feeds
@@ -246,8 +245,8 @@ async fn register(body: &[u8], answers: &Mutex<Answers>, feeds: &Worker) -> Byte
                 .register(registration.instance_id, registration.dp_rank);
             response("201 Created", "{\"status\":\"ok\"}")
         }
-        Ok(Err(error)) => response("400 Bad Request", &format!("{error:#}")),
-        Err(error) => response("500 Internal Server Error", &format!("{error}")),
+        Ok(Err(error)) => refusal("400 Bad Request", format!("{error:#}")),
+        Err(error) => refusal("500 Internal Server Error", error),
     }
 }
 
