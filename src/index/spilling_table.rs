@@ -93,12 +93,12 @@ impl<T> SpillingTable<T> {
     {
         if self.merge_due() {
             Some(Rebuilt {
-                main: rebuilt(self.iter().copied(), self.len(), &hasher),
+                main: table_of(self.iter().copied(), self.len(), &hasher),
                 spill_kept: false,
             })
         } else if self.rebuild_due() {
             Some(Rebuilt {
-                main: rebuilt(self.main.iter().copied(), self.main_room, &hasher),
+                main: table_of(self.main.iter().copied(), self.main_room, &hasher),
                 spill_kept: true,
             })
         } else {
@@ -150,7 +150,7 @@ pub struct Rebuilt<T> {
 }
 
 /// A table of `values`, with room for `room`.
-fn rebuilt<T>(
+fn table_of<T>(
     values: impl Iterator<Item = T>,
     room: usize,
     hasher: &impl Fn(&T) -> u64,
