@@ -67,6 +67,19 @@ impl Held {
         Held(((list + 1) as u32) << 4)
     }
 
+    /// Whether `one` and `other` list the same holders in the same tiers.
+    /// Every word is compared, with no early exit, so the comparison runs a
+    /// vector register at a time: a prefix the whole fleet shares compares
+    /// a list of hundreds of holders at each block of a query's walk.
+    pub fn same_lists(one: &[Held], other: &[Held]) -> bool {
+        one.len() == other.len()
+            && one
+                .iter()
+                .zip(other)
+                .fold(0, |differ, (a, b)| differ | (a.0 ^ b.0))
+                == 0
+    }
+
     /// Read as a node's holder word.
     fn word(self) -> HolderWord {
         if self.tiers() != 0 {

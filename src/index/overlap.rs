@@ -49,7 +49,10 @@ impl Answer {
             QueryBlocks::Hashes(hashes) => hashes.iter().map(|&hash| hash as u64).collect(),
         };
         let mut ranks = partition.overlap(&locals);
-        ranks.sort_unstable_by_key(|found| found.key);
+        // Mostly in runs already sorted (the ranks that ended at one depth,
+        // by member, and members are numbered as ranks first appear), which
+        // a stable sort finds and merges where an unstable one sorts anew.
+        ranks.sort_by_key(|found| found.key);
         let overlap = Overlap::new(&ranks, block_size);
         Answer {
             block_size,
@@ -105,6 +108,11 @@ pub struct WorkerOverlap {
     /// rank's own device tokens are Dynamo's `dp`, and its `scores` where
     /// not 0).
     pub ranks: Range<usize>,
+    /// Whether its ranks matched as the previous worker's did (the same
+    /// ranks, the same blocks in every tier), so its answer is that
+    /// worker's but for the id: a fleet sharing a system prompt is mostly
+    /// runs of such workers, whose answer is then written once a run.
+    pub alike_previous: bool,
 }
 
 /// The whole answer: every worker with a rank that matched, in order. Built
@@ -122,12 +130,15 @@ impl Overlap {
     pub fn new(matches: &[RankMatch], block_size: u32) -> Self {
         let mut workers = Vec::new();
         let mut start = 0;
+        let mut previous: &[RankMatch] = &[];
         for ranks in matches.chunk_by(|one, other| one.key.worker == other.key.worker) {
             let mut summary = WorkerOverlap {
                 worker: ranks[0].key.worker,
                 ranks: start..start + ranks.len(),
+                alike_previous: matched_alike(previous, ranks),
                 ..WorkerOverlap::default()
             };
+            previous = ranks;
             for found in ranks {
                 let tokens = RankTokens::of(found, block_size);
                 summary.gpu = summary.gpu.max(tokens.device);
@@ -140,6 +151,16 @@ impl Overlap {
         }
         Overlap { workers }
     }
+}
+
+/// Whether two workers' ranks matched alike: the same rank numbers, each
+/// with the same blocks in every tier.
+fn matched_alike(one: &[RankMatch], other: &[RankMatch]) -> bool {
+    one.len() == other.len()
+        && one
+            .iter()
+            .zip(other)
+            .all(|(a, b)| a.key.rank == b.key.rank && a.blocks == b.blocks)
 }
 
 #[cfg(test)]
@@ -173,5 +194,39 @@ mod tests {
             .collect();
         assert_eq!(devices, [32, 16, 0]);
         assert_eq!(overlap.workers[0].longest_matched, 16);
+    }
+
+    #[test]
+    fn a_worker_is_alike_the_previous_only_with_the_same_ranks_and_blocks_in_every_tier() {
+        let rank = |worker, rank, blocks| RankMatch {
+            key: RankKey { worker, rank },
+            blocks,
+        };
+        let matches = [
+            rank(1, 0, [2, 0, 0, 0]),
+            rank(2, 0, [2, 0, 0, 0]),
+            rank(3, 0, [2, 0, 1, 0]),
+            rank(4, 1, [2, 0, 1, 0]),
+            rank(5, 1, [2, 0, 1, 0]),
+            rank(5, 2, [1, 0, 0, 0]),
+            rank(6, 1, [2, 0, 1, 0]),
+            rank(6, 2, [1, 0, 0, 0]),
+        ];
+        let alike: Vec<(WorkerId, bool)> = Overlap::new(&matches, 16)
+            .workers
+            .iter()
+            .map(|worker| (worker.worker, worker.alike_previous))
+            .collect();
+        assert_eq!(
+            alike,
+            [
+                (1, false),
+                (2, true),
+                (3, false),
+                (4, false),
+                (5, false),
+                (6, true)
+            ]
+        );
     }
 }

@@ -449,13 +449,16 @@ impl Tree {
             };
             let holders = self.nodes.holders(node);
             current = node;
-            if depth > 0 && holders == previous_holders {
+            if depth > 0 && Held::same_lists(holders, previous_holders) {
                 same_holders_run += 1;
                 continue;
             }
             credit_run(&mut walking, &mut same_holders_run);
             previous_holders = holders;
             if depth == 0 {
+                // Every rank that ends its walk goes here: room for all at
+                // once rather than a copy at each doubling.
+                ended.reserve(holders.len());
                 walking.extend(holders.iter().map(|held| Walk {
                     member: held.member(),
                     phase: 0,

@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -451,7 +452,8 @@ async fn status(State(registry): State<Arc<Registry>>) -> Json<serde_json::Value
 /// and `instances` (per worker, every tier, and `dp`: each rank's device
 /// tokens). Written straight from the answer: it names every matching
 /// worker, and a map of strings for each took a tenth of the index's CPU
-/// per query.
+/// per query. A worker whose ranks matched as the previous one's gets a
+/// copy of that one's value.
 fn score_json(answer: &Answer) -> Vec<u8> {
     let workers = &answer.overlap.workers;
     let device_tokens = |worker: &WorkerOverlap| {
@@ -467,30 +469,31 @@ fn score_json(answer: &Answer) -> Vec<u8> {
         digits: itoa::Buffer::new(),
     };
     out.json.extend_from_slice(b"{\"scores\":{");
-    let mut first = true;
-    for worker in workers {
-        let mut scored = device_tokens(worker)
-            .filter(|&(_, tokens)| tokens > 0)
-            .peekable();
-        if scored.peek().is_none() {
-            continue;
-        }
-        out.key(first, worker.worker);
-        first = false;
+    // A worker with no device tokens has no score; one alike the previous
+    // worker has the same device tokens, so the previous was scored too.
+    let mut previous_score = 0..0;
+    for (index, worker) in workers.iter().filter(|worker| worker.gpu > 0).enumerate() {
+        out.key(index == 0, worker.worker);
         out.json.push(b':');
-        out.rank_map(scored);
+        out.worker_value(worker, &mut previous_score, |out| {
+            out.rank_map(device_tokens(worker).filter(|&(_, tokens)| tokens > 0));
+        });
     }
     out.json
         .extend_from_slice(b"},\"frequencies\":[],\"instances\":{");
+    let mut previous_instance = 0..0;
     for (index, worker) in workers.iter().enumerate() {
         out.key(index == 0, worker.worker);
-        out.number(b":{\"longest_matched\":", worker.longest_matched.into());
-        out.number(b",\"gpu\":", worker.gpu.into());
-        out.json.extend_from_slice(b",\"dp\":");
-        out.rank_map(device_tokens(worker));
-        out.number(b",\"cpu\":", worker.cpu.into());
-        out.number(b",\"disk\":", worker.disk.into());
-        out.json.push(b'}');
+        out.json.push(b':');
+        out.worker_value(worker, &mut previous_instance, |out| {
+            out.number(b"{\"longest_matched\":", worker.longest_matched.into());
+            out.number(b",\"gpu\":", worker.gpu.into());
+            out.json.extend_from_slice(b",\"dp\":");
+            out.rank_map(device_tokens(worker));
+            out.number(b",\"cpu\":", worker.cpu.into());
+            out.number(b",\"disk\":", worker.disk.into());
+            out.json.push(b'}');
+        });
     }
     out.json.extend_from_slice(b"}}");
     out.json
@@ -524,6 +527,25 @@ impl JsonOut {
             self.number(b":", tokens.into());
         }
         self.json.push(b'}');
+    }
+
+    /// `worker`'s value in one of the answer's maps: a copy of `previous`
+    /// (where the previous worker's value in that map was written) when
+    /// `worker` matched alike, else what `write` writes. Leaves `previous`
+    /// at this value.
+    fn worker_value(
+        &mut self,
+        worker: &WorkerOverlap,
+        previous: &mut Range<usize>,
+        write: impl FnOnce(&mut Self),
+    ) {
+        let start = self.json.len();
+        if worker.alike_previous {
+            self.json.extend_from_within(previous.clone());
+        } else {
+            write(self);
+        }
+        *previous = start..self.json.len();
     }
 }
 
@@ -773,4 +795,82 @@ fn escape(value: &str) -> String {
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::overlap::Overlap;
+    use crate::index::tree::{RankKey, RankMatch};
+
+    /// Dynamo's answer built the plain way: a map per worker, every value
+    /// written out.
+    fn answer_by_maps(answer: &Answer) -> serde_json::Value {
+        let mut scores = serde_json::Map::new();
+        let mut instances = serde_json::Map::new();
+        for worker in &answer.overlap.workers {
+            let dp: serde_json::Map<String, serde_json::Value> = answer.ranks[worker.ranks.clone()]
+                .iter()
+                .map(|found| {
+                    let tokens = RankTokens::of(found, answer.block_size).device;
+                    (found.key.rank.to_string(), json!(tokens))
+                })
+                .collect();
+            let scored: serde_json::Map<String, serde_json::Value> = dp
+                .iter()
+                .filter(|(_, tokens)| tokens.as_u64() != Some(0))
+                .map(|(rank, tokens)| (rank.clone(), tokens.clone()))
+                .collect();
+            if !scored.is_empty() {
+                scores.insert(worker.worker.to_string(), json!(scored));
+            }
+            instances.insert(
+                worker.worker.to_string(),
+                json!({
+                    "longest_matched": worker.longest_matched,
+                    "gpu": worker.gpu,
+                    "dp": dp,
+                    "cpu": worker.cpu,
+                    "disk": worker.disk,
+                }),
+            );
+        }
+        json!({"scores": scores, "frequencies": [], "instances": instances})
+    }
+
+    #[test]
+    fn workers_matched_alike_are_written_as_each_is_on_its_own() {
+        let rank = |worker, rank, blocks| RankMatch {
+            key: RankKey { worker, rank },
+            blocks,
+        };
+        let ranks = vec![
+            rank(1, 0, [0, 2, 0, 0]),
+            rank(2, 0, [0, 2, 0, 0]),
+            rank(3, 0, [2, 0, 0, 0]),
+            rank(4, 0, [2, 0, 0, 0]),
+            rank(5, 0, [2, 0, 0, 0]),
+            rank(6, 0, [3, 1, 0, 0]),
+            rank(7, 0, [2, 0, 1, 0]),
+            rank(7, 1, [0, 0, 0, 1]),
+            rank(8, 0, [2, 0, 1, 0]),
+            rank(8, 1, [0, 0, 0, 1]),
+            rank(9, 0, [2, 0, 0, 0]),
+        ];
+        let answer = Answer {
+            block_size: 16,
+            overlap: Overlap::new(&ranks, 16),
+            ranks,
+        };
+        let alike = answer
+            .overlap
+            .workers
+            .iter()
+            .filter(|worker| worker.alike_previous)
+            .count();
+        assert_eq!(alike, 4, "the answer has runs of alike workers");
+        let written: serde_json::Value =
+            serde_json::from_slice(&score_json(&answer)).expect("valid JSON");
+        assert_eq!(written, answer_by_maps(&answer));
+    }
 }
