@@ -478,11 +478,16 @@ impl Tree {
                     Some(held) if held.member() == walk.member => held.tiers(),
                     _ => 0,
                 };
-                while walk.phase < ENDED && tiers & (1 << walk.phase) == 0 {
-                    walk.phase += 1;
+                // Counted in a local and stored only while the walk goes
+                // on: an ended walk is copied whole right after, and a copy
+                // that read a field just stored stalled as the count did.
+                let mut phase = walk.phase;
+                while phase < ENDED && tiers & (1 << phase) == 0 {
+                    phase += 1;
                 }
-                if walk.phase < ENDED {
-                    walk.blocks[walk.phase] += 1;
+                if phase < ENDED {
+                    walk.phase = phase;
+                    walk.blocks[phase] += 1;
                     if kept != index {
                         walking[kept] = walking[index];
                     }

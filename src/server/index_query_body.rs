@@ -391,6 +391,34 @@ mod tests {
     }
 
     #[test]
+    fn an_array_with_whitespace_is_read_by_hand_and_one_with_a_bad_part_left_to_serde() {
+        // Read by hand: whitespace of JSON's kinds around any integer.
+        for array in ["[ ]", "[\t\r\n]", "[ 1 ,\n2\t, 3 ]", "[1, 2, 3]", "[0,10]"] {
+            let body = format!(r#"{{"token_ids":{array},"model_name":"m"}}"#);
+            let by_hand = read_by_hand(body.as_bytes(), "token_ids", tokens_of);
+            let Json(by_serde) = Json::<Query>::from_bytes(body.as_bytes()).unwrap();
+            assert_eq!(by_hand, Some(by_serde), "{body}");
+        }
+        // Left to serde: a part that is no integer, or whitespace JSON does
+        // not have (a form feed), or an array that is not of integers.
+        for array in [
+            "[,1]", "[1,,2]", "[1,]", "[,]", "[1 2]", "[\u{c}1]", "[1\u{c}]", "[\"]\"]", "[[1]]",
+            "[1]]", "[-]", "[1-]", "[ - 1]", "[00]", "[1.]", "[1e1]",
+        ] {
+            let body = format!(r#"{{"token_ids":{array},"model_name":"m"}}"#);
+            assert_eq!(
+                read_by_hand(body.as_bytes(), "token_ids", tokens_of),
+                None,
+                "{body}"
+            );
+            assert!(
+                Json::<Query>::from_bytes(body.as_bytes()).is_err(),
+                "{body} is one serde reads"
+            );
+        }
+    }
+
+    #[test]
     fn integers_of_every_length_read_by_hand_as_serde_reads_them() {
         #[derive(Debug, Deserialize, PartialEq)]
         struct Hashes {
