@@ -166,14 +166,10 @@ fn matched_alike(one: &[RankMatch], other: &[RankMatch]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::tree::RankKey;
 
     #[test]
     fn lower_tiers_add_to_the_device_and_each_figure_is_the_most_over_ranks() {
-        let rank = |worker, rank, blocks| RankMatch {
-            key: RankKey { worker, rank },
-            blocks,
-        };
+        let rank = RankMatch::of;
         let matches = [
             rank(3, 0, [1, 0, 0, 0]),
             rank(7, 0, [2, 1, 2, 0]),
@@ -198,10 +194,7 @@ mod tests {
 
     #[test]
     fn a_worker_is_alike_the_previous_only_with_the_same_ranks_and_blocks_in_every_tier() {
-        let rank = |worker, rank, blocks| RankMatch {
-            key: RankKey { worker, rank },
-            blocks,
-        };
+        let rank = RankMatch::of;
         let matches = [
             rank(1, 0, [2, 0, 0, 0]),
             rank(2, 0, [2, 0, 0, 0]),

@@ -85,6 +85,17 @@ pub struct RankMatch {
     pub blocks: [u32; 4],
 }
 
+#[cfg(test)]
+impl RankMatch {
+    /// `worker`'s rank `rank` matching `blocks` in each tier.
+    pub fn of(worker: WorkerId, rank: u32, blocks: [u32; 4]) -> Self {
+        RankMatch {
+            key: RankKey { worker, rank },
+            blocks,
+        }
+    }
+}
+
 /// One live block of one rank, as a dump lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DumpedBlock {

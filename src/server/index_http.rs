@@ -801,7 +801,7 @@ fn escape(value: &str) -> String {
 mod tests {
     use super::*;
     use crate::index::overlap::Overlap;
-    use crate::index::tree::{RankKey, RankMatch};
+    use crate::index::tree::RankMatch;
 
     /// Dynamo's answer built the plain way: a map per worker, every value
     /// written out.
@@ -840,10 +840,7 @@ mod tests {
 
     #[test]
     fn workers_matched_alike_are_written_as_each_is_on_its_own() {
-        let rank = |worker, rank, blocks| RankMatch {
-            key: RankKey { worker, rank },
-            blocks,
-        };
+        let rank = RankMatch::of;
         let ranks = vec![
             rank(1, 0, [0, 2, 0, 0]),
             rank(2, 0, [0, 2, 0, 0]),
